@@ -1,0 +1,142 @@
+"""Parallel work over the fixed-size chunks of many files, plus a bandwidth cap.
+
+Both the writer (memory -> tier) and the copy engine (tier -> tier) move data as
+independent chunks so that several streams keep a disk or a parallel filesystem busy, and
+so that each chunk is hashed while it is in memory anyway. A file is fsynced by the
+stream that finishes its last chunk.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, List, Optional, Sequence
+
+
+class BandwidthLimiter:
+    """A token bucket shared by all streams, so a flush cannot flood a shared filesystem."""
+
+    def __init__(self, bytes_per_s: float, burst_s: float = 0.25) -> None:
+        self.rate = float(bytes_per_s)
+        self.capacity = max(self.rate * burst_s, 1.0)
+        self._tokens = self.capacity
+        self._last = time.monotonic()
+        self._lock = threading.Lock()
+
+    def acquire(self, n: int) -> None:
+        """Block until ``n`` bytes may pass (n may exceed the burst; debt is paid by waiting)."""
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.capacity, self._tokens + (now - self._last) * self.rate)
+            self._last = now
+            self._tokens -= n
+            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
+        if wait > 0:
+            time.sleep(wait)
+
+
+ChunkOp = Callable[[int, int, int, int], str]
+
+
+def run_chunks(
+    sizes: Sequence[int],
+    chunk_size: int,
+    op: ChunkOp,
+    on_file_done: Callable[[int], None],
+    streams: int = 4,
+) -> List[List[str]]:
+    """Run ``op(file, chunk, offset, length) -> digest`` over every chunk of every file.
+
+    Returns the digests per file in chunk order. ``on_file_done(file)`` runs once per file
+    after its last chunk (at once for empty files). The first error stops the remaining
+    work and is re-raised.
+    """
+    digests: List[List[Optional[str]]] = [
+        [None] * ((s + chunk_size - 1) // chunk_size) for s in sizes
+    ]
+    remaining = [len(d) for d in digests]
+    lock = threading.Lock()
+    failed: List[BaseException] = []
+
+    for i, n in enumerate(remaining):
+        if n == 0:
+            on_file_done(i)
+
+    def work(fi: int, ci: int) -> None:
+        if failed:
+            return
+        off = ci * chunk_size
+        try:
+            digests[fi][ci] = op(fi, ci, off, min(chunk_size, sizes[fi] - off))
+            with lock:
+                remaining[fi] -= 1
+                last = remaining[fi] == 0
+            if last:
+                on_file_done(fi)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            failed.append(exc)
+
+    items = [(fi, ci) for fi, d in enumerate(digests) for ci in range(len(d))]
+    if streams <= 1 or len(items) <= 1:
+        for fi, ci in items:
+            work(fi, ci)
+    else:
+        with ThreadPoolExecutor(max_workers=streams, thread_name_prefix="ckpt-io") as pool:
+            for f in [pool.submit(work, fi, ci) for fi, ci in items]:
+                f.result()
+    if failed:
+        raise failed[0]
+    return [[d for d in ds if d is not None] for ds in digests]
+
+
+_tls = threading.local()
+PIECE = 16 * 2**20
+
+
+def _buffer() -> memoryview:
+    """One reusable, page-aligned I/O buffer per thread (allocated once, never per chunk)."""
+    buf = getattr(_tls, "buf", None)
+    if buf is None:
+        import mmap
+
+        buf = _tls.buf = memoryview(mmap.mmap(-1, PIECE))
+    return buf
+
+
+def hash_range(
+    fd: int,
+    offset: int,
+    length: int,
+    out_fd: Optional[int] = None,
+    limiter: Optional[BandwidthLimiter] = None,
+) -> str:
+    """Read ``length`` bytes at ``offset`` of ``fd``, hash them, and optionally write them
+    to the same offset of ``out_fd`` - one pass through memory for copy and verify alike.
+
+    A short read (the file shrank under us) raises EIO-like ``OSError``.
+    """
+    import errno
+    import os
+
+    import xxhash
+
+    from slurm_ckpt.core.fsio import write_all
+
+    h = xxhash.xxh3_128()
+    buf = _buffer()
+    end = offset + length
+    pos = offset
+    while pos < end:
+        n = min(PIECE, end - pos)
+        if limiter is not None:
+            limiter.acquire(n)
+        got = os.preadv(fd, [buf[:n]], pos)
+        if got <= 0:
+            raise OSError(errno.EIO, f"unexpected end of file at offset {pos}")
+        piece = buf[:got]
+        h.update(piece)
+        if out_fd is not None:
+            write_all(out_fd, piece, pos)
+        pos += got
+    return h.hexdigest()

@@ -1,0 +1,195 @@
+"""Filesystem primitives that never follow a symlink below a tier root.
+
+Tier roots are configured by the admin and trusted; everything below them
+(``<user>/<key>/step-N/...``) may be written by users and is treated as hostile: every
+component is opened relative to its parent's file descriptor with ``O_NOFOLLOW``, so a
+symlink planted anywhere in the tree fails the open instead of redirecting it. Durability
+follows the classic rule: fsync the file, then fsync the directory that names it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import shutil
+import stat
+from contextlib import contextmanager, suppress
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+from slurm_ckpt.errors import CkptError, TierError
+
+O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+O_NEWFILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+O_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+
+def tier_error(exc: OSError, what: str) -> CkptError:
+    """Turn an OSError into a one-line :class:`TierError` that says what to do."""
+    reason = {
+        errno.ENOSPC: "no space left on device",
+        errno.EDQUOT: "disk quota exceeded",
+        errno.EACCES: "permission denied",
+        errno.EPERM: "operation not permitted",
+        errno.EROFS: "read-only filesystem",
+        errno.EIO: "I/O error",
+        errno.ENOENT: "no such file or directory",
+        errno.ELOOP: "refusing to follow a symbolic link",
+        errno.ENOTDIR: "not a directory (or a symbolic link where a directory belongs)",
+    }.get(exc.errno or 0, exc.strerror or str(exc))
+    return TierError(f"{what}: {reason}")
+
+
+def open_dir(path: str) -> int:
+    """Open a trusted directory (a tier root); its last component must not be a symlink."""
+    return os.open(path, O_DIR)
+
+
+def open_beneath(
+    base_fd: int, parts: Sequence[str], create: bool = False, mode: int = DIR_MODE
+) -> int:
+    """Open the directory ``base/parts[0]/parts[1]/...`` without following any symlink.
+
+    With ``create``, missing components are made with ``mode``. Returns a new fd.
+    """
+    fd = os.dup(base_fd)
+    try:
+        for part in parts:
+            try:
+                nfd = os.open(part, O_DIR, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                try:
+                    os.mkdir(part, mode, dir_fd=fd)
+                    os.fsync(fd)
+                except FileExistsError:
+                    pass
+                nfd = os.open(part, O_DIR, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+@contextmanager
+def dir_fd(base_fd: int, parts: Sequence[str], create: bool = False) -> Iterator[int]:
+    fd = open_beneath(base_fd, parts, create=create)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def write_all(fd: int, data: object, offset: Optional[int] = None) -> None:
+    """Write a whole buffer, looping over short writes (pwrite when offset is given)."""
+    mv = memoryview(data).cast("B")
+    while len(mv):
+        n = os.write(fd, mv) if offset is None else os.pwrite(fd, mv, offset)
+        if offset is not None:
+            offset += n
+        mv = mv[n:]
+
+
+def read_small(dfd: int, name: str, limit: int = 64 * 2**20) -> bytes:
+    """Read a whole regular file (manifests, status files) without following symlinks."""
+    fd = os.open(name, O_READ, dir_fd=dfd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"{name} is not a regular file")
+        if st.st_size > limit:
+            raise OSError(errno.EFBIG, f"{name} is larger than {limit} bytes")
+        chunks = []
+        while True:
+            b = os.read(fd, 1 << 20)
+            if not b:
+                return b"".join(chunks)
+            chunks.append(b)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(dfd: int, name: str, data: bytes, mode: int = FILE_MODE) -> None:
+    """Write ``name`` in directory ``dfd`` atomically: temp file, fsync, rename, fsync dir.
+
+    A reader (or a crash) sees either no file, the old file, or the complete new one.
+    """
+    from slurm_ckpt.core.faults import crashpoint
+
+    tmp = f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(tmp, O_NEWFILE, mode, dir_fd=dfd)
+    try:
+        write_all(fd, data)
+        crashpoint("atomic_write:written")
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        unlink_quiet(dfd, tmp)
+        raise
+    os.close(fd)
+    crashpoint("atomic_write:synced")
+    try:
+        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except BaseException:
+        unlink_quiet(dfd, tmp)
+        raise
+    crashpoint("atomic_write:renamed")
+    os.fsync(dfd)
+
+
+def unlink_quiet(dfd: int, name: str) -> None:
+    with suppress(OSError):
+        os.unlink(name, dir_fd=dfd)
+
+
+def fd_path(fd: int) -> str:
+    """The path the kernel has for an open directory fd (for rmtree and messages)."""
+    return os.readlink(f"/proc/self/fd/{fd}")
+
+
+def remove_tree(parent_fd: int, name: str) -> None:
+    """Delete ``parent/name`` recursively: first renamed aside, then removed.
+
+    The rename makes the removal look atomic to readers (the name disappears at once);
+    shutil.rmtree on Linux uses fd-based traversal and never follows symlinks.
+    """
+    trash = f".trash-{name.lstrip('.')}-{secrets.token_hex(4)}"
+    try:
+        os.rename(name, trash, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+    except FileNotFoundError:
+        return
+    os.fsync(parent_fd)
+    assert shutil.rmtree.avoids_symlink_attacks
+    shutil.rmtree(os.path.join(fd_path(parent_fd), trash), ignore_errors=True)
+
+
+def walk_files(dfd: int, prefix: str = "") -> Tuple[List[Tuple[str, os.stat_result]], List[str]]:
+    """List regular files below an open directory: ([(relpath, stat)], [problems]).
+
+    Symlinks, devices and other special files are reported as problems, never entered.
+    """
+    files: List[Tuple[str, os.stat_result]] = []
+    problems: List[str] = []
+    with os.scandir(dfd) as it:
+        entries = list(it)
+    for e in entries:
+        rel = f"{prefix}{e.name}"
+        st = os.stat(e.name, dir_fd=dfd, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            sub = os.open(e.name, O_DIR, dir_fd=dfd)
+            try:
+                f2, p2 = walk_files(sub, rel + "/")
+            finally:
+                os.close(sub)
+            files += f2
+            problems += p2
+        elif stat.S_ISREG(st.st_mode):
+            files.append((rel, st))
+        else:
+            problems.append(f"{rel}: not a regular file")
+    return files, problems

@@ -1,0 +1,42 @@
+"""Where checkpoints live on a tier: ``<root>/<user>/<key>/step-<NNNNNNNNNN>/``.
+
+Steps are zero-padded to ten digits so that a plain ``ls`` sorts them. Names starting with
+a dot inside a key directory are the toolkit's own work areas and are never listed:
+``.tmp-*`` (a writer filling a new checkpoint), ``.partial-*`` (a copy in progress, named
+by step so that it can be resumed), ``.trash-*`` (a deletion in progress).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+STEP_DIGITS = 10
+STEP_PREFIX = "step-"
+TMP_PREFIX = ".tmp-"
+PARTIAL_PREFIX = ".partial-"
+TRASH_PREFIX = ".trash-"
+LOCK_PREFIX = ".lock-"
+_STEP_RE = re.compile(r"^step-([0-9]{10})$")
+MAX_STEP = 10**STEP_DIGITS - 1
+
+
+def step_dirname(step: int) -> str:
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        from slurm_ckpt.errors import InvalidName
+
+        raise InvalidName(f"invalid step {step!r}: must be an integer 0..{MAX_STEP}")
+    return f"{STEP_PREFIX}{step:0{STEP_DIGITS}d}"
+
+
+def parse_step_dirname(name: str) -> Optional[int]:
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def partial_dirname(step: int) -> str:
+    return PARTIAL_PREFIX + step_dirname(step)
+
+
+def lock_name(step: int) -> str:
+    return LOCK_PREFIX + step_dirname(step)

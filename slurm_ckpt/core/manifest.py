@@ -1,0 +1,157 @@
+"""The checkpoint manifest: what a checkpoint holds, and proof of what its bytes were.
+
+The manifest is written last; its presence is what makes a checkpoint exist. It records,
+for every payload file, the relative path, size and chunked content hash, plus the
+checkpoint's identity (user, key, step, job, node) and progress (tokens, wall time).
+
+The manifest protects itself: it carries a checksum over its own canonical serialisation,
+and a reader accepts the file only if its bytes are *exactly* that serialisation. So any
+single changed byte in the manifest - a digit of a size, a hash character, even whitespace
+- is detected, not just the bytes of the payload.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import xxhash
+
+from slurm_ckpt.core.hashing import DEFAULT_CHUNK_SIZE, HASH_ALGO, chunk_count
+from slurm_ckpt.core.names import validate_key, validate_relpath, validate_user
+from slurm_ckpt.errors import VerifyError
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+_HEX32 = set("0123456789abcdef")
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One payload file: relative path, size in bytes, file hash and chunk digests."""
+
+    path: str
+    size: int
+    hash: str
+    chunks: List[str] = field(default_factory=list)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"path": self.path, "size": self.size, "hash": self.hash, "chunks": self.chunks}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything needed to find, verify and resume from one checkpoint."""
+
+    user: str
+    key: str
+    step: int
+    files: List[FileEntry]
+    tokens: Optional[int] = None
+    wall_time: float = field(default_factory=time.time)
+    job: Optional[str] = None
+    node: Optional[str] = None
+    meta: Dict[str, Any] = field(default_factory=dict)
+    hash_algo: str = HASH_ALGO
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def file(self, path: str) -> FileEntry:
+        for f in self.files:
+            if f.path == path:
+                return f
+        raise KeyError(path)
+
+    def _body(self) -> Dict[str, Any]:
+        return {
+            "format_version": self.format_version,
+            "user": self.user,
+            "key": self.key,
+            "step": self.step,
+            "tokens": self.tokens,
+            "wall_time": self.wall_time,
+            "job": self.job,
+            "node": self.node,
+            "hash_algo": self.hash_algo,
+            "chunk_size": self.chunk_size,
+            "files": [f.to_dict() for f in sorted(self.files, key=lambda f: f.path)],
+            "meta": self.meta,
+        }
+
+    def to_bytes(self) -> bytes:
+        body = self._body()
+        body["checksum"] = _checksum(body)
+        return _serialise(body)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str = "manifest") -> Manifest:
+        """Parse and fully validate; any inconsistency raises :class:`VerifyError`."""
+        try:
+            doc = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise VerifyError(f"{where}: not a valid manifest ({exc})") from None
+        if not isinstance(doc, dict) or "checksum" not in doc:
+            raise VerifyError(f"{where}: not a valid manifest (no checksum)")
+        if _serialise(doc) != data:
+            raise VerifyError(f"{where}: manifest bytes altered (not canonical)")
+        claimed = doc.pop("checksum")
+        if claimed != _checksum(doc):
+            raise VerifyError(f"{where}: manifest checksum mismatch")
+        try:
+            return cls._from_doc(doc, where)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise VerifyError(f"{where}: malformed manifest ({exc})") from None
+
+    @classmethod
+    def _from_doc(cls, doc: Dict[str, Any], where: str) -> Manifest:
+        version = doc["format_version"]
+        if version != FORMAT_VERSION:
+            raise VerifyError(f"{where}: unsupported manifest format version {version!r}")
+        if doc["hash_algo"] != HASH_ALGO:
+            raise VerifyError(f"{where}: unsupported hash {doc['hash_algo']!r}")
+        chunk_size = int(doc["chunk_size"])
+        if chunk_size <= 0:
+            raise ValueError("chunk_size must be positive")
+        files = []
+        seen = set()
+        for f in doc["files"]:
+            path = validate_relpath(f["path"])
+            size = int(f["size"])
+            chunks = [str(c) for c in f["chunks"]]
+            if size < 0 or len(chunks) != chunk_count(size, chunk_size) or path in seen:
+                raise ValueError(f"inconsistent entry for {path}")
+            if not all(len(c) == 32 and set(c) <= _HEX32 for c in chunks):
+                raise ValueError(f"bad chunk digest for {path}")
+            seen.add(path)
+            files.append(FileEntry(path, size, str(f["hash"]), chunks))
+        step = int(doc["step"])
+        if step < 0:
+            raise ValueError("negative step")
+        return cls(
+            user=validate_user(doc["user"]),
+            key=validate_key(doc["key"]),
+            step=step,
+            files=files,
+            tokens=None if doc["tokens"] is None else int(doc["tokens"]),
+            wall_time=float(doc["wall_time"]),
+            job=None if doc["job"] is None else str(doc["job"]),
+            node=None if doc["node"] is None else str(doc["node"]),
+            meta=dict(doc["meta"]),
+            hash_algo=doc["hash_algo"],
+            chunk_size=chunk_size,
+            format_version=version,
+        )
+
+
+def _serialise(doc: Dict[str, Any]) -> bytes:
+    return (json.dumps(doc, sort_keys=True, indent=1, ensure_ascii=True) + "\n").encode()
+
+
+def _checksum(body: Dict[str, Any]) -> str:
+    return xxhash.xxh3_128_hexdigest(_serialise(body))

@@ -1,0 +1,71 @@
+"""Validation of every name that becomes part of a path.
+
+Keys, user names, node names and payload file names come from users, job environments
+and directory listings; root-run hooks build paths from them. A name that could climb out
+of its directory (``..``, ``/``), hide (leading dot), or confuse logs (control characters)
+is rejected here, once, before any path is built.
+"""
+
+from __future__ import annotations
+
+import re
+
+from slurm_ckpt.errors import InvalidName
+
+_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=@-]{0,127}$")
+_USER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+_NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_COMPONENT_BAD = re.compile(r"[\x00-\x1f\x7f\\]")
+MAX_RELPATH = 1024
+MAX_COMPONENT = 255
+#: Names the toolkit keeps for itself inside a checkpoint or key directory.
+RESERVED_PREFIXES = (".tmp-", ".partial-", ".trash-", ".lock-", ".slurm_ckpt")
+
+
+def validate_key(key: str) -> str:
+    """A key is one path component naming a training run (defaults to the job id)."""
+    if not isinstance(key, str) or not _KEY_RE.match(key):
+        raise InvalidName(
+            f"invalid key {key!r}: use 1-128 letters, digits and ._+=@- , not starting with . or -"
+        )
+    return key
+
+
+def validate_user(user: str) -> str:
+    """A user name as it appears on the cluster (POSIX portable set)."""
+    if not isinstance(user, str) or not _USER_RE.match(user) or user in (".", ".."):
+        raise InvalidName(f"invalid user name {user!r}")
+    return user
+
+
+def validate_node(node: str) -> str:
+    """A SLURM node name (used as a file name for per-node status)."""
+    if not isinstance(node, str) or not _NODE_RE.match(node):
+        raise InvalidName(f"invalid node name {node!r}")
+    return node
+
+
+def validate_relpath(path: str) -> str:
+    """A payload file path relative to its checkpoint directory, '/'-separated.
+
+    Rejects absolute paths, empty, ``.`` or ``..`` components, control characters,
+    backslashes and the toolkit's reserved names, so that joining it under a checkpoint
+    directory can only ever name something inside that directory.
+    """
+    if not isinstance(path, str) or not path or len(path) > MAX_RELPATH:
+        raise InvalidName(f"invalid file name {path!r}")
+    if path.startswith("/"):
+        raise InvalidName(f"invalid file name {path!r}: absolute paths are not allowed")
+    if _COMPONENT_BAD.search(path):
+        raise InvalidName(f"invalid file name {path!r}: control characters or backslash")
+    parts = path.split("/")
+    for part in parts:
+        if part in ("", ".", ".."):
+            raise InvalidName(f"invalid file name {path!r}: empty, '.' or '..' component")
+        if len(part.encode()) > MAX_COMPONENT:
+            raise InvalidName(f"invalid file name {path!r}: component too long")
+        if part.startswith(RESERVED_PREFIXES):
+            raise InvalidName(f"invalid file name {path!r}: reserved name")
+    if parts[0] == "manifest.json" or parts[0].startswith(".manifest"):
+        raise InvalidName(f"invalid file name {path!r}: reserved for the manifest")
+    return path

@@ -1,0 +1,314 @@
+"""A tier that is a POSIX directory tree: node-local NVMe, a parallel filesystem, an archive.
+
+Everything a tier does - list, read a manifest, verify, write, delete, sweep debris - goes
+through directory file descriptors opened with ``O_NOFOLLOW`` below the (trusted) root,
+so the same code is safe when root runs it over user-owned trees.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Tuple
+
+from slurm_ckpt.core import fsio
+from slurm_ckpt.core.chunks import BandwidthLimiter
+from slurm_ckpt.core.commit import CheckpointWriter, read_manifest
+from slurm_ckpt.core.hashing import DEFAULT_CHUNK_SIZE
+from slurm_ckpt.core.layout import (
+    LOCK_PREFIX,
+    PARTIAL_PREFIX,
+    TMP_PREFIX,
+    TRASH_PREFIX,
+    lock_name,
+    parse_step_dirname,
+    step_dirname,
+)
+from slurm_ckpt.core.manifest import Manifest
+from slurm_ckpt.core.names import validate_key, validate_user
+from slurm_ckpt.core.verify import VerifyReport, verify_files
+from slurm_ckpt.errors import NotFound, TierError, VerifyError
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """A committed checkpoint as listed on a tier."""
+
+    tier: str
+    user: str
+    key: str
+    step: int
+    manifest: Manifest
+
+    @property
+    def nbytes(self) -> int:
+        return self.manifest.total_bytes
+
+
+class PosixTier:
+    """One storage tier rooted at a directory."""
+
+    def __init__(
+        self,
+        name: str,
+        root: str,
+        *,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        streams: int = 4,
+        bandwidth: Optional[float] = None,
+    ) -> None:
+        self.name = name
+        self.root = os.path.abspath(root)
+        self.chunk_size = chunk_size
+        self.streams = streams
+        self.limiter = BandwidthLimiter(bandwidth) if bandwidth else None
+
+    def __repr__(self) -> str:
+        return f"PosixTier({self.name!r}, {self.root!r})"
+
+    # -- paths and fds ---------------------------------------------------------
+    def where(self, user: str, key: str, step: Optional[int] = None) -> str:
+        tail = f"/{step_dirname(step)}" if step is not None else ""
+        return f"{self.name}:{self.root}/{user}/{key}{tail}"
+
+    def step_path(self, user: str, key: str, step: int) -> str:
+        return os.path.join(self.root, user, key, step_dirname(step))
+
+    def _root_fd(self) -> int:
+        try:
+            return fsio.open_dir(self.root)
+        except OSError as exc:
+            raise fsio.tier_error(exc, f"{self.name} tier root {self.root}") from None
+
+    @contextmanager
+    def key_fd(self, user: str, key: str, create: bool = False) -> Iterator[int]:
+        validate_user(user)
+        validate_key(key)
+        root = self._root_fd()
+        try:
+            fd = fsio.open_beneath(root, [user, key], create=create)
+        except OSError as exc:
+            raise fsio.tier_error(exc, self.where(user, key)) from None
+        finally:
+            os.close(root)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    @contextmanager
+    def step_fd(self, user: str, key: str, step: int) -> Iterator[int]:
+        with self.key_fd(user, key) as kfd:
+            try:
+                fd = os.open(step_dirname(step), fsio.O_DIR, dir_fd=kfd)
+            except OSError as exc:
+                if exc.errno == errno.ENOENT:
+                    raise NotFound(f"{self.where(user, key, step)}: no such checkpoint") from None
+                raise fsio.tier_error(exc, self.where(user, key, step)) from None
+            try:
+                yield fd
+            finally:
+                os.close(fd)
+
+    @contextmanager
+    def step_lock(self, user: str, key: str, step: int, wait: bool = True) -> Iterator[bool]:
+        """Exclusive per-step lock (flock on a node-local file) held by copies and deletes.
+
+        Yields False when ``wait`` is False and someone else holds it.
+        """
+        with self.key_fd(user, key, create=True) as kfd:
+            fd = os.open(
+                lock_name(step),
+                os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o600,
+                dir_fd=kfd,
+            )
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+                except BlockingIOError:
+                    yield False
+                    return
+                yield True
+            finally:
+                os.close(fd)
+
+    # -- checks ----------------------------------------------------------------
+    def check(self, write: bool = False) -> None:
+        """Raise a one-line TierError unless the root exists (and is writable)."""
+        if not os.path.isabs(self.root):
+            raise TierError(f"{self.name} tier root {self.root}: must be an absolute path")
+        fd = self._root_fd()
+        os.close(fd)
+        if write and not os.access(self.root, os.W_OK | os.X_OK):
+            raise TierError(f"{self.name} tier root {self.root}: permission denied")
+
+    def free_bytes(self) -> int:
+        return shutil.disk_usage(self.root).free
+
+    # -- writing ---------------------------------------------------------------
+    def writer(self, user: str, key: str, step: int, **kw: object) -> CheckpointWriter:
+        kw.setdefault("chunk_size", self.chunk_size)
+        kw.setdefault("streams", self.streams)
+        return CheckpointWriter(self.root, user, key, step, where=self.name, **kw)  # type: ignore[arg-type]
+
+    # -- listing ---------------------------------------------------------------
+    def users(self) -> List[str]:
+        return sorted(n for n in _listdir(self.root) if not n.startswith("."))
+
+    def keys(self, user: str) -> List[str]:
+        validate_user(user)
+        return sorted(n for n in _listdir(os.path.join(self.root, user)) if not n.startswith("."))
+
+    def steps(self, user: str, key: str) -> List[StepInfo]:
+        """Committed checkpoints, oldest first; uncommitted or malformed ones are skipped."""
+        out = []
+        try:
+            ctx = self.key_fd(user, key)
+            kfd = ctx.__enter__()
+        except TierError:
+            return []
+        try:
+            for name in os.listdir(kfd):
+                step = parse_step_dirname(name)
+                if step is None:
+                    continue
+                try:
+                    m = self._manifest_at(kfd, user, key, step)
+                except (VerifyError, OSError):
+                    continue
+                out.append(StepInfo(self.name, user, key, step, m))
+        finally:
+            ctx.__exit__(None, None, None)
+        return sorted(out, key=lambda s: s.step)
+
+    def _manifest_at(self, kfd: int, user: str, key: str, step: int) -> Manifest:
+        where = self.where(user, key, step)
+        sfd = os.open(step_dirname(step), fsio.O_DIR, dir_fd=kfd)
+        try:
+            m = read_manifest(sfd, where)
+        finally:
+            os.close(sfd)
+        if (m.user, m.key, m.step) != (user, key, step):
+            raise VerifyError(f"{where}: manifest belongs to {m.user}/{m.key}/step {m.step}")
+        return m
+
+    def manifest(self, user: str, key: str, step: int) -> Manifest:
+        with self.key_fd(user, key) as kfd:
+            try:
+                return self._manifest_at(kfd, user, key, step)
+            except FileNotFoundError:
+                raise NotFound(f"{self.where(user, key, step)}: no such checkpoint") from None
+
+    def verify(self, user: str, key: str, step: int) -> VerifyReport:
+        """Re-hash every byte; a bad manifest is reported the same way as bad payload."""
+        where = self.where(user, key, step)
+        try:
+            m = self.manifest(user, key, step)
+        except VerifyError as exc:
+            return VerifyReport(where, step, False, problems=[str(exc)])
+        with self.step_fd(user, key, step) as sfd:
+            return verify_files(sfd, m, where, self.streams, self.limiter)
+
+    def latest_verified(
+        self, user: str, key: str, max_step: Optional[int] = None
+    ) -> Tuple[Optional[StepInfo], List[VerifyReport]]:
+        """Newest checkpoint that verifies, and the reports of the newer ones that did not."""
+        failed = []
+        for info in reversed(self.steps(user, key)):
+            if max_step is not None and info.step > max_step:
+                continue
+            rep = self.verify(user, key, info.step)
+            if rep.ok:
+                return info, failed
+            failed.append(rep)
+        return None, failed
+
+    # -- deleting and sweeping -------------------------------------------------
+    def delete(self, user: str, key: str, step: int) -> None:
+        """Remove one checkpoint: the manifest first (so it stops counting), then the data."""
+        with self.step_lock(user, key, step), self.key_fd(user, key) as kfd:
+            name = step_dirname(step)
+            try:
+                sfd = os.open(name, fsio.O_DIR, dir_fd=kfd)
+            except FileNotFoundError:
+                return
+            try:
+                os.unlink("manifest.json", dir_fd=sfd)
+                os.fsync(sfd)
+            except FileNotFoundError:
+                pass
+            finally:
+                os.close(sfd)
+            fsio.remove_tree(kfd, name)
+            fsio.unlink_quiet(kfd, lock_name(step))
+
+    def sweep(
+        self, user: str, key: str, max_age_s: float = 3600.0, partials: bool = False
+    ) -> List[str]:
+        """Remove debris of crashed writers: ``.tmp-*`` of dead processes (or older than
+        ``max_age_s``), ``.trash-*``, ``step-N`` without a valid manifest, and with
+        ``partials`` also interrupted copies. Returns the names removed."""
+        removed = []
+        try:
+            ctx = self.key_fd(user, key)
+            kfd = ctx.__enter__()
+        except TierError:
+            return removed
+        try:
+            now = time.time()
+            for name in os.listdir(kfd):
+                st = os.stat(name, dir_fd=kfd, follow_symlinks=False)
+                old = now - st.st_mtime > max_age_s
+                drop = False
+                if name.startswith(TRASH_PREFIX):
+                    drop = True
+                elif name.startswith(TMP_PREFIX):
+                    drop = old or not _pid_alive(name)
+                elif name.startswith(PARTIAL_PREFIX):
+                    drop = partials
+                elif name.startswith(LOCK_PREFIX):
+                    continue
+                elif parse_step_dirname(name) is not None:
+                    try:
+                        self._manifest_at(kfd, user, key, parse_step_dirname(name))  # type: ignore[arg-type]
+                    except (VerifyError, OSError):
+                        drop = old
+                if drop:
+                    fsio.remove_tree(kfd, name)
+                    removed.append(name)
+        finally:
+            ctx.__exit__(None, None, None)
+        return removed
+
+
+def _pid_alive(tmp_name: str) -> bool:
+    """``.tmp-step-N-<pid>-<rand>``: is that writer still running on this node?"""
+    try:
+        pid = int(tmp_name.rsplit("-", 2)[-2])
+    except (ValueError, IndexError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _listdir(path: str) -> List[str]:
+    try:
+        return os.listdir(path)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise fsio.tier_error(exc, path) from None
+
+
+__all__ = ["PosixTier", "StepInfo"]

@@ -1,0 +1,186 @@
+"""``ckpt-slurm``: the command line entry point.
+
+:func:`main` is the console script. It runs the click group :data:`cli` and turns every
+:class:`~slurm_ckpt.errors.CkptError`, every user-caused :class:`OSError` (EACCES, ENOSPC,
+...) and Ctrl-C into one line ``ckpt-slurm: error: <message>`` on stderr plus an exit code
+(the error's ``exit_code``; 1 for OSError; 130 for Ctrl-C). Click usage errors keep click's
+own message and exit code 2. Anything else is a bug and shows its traceback.
+
+Adding a command: write a module that defines a click command or group (take global state
+with ``@pass_state`` from :mod:`slurm_ckpt.cli.output`, never import this module), then add
+``("module.path", "attribute")`` to :data:`COMMANDS` below.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import os
+import sys
+from typing import List, NoReturn, Optional, Sequence, Tuple
+
+import click
+
+from slurm_ckpt import __version__
+from slurm_ckpt.cli.output import (
+    PROG,
+    CliState,
+    oserror_message,
+    pass_state,
+    print_config,
+    print_error,
+    print_json,
+)
+from slurm_ckpt.errors import CkptError
+
+#: Command modules attached to :data:`cli` besides ``config`` (defined here), as
+#: ``(module, attribute)``, e.g. ``("slurm_ckpt.cli.status", "status")``. The lead edits
+#: this list; a module that fails to import is a bug and is deliberately not hidden.
+COMMANDS: List[Tuple[str, str]] = [
+    ("slurm_ckpt.cli.plan", "plan"),
+]
+
+#: OSError numbers that a user or the site causes (permissions, full or read-only disks,
+#: wrong paths). They get one line; any other OSError is treated as a bug (traceback).
+USER_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in (
+        "EACCES",
+        "EPERM",
+        "ENOSPC",
+        "EDQUOT",
+        "EROFS",
+        "ENOENT",
+        "ENOTDIR",
+        "EISDIR",
+        "EEXIST",
+        "ENOTEMPTY",
+        "ENAMETOOLONG",
+        "ELOOP",
+        "EXDEV",
+        "EMFILE",
+        "ENFILE",
+        "EIO",
+        "ESTALE",
+        "ETIMEDOUT",
+        "EBUSY",
+    )
+    if hasattr(errno, name)
+)
+
+EXIT_INTERRUPTED = 130
+
+
+@click.group(
+    name=PROG,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
+@click.version_option(
+    __version__, "--version", "-V", prog_name=PROG, message="%(prog)s %(version)s"
+)
+@click.option(
+    "--config",
+    "config_path",
+    metavar="PATH",
+    default=None,
+    help="Site config file (default: $SLURM_CKPT_CONFIG, else /etc/slurm-ckpt/config.toml).",
+)
+@click.pass_context
+def cli(ctx: click.Context, config_path: Optional[str]) -> None:
+    """Fast, verified, tiered checkpoints for long training jobs on SLURM clusters."""
+    ctx.obj = CliState(config_path)
+
+
+# --------------------------------------------------------------------------- config
+
+
+@click.group("config")
+def config_group() -> None:
+    """Show or check the site configuration."""
+
+
+@config_group.command("show")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON (bytes, seconds).")
+@pass_state
+def config_show(state: CliState, as_json: bool) -> None:
+    """Print the effective configuration, every default filled in."""
+    cfg = state.config
+    if as_json:
+        print_json(cfg.to_dict())
+    else:
+        print_config(cfg)
+
+
+@config_group.command("check")
+@pass_state
+def config_check(state: CliState) -> None:
+    """Validate the configuration: exit 0 if valid, 2 (one line per file) if not."""
+    cfg = state.config
+    click.echo(f"ok: {cfg.source}")
+
+
+# --------------------------------------------------------------------------- wiring
+
+
+def _register() -> None:
+    """Attach ``config`` and every command listed in :data:`COMMANDS` to :data:`cli`."""
+    cli.add_command(config_group)
+    for module_name, attr in COMMANDS:
+        cli.add_command(getattr(importlib.import_module(module_name), attr))
+
+
+_register()
+
+
+def _quiet_stdout() -> None:
+    """After EPIPE on stdout, point it at /dev/null so the interpreter's flush is silent."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # pragma: no cover
+        pass
+
+
+def main(argv: Optional[Sequence[str]] = None) -> NoReturn:
+    """Console-script entry point: run :data:`cli` and exit with a well-defined status."""
+    code = 0
+    try:
+        rv = cli.main(
+            args=list(argv) if argv is not None else None,
+            prog_name=PROG,
+            standalone_mode=False,
+        )
+        # --help/--version return click's exit code; a command may return an int status.
+        code = rv if isinstance(rv, int) and not isinstance(rv, bool) else 0
+    except CkptError as exc:
+        print_error(exc)
+        code = exc.exit_code
+    except click.exceptions.Abort as exc:
+        # click turns Ctrl-C into Abort; a declined confirmation is a plain Abort.
+        if isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt):
+            print_error("interrupted")
+            code = EXIT_INTERRUPTED
+        else:
+            print_error("aborted")
+            code = 1
+    except click.ClickException as exc:
+        exc.show()
+        code = exc.exit_code
+    except click.exceptions.Exit as exc:  # pragma: no cover - click returns it instead
+        code = exc.exit_code
+    except KeyboardInterrupt:
+        print_error("interrupted")
+        code = EXIT_INTERRUPTED
+    except BrokenPipeError:
+        _quiet_stdout()
+        code = 1
+    except OSError as exc:
+        if exc.errno not in USER_ERRNOS:
+            raise
+        print_error(oserror_message(exc))
+        code = 1
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Small helpers shared by every ``ckpt-slurm`` command module.
+
+* :class:`CliState` / :data:`pass_state`: the global options (``--config``) and the lazily
+  loaded :class:`~slurm_ckpt.core.config.Config`. Command modules import these from here,
+  never from :mod:`slurm_ckpt.cli.main` (which imports them).
+* :func:`print_json`, :func:`console`, :func:`print_table`: JSON for scripts, rich for people.
+* :func:`error_line`, :func:`print_error`, :func:`oserror_message`: the one-line error format
+  ``ckpt-slurm: error: <message>`` on stderr.
+
+``rich`` is imported only when something is actually printed with it, so that ``--version``,
+``--help`` and JSON output stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
+
+import click
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rich.console import Console
+
+    from slurm_ckpt.core.config import Config
+
+PROG = "ckpt-slurm"
+
+
+# --------------------------------------------------------------------------- state
+
+
+class CliState:
+    """Global options of one ``ckpt-slurm`` invocation (stored in ``ctx.obj``)."""
+
+    def __init__(self, config_path: Optional[str] = None) -> None:
+        self.config_path = config_path
+        self._config: Optional[Config] = None
+
+    @property
+    def config(self) -> Config:
+        """The site configuration, loaded and validated on first use (ConfigError if bad)."""
+        if self._config is None:
+            from slurm_ckpt.core.config import load_config
+
+            self._config = load_config(self.config_path)
+        return self._config
+
+
+#: Decorator for commands: ``@pass_state`` passes the :class:`CliState` as first argument.
+pass_state = click.make_pass_decorator(CliState, ensure=True)
+
+
+# --------------------------------------------------------------------------- output
+
+
+def print_json(obj: Any) -> None:
+    """Write ``obj`` as indented JSON plus a newline to stdout (paths etc. via ``str``)."""
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+_consoles: dict = {}
+
+
+def console(stderr: bool = False) -> Console:
+    """A shared rich console on stdout (or stderr); plain text when not a terminal."""
+    key = "err" if stderr else "out"
+    if key not in _consoles:
+        from rich.console import Console
+
+        _consoles[key] = Console(stderr=stderr, highlight=False, soft_wrap=True)
+    return _consoles[key]
+
+
+def render_value(value: Any) -> str:
+    """A config-ish value as text for people: ``unset``, ``true``, ``a, b``."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(str(v) for v in value) if value else "(none)"
+    return str(value)
+
+
+def print_table(
+    title: str, rows: Iterable[Sequence[Any]], headers: Optional[Sequence[str]] = None
+) -> None:
+    """Print a small rich table; cells go through :func:`render_value` and are escaped."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(
+        title=escape(title),
+        title_justify="left",
+        title_style="bold",
+        show_header=headers is not None,
+        box=None,
+        padding=(0, 2),
+    )
+    for i, name in enumerate(headers or ("key", "value")):
+        table.add_column(name, style="cyan" if i == 0 else None, overflow="fold")
+    for row in rows:
+        cells = []
+        for cell in row:
+            text = escape(render_value(cell))
+            cells.append(f"[dim]{text}[/dim]" if cell is None else text)
+        table.add_row(*cells)
+    console().print(table)
+
+
+def print_config(cfg: Config) -> None:
+    """The effective configuration for people: one table per section, units formatted."""
+    data = cfg.to_dict(human=True)
+    out = console()
+    from rich.markup import escape
+
+    out.print(f"[bold]config:[/bold] {escape(str(cfg.source))}\n")
+    for tier, values in data["tiers"].items():
+        if values is None:
+            out.print(f"[bold]\\[tiers.{tier}][/bold] [dim]not configured[/dim]")
+        else:
+            print_table(f"[tiers.{tier}]", values.items())
+        out.print()
+    for section, values in data.items():
+        if section != "tiers":
+            print_table(f"[{section}]", values.items())
+            out.print()
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def error_line(message: object) -> str:
+    """``ckpt-slurm: error: <message>`` with the message squeezed onto one line."""
+    text = " ".join(str(message).split()) or "unknown error"
+    return f"{PROG}: error: {text}"
+
+
+def print_error(message: object) -> None:
+    """Write :func:`error_line` to stderr; never raises (stderr may be gone)."""
+    try:
+        sys.stderr.write(error_line(message) + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # pragma: no cover - closed or broken stderr
+        pass
+
+
+def oserror_message(exc: OSError) -> str:
+    """``/path: Permission denied`` (or ``src -> dst: ...``) from an OSError."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    if exc.filename is not None and exc.filename2 is not None:
+        return f"{exc.filename} -> {exc.filename2}: {reason}"
+    if exc.filename is not None:
+        return f"{exc.filename}: {reason}"
+    return reason

@@ -1,0 +1,663 @@
+"""Site configuration: one TOML file, typed, validated, frozen.
+
+The file is ``/etc/slurm-ckpt/config.toml`` unless the environment variable
+``SLURM_CKPT_CONFIG`` or an explicit path names another one. Sizes, bandwidths and
+durations may be written the way people write them (``"64MiB"``, ``"500MB/s"``, ``"6h"``)
+or as plain numbers (bytes, bytes per second, seconds).
+
+Every problem in a file is collected and reported at once, as a single one-line
+:class:`~slurm_ckpt.errors.ConfigError` whose parts are separated by ``"; "`` and each name
+the file and the key. Library users who have no file at all build a configuration with
+:meth:`Config.standalone`, which runs the very same validation.
+
+See ``etc/config.toml`` for an annotated example with every key and its default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+
+from slurm_ckpt.core.units import (
+    format_bytes,
+    format_duration,
+    parse_bandwidth,
+    parse_duration,
+    parse_size,
+)
+from slurm_ckpt.errors import CkptError, ConfigError
+
+if sys.version_info >= (3, 11):  # pragma: no cover - depends on the interpreter
+    import tomllib as _toml
+else:  # pragma: no cover
+    import tomli as _toml
+
+__all__ = [
+    "DEFAULT_CONFIG_PATH",
+    "ENV_CONFIG",
+    "ColdTierConfig",
+    "Config",
+    "CopyConfig",
+    "HooksConfig",
+    "JobConfig",
+    "LedgerConfig",
+    "LocalTierConfig",
+    "MetricsConfig",
+    "ObjectTierConfig",
+    "PfsTierConfig",
+    "RetentionConfig",
+    "TiersConfig",
+    "load_config",
+    "resolve_config_path",
+]
+
+DEFAULT_CONFIG_PATH = Path("/etc/slurm-ckpt/config.toml")
+ENV_CONFIG = "SLURM_CKPT_CONFIG"
+LEDGER_SUBDIR = ".slurm_ckpt"
+STANDALONE_SOURCE = "<standalone>"
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+# Field kinds understood by the generic section parser (stored in field metadata).
+_PATH = "path"  # absolute path -> Path
+_BOOL = "bool"
+_INT = "int"  # integer >= metadata["min"]
+_SIZE = "size"  # bytes (int), "64MiB" or a number
+_DURATION = "duration"  # seconds (float), "6h" or a number
+_BANDWIDTH = "bandwidth"  # bytes/s (float), "500MB/s" or a number; 0 = no limit
+_STR = "str"
+_URL = "url"  # http:// or https://
+_PREFIX = "prefix"  # relative object-key prefix
+_SIGNALS = "signals"  # list of signal names -> tuple of "SIGxxx"
+_AUTO = "auto"  # the string "auto" or unset
+_EXAMPLES = {_SIZE: "64MiB", _DURATION: "6h", _BANDWIDTH: "500MB/s"}
+
+
+def _f(
+    kind: str, default: Any = dataclasses.MISSING, *, minimum: float = 0, optional: bool = False
+) -> Any:
+    """A dataclass field carrying its config kind (and lower bound) as metadata."""
+    meta = {"kind": kind, "min": minimum, "optional": optional}
+    if default is dataclasses.MISSING:
+        return field(metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class LocalTierConfig:
+    """``[tiers.local]``: node-local fast storage (NVMe, local SSD)."""
+
+    root: Path = _f(_PATH)
+    #: Refuse a local root that lives on the root filesystem ("/") unless False.
+    require_mount: bool = _f(_BOOL, True)
+    #: Bytes that must stay free on the local tier; older checkpoints are evicted first.
+    min_free: int = _f(_SIZE, 10 * 2**30)
+
+
+@dataclass(frozen=True)
+class PfsTierConfig:
+    """``[tiers.pfs]``: the shared parallel filesystem (Lustre, GPFS, BeeGFS, NFS)."""
+
+    root: Path = _f(_PATH)
+    #: Cap on flush bandwidth in bytes per second; None = unlimited.
+    bandwidth_limit: Optional[float] = _f(_BANDWIDTH, None, optional=True)
+
+
+@dataclass(frozen=True)
+class ObjectTierConfig:
+    """``[tiers.object]``: an S3-compatible object store (validated and carried only)."""
+
+    endpoint: str = _f(_URL)
+    bucket: str = _f(_STR)
+    prefix: str = _f(_PREFIX, "")
+
+
+@dataclass(frozen=True)
+class ColdTierConfig:
+    """``[tiers.cold]``: archive storage (tape-backed HSM, cold filesystem)."""
+
+    root: Path = _f(_PATH)
+
+
+@dataclass(frozen=True)
+class TiersConfig:
+    """``[tiers]``: local and pfs are required; object and cold are optional."""
+
+    local: LocalTierConfig
+    pfs: PfsTierConfig
+    object: Optional[ObjectTierConfig] = None
+    cold: Optional[ColdTierConfig] = None
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    """``[retention]``: how many checkpoints each tier keeps."""
+
+    #: Newest checkpoints kept on the local tier.
+    keep_local: int = _f(_INT, 2, minimum=1)
+    #: Every Mth local checkpoint is flushed (copied) to the PFS.
+    flush_every: int = _f(_INT, 1, minimum=1)
+    #: Newest checkpoints kept on the PFS.
+    keep_pfs: int = _f(_INT, 3, minimum=1)
+    #: Additionally keep one PFS checkpoint per this many seconds; 0 disables.
+    keep_pfs_every: float = _f(_DURATION, 86400.0)
+
+
+@dataclass(frozen=True)
+class CopyConfig:
+    """``[copy]``: the parallel copy engine used for flushes and staging."""
+
+    streams: int = _f(_INT, 4, minimum=1)
+    chunk_size: int = _f(_SIZE, 64 * 2**20, minimum=1)
+    buffer_size: int = _f(_SIZE, 16 * 2**20, minimum=1)
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """``[job]``: when a running job checkpoints and how it reacts to signals."""
+
+    interval_tokens: Optional[int] = _f(_INT, None, minimum=1, optional=True)
+    interval_steps: Optional[int] = _f(_INT, None, minimum=1, optional=True)
+    interval_seconds: Optional[float] = _f(_DURATION, None, minimum=1e-9, optional=True)
+    #: "auto": derive the period from ``mtbi`` and the measured checkpoint cost.
+    interval: Optional[str] = _f(_AUTO, None, optional=True)
+    #: Mean time between interruptions (node failure, preemption), for interval = "auto".
+    mtbi: float = _f(_DURATION, 86400.0, minimum=1e-9)
+    signals: Tuple[str, ...] = _f(_SIGNALS, ("SIGTERM", "SIGUSR1", "SIGUSR2"))
+    max_consecutive_failures: int = _f(_INT, 3, minimum=1)
+    #: Host memory for staging tensors before writing; 0 = choose automatically.
+    staging_memory_limit: int = _f(_SIZE, 0)
+
+
+@dataclass(frozen=True)
+class HooksConfig:
+    """``[hooks]``: SLURM prolog/epilog behaviour."""
+
+    #: Time the prolog/epilog may spend; must stay below SLURM's PrologEpilogTimeout.
+    budget: float = _f(_DURATION, 100.0, minimum=1e-9)
+    #: Free space the prolog requires on the local tier; None = skip the check.
+    expected_checkpoint_size: Optional[int] = _f(_SIZE, None, optional=True)
+    #: On a requeued job, copy the newest PFS checkpoint to the local tier in the prolog.
+    stage_on_requeue: bool = _f(_BOOL, False)
+
+
+@dataclass(frozen=True)
+class LedgerConfig:
+    """``[ledger]``: where the checkpoint ledger lives (default ``<local root>/.slurm_ckpt``)."""
+
+    dir: Path = _f(_PATH)
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """``[metrics]``: optional exporters."""
+
+    #: node_exporter textfile collector directory; None = no textfile metrics.
+    textfile_dir: Optional[Path] = _f(_PATH, None, optional=True)
+    #: Directory for JSON-lines event logs; None = no event log.
+    events_dir: Optional[Path] = _f(_PATH, None, optional=True)
+
+
+_TIER_CLASSES = {
+    "local": LocalTierConfig,
+    "pfs": PfsTierConfig,
+    "object": ObjectTierConfig,
+    "cold": ColdTierConfig,
+}
+_SECTION_CLASSES = {
+    "retention": RetentionConfig,
+    "copy": CopyConfig,
+    "job": JobConfig,
+    "hooks": HooksConfig,
+    "ledger": LedgerConfig,
+    "metrics": MetricsConfig,
+}
+_TOP_KEYS = ["tiers", *_SECTION_CLASSES]
+
+
+# --------------------------------------------------------------------------- Config
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole, validated site configuration. Build it with :func:`load_config`,
+    :meth:`Config.load`, :meth:`Config.from_dict` or :meth:`Config.standalone`."""
+
+    tiers: TiersConfig
+    ledger: LedgerConfig
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
+    copy: CopyConfig = field(default_factory=CopyConfig)
+    job: JobConfig = field(default_factory=JobConfig)
+    hooks: HooksConfig = field(default_factory=HooksConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    #: The file this came from, or "<standalone>"/"<dict>"; not part of equality.
+    source: str = field(default="<dict>", compare=False)
+
+    # -- constructors ----------------------------------------------------------------
+
+    @classmethod
+    def load(cls, path: Optional[PathLike] = None) -> Config:
+        """Read and validate a file (explicit path, else $SLURM_CKPT_CONFIG, else default)."""
+        return load_config(path)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "<dict>") -> Config:
+        """Validate a TOML-shaped mapping (as ``tomllib`` returns, or :meth:`to_dict`)."""
+        return _build(data, source)
+
+    @classmethod
+    def standalone(cls, local: PathLike, pfs: PathLike, **overrides: Any) -> Config:
+        """A configuration without any file, for library use on plain directories.
+
+        ``local`` and ``pfs`` may be relative (they are made absolute). The local tier
+        defaults to ``require_mount=False`` and ``min_free=0``, since a plain directory is
+        expected. ``overrides`` are TOML-shaped sections, each a dict or the section's
+        dataclass, e.g. ``retention={"keep_local": 3}``, ``copy=CopyConfig(streams=8)``,
+        ``tiers={"local": {"min_free": "1GiB"}, "cold": {"root": "/archive"}}``.
+        """
+        data: Dict[str, Any] = {
+            "tiers": {
+                "local": {
+                    "root": os.path.abspath(os.fspath(local)),
+                    "require_mount": False,
+                    "min_free": 0,
+                },
+                "pfs": {"root": os.path.abspath(os.fspath(pfs))},
+            }
+        }
+        problems: List[str] = []
+        for name, value in overrides.items():
+            if name not in _TOP_KEYS:
+                problems.append(_unknown(STANDALONE_SOURCE, "", name, _TOP_KEYS))
+                continue
+            if isinstance(value, TiersConfig):
+                value = _tiers_to_dict(value)
+            elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+                value = _section_to_dict(value)
+            if name == "tiers" and isinstance(value, Mapping):
+                tiers = data["tiers"]
+                for tier, tvalue in value.items():
+                    if dataclasses.is_dataclass(tvalue) and not isinstance(tvalue, type):
+                        tvalue = _section_to_dict(tvalue)
+                    if isinstance(tiers.get(tier), dict) and isinstance(tvalue, Mapping):
+                        tiers[tier] = {**tiers[tier], **tvalue}
+                    else:
+                        tiers[tier] = tvalue
+            else:
+                data[name] = value
+        if problems:
+            raise ConfigError("; ".join(problems))
+        return _build(data, STANDALONE_SOURCE)
+
+    # -- output ----------------------------------------------------------------------
+
+    def to_dict(self, human: bool = False) -> Dict[str, Any]:
+        """The effective configuration with every default filled in.
+
+        Plain JSON/TOML-shaped values: paths as strings, sizes in bytes, bandwidths in
+        bytes/s, durations in seconds, None for unset optional keys and absent optional
+        tiers. ``Config.from_dict(cfg.to_dict()) == cfg``. With ``human=True`` sizes,
+        bandwidths and durations are formatted for people instead (not parseable back).
+        """
+        out: Dict[str, Any] = {"tiers": _tiers_to_dict(self.tiers, human)}
+        for name in _SECTION_CLASSES:
+            out[name] = _section_to_dict(getattr(self, name), human)
+        return out
+
+    @property
+    def ledger_dir(self) -> Path:
+        """Shortcut for ``self.ledger.dir``."""
+        return self.ledger.dir
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def resolve_config_path(path: Optional[PathLike] = None) -> Tuple[Path, str]:
+    """Which file to read, and why: ``(path, origin)`` where origin is ``"explicit"``,
+    ``"env"`` (from $SLURM_CKPT_CONFIG) or ``"default"``."""
+    if path is not None and os.fspath(path) != "":
+        return Path(os.fspath(path)), "explicit"
+    env = os.environ.get(ENV_CONFIG, "")
+    if env.strip():
+        return Path(env), "env"
+    return DEFAULT_CONFIG_PATH, "default"
+
+
+def load_config(path: Optional[PathLike] = None) -> Config:
+    """Read and validate the site configuration; raise one-line :class:`ConfigError`."""
+    cfg_path, origin = resolve_config_path(path)
+    try:
+        with open(cfg_path, "rb") as fh:
+            raw = fh.read()
+    except FileNotFoundError:
+        if origin == "default":
+            raise ConfigError(
+                f"no config: {cfg_path} not found (set {ENV_CONFIG} or pass --config)"
+            ) from None
+        if origin == "env":
+            raise ConfigError(f"no config: {cfg_path} not found (from {ENV_CONFIG})") from None
+        raise ConfigError(f"no config: {cfg_path} not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"cannot read config {cfg_path}: is a directory") from None
+    except PermissionError:
+        raise ConfigError(f"cannot read config {cfg_path}: permission denied") from None
+    except OSError as exc:
+        reason = (exc.strerror or str(exc)).lower()
+        raise ConfigError(f"cannot read config {cfg_path}: {reason}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{cfg_path}: not UTF-8 text (bad byte at offset {exc.start})") from None
+    try:
+        data = _toml.loads(text)
+    except _toml.TOMLDecodeError as exc:
+        raise ConfigError(f"{cfg_path}: TOML syntax error: {exc}") from None
+    return _build(data, str(cfg_path))
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _type_name(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a float"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "an array"
+    if isinstance(value, Mapping):
+        return "a table"
+    return type(value).__name__
+
+
+def _unknown(
+    src: str, prefix: str, key: str, allowed: List[str], elsewhere: Optional[Dict[str, str]] = None
+) -> str:
+    where = f"{prefix}.{key}" if prefix else key
+    what = "key" if prefix else "section"
+    msg = f"{src}: unknown {what} '{where}'"
+    close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+    if close:
+        hint = f"{prefix}.{close[0]}" if prefix else close[0]
+        return f"{msg} (did you mean '{hint}'?)"
+    if elsewhere and key in elsewhere:
+        return f"{msg} (did you mean '{elsewhere[key]}'?)"
+    return msg
+
+
+def _all_keys() -> Dict[str, str]:
+    """Bare key name -> its full dotted name, to point at misplaced keys."""
+    out: Dict[str, str] = {}
+    for tier, cls in _TIER_CLASSES.items():
+        for f in dataclasses.fields(cls):
+            out.setdefault(f.name, f"tiers.{tier}.{f.name}")
+    for sec, cls in _SECTION_CLASSES.items():
+        for f in dataclasses.fields(cls):
+            out.setdefault(f.name, f"{sec}.{f.name}")
+    return out
+
+
+def _convert(kind: str, value: Any, key: str, minimum: float) -> Any:
+    """Convert one value; raise ValueError with a message starting at the key."""
+    if kind == _PATH:
+        if not isinstance(value, (str, os.PathLike)) or isinstance(value, bool):
+            raise ValueError(f"{key}: expected a path string, got {_type_name(value)}")
+        text = os.fspath(value)
+        if not text:
+            raise ValueError(f"{key}: must not be empty")
+        if "\x00" in text:
+            raise ValueError(f"{key}: contains a NUL byte")
+        if not os.path.isabs(text):
+            raise ValueError(f"{key}: must be an absolute path, got {text!r}")
+        return Path(os.path.normpath(text))
+    if kind == _BOOL:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}: expected true or false, got {_type_name(value)} {value!r}")
+        return value
+    if kind == _INT:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key}: expected an integer, got {_type_name(value)} {value!r}")
+        if value < minimum:
+            raise ValueError(f"{key}: must be at least {int(minimum)}, got {value}")
+        return value
+    if kind in (_SIZE, _DURATION, _BANDWIDTH):
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ValueError(
+                f"{key}: expected a number or a string such as {_EXAMPLES[kind]}, "
+                f"got {_type_name(value)}"
+            )
+        try:
+            if kind == _SIZE:
+                out: Any = parse_size(value, key)
+            elif kind == _DURATION:
+                out = parse_duration(value, key)
+            else:
+                if isinstance(value, (int, float)) and value == 0:
+                    return None
+                if isinstance(value, str) and value.strip() in ("0", "0/s", "0B/s"):
+                    return None
+                out = parse_bandwidth(value, key)
+        except CkptError as exc:
+            raise ValueError(str(exc)) from None
+        if out < minimum or (minimum > 0 and out <= 0):
+            if kind == _SIZE:
+                raise ValueError(f"{key}: must be at least {int(minimum)} bytes, got {value!r}")
+            raise ValueError(f"{key}: must be positive, got {value!r}")
+        return out
+    if kind == _STR:
+        if not isinstance(value, str):
+            raise ValueError(f"{key}: expected a string, got {_type_name(value)}")
+        if not value.strip():
+            raise ValueError(f"{key}: must not be empty")
+        return value
+    if kind == _URL:
+        if not isinstance(value, str):
+            raise ValueError(f"{key}: expected a URL string, got {_type_name(value)}")
+        if not value.startswith(("http://", "https://")) or len(value.split("://", 1)[1]) == 0:
+            raise ValueError(f"{key}: expected an http:// or https:// URL, got {value!r}")
+        return value
+    if kind == _PREFIX:
+        if not isinstance(value, str):
+            raise ValueError(f"{key}: expected a string, got {_type_name(value)}")
+        if value.startswith("/") or ".." in value.split("/") or "\x00" in value:
+            raise ValueError(f"{key}: must be a relative key prefix without '..', got {value!r}")
+        return value
+    if kind == _SIGNALS:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(
+                f'{key}: expected an array of signal names such as ["SIGTERM"], '
+                f"got {_type_name(value)}"
+            )
+        names: List[str] = []
+        for item in value:
+            if not isinstance(item, str):
+                raise ValueError(f'{key}: expected signal names such as "SIGUSR1", got {item!r}')
+            name = item.strip().upper()
+            if not name.startswith("SIG"):
+                name = "SIG" + name
+            if name in ("SIGKILL", "SIGSTOP"):
+                raise ValueError(f"{key}: {name} cannot be caught")
+            if not isinstance(getattr(signal, name, None), signal.Signals):
+                raise ValueError(f"{key}: unknown signal {item!r}")
+            if name not in names:
+                names.append(name)
+        return tuple(names)
+    if kind == _AUTO:
+        if value != "auto":
+            raise ValueError(
+                f'{key}: expected "auto" or no value, got {value!r} '
+                "(use job.interval_seconds for a fixed period)"
+            )
+        return value
+    raise AssertionError(f"unknown config kind {kind}")  # pragma: no cover
+
+
+def _parse_section(
+    cls: type,
+    data: Any,
+    src: str,
+    prefix: str,
+    problems: List[str],
+    extra_defaults: Optional[Dict[str, Any]] = None,
+) -> Any:
+    """Build one section dataclass from a mapping, appending problems; None on failure."""
+    if not isinstance(data, Mapping):
+        problems.append(f"{src}: {prefix}: expected a table [{prefix}], got {_type_name(data)}")
+        return None
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: Dict[str, Any] = {}
+    ok = True
+    elsewhere = _all_keys()
+    for key, value in data.items():
+        if key not in fields:
+            problems.append(_unknown(src, prefix, str(key), list(fields), elsewhere))
+            ok = False
+            continue
+        if value is None:
+            continue  # None = unset (only reachable from dicts; TOML has no null)
+        meta = fields[key].metadata
+        try:
+            kwargs[key] = _convert(meta["kind"], value, f"{prefix}.{key}", meta["min"])
+        except ValueError as exc:
+            problems.append(f"{src}: {exc}")
+            ok = False
+    for name, value in (extra_defaults or {}).items():
+        kwargs.setdefault(name, value)
+    for name, f in fields.items():
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required and name not in kwargs and data.get(name) is None:
+            problems.append(f"{src}: {prefix}.{name} is missing (required)")
+            ok = False
+    if not ok:
+        return None
+    return cls(**kwargs)
+
+
+def _overlap(a: Path, b: Path) -> bool:
+    return a == b or a in b.parents or b in a.parents
+
+
+def _build(data: Mapping[str, Any], src: str) -> Config:
+    problems: List[str] = []
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{src}: expected a table at the top level")
+    for key in data:
+        if key not in _TOP_KEYS:
+            problems.append(_unknown(src, "", str(key), _TOP_KEYS, _all_keys()))
+
+    # [tiers]
+    tiers_raw = data.get("tiers")
+    tiers_objs: Dict[str, Any] = {}
+    if tiers_raw is None:
+        problems.append(f"{src}: [tiers.local] is missing (required)")
+        problems.append(f"{src}: [tiers.pfs] is missing (required)")
+    elif not isinstance(tiers_raw, Mapping):
+        problems.append(f"{src}: tiers: expected a table, got {_type_name(tiers_raw)}")
+    else:
+        for key in tiers_raw:
+            if key not in _TIER_CLASSES:
+                problems.append(_unknown(src, "tiers", str(key), list(_TIER_CLASSES)))
+        for name, cls in _TIER_CLASSES.items():
+            raw = tiers_raw.get(name)
+            if raw is None:
+                if name in ("local", "pfs"):
+                    problems.append(f"{src}: [tiers.{name}] is missing (required)")
+                continue
+            tiers_objs[name] = _parse_section(cls, raw, src, f"tiers.{name}", problems)
+
+    # Optional sections.
+    sections: Dict[str, Any] = {}
+    for name, cls in _SECTION_CLASSES.items():
+        raw = data.get(name)
+        if raw is None:
+            raw = {}
+        extra: Dict[str, Any] = {}
+        if name == "ledger":
+            local = tiers_objs.get("local")
+            if local is None:
+                # The default depends on the local root; without one only check the keys.
+                if isinstance(raw, Mapping) and "dir" not in raw:
+                    extra["dir"] = Path("/")
+            else:
+                extra["dir"] = local.root / LEDGER_SUBDIR
+        sections[name] = _parse_section(cls, raw, src, name, problems, extra)
+
+    # Cross-field checks.
+    roots = [
+        (f"tiers.{n}.root", tiers_objs[n].root)
+        for n in ("local", "pfs", "cold")
+        if tiers_objs.get(n) is not None
+    ]
+    for i, (ka, ra) in enumerate(roots):
+        for kb, rb in roots[i + 1 :]:
+            if ra == rb:
+                problems.append(f"{src}: {kb}: same directory as {ka} ({ra}); tiers must differ")
+            elif _overlap(ra, rb):
+                problems.append(
+                    f"{src}: {kb}: {rb} and {ka} {ra} are nested; tiers must not overlap"
+                )
+    job = sections.get("job")
+    if job is not None and job.interval == "auto" and job.interval_seconds is not None:
+        problems.append(f'{src}: job.interval: "auto" and job.interval_seconds exclude each other')
+
+    if problems:
+        raise ConfigError("; ".join(problems))
+    tiers = TiersConfig(
+        local=tiers_objs["local"],
+        pfs=tiers_objs["pfs"],
+        object=tiers_objs.get("object"),
+        cold=tiers_objs.get("cold"),
+    )
+    return Config(tiers=tiers, source=src, **sections)
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _value_out(kind: str, value: Any, human: bool) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple):
+        return list(value)
+    if human:
+        if kind == _SIZE:
+            return format_bytes(value)
+        if kind == _BANDWIDTH:
+            return format_bytes(value) + "/s"
+        if kind == _DURATION:
+            return format_duration(value)
+    return value
+
+
+def _section_to_dict(obj: Any, human: bool = False) -> Dict[str, Any]:
+    return {
+        f.name: _value_out(f.metadata.get("kind", ""), getattr(obj, f.name), human)
+        for f in dataclasses.fields(obj)
+    }
+
+
+def _tiers_to_dict(tiers: TiersConfig, human: bool = False) -> Dict[str, Any]:
+    return {
+        name: (
+            None if getattr(tiers, name) is None else _section_to_dict(getattr(tiers, name), human)
+        )
+        for name in _TIER_CLASSES
+    }

@@ -104,3 +104,33 @@ def run_as() -> Callable[..., subprocess.CompletedProcess]:
         return subprocess.run(args, user=user, env=env, capture_output=True, text=True, **kw)
 
     return _run
+
+
+def in_child_as(uid: int, gid: int, fn: Callable[[], object]) -> object:
+    """Run ``fn`` in a forked child with dropped privileges; return its result or raise
+    its exception text. (A subprocess as 'nobody' cannot start Python from /root/.pyenv.)"""
+    import pickle
+
+    need_root()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(r)
+        try:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            out = ("ok", fn())
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            out = ("err", f"{type(exc).__name__}: {exc}")
+        with os.fdopen(w, "wb") as fh:
+            pickle.dump(out, fh)
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as fh:
+        data = fh.read()
+    os.waitpid(pid, 0)
+    kind, val = pickle.loads(data)
+    if kind == "err":
+        raise RuntimeError(val)
+    return val

@@ -38,6 +38,8 @@ from slurm_ckpt.errors import CkptError
 #: this list; a module that fails to import is a bug and is deliberately not hidden.
 COMMANDS: List[Tuple[str, str]] = [
     ("slurm_ckpt.cli.plan", "plan"),
+    ("slurm_ckpt.cli.catalog", "list_cmd"),
+    ("slurm_ckpt.cli.catalog", "verify_cmd"),
 ]
 
 #: OSError numbers that a user or the site causes (permissions, full or read-only disks,

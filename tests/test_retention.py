@@ -211,9 +211,7 @@ def test_pfs_windows_disabled():
 
 def test_pfs_infinite_window_keeps_the_oldest_verified():
     infos = [pfs(s, s * 1000.0) for s in range(10)]
-    doomed = plan_pfs_deletions(
-        infos, 1e6, RetentionPolicy(keep_pfs=1, keep_pfs_every_s=math.inf)
-    )
+    doomed = plan_pfs_deletions(infos, 1e6, RetentionPolicy(keep_pfs=1, keep_pfs_every_s=math.inf))
     assert doomed == list(range(1, 9))
 
 

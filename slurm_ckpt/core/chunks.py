@@ -94,13 +94,13 @@ _tls = threading.local()
 PIECE = 16 * 2**20
 
 
-def _buffer() -> memoryview:
-    """One reusable, page-aligned I/O buffer per thread (allocated once, never per chunk)."""
+def _buffer(size: int) -> memoryview:
+    """A reusable, page-aligned I/O buffer per thread (allocated once, never per chunk)."""
     buf = getattr(_tls, "buf", None)
-    if buf is None:
+    if buf is None or len(buf) < size:
         import mmap
 
-        buf = _tls.buf = memoryview(mmap.mmap(-1, PIECE))
+        buf = _tls.buf = memoryview(mmap.mmap(-1, size))
     return buf
 
 
@@ -110,6 +110,7 @@ def hash_range(
     length: int,
     out_fd: Optional[int] = None,
     limiter: Optional[BandwidthLimiter] = None,
+    piece: int = PIECE,
 ) -> str:
     """Read ``length`` bytes at ``offset`` of ``fd``, hash them, and optionally write them
     to the same offset of ``out_fd`` - one pass through memory for copy and verify alike.
@@ -124,11 +125,11 @@ def hash_range(
     from slurm_ckpt.core.fsio import write_all
 
     h = xxhash.xxh3_128()
-    buf = _buffer()
+    buf = _buffer(piece)
     end = offset + length
     pos = offset
     while pos < end:
-        n = min(PIECE, end - pos)
+        n = min(piece, end - pos)
         if limiter is not None:
             limiter.acquire(n)
         got = os.preadv(fd, [buf[:n]], pos)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from slurm_ckpt.core import fsio
-from slurm_ckpt.core.chunks import BandwidthLimiter, hash_range, run_chunks
+from slurm_ckpt.core.chunks import PIECE, BandwidthLimiter, hash_range, run_chunks
 from slurm_ckpt.core.hashing import combine
 from slurm_ckpt.core.manifest import Manifest
 
@@ -52,6 +52,7 @@ def verify_files(
     where: str,
     streams: int = 4,
     limiter: Optional[BandwidthLimiter] = None,
+    piece: int = PIECE,
 ) -> VerifyReport:
     """Check every payload file of ``manifest`` in the open step directory."""
     t0 = time.monotonic()
@@ -81,7 +82,7 @@ def verify_files(
         digests = run_chunks(
             sizes,
             manifest.chunk_size,
-            lambda fi, ci, off, n: hash_range(fds[fi], off, n, limiter=limiter),  # type: ignore[arg-type]
+            lambda fi, ci, off, n: hash_range(fds[fi], off, n, limiter=limiter, piece=piece),  # type: ignore[arg-type]
             lambda fi: None,
             streams,
         )

@@ -161,7 +161,14 @@ def _copy_into(
         crashpoint("copy:files-created")
 
         def op(fi: int, ci: int, off: int, n: int) -> str:
-            got = hash_range(src_fds[fi], off, n, dst_fds[fi], dst.limiter)  # type: ignore[arg-type]
+            got = hash_range(
+                src_fds[fi],
+                off,
+                n,
+                dst_fds[fi],
+                dst.limiter,
+                dst.buffer_size,  # type: ignore[arg-type]
+            )
             if got != todo[fi].chunks[ci]:
                 raise SourceCorrupt(
                     f"source {todo[fi].path}: bytes {off}-{off + n} do not match the manifest"

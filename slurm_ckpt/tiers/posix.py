@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
 
 from slurm_ckpt.core import fsio
-from slurm_ckpt.core.chunks import BandwidthLimiter
+from slurm_ckpt.core.chunks import PIECE, BandwidthLimiter
 from slurm_ckpt.core.commit import CheckpointWriter, read_manifest
 from slurm_ckpt.core.hashing import DEFAULT_CHUNK_SIZE
 from slurm_ckpt.core.layout import (
@@ -61,8 +61,10 @@ class PosixTier:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         streams: int = 4,
         bandwidth: Optional[float] = None,
+        buffer_size: int = PIECE,
     ) -> None:
         self.name = name
+        self.buffer_size = buffer_size
         self.root = os.path.abspath(root)
         self.chunk_size = chunk_size
         self.streams = streams
@@ -213,7 +215,7 @@ class PosixTier:
         except VerifyError as exc:
             return VerifyReport(where, step, False, problems=[str(exc)])
         with self.step_fd(user, key, step) as sfd:
-            return verify_files(sfd, m, where, self.streams, self.limiter)
+            return verify_files(sfd, m, where, self.streams, self.limiter, self.buffer_size)
 
     def latest_verified(
         self, user: str, key: str, max_step: Optional[int] = None

@@ -13,7 +13,11 @@ ORDER = ("local", "pfs", "cold")
 
 def tiers_from_config(cfg: Config) -> Dict[str, PosixTier]:
     """The POSIX tiers the config names (local, pfs, and cold when configured)."""
-    common = {"chunk_size": cfg.copy.chunk_size, "streams": cfg.copy.streams}
+    common = {
+        "chunk_size": cfg.copy.chunk_size,
+        "streams": cfg.copy.streams,
+        "buffer_size": cfg.copy.buffer_size,
+    }
     tiers = {
         "local": PosixTier("local", str(cfg.tiers.local.root), **common),
         "pfs": PosixTier(

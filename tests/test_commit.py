@@ -89,7 +89,7 @@ def test_private_modes(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "key", ["", "..", ".hidden", "-x", "a/b", "a\x00b", "a\nb", "x" * 200, "caf\u00e9"]
+    "key", ["", "..", ".hidden", "-x", "a/b", "a\x00b", "a\nb", "run\n", "x" * 200, "caf\u00e9"]
 )
 def test_bad_keys_rejected(key: str, tmp_path: Path) -> None:
     with pytest.raises(InvalidName) as exc:

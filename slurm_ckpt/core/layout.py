@@ -30,7 +30,7 @@ def step_dirname(step: int) -> str:
 
 
 def parse_step_dirname(name: str) -> Optional[int]:
-    m = _STEP_RE.match(name)
+    m = _STEP_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 

@@ -12,9 +12,9 @@ import re
 
 from slurm_ckpt.errors import InvalidName
 
-_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=@-]{0,127}$")
-_USER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
-_NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=@-]{0,127}")
+_USER_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+_NODE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 _COMPONENT_BAD = re.compile(r"[\x00-\x1f\x7f\\]")
 MAX_RELPATH = 1024
 MAX_COMPONENT = 255
@@ -24,7 +24,7 @@ RESERVED_PREFIXES = (".tmp-", ".partial-", ".trash-", ".lock-", ".slurm_ckpt")
 
 def validate_key(key: str) -> str:
     """A key is one path component naming a training run (defaults to the job id)."""
-    if not isinstance(key, str) or not _KEY_RE.match(key):
+    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
         raise InvalidName(
             f"invalid key {key!r}: use 1-128 letters, digits and ._+=@- , not starting with . or -"
         )
@@ -33,14 +33,14 @@ def validate_key(key: str) -> str:
 
 def validate_user(user: str) -> str:
     """A user name as it appears on the cluster (POSIX portable set)."""
-    if not isinstance(user, str) or not _USER_RE.match(user) or user in (".", ".."):
+    if not isinstance(user, str) or not _USER_RE.fullmatch(user) or user in (".", ".."):
         raise InvalidName(f"invalid user name {user!r}")
     return user
 
 
 def validate_node(node: str) -> str:
     """A SLURM node name (used as a file name for per-node status)."""
-    if not isinstance(node, str) or not _NODE_RE.match(node):
+    if not isinstance(node, str) or not _NODE_RE.fullmatch(node):
         raise InvalidName(f"invalid node name {node!r}")
     return node
 

@@ -54,6 +54,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import xxhash
 from filelock import FileLock, Timeout
 
+from slurm_ckpt.core.fsio import write_all as _write_all
+from slurm_ckpt.core.names import validate_node
 from slurm_ckpt.core.retention import CkptInfo
 from slurm_ckpt.errors import CkptError, InvalidName, NotFound, TierError
 
@@ -83,7 +85,6 @@ _MAX_STATUS_BYTES = 4 * 1024 * 1024
 _STATUS_LIST_CAP = 50
 _STALE_STATUS_TMP_S = 3600.0
 
-_NODE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
 _TIER_RE = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 
 Ident = Tuple[str, str, int]
@@ -119,13 +120,8 @@ def _one_line(text: object, limit: int = _MAX_REASON) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def validate_node_name(node: str) -> str:
-    """Return ``node`` if it is a safe file name: letters, digits, ``-``, ``_``, ``.``."""
-    if not isinstance(node, str) or not _NODE_RE.fullmatch(node):
-        raise InvalidName(
-            f"node name {node!r}: use letters, digits, '-', '_' and '.', not starting with '.'"
-        )
-    return node
+#: Node names become file names of the per-node status; one rule for the whole toolkit.
+validate_node_name = validate_node
 
 
 def _check_tier(tier: str) -> str:
@@ -418,13 +414,6 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
 
 
 class Ledger:

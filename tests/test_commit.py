@@ -219,3 +219,21 @@ def test_delete_and_sweep(tmp_path: Path) -> None:
     tier.delete("alice", "run", 1)
     assert tier.steps("alice", "run") == []
     assert not any(n.startswith("step-") for n in os.listdir(d))
+
+
+@pytest.mark.parametrize("buffer_size", [4096, 5000])
+def test_ranges_longer_than_the_io_buffer(tmp_path: Path, buffer_size: int) -> None:
+    """Chunks span many I/O buffers (and not a whole number of them): verify and copy
+    must loop over pieces correctly."""
+    from slurm_ckpt.tiers.copy import copy_checkpoint
+
+    a = PosixTier("local", str(tmp_path / "a"), chunk_size=3 * 4096 + 7, buffer_size=buffer_size)
+    b = PosixTier("pfs", str(tmp_path / "b"), buffer_size=buffer_size)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    blob = os.urandom(10 * 4096 + 123)
+    save(a, 1, {"big.bin": blob})
+    assert a.verify("alice", "run", 1).ok
+    copy_checkpoint(a, b, "alice", "run", 1)
+    assert b.verify("alice", "run", 1).ok
+    assert (tmp_path / "b/alice/run/step-0000000001/big.bin").read_bytes() == blob

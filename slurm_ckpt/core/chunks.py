@@ -135,9 +135,9 @@ def hash_range(
         got = os.preadv(fd, [buf[:n]], pos)
         if got <= 0:
             raise OSError(errno.EIO, f"unexpected end of file at offset {pos}")
-        piece = buf[:got]
-        h.update(piece)
+        view = buf[:got]
+        h.update(view)
         if out_fd is not None:
-            write_all(out_fd, piece, pos)
+            write_all(out_fd, view, pos)
         pos += got
     return h.hexdigest()

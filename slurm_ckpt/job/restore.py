@@ -1,0 +1,288 @@
+"""Find the newest checkpoint that is complete and sound, and load it.
+
+Multi-rank layout
+-----------------
+The tier layout is ``<root>/<user>/<key>/step-N/`` and one step directory is committed
+atomically by one process (temp dir, rename, manifest last). Ranks on different nodes
+have different local tiers, and two ranks on one node cannot commit into the same step
+directory. So **each rank is its own checkpoint series**:
+
+* ``world_size == 1``: key ``<key>``;
+* ``world_size > 1``: key ``<key>.rank<NNNNN>`` (``run.rank00003``).
+
+Inside its step directory a rank writes its payload under ``rank-<NNNNN>/`` (index and
+blobs) and records ``rank`` and ``world_size`` in the manifest's ``meta``; the prefix
+keeps shards from colliding if tools ever gather them into one directory.
+
+A step is **complete** only when every one of the ``world_size`` shards is committed
+(and, for the shard a rank loads, verified). How the ranks agree:
+
+* with an ``agree`` function (a min-reduce over all ranks; by default
+  ``torch.distributed.all_reduce(MIN)`` when torch.distributed is initialised): each rank
+  loads the newest step of *its own* shard that verifies, on any tier; the ranks take
+  the minimum; a rank above it searches again at or below it; repeat until all ranks hold
+  the same step. Cost per rank: its own listing, no look at other ranks' files.
+* without one (plain processes): a rank only considers steps whose shards of *all*
+  ranks it can see committed - all on the PFS, or all on the local tier it sees (one
+  node). Every rank evaluates the same rule on the same shared PFS, so they pick the
+  same step. A rank whose own shard then fails verification on every tier falls back
+  alone: that is logged as an error (ranks would diverge; use ``agree`` to avoid it).
+
+Within a rank, the local tier is tried first when it holds the step, else the PFS. A copy
+that fails verification is marked ``BAD`` in the ledger and skipped: the same step from
+the next tier, or else the next newest step.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+from slurm_ckpt.core.manifest import Manifest
+from slurm_ckpt.errors import CkptError, TierError, VerifyError
+from slurm_ckpt.job.state import GROUP_REST, GROUP_WEIGHTS, read_state
+from slurm_ckpt.tiers.posix import PosixTier
+
+log = logging.getLogger("slurm_ckpt")
+
+__all__ = ["Restored", "Restorer", "dist_agree", "shard_key", "shard_prefix"]
+
+
+def shard_key(key: str, rank: int, world_size: int) -> str:
+    """The checkpoint series (key) of one rank: ``key`` alone, or ``key.rankNNNNN``."""
+    return key if world_size == 1 else f"{key}.rank{rank:05d}"
+
+
+def shard_prefix(rank: int) -> str:
+    """The directory of a rank's payload inside its step directory."""
+    return f"rank-{rank:05d}"
+
+
+@dataclass
+class Restored:
+    """What :meth:`Checkpointer.restore` returns."""
+
+    step: int
+    tokens: Optional[int]
+    state: Any
+    tier: str
+    key: str = ""
+    rank: int = 0
+    world_size: int = 1
+    meta: Dict[str, Any] = field(default_factory=dict)
+    nbytes: int = 0
+    seconds: float = 0.0
+    #: True when only the weights were loaded (``restore(weights_only=True)``).
+    partial: bool = False
+
+
+def dist_agree() -> Optional[Callable[[int], int]]:
+    """A min-reduce over torch.distributed ranks, if it is initialised with >1 ranks."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    dist = getattr(torch, "distributed", None)
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    if dist.get_world_size() <= 1:
+        return None
+
+    def agree(value: int) -> int:  # pragma: no cover - needs a process group
+        device = "cpu"
+        if dist.get_backend() == "nccl":
+            device = f"cuda:{torch.cuda.current_device()}"
+        t = torch.tensor([int(value)], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    return agree
+
+
+class Restorer:
+    """Restore logic for one rank over an ordered list of tiers (fastest first)."""
+
+    def __init__(
+        self,
+        tiers: Sequence[PosixTier],
+        user: str,
+        key: str,
+        rank: int = 0,
+        world_size: int = 1,
+        *,
+        mark_bad: Optional[Callable[[str, str, int, str], None]] = None,
+        streams: int = 4,
+        agree: Optional[Callable[[int], int]] = None,
+    ) -> None:
+        self.tiers = list(tiers)
+        self.user, self.key = user, key
+        self.rank, self.world_size = rank, world_size
+        self.own_key = shard_key(key, rank, world_size)
+        self.prefix = shard_prefix(rank)
+        self.mark_bad = mark_bad
+        self.streams = streams
+        self.agree = agree
+        self._bad: Set[Tuple[str, int]] = set()
+        self._pending: Optional[Restored] = None
+        self._pending_tier: Optional[PosixTier] = None
+        self._pending_manifest: Optional[Manifest] = None
+
+    # -- listing -----------------------------------------------------------------------
+    def _shard_steps(self, tier: PosixTier, rank: int) -> Dict[int, Manifest]:
+        """Committed steps of ``rank``'s shard on ``tier`` that belong to this world size."""
+        key = shard_key(self.key, rank, self.world_size)
+        try:
+            infos = tier.steps(self.user, key)
+        except (TierError, OSError) as exc:
+            log.warning("[ckpt] cannot list %s: %s", tier.where(self.user, key), exc)
+            return {}
+        out = {}
+        for info in infos:
+            meta = info.manifest.meta
+            if meta.get("world_size", 1) == self.world_size and meta.get("rank", 0) == rank:
+                out[info.step] = info.manifest
+        return out
+
+    def own_steps(self) -> Dict[int, List[Tuple[PosixTier, Manifest]]]:
+        """My shard's committed steps -> the tiers holding it (in tier order)."""
+        out: Dict[int, List[Tuple[PosixTier, Manifest]]] = {}
+        for tier in self.tiers:
+            for step, m in self._shard_steps(tier, self.rank).items():
+                out.setdefault(step, []).append((tier, m))
+        return out
+
+    def complete_steps(self) -> List[int]:
+        """Steps whose every shard this rank can see committed (newest first)."""
+        own = self.own_steps()
+        if self.world_size == 1 or self.agree is not None:
+            return sorted(own, reverse=True)
+        complete: Set[int] = set()
+        for tier in self.tiers:
+            steps: Optional[Set[int]] = None
+            for r in range(self.world_size):
+                s = set(self._shard_steps(tier, r))
+                steps = s if steps is None else steps & s
+                if not steps:
+                    break
+            complete |= steps or set()
+        return sorted(complete & set(own), reverse=True)
+
+    # -- loading -----------------------------------------------------------------------
+    def _load(
+        self, tier: PosixTier, m: Manifest, groups: Optional[List[str]], verify_others: bool
+    ) -> Restored:
+        t0 = time.monotonic()
+        where = tier.where(self.user, self.own_key, m.step)
+        with tier.step_fd(self.user, self.own_key, m.step) as sfd:
+            state, _ = read_state(
+                sfd,
+                m,
+                self.prefix,
+                groups=groups,
+                streams=self.streams,
+                verify_others=verify_others,
+                where=where,
+            )
+        return Restored(
+            step=m.step,
+            tokens=m.tokens,
+            state=state,
+            tier=tier.name,
+            key=self.key,
+            rank=self.rank,
+            world_size=self.world_size,
+            meta=dict(m.meta),
+            nbytes=m.total_bytes,
+            seconds=time.monotonic() - t0,
+            partial=groups is not None,
+        )
+
+    def _try_step(
+        self, step: int, holders: List[Tuple[PosixTier, Manifest]], weights_only: bool
+    ) -> Optional[Restored]:
+        groups = [GROUP_WEIGHTS] if weights_only else None
+        for tier, m in holders:
+            if (tier.name, step) in self._bad:
+                continue
+            try:
+                got = self._load(tier, m, groups, verify_others=True)
+            except (VerifyError, TierError) as exc:
+                self._bad.add((tier.name, step))
+                log.warning("[ckpt] restore: skipping %s", exc)
+                if self.mark_bad is not None:
+                    self.mark_bad(self.own_key, tier.name, step, str(exc))
+                continue
+            self._pending_tier, self._pending_manifest = tier, m
+            return got
+        return None
+
+    def _best_own(
+        self,
+        steps: List[int],
+        own: Dict[int, List[Tuple[PosixTier, Manifest]]],
+        bound: Optional[int],
+        weights_only: bool,
+        current: Optional[Restored],
+    ) -> Optional[Restored]:
+        if current is not None and (bound is None or current.step <= bound):
+            return current
+        for step in steps:
+            if bound is not None and step > bound:
+                continue
+            got = self._try_step(step, own.get(step, []), weights_only)
+            if got is not None:
+                return got
+        return None
+
+    def restore(self, weights_only: bool = False) -> Optional[Restored]:
+        """The newest complete, verified checkpoint (None if there is none)."""
+        self._pending = None
+        own = self.own_steps()
+        steps = self.complete_steps()
+        if self.agree is None:
+            got = self._best_own(steps, own, None, weights_only, None)
+            if got is not None and steps and got.step != steps[0] and self.world_size > 1:
+                log.error(
+                    "[ckpt] restore: rank %d fell back to step %d while step %d is complete; "
+                    "without an agreement function ranks may now hold different steps",
+                    self.rank,
+                    got.step,
+                    steps[0],
+                )
+        else:
+            got = self._agreed(steps, own, weights_only)
+        if got is not None and weights_only:
+            self._pending = got
+        return got
+
+    def _agreed(
+        self,
+        steps: List[int],
+        own: Dict[int, List[Tuple[PosixTier, Manifest]]],
+        weights_only: bool,
+    ) -> Optional[Restored]:
+        assert self.agree is not None
+        bound: Optional[int] = None
+        current: Optional[Restored] = None
+        while True:
+            current = self._best_own(steps, own, bound, weights_only, current)
+            mine = -1 if current is None else current.step
+            agreed = self.agree(mine)
+            if agreed < 0:
+                return None
+            if self.agree(1 if mine == agreed else 0) == 1:
+                return current
+            bound = agreed
+            if current is not None and current.step > agreed:
+                current = None
+
+    def restore_rest(self) -> Restored:
+        """After ``restore(weights_only=True)``: everything but the weights, same step."""
+        if self._pending is None or self._pending_tier is None or self._pending_manifest is None:
+            raise CkptError("restore_rest(): call restore(weights_only=True) first")
+        tier, m = self._pending_tier, self._pending_manifest
+        self._pending = None
+        got = self._load(tier, m, [GROUP_REST], verify_others=False)
+        return got

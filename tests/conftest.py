@@ -134,3 +134,18 @@ def in_child_as(uid: int, gid: int, fn: Callable[[], object]) -> object:
     if kind == "err":
         raise RuntimeError(val)
     return val
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A skipped test is not a passed one: the run fails if anything was skipped (set
+    SLURM_CKPT_ALLOW_SKIPS=1 to explore locally, never in CI)."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = reporter.stats.get("skipped", []) if reporter else []
+    if skipped and not os.environ.get("SLURM_CKPT_ALLOW_SKIPS"):
+        reporter.write_line(
+            f"FAILED: {len(skipped)} test(s) skipped; a skip is not a pass "
+            "(run as root with scripts/test so that everything runs)",
+            red=True,
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

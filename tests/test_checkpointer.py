@@ -15,8 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch  # noqa: E402  (a test dependency: installed by scripts/setup)
 
 from slurm_ckpt import Checkpointer  # noqa: E402
 from slurm_ckpt.errors import ConfigError  # noqa: E402

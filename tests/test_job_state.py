@@ -10,8 +10,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch  # noqa: E402  (a test dependency: installed by scripts/setup)
 
 from slurm_ckpt.errors import VerifyError  # noqa: E402
 from slurm_ckpt.job.staging import PIECE, StagingArea, write_direct  # noqa: E402

@@ -203,7 +203,7 @@ class MetricsConfig:
 
     #: node_exporter textfile collector directory; None = no textfile metrics.
     textfile_dir: Optional[Path] = _f(_PATH, None, optional=True)
-    #: Directory for JSON-lines event logs; None = no event log.
+    #: Directory for JSON-lines event logs (events-<node>.jsonl); None = the ledger dir.
     events_dir: Optional[Path] = _f(_PATH, None, optional=True)
 
 

@@ -1,0 +1,652 @@
+"""What ``ckpt-slurm status`` shows, computed without click, rich or any node's NVMe.
+
+A login node sees three things: the **catalog** on the shared tiers (``<root>/<user>/<key>/
+step-*``), the **node status files** every node publishes on the PFS
+(``<pfs>/.slurm_ckpt/nodes/<node>.json``, see :meth:`Ledger.publish_status`), and
+**SLURM** (one bulk ``squeue`` and one ``sinfo``, through an injectable function so that
+this works, and is tested, where SLURM is absent). :func:`build_status` joins them; it is
+pure (no I/O, no clock) and takes the scans as arguments.
+
+Cost
+----
+The catalog scan is linear in the number of series and reads one manifest per series:
+step directories are listed by name, and only the newest one whose manifest is present and
+valid is opened and parsed (a newer one without a valid manifest is skipped: a commit in
+progress or debris). Older steps are counted by name, not validated (``ckpt-slurm list``
+and ``verify`` do that per key). SLURM is asked once for all jobs and once for all nodes,
+never once per job.
+
+JSON (``ckpt-slurm status --json``), stable field names
+-------------------------------------------------------
+Top level::
+
+    format        "slurm_ckpt.status"
+    version       1
+    time          epoch seconds of the report
+    pfs_root      the PFS root that was read
+    slurm         {"available": bool, "note": str}
+    filters       {"user", "job", "key", "node"}: null when not given
+    totals        {"jobs", "nodes", "steps_at_risk", "checkpoints_at_risk",
+                   "bytes_at_risk", "in_flight", "drained_by_us"}
+    jobs          list of job entries (below), sorted by user, key, job
+    nodes         list of node entries (below), sorted by name
+
+A **job entry** is one SLURM job with the checkpoint series (keys) it writes. A series is
+attributed to the job that last committed to it according to the node status files, else
+to the job recorded in its newest PFS manifest; a series with neither has ``job: null``::
+
+    job                  SLURM job id (string) or null
+    user                 owner
+    keys                 series (key names) of this job
+    slurm_state          "RUNNING", "PENDING", ... as SLURM says; "gone" when SLURM
+                         answered but no longer lists the job; "unknown" without SLURM
+    nodes                nodes that report the job (status files) or that SLURM lists
+    tiers                {"local": T|null, "pfs": T|null[, "cold": T|null]} where T is
+                         {"step", "age_s"} for local (from the node status files) and
+                         {"step", "age_s", "bytes", "checkpoints"} for pfs/cold: the newest
+                         committed step, its age (now minus the checkpoint's commit time),
+                         its size, and the number of step directories up to it
+    steps_at_risk        newest local step minus the newest step safe on the PFS
+                         (committed there, or verified per the node status); null when no
+                         node reports the job
+    checkpoints_at_risk  checkpoints committed locally and not yet verified on the PFS
+    bytes_at_risk        their bytes
+    in_flight            copies of this job running now
+    failed               checkpoints whose last copy or verification failed
+    flush_rate_bps       bytes/s: a node-published ``flush_rate_bps`` if present, else the
+                         newest PFS checkpoint's size over the time from its local commit
+                         to its PFS commit (includes queueing: a pessimistic rate); null
+                         when unknown
+    flush_eta_s          bytes_at_risk / flush_rate_bps; 0 when nothing is at risk; null
+                         when the rate is unknown
+
+A **node entry**::
+
+    node                 SLURM node name
+    status_age_s         age of its status file (null: no status file)
+    pending_checkpoints  checkpoints owed to the PFS
+    pending_bytes        their bytes
+    in_flight            copies running now
+    in_flight_flushes    [{"user", "key", "step", "tier", "bytes", "running_s"}] (the
+                         node publishes up to 50)
+    failed               checkpoints whose last copy or verification failed
+    slurm_state          e.g. "IDLE+DRAIN"; "unknown" without SLURM
+    drained_by_us        drained (or draining) with a ``slurm_ckpt:`` reason
+    drain_reason         that reason when it is ours, else null
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import stat
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
+
+import xxhash
+
+from slurm_ckpt.core import fsio
+from slurm_ckpt.core.layout import parse_step_dirname, step_dirname
+from slurm_ckpt.core.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
+from slurm_ckpt.core.names import validate_key, validate_user
+from slurm_ckpt.errors import CkptError
+
+__all__ = [
+    "REASON_PREFIX",
+    "STATUS_FORMAT",
+    "SeriesHead",
+    "SlurmJob",
+    "SlurmNode",
+    "SlurmSnapshot",
+    "build_status",
+    "no_slurm",
+    "query_slurm",
+    "scan_catalog",
+]
+
+STATUS_FORMAT = "slurm_ckpt.status"
+STATUS_VERSION = 1
+#: Drain reasons slurm_ckpt sets start with this (same value as the SLURM client's).
+REASON_PREFIX = "slurm_ckpt:"
+_NO_JOB = ("", "None", "null")
+_MAX_MANIFEST = 64 * 2**20
+
+Series = Tuple[str, str]
+
+
+# --------------------------------------------------------------------------- SLURM view
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """The little status needs to know about a job."""
+
+    job_id: str
+    state: str
+    user: Optional[str] = None
+    nodes: Tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SlurmNode:
+    """The little status needs to know about a node."""
+
+    name: str
+    state: str
+    drained: bool = False
+    reason: Optional[str] = None
+
+    @property
+    def drained_by_us(self) -> bool:
+        return self.drained and (self.reason or "").startswith(REASON_PREFIX)
+
+
+@dataclass
+class SlurmSnapshot:
+    """One look at SLURM: every job and node it knows, or ``available=False`` and why."""
+
+    available: bool
+    note: str = ""
+    jobs: Dict[str, SlurmJob] = field(default_factory=dict)
+    nodes: Dict[str, SlurmNode] = field(default_factory=dict)
+
+
+#: The injectable query: no arguments, returns a snapshot, never raises.
+SlurmQuery = Callable[[], SlurmSnapshot]
+
+
+def no_slurm(note: str = "SLURM not queried") -> SlurmSnapshot:
+    """A snapshot that says SLURM could not be asked (states show as ``unknown``)."""
+    return SlurmSnapshot(False, note)
+
+
+def query_slurm(timeout: float = 10.0, env: Optional[Dict[str, str]] = None) -> SlurmSnapshot:
+    """Ask SLURM through :mod:`slurm_ckpt.slurm` (``squeue --json``, ``sinfo --json``).
+
+    Anything missing (the client module, the commands, the controller) gives a snapshot
+    with ``available=False`` and the one-line reason, never an exception: status is most
+    needed exactly when something is broken. ``env`` is the environment for SLURM's
+    commands (default: this process's, e.g. ``SLURM_CONF``).
+    """
+    try:
+        from slurm_ckpt.slurm.client import SlurmClient
+    except ImportError as exc:  # pragma: no cover - the slurm layer is part of the package
+        return no_slurm(f"SLURM client not available ({exc})")
+    try:
+        client = SlurmClient(backend="cli", timeout=timeout, env=env)
+        jobs = client.jobs()
+        nodes = client.nodes()
+    except CkptError as exc:
+        return no_slurm(str(exc))
+    snap = SlurmSnapshot(True, f"{len(jobs)} jobs, {len(nodes)} nodes")
+    for j in jobs:
+        snap.jobs[str(j.job_id)] = SlurmJob(str(j.job_id), j.state, j.user, tuple(j.nodes))
+    for n in nodes:  # sinfo lists a node once per partition: keep one
+        snap.nodes.setdefault(n.name, SlurmNode(n.name, n.state_string, n.drained, n.reason))
+    return snap
+
+
+# --------------------------------------------------------------------------- catalog scan
+
+
+@dataclass(frozen=True)
+class SeriesHead:
+    """The newest committed checkpoint of one series on one tier, plus a step count."""
+
+    user: str
+    key: str
+    step: int
+    wall_time: float
+    nbytes: int
+    job: Optional[str]
+    node: Optional[str]
+    #: When the manifest was committed on this tier (its mtime).
+    committed_at: float
+    #: Step directories up to and including the newest committed one (counted by name).
+    checkpoints: int
+
+
+def _read_manifest(step_fd: int) -> Tuple[bytes, float]:
+    """The manifest's bytes and mtime (its commit time on this tier); no symlinks."""
+    fd = os.open(MANIFEST_NAME, fsio.O_READ, dir_fd=step_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_MANIFEST:
+            raise OSError(errno.EINVAL, "not a plausible manifest")
+        chunks = []
+        while True:
+            b = os.read(fd, max(st.st_size + 1, 4096))
+            if not b:
+                return b"".join(chunks), st.st_mtime
+            chunks.append(b)
+    finally:
+        os.close(fd)
+
+
+_CHECKSUM_LINE = re.compile(rb'\A\{\n "checksum": "([0-9a-f]{32})",\n')
+
+
+@dataclass(frozen=True)
+class _Facts:
+    """The few manifest fields status needs."""
+
+    user: str
+    key: str
+    step: int
+    wall_time: float
+    nbytes: int
+    job: Optional[str]
+    node: Optional[str]
+
+
+def _facts(data: bytes) -> _Facts:
+    """Check a manifest's integrity and pull out what status needs; VerifyError if bad.
+
+    The fast path relies on the canonical form :class:`Manifest` writes (sorted keys, so
+    the checksum is the first line): the checksum is recomputed over the file's own bytes
+    minus that line, which is exactly the serialisation it was computed over, so any
+    changed byte is still caught, and only C-speed ``json.loads`` remains (the full
+    :meth:`Manifest.from_bytes` re-serialises twice in pure Python, about 3x the cost).
+    Anything the fast path cannot settle goes through the full parse, which decides.
+    """
+    m = _CHECKSUM_LINE.match(data)
+    if m is not None and xxhash.xxh3_128_hexdigest(b"{\n" + data[m.end() :]) == m.group(1).decode():
+        try:
+            doc = json.loads(data)
+            files = doc["files"]
+            nbytes = sum(int(f["size"]) for f in files)
+            if (
+                doc["format_version"] == FORMAT_VERSION
+                and type(doc["step"]) is int
+                and isinstance(doc["wall_time"], (int, float))
+                and isinstance(doc["user"], str)
+                and isinstance(doc["key"], str)
+                and all(int(f["size"]) >= 0 for f in files)
+            ):
+                job, node = doc["job"], doc["node"]
+                return _Facts(
+                    doc["user"],
+                    doc["key"],
+                    doc["step"],
+                    float(doc["wall_time"]),
+                    nbytes,
+                    None if job is None else str(job),
+                    None if node is None else str(node),
+                )
+        except (ValueError, TypeError, KeyError, AttributeError):
+            pass
+    full = Manifest.from_bytes(data)
+    return _Facts(
+        full.user, full.key, full.step, full.wall_time, full.total_bytes, full.job, full.node
+    )
+
+
+def _read_head(kfd: int, user: str, key: str, names: Iterable[str]) -> Optional[SeriesHead]:
+    steps = sorted((s for s in map(parse_step_dirname, names) if s is not None), reverse=True)
+    for i, step in enumerate(steps):
+        try:
+            sfd = os.open(step_dirname(step), fsio.O_DIR, dir_fd=kfd)
+        except OSError:
+            continue
+        try:
+            data, mtime = _read_manifest(sfd)
+            f = _facts(data)
+        except (OSError, CkptError):
+            continue  # not committed (yet), or damaged: the next older one may be newest
+        finally:
+            os.close(sfd)
+        if (f.user, f.key, f.step) != (user, key, step):
+            continue
+        return SeriesHead(
+            user, key, step, f.wall_time, f.nbytes, f.job, f.node, mtime, len(steps) - i
+        )
+    return None
+
+
+def _scan_user(root_fd: int, user: str, key: Optional[str]) -> List[Tuple[Series, SeriesHead]]:
+    out: List[Tuple[Series, SeriesHead]] = []
+    try:
+        ufd = os.open(user, fsio.O_DIR, dir_fd=root_fd)
+    except OSError:
+        return out
+    try:
+        if key is not None:
+            keys = [key]
+        else:
+            try:
+                keys = sorted(n for n in os.listdir(ufd) if not n.startswith("."))
+            except OSError:
+                return out
+        for k in keys:
+            try:
+                validate_key(k)
+                kfd = os.open(k, fsio.O_DIR, dir_fd=ufd)
+            except (OSError, CkptError):
+                continue
+            try:
+                head = _read_head(kfd, user, k, os.listdir(kfd))
+            except OSError:
+                head = None
+            finally:
+                os.close(kfd)
+            if head is not None:
+                out.append(((user, k), head))
+    finally:
+        os.close(ufd)
+    return out
+
+
+def scan_catalog(
+    root: str, user: Optional[str] = None, key: Optional[str] = None, workers: int = 8
+) -> Dict[Series, SeriesHead]:
+    """The newest committed checkpoint of every series under a shared tier ``root``.
+
+    Symlinks below the root are never followed. Unreadable users or keys are skipped
+    (a login-node user may not read everyone's directories). ``workers`` threads walk
+    users in parallel: on a parallel filesystem each open is a metadata round trip, and
+    those overlap; the GIL is released during the system calls.
+    """
+    try:
+        root_fd = fsio.open_dir(root)
+    except OSError:
+        return {}
+    try:
+        if user is not None:
+            users = [user]
+        else:
+            users = sorted(n for n in os.listdir(root_fd) if not n.startswith("."))
+        valid = []
+        for u in users:
+            try:
+                valid.append(validate_user(u))
+            except CkptError:
+                continue
+        out: Dict[Series, SeriesHead] = {}
+        if workers > 1 and len(valid) > 1:
+            with ThreadPoolExecutor(max_workers=min(workers, len(valid))) as pool:
+                parts = list(pool.map(lambda u: _scan_user(root_fd, u, key), valid))
+        else:
+            parts = [_scan_user(root_fd, u, key) for u in valid]
+        for part in parts:
+            out.update(part)
+        return out
+    finally:
+        os.close(root_fd)
+
+
+# --------------------------------------------------------------------------- the join
+
+
+@dataclass
+class _Job:
+    job: Optional[str]
+    user: str = ""
+    series: Set[Series] = field(default_factory=set)
+    nodes: Set[str] = field(default_factory=set)
+    latest_step: Optional[int] = None
+    latest_pfs_verified: Optional[int] = None
+    last_commit_at: Optional[float] = None
+    pending: int = 0
+    pending_bytes: int = 0
+    in_flight: int = 0
+    failed: int = 0
+    rate: Optional[float] = None
+
+
+def _job_id(value: Any) -> Optional[str]:
+    text = None if value is None else str(value)
+    return None if text is None or text in _NO_JOB else text
+
+
+def _num(value: Any) -> Optional[float]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _int(value: Any) -> int:
+    n = _num(value)
+    return int(n) if n is not None else 0
+
+
+def _max(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return max(a, b)
+
+
+def _series_of(text: Any) -> Optional[Series]:
+    user, sep, key = str(text).partition("/")
+    return (user, key) if sep and user and key else None
+
+
+def _tier_entry(heads: List[SeriesHead], now: float) -> Optional[Dict[str, Any]]:
+    if not heads:
+        return None
+    newest = max(heads, key=lambda h: (h.step, h.wall_time))
+    return {
+        "step": newest.step,
+        "age_s": round(now - newest.wall_time, 3),
+        "bytes": newest.nbytes,
+        "checkpoints": sum(h.checkpoints for h in heads),
+    }
+
+
+def _flight(entry: Dict[str, Any], now: float) -> Dict[str, Any]:
+    since = _num(entry.get("since"))
+    return {
+        "user": entry.get("user"),
+        "key": entry.get("key"),
+        "step": entry.get("step"),
+        "tier": entry.get("tier"),
+        "bytes": _int(entry.get("nbytes")),
+        "running_s": None if since is None else round(now - since, 3),
+    }
+
+
+def build_status(
+    *,
+    now: float,
+    pfs_root: str,
+    pfs: Dict[Series, SeriesHead],
+    node_statuses: List[Dict[str, Any]],
+    slurm: SlurmSnapshot,
+    cold: Optional[Dict[Series, SeriesHead]] = None,
+    user: Optional[str] = None,
+    job: Optional[str] = None,
+    key: Optional[str] = None,
+    node: Optional[str] = None,
+) -> Dict[str, Any]:
+    """Join catalog heads, node status files and SLURM into the status document.
+
+    Pure: everything it needs is passed in. See the module docstring for the fields.
+    """
+    jobs: Dict[Any, _Job] = {}
+    owner: Dict[Series, Tuple[float, Any]] = {}  # series -> (last commit, job group)
+
+    def group(job_id: Optional[str], series: Optional[Series]) -> Any:
+        # Jobs group by id; records without a job id stay one group per node status entry
+        # (they cannot be split), and catalog series without one get a group each.
+        return job_id if job_id is not None else ("", series)
+
+    # 1. node status files: what each node holds locally and owes the PFS.
+    node_rows: Dict[str, Dict[str, Any]] = {}
+    for doc in node_statuses:
+        name = str(doc.get("node"))
+        pending = doc.get("pending") if isinstance(doc.get("pending"), dict) else {}
+        flights = [f for f in doc.get("in_flight") or [] if isinstance(f, dict)]
+        extra = doc.get("extra") if isinstance(doc.get("extra"), dict) else {}
+        node_rate = _num(extra.get("flush_rate_bps"))
+        t = _num(doc.get("time"))
+        node_rows[name] = {
+            "node": name,
+            "status_age_s": None if t is None else round(now - t, 3),
+            "pending_checkpoints": _int(pending.get("count")),
+            "pending_bytes": _int(pending.get("bytes")),
+            "in_flight": _int(doc.get("in_flight_count", len(flights))),
+            "in_flight_flushes": [_flight(f, now) for f in flights],
+            "failed": _int(doc.get("failed_count")),
+        }
+        for job_key, js in (doc.get("jobs") or {}).items():
+            if not isinstance(js, dict):
+                continue
+            job_id = _job_id(job_key)
+            series = [s for s in map(_series_of, js.get("keys") or []) if s is not None]
+            gid = group(job_id, (name, *series[:1]) if job_id is None else None)
+            j = jobs.setdefault(gid, _Job(job_id))
+            j.series.update(series)
+            if series and not j.user:
+                j.user = series[0][0]
+            j.nodes.add(name)
+            latest = _num(js.get("latest_step"))
+            if latest is not None:
+                j.latest_step = int(_max(j.latest_step, latest))  # type: ignore[arg-type]
+            verified = _num(js.get("latest_pfs_verified_step"))
+            if verified is not None:
+                j.latest_pfs_verified = int(_max(j.latest_pfs_verified, verified))  # type: ignore[arg-type]
+            commit = _num(js.get("last_commit_at"))
+            j.last_commit_at = _max(j.last_commit_at, commit)
+            j.pending += _int(js.get("pending"))
+            j.pending_bytes += _int(js.get("pending_bytes"))
+            j.in_flight += _int(js.get("in_flight"))
+            j.failed += _int(js.get("failed"))
+            if node_rate is not None and node_rate > 0:
+                j.rate = _max(j.rate, node_rate)
+            for s in series:
+                seen = owner.get(s)
+                if seen is None or (commit or 0.0) >= seen[0]:
+                    owner[s] = (commit or 0.0, gid)
+
+    # 2. catalog series: attach to the job that last wrote them, else their manifest's job.
+    pfs_by_group: Dict[Any, List[SeriesHead]] = {}
+    cold_by_group: Dict[Any, List[SeriesHead]] = {}
+    for heads, into in ((pfs, pfs_by_group), (cold or {}, cold_by_group)):
+        for series, head in heads.items():
+            seen = owner.get(series)
+            gid = seen[1] if seen is not None else group(_job_id(head.job), series)
+            if seen is None:
+                owner[series] = (0.0, gid)
+            j = jobs.setdefault(gid, _Job(gid if isinstance(gid, str) else None))
+            j.series.add(series)
+            if not j.user:
+                j.user = series[0]
+            into.setdefault(gid, []).append(head)
+
+    # 3. SLURM: job states and nodes, drains.
+    for j in jobs.values():
+        sj = slurm.jobs.get(j.job) if j.job is not None else None
+        if sj is not None:
+            j.nodes.update(sj.nodes)
+            if not j.user and sj.user:
+                j.user = sj.user
+    for name, sn in slurm.nodes.items():
+        if sn.drained_by_us and name not in node_rows:
+            node_rows[name] = {
+                "node": name,
+                "status_age_s": None,
+                "pending_checkpoints": 0,
+                "pending_bytes": 0,
+                "in_flight": 0,
+                "in_flight_flushes": [],
+                "failed": 0,
+            }
+    for name, row in node_rows.items():
+        sn = slurm.nodes.get(name)
+        row["slurm_state"] = sn.state if sn is not None else "unknown"
+        row["drained_by_us"] = bool(sn is not None and sn.drained_by_us)
+        row["drain_reason"] = sn.reason if sn is not None and sn.drained_by_us else None
+
+    # 4. rows.
+    rows: List[Dict[str, Any]] = []
+    for gid, j in jobs.items():
+        keys = sorted({k for _, k in j.series})
+        if user is not None and j.user != user:
+            continue
+        if job is not None and j.job != job:
+            continue
+        if key is not None and key not in keys:
+            continue
+        if node is not None and node not in j.nodes:
+            continue
+        if not slurm.available or j.job is None:
+            state = "unknown"
+        else:
+            sj = slurm.jobs.get(j.job)
+            state = sj.state if sj is not None else "gone"
+        pfs_heads = pfs_by_group.get(gid, [])
+        tiers: Dict[str, Any] = {
+            "local": None
+            if j.latest_step is None
+            else {
+                "step": j.latest_step,
+                "age_s": None if j.last_commit_at is None else round(now - j.last_commit_at, 3),
+            },
+            "pfs": _tier_entry(pfs_heads, now),
+        }
+        if cold is not None:
+            tiers["cold"] = _tier_entry(cold_by_group.get(gid, []), now)
+        steps_at_risk: Optional[int] = None
+        if j.latest_step is not None:
+            safe = j.latest_pfs_verified if j.latest_pfs_verified is not None else 0
+            if tiers["pfs"] is not None:
+                safe = max(safe, tiers["pfs"]["step"])
+            steps_at_risk = max(0, j.latest_step - safe)
+        rate = j.rate
+        if rate is None and pfs_heads:
+            newest = max(pfs_heads, key=lambda h: (h.step, h.wall_time))
+            took = newest.committed_at - newest.wall_time
+            if took > 0 and newest.nbytes > 0:
+                rate = newest.nbytes / took
+        if j.pending_bytes == 0:
+            eta: Optional[float] = 0.0
+        elif rate:
+            eta = round(j.pending_bytes / rate, 3)
+        else:
+            eta = None
+        rows.append(
+            {
+                "job": j.job,
+                "user": j.user,
+                "keys": keys,
+                "slurm_state": state,
+                "nodes": sorted(j.nodes),
+                "tiers": tiers,
+                "steps_at_risk": steps_at_risk,
+                "checkpoints_at_risk": j.pending,
+                "bytes_at_risk": j.pending_bytes,
+                "in_flight": j.in_flight,
+                "failed": j.failed,
+                "flush_rate_bps": None if rate is None else round(rate, 3),
+                "flush_eta_s": eta,
+            }
+        )
+    rows.sort(key=lambda r: (r["user"], r["keys"], r["job"] or ""))
+
+    nodes_out = [node_rows[n] for n in sorted(node_rows) if node is None or n == node]
+    if user is not None or job is not None or key is not None:
+        wanted = {n for r in rows for n in r["nodes"]}
+        nodes_out = [r for r in nodes_out if r["node"] in wanted]
+    return {
+        "format": STATUS_FORMAT,
+        "version": STATUS_VERSION,
+        "time": now,
+        "pfs_root": pfs_root,
+        "slurm": {"available": slurm.available, "note": slurm.note},
+        "filters": {"user": user, "job": job, "key": key, "node": node},
+        "totals": {
+            "jobs": len(rows),
+            "nodes": len(nodes_out),
+            "steps_at_risk": sum(r["steps_at_risk"] or 0 for r in rows),
+            "checkpoints_at_risk": sum(r["checkpoints_at_risk"] for r in rows),
+            "bytes_at_risk": sum(r["bytes_at_risk"] for r in rows),
+            "in_flight": sum(r["in_flight"] for r in nodes_out),
+            "drained_by_us": sum(1 for r in nodes_out if r["drained_by_us"]),
+        },
+        "jobs": rows,
+        "nodes": nodes_out,
+    }

@@ -1,0 +1,312 @@
+"""Prometheus metrics of one node, in node_exporter's textfile format.
+
+Why a textfile and not an HTTP endpoint: the processes that know the numbers (training
+jobs, prolog/epilog, the stager) come and go; node_exporter is already running on every
+node, and its textfile collector serves whatever ``*.prom`` files a directory holds. Every
+such process calls :func:`refresh_textfile` after it changed something, and the file is
+rebuilt whole from durable state, so it never depends on which process wrote it last.
+
+Sources
+-------
+* the **ledger** (state): flush queue depth, flushes in flight, steps and bytes at risk,
+  failure counters by reason, and the durations the ledger records per checkpoint
+  (``snapshot_s``/``stall_s``, ``local_s``, ``flush_s``);
+* the **event summary** (:mod:`slurm_ckpt.ledger.events`): counters of events by type, the
+  total of flushed bytes, the last hook runs, and the exact save stall when the job layer
+  emitted it. For a "last value" present in both, the newer one wins.
+
+The exposition is produced by ``prometheus_client`` (a custom collector in a private
+``CollectorRegistry``, written with ``write_to_textfile``: temp file + rename, so
+node_exporter never reads a half-written file).
+
+Metrics (all gauges unless noted; every series has a ``node`` label)
+--------------------------------------------------------------------
+``slurm_ckpt_save_stall_seconds{user,key}``       last save: training blocked
+``slurm_ckpt_local_write_seconds{user,key}``      last local-tier write (background)
+``slurm_ckpt_flush_seconds{user,key}``            last flush to the PFS
+``slurm_ckpt_flush_bytes{user,key}``              size of that flush
+``slurm_ckpt_flushed_bytes_total``                counter: bytes flushed (from events)
+``slurm_ckpt_flush_queue_bytes``                  bytes committed locally, owed to the PFS
+``slurm_ckpt_flush_queue_checkpoints``            checkpoints owed to the PFS
+``slurm_ckpt_flushes_in_flight``                  copies running now
+``slurm_ckpt_steps_at_risk{user,key}``            newest local step minus newest step
+                                                  verified on the PFS (whole newest step
+                                                  when the node knows of no PFS copy)
+``slurm_ckpt_bytes_at_risk{user,key}``            bytes of that series owed to the PFS
+``slurm_ckpt_failures_total{reason}``             counter: ledger failure counters
+``slurm_ckpt_events_total{type}``                 counter: events by type
+``slurm_ckpt_hook_seconds{hook}``                 duration of the last run of each hook
+``slurm_ckpt_hook_success{hook}``                 1 if that run succeeded, else 0
+``slurm_ckpt_hook_last_run_timestamp_seconds{hook}``  when it ran (epoch seconds)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from slurm_ckpt.core.config import Config
+from slurm_ckpt.ledger.events import events_path, read_summary
+from slurm_ckpt.ledger.ledger import Ledger, State
+
+__all__ = [
+    "METRICS",
+    "TEXTFILE_NAME",
+    "NodeMetrics",
+    "build_registry",
+    "collect",
+    "refresh_textfile",
+    "textfile_path",
+]
+
+TEXTFILE_NAME = "slurm_ckpt.prom"
+_P = "slurm_ckpt_"
+_LIVE_LOCAL = (State.COMMITTED.value, State.VERIFIED.value)
+
+#: name -> (type, help, extra labels besides ``node``). The dashboard and tests use it.
+METRICS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
+    _P + "save_stall_seconds": (
+        "gauge",
+        "Seconds the training loop was blocked by the last save.",
+        ("user", "key"),
+    ),
+    _P + "local_write_seconds": (
+        "gauge",
+        "Seconds the last write to the local tier took (in the background).",
+        ("user", "key"),
+    ),
+    _P + "flush_seconds": ("gauge", "Seconds the last flush to the PFS took.", ("user", "key")),
+    _P + "flush_bytes": ("gauge", "Bytes of the last flush to the PFS.", ("user", "key")),
+    _P + "flushed_bytes": ("counter", "Bytes flushed to the PFS (from the event log).", ()),
+    _P + "flush_queue_bytes": ("gauge", "Bytes committed locally and owed to the PFS.", ()),
+    _P + "flush_queue_checkpoints": ("gauge", "Checkpoints owed to the PFS.", ()),
+    _P + "flushes_in_flight": ("gauge", "Copies to another tier running now.", ()),
+    _P + "steps_at_risk": (
+        "gauge",
+        "Newest local step minus the newest step verified on the PFS.",
+        ("user", "key"),
+    ),
+    _P + "bytes_at_risk": ("gauge", "Bytes of the series owed to the PFS.", ("user", "key")),
+    _P + "failures": ("counter", "Failures by reason (ledger counters).", ("reason",)),
+    _P + "events": ("counter", "Events by type (event log).", ("type",)),
+    _P + "hook_seconds": ("gauge", "Duration of the last run of a hook.", ("hook",)),
+    _P + "hook_success": ("gauge", "1 if the last run of a hook succeeded, else 0.", ("hook",)),
+    _P + "hook_last_run_timestamp_seconds": (
+        "gauge",
+        "When a hook last ran (epoch seconds).",
+        ("hook",),
+    ),
+}
+
+Series = Tuple[str, str]
+
+
+@dataclass
+class _Last:
+    """Newest observation of one value: ``(timestamp, value)`` per series."""
+
+    values: Dict[Series, Tuple[float, float]] = field(default_factory=dict)
+
+    def offer(self, series: Series, ts: Optional[float], value: Any) -> None:
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            return
+        t = float(ts or 0.0)
+        old = self.values.get(series)
+        if old is None or t >= old[0]:
+            self.values[series] = (t, float(value))
+
+
+@dataclass
+class NodeMetrics:
+    """Every number exported for one node (plain data; see :func:`collect`)."""
+
+    node: str
+    stall: _Last = field(default_factory=_Last)
+    local: _Last = field(default_factory=_Last)
+    flush: _Last = field(default_factory=_Last)
+    flush_bytes: _Last = field(default_factory=_Last)
+    queue_bytes: int = 0
+    queue_checkpoints: int = 0
+    in_flight: int = 0
+    steps_at_risk: Dict[Series, int] = field(default_factory=dict)
+    bytes_at_risk: Dict[Series, int] = field(default_factory=dict)
+    failures: Dict[str, int] = field(default_factory=dict)
+    events: Dict[str, int] = field(default_factory=dict)
+    flushed_bytes: int = 0
+    hooks: Dict[str, Dict[str, float]] = field(default_factory=dict)
+
+
+def _series_of(label: str) -> Optional[Series]:
+    user, sep, key = label.partition("/")
+    return (user, key) if sep and user and key else None
+
+
+def collect(ledger: Ledger, events_file: Optional[Path] = None) -> NodeMetrics:
+    """Gather the node's numbers from the ledger and (when given) the event summary."""
+    m = NodeMetrics(node=ledger.node)
+    newest_local: Dict[Series, int] = {}
+    newest_pfs: Dict[Series, int] = {}
+    for rec in ledger.records():
+        series = (rec.user, rec.key)
+        tiers = {t: str(getattr(s, "value", s)) for t, s in rec.tiers.items()}
+        d = rec.durations
+        local_at = rec.committed_at.get("local", rec.created_at)
+        m.stall.offer(series, local_at, d.get("stall_s", d.get("snapshot_s")))
+        m.local.offer(series, local_at, d.get("local_s"))
+        if "flush_s" in d:
+            flushed_at = rec.verified_at.get("pfs", rec.updated_at)
+            m.flush.offer(series, flushed_at, d["flush_s"])
+            m.flush_bytes.offer(series, flushed_at, rec.nbytes)
+        if tiers.get("local") in _LIVE_LOCAL:
+            newest_local[series] = max(rec.step, newest_local.get(series, -1))
+        if tiers.get("pfs") == State.VERIFIED.value:
+            newest_pfs[series] = max(rec.step, newest_pfs.get(series, -1))
+        if rec.pending_flush:
+            m.queue_checkpoints += 1
+            m.queue_bytes += int(rec.nbytes)
+            m.bytes_at_risk[series] = m.bytes_at_risk.get(series, 0) + int(rec.nbytes)
+        m.in_flight += sum(1 for s in tiers.values() if s == State.FLUSHING.value)
+    for series, step in newest_local.items():
+        # With no PFS copy known to this node, everything up to the newest step is at risk.
+        m.steps_at_risk[series] = max(0, step - max(newest_pfs.get(series, 0), 0))
+        m.bytes_at_risk.setdefault(series, 0)
+    m.failures = {str(k): int(v) for k, v in ledger.failures().items()}
+    if events_file is not None:
+        _merge_summary(m, read_summary(events_file))
+    return m
+
+
+def _merge_summary(m: NodeMetrics, doc: Dict[str, Any]) -> None:
+    m.events = {
+        str(k): int(v)
+        for k, v in doc.get("counts", {}).items()
+        if isinstance(v, int) and not isinstance(v, bool)
+    }
+    flushed = doc.get("flushed_bytes", 0)
+    m.flushed_bytes = flushed if isinstance(flushed, int) and not isinstance(flushed, bool) else 0
+    last = doc.get("last", {})
+    for etype, target, name in (
+        ("save", m.stall, "stall_s"),
+        ("local_write", m.local, "local_s"),
+        ("flush", m.flush, "flush_s"),
+        ("flush", m.flush_bytes, "nbytes"),
+    ):
+        for label, entry in (last.get(etype) or {}).items():
+            series = _series_of(str(label))
+            if series is not None and isinstance(entry, dict):
+                target.offer(series, entry.get("ts"), entry.get(name))
+    for hook, entry in (last.get("hook") or {}).items():
+        if not isinstance(entry, dict):
+            continue
+        out: Dict[str, float] = {}
+        if isinstance(entry.get("ts"), (int, float)):
+            out["ts"] = float(entry["ts"])
+        seconds = entry.get("seconds")
+        if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
+            out["seconds"] = float(seconds)
+        if "ok" in entry:
+            out["ok"] = 1.0 if entry["ok"] else 0.0
+        m.hooks[str(hook)] = out
+
+
+class _Collector:
+    """A prometheus_client collector over one :class:`NodeMetrics` snapshot."""
+
+    def __init__(self, m: NodeMetrics) -> None:
+        self.m = m
+
+    def describe(self) -> List[Any]:
+        return []  # unchecked collector: the registry does not call collect() at register
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        m, node = self.m, self.m.node
+
+        def family(name: str) -> Any:
+            kind, doc, labels = METRICS[name]
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            return cls(name, doc, labels=["node", *labels])
+
+        for name, last in (
+            (_P + "save_stall_seconds", m.stall),
+            (_P + "local_write_seconds", m.local),
+            (_P + "flush_seconds", m.flush),
+            (_P + "flush_bytes", m.flush_bytes),
+        ):
+            f = family(name)
+            for (user, key), (_, value) in sorted(last.values.items()):
+                f.add_metric([node, user, key], value)
+            yield f
+        for name, value in (
+            (_P + "flushed_bytes", m.flushed_bytes),
+            (_P + "flush_queue_bytes", m.queue_bytes),
+            (_P + "flush_queue_checkpoints", m.queue_checkpoints),
+            (_P + "flushes_in_flight", m.in_flight),
+        ):
+            f = family(name)
+            f.add_metric([node], value)
+            yield f
+        for name, per_series in (
+            (_P + "steps_at_risk", m.steps_at_risk),
+            (_P + "bytes_at_risk", m.bytes_at_risk),
+        ):
+            f = family(name)
+            for (user, key), value in sorted(per_series.items()):
+                f.add_metric([node, user, key], value)
+            yield f
+        for name, counts in ((_P + "failures", m.failures), (_P + "events", m.events)):
+            f = family(name)
+            for label, value in sorted(counts.items()):
+                f.add_metric([node, label], value)
+            yield f
+        for name, field_name in (
+            (_P + "hook_seconds", "seconds"),
+            (_P + "hook_success", "ok"),
+            (_P + "hook_last_run_timestamp_seconds", "ts"),
+        ):
+            f = family(name)
+            for hook, values in sorted(m.hooks.items()):
+                if field_name in values:
+                    f.add_metric([node, hook], values[field_name])
+            yield f
+
+
+def build_registry(m: NodeMetrics) -> Any:
+    """A fresh ``CollectorRegistry`` holding exactly these metrics."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(m))  # type: ignore[arg-type]
+    return registry
+
+
+def textfile_path(cfg: Config) -> Optional[Path]:
+    """``<metrics.textfile_dir>/slurm_ckpt.prom``, or None when not configured."""
+    if cfg.metrics.textfile_dir is None:
+        return None
+    return Path(cfg.metrics.textfile_dir) / TEXTFILE_NAME
+
+
+def refresh_textfile(
+    ledger: Ledger, cfg: Config, *, events_file: Optional[Path] = None
+) -> Optional[Path]:
+    """Rebuild the node's textfile from the ledger and the event summary.
+
+    Returns the file written, or None when ``metrics.textfile_dir`` is not configured.
+    ``events_file`` defaults to :func:`~slurm_ckpt.ledger.events.events_path` of the
+    ledger's node. Raises OSError when the directory cannot be written (and
+    :class:`~slurm_ckpt.ledger.LedgerError` when the ledger cannot be read); callers on a
+    checkpoint path should catch both: metrics must never stop a save.
+    """
+    target = textfile_path(cfg)
+    if target is None:
+        return None
+    from prometheus_client import write_to_textfile
+
+    m = collect(ledger, events_file or events_path(cfg, ledger.node))
+    os.makedirs(target.parent, mode=0o755, exist_ok=True)
+    write_to_textfile(str(target), build_registry(m))
+    return target

@@ -511,3 +511,35 @@ def test_exit_without_close_still_commits_the_local_write(tmp_path: Path) -> Non
     owed = [r.step for r in ckpt.ledger.pending_flush(ckpt.user, "run")]
     assert owed == [3] or steps(ckpt, "pfs") == [3]
     ckpt.close()
+
+
+def test_saves_and_flushes_become_events_and_metrics(tmp_path: Path) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from slurm_ckpt.core.config import Config
+    from slurm_ckpt.ledger.events import read_events
+
+    prom_dir = tmp_path / "prom"
+    (tmp_path / "local").mkdir()
+    (tmp_path / "pfs").mkdir()
+    cfg = Config.standalone(
+        tmp_path / "local", tmp_path / "pfs", metrics={"textfile_dir": str(prom_dir)}
+    )
+    ckpt = make(tmp_path, config=cfg, interval_steps=1)
+    for step in (1, 2):
+        ckpt.save(sample_state(step), step=step, tokens=step * 100)
+        ckpt.wait()
+    ckpt.close()
+    log = Path(ckpt.ledger.directory) / "events.jsonl"  # type: ignore[union-attr]
+    types = [e["type"] for e in read_events(log)]
+    assert types.count("save") == 2 and types.count("flush") == 2
+    assert types.count("local_write") == 2
+    text = (prom_dir / "slurm_ckpt.prom").read_text()
+    samples = {
+        (s.name, s.labels.get("key")): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+    assert samples[("slurm_ckpt_flush_queue_checkpoints", None)] == 0
+    assert samples[("slurm_ckpt_flush_seconds", "run")] > 0
+    assert samples[("slurm_ckpt_save_stall_seconds", "run")] > 0

@@ -73,9 +73,11 @@ from slurm_ckpt.job.signals import Deadline, SignalFlag
 from slurm_ckpt.job.slurm_env import job_end_time, read_env, resolve_rank, sanitize_node
 from slurm_ckpt.job.staging import StagingArea, write_direct
 from slurm_ckpt.job.state import flatten, index_bytes, layout
+from slurm_ckpt.ledger import events
 from slurm_ckpt.ledger.ledger import Ledger, Record, State
+from slurm_ckpt.ledger.metrics import refresh_textfile
 from slurm_ckpt.tiers.copy import copy_checkpoint
-from slurm_ckpt.tiers.posix import PosixTier
+from slurm_ckpt.tiers.registry import tiers_from_config
 
 log = logging.getLogger("slurm_ckpt")
 
@@ -158,6 +160,11 @@ class SaveRecord:
     direct: Any = field(default=None, repr=False)
     meta: Dict[str, Any] = field(default_factory=dict, repr=False)
     logged: bool = field(default=False, repr=False)
+
+
+#: Progress events after which the node's metrics textfile is rebuilt (never on the
+#: caller's thread: these all fire on the background writer and flusher threads).
+_METRIC_EVENTS = frozenset({"local_done", "local_failed", "flush_done", "flush_failed"})
 
 
 def _current_user() -> str:
@@ -352,19 +359,8 @@ class Checkpointer:
         self.mtbi_s = jc.mtbi
         self.max_consecutive_failures = jc.max_consecutive_failures
 
-        self.local = PosixTier(
-            "local",
-            str(cfg.tiers.local.root),
-            chunk_size=cfg.copy.chunk_size,
-            streams=cfg.copy.streams,
-        )
-        self.pfs = PosixTier(
-            "pfs",
-            str(cfg.tiers.pfs.root),
-            chunk_size=cfg.copy.chunk_size,
-            streams=cfg.copy.streams,
-            bandwidth=cfg.tiers.pfs.bandwidth_limit,
-        )
+        tiers = tiers_from_config(cfg)
+        self.local, self.pfs = tiers["local"], tiers["pfs"]
         self.local.check(write=True)
         try:
             self.pfs.check(write=True)
@@ -393,6 +389,14 @@ class Checkpointer:
         self._requeued = False
         self._agree = agree
         self._on_event = on_event
+        self._cfg = cfg
+        # Every save, flush and failure is also a structured event and a node metric.
+        self._events: Optional[events.EventLog] = None
+        try:
+            self._events = events.EventLog.from_config(cfg, self.node)
+        except (CkptError, OSError, ValueError) as exc:
+            log.warning("[ckpt] no event log: %s", exc)
+        self._event_cb = events.listener(self.user, self.shard_key, self.job, self._events)
 
         self._cv = threading.Condition()
         self._stats = CheckpointStats()
@@ -524,6 +528,13 @@ class Checkpointer:
         return self._deadline.time_left()
 
     def _emit(self, name: str, **info: Any) -> None:
+        if self._events is not None:
+            self._event_cb(name, info)
+            if name in _METRIC_EVENTS and self.ledger is not None:
+                try:  # runs on the background threads that finished the work
+                    refresh_textfile(self.ledger, self._cfg)
+                except (CkptError, OSError) as exc:
+                    log.warning("[ckpt] metrics textfile not written: %s", exc)
         if self._on_event is None:
             return
         try:

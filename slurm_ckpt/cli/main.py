@@ -40,6 +40,12 @@ COMMANDS: List[Tuple[str, str]] = [
     ("slurm_ckpt.cli.plan", "plan"),
     ("slurm_ckpt.cli.catalog", "list_cmd"),
     ("slurm_ckpt.cli.catalog", "verify_cmd"),
+    ("slurm_ckpt.cli.hooks_cmds", "prolog_cmd"),
+    ("slurm_ckpt.cli.hooks_cmds", "epilog_cmd"),
+    ("slurm_ckpt.cli.hooks_cmds", "stager_cmd"),
+    ("slurm_ckpt.cli.hooks_cmds", "install_hooks_cmd"),
+    ("slurm_ckpt.cli.status", "status_cmd"),
+    ("slurm_ckpt.cli.gc", "gc_cmd"),
 ]
 
 #: OSError numbers that a user or the site causes (permissions, full or read-only disks,

@@ -1,0 +1,182 @@
+"""``ckpt-slurm stager``: the per-node daemon that finishes what the epilog could not.
+
+The epilog has a hard time budget (SLURM kills it at PrologEpilogTimeout and drains the
+node); a big checkpoint over a busy PFS may need longer. So the epilog hands the rest to
+this daemon and drains the node with a ``slurm_ckpt:`` reason. Each pass of the stager:
+
+1. reconciles the ledger with the local tier (as each user) - it also picks up anything
+   left behind by a crashed job, epilog or stager;
+2. flushes every checkpoint still owed to the PFS (as its owner; jobs still running on
+   the node are left to flush their own), without a time limit - resumable copies make a
+   killed pass cheap to redo;
+3. applies local retention and publishes the node status;
+4. returns the node to service (``scontrol update nodename=X state=resume``) when nothing
+   is owed any more, the node passes its local-tier checks (mount, free space), and the
+   node is still drained *with a reason starting with* ``slurm_ckpt:`` - a node an admin
+   drained is never undrained. While work remains, the drain reason is kept current
+   (``slurm_ckpt: flushing 2 checkpoints (1.1 GiB)``).
+
+Run it from systemd (``etc/slurm-ckpt-stager.service``), or ``--once`` from cron/tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.units import format_bytes, format_duration
+from slurm_ckpt.errors import CkptError, SlurmError
+from slurm_ckpt.hooks.epilog import FlushOutcome, NodeWork, drain_reason
+from slurm_ckpt.hooks.prolog import check_local_tier
+from slurm_ckpt.slurm.client import SlurmClient
+
+log = logging.getLogger("slurm_ckpt.hooks")
+
+__all__ = ["StagerReport", "run_stager", "stager_pass"]
+
+
+@dataclass
+class StagerReport:
+    """One pass."""
+
+    node: str
+    flush: FlushOutcome = field(default_factory=FlushOutcome)
+    deleted: int = 0
+    backlog: int = 0
+    backlog_bytes: int = 0
+    resumed: bool = False
+    drain: Optional[str] = None
+    note: Optional[str] = None
+    healthy: bool = True
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        f = self.flush
+        parts = [f"flushed {len(f.flushed)} ({format_bytes(f.flushed_bytes)})"]
+        if f.failed:
+            parts.append(f"{len(f.failed)} failed ({f.failed[0][1]})")
+        if self.deleted:
+            parts.append(f"deleted {self.deleted} by retention")
+        parts.append(f"{self.backlog} still owed ({format_bytes(self.backlog_bytes)})")
+        if self.resumed:
+            parts.append("node resumed")
+        elif self.drain:
+            parts.append(f"node drained: {self.drain}")
+        if self.note:
+            parts.append(self.note)
+        parts.append(f"in {format_duration(self.seconds)}")
+        return f"stager on {self.node}: " + "; ".join(parts)
+
+
+def stager_pass(
+    cfg: Config,
+    node: str,
+    client: Optional[SlurmClient] = None,
+    deadline: Optional[float] = None,
+) -> StagerReport:
+    """One pass of the stager (see the module docstring)."""
+    clock = time.monotonic
+    t0 = clock()
+    report = StagerReport(node)
+    try:
+        check_local_tier(cfg, check_space=False)
+        work = NodeWork(cfg, node, client, clock)
+    except CkptError as exc:
+        # Nothing to flush from a tier that is not there; keep the node out of service.
+        report.healthy = False
+        report.note = f"local tier unusable: {exc}"
+        if client is not None:
+            _return_to_service(cfg, node, client, report)
+        report.seconds = clock() - t0
+        return report
+    work.reconcile(deadline)
+    running = work.running_jobs()
+    report.flush = work.flush(work.candidates(running), deadline)
+    report.deleted = work.retention(running, deadline)
+    report.backlog, report.backlog_bytes = work.backlog(running)
+    work.publish({"hook": "stager"})
+    if client is not None:
+        _return_to_service(cfg, node, client, report)
+    report.seconds = clock() - t0
+    return report
+
+
+def _return_to_service(cfg: Config, node: str, client: SlurmClient, report: StagerReport) -> None:
+    try:
+        info = client.node(node)
+    except SlurmError as exc:
+        report.note = f"node state unknown ({exc})"
+        return
+    if not info.drained:
+        return
+    if not info.reason_is_ours:
+        report.note = f"drained by someone else ({info.reason!r}); left alone"
+        return
+    if report.backlog:
+        err = report.flush.failed[-1][1] if report.flush.failed else None
+        reason = drain_reason(report.backlog, report.backlog_bytes, len(report.flush.failed), err)
+        report.drain = reason
+        if reason != info.reason:
+            try:
+                # Still ours (checked just above): keep the reason current for admins.
+                client.drain(node, reason)
+            except SlurmError as exc:
+                report.note = f"cannot update drain reason ({exc})"
+        return
+    try:
+        check_local_tier(cfg, check_space=True)
+    except CkptError as exc:
+        report.drain = info.reason
+        report.healthy = False
+        report.note = f"not resumed: {exc}"
+        return
+    try:
+        report.resumed = client.resume_if_ours(node)
+    except SlurmError as exc:
+        report.note = f"resume failed ({exc})"
+
+
+def run_stager(
+    cfg_loader: Callable[[], Config],
+    node: str,
+    client: Optional[SlurmClient],
+    interval: float = 30.0,
+    once: bool = False,
+    emit: Callable[[str], Any] = print,
+) -> int:
+    """The daemon loop: a pass every ``interval`` seconds until SIGTERM/SIGINT.
+
+    The configuration is re-read every pass (an admin's change takes effect without a
+    restart); a failing pass is logged and retried, never fatal. With ``once``, one pass
+    and the exit status says whether anything is still owed or the local tier is unusable
+    (0: all done, 1: not).
+    """
+    stop = {"now": False}
+
+    def _stop(signum: int, _frame: Any) -> None:
+        stop["now"] = True
+
+    if not once:
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+    while True:
+        started = time.monotonic()
+        try:
+            report = stager_pass(cfg_loader(), node, client)
+            emit(report.line())
+            status = 1 if report.backlog or not report.healthy else 0
+        except CkptError as exc:
+            if once:
+                raise
+            log.error("stager pass failed: %s", exc)
+            status = 1
+        if once:
+            return status
+        while not stop["now"] and time.monotonic() - started < interval:
+            time.sleep(min(1.0, interval))
+        if stop["now"]:
+            return 0

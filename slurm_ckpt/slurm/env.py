@@ -1,0 +1,200 @@
+"""The SLURM environment of a hook (prolog/epilog) or a job, parsed and validated.
+
+Root-run hooks build paths (``<local root>/<user>/``) and switch to uids taken from these
+variables, so every value is checked before use: names through
+:mod:`slurm_ckpt.core.names`, ids as plain decimal numbers in range, host lists through
+:mod:`slurm_ckpt.slurm.hostlist`. A missing or malformed variable is one
+:class:`~slurm_ckpt.errors.SlurmError` line naming the variable, never a traceback and
+never a silently wrong default.
+
+slurmd gives prolog and epilog ``SLURM_JOB_ID``, ``SLURM_JOB_USER``, ``SLURM_JOB_UID``,
+``SLURM_JOB_GID``, ``SLURMD_NODENAME``, ``SLURM_NODELIST``, ``SLURM_JOB_RESTART_COUNT``,
+``SLURM_SCRIPT_CONTEXT`` (``prolog_slurmd``/``epilog_slurmd``) and, in the epilog,
+``SLURM_JOB_EXIT_CODE`` (checked on 22.05). Jobs see ``SLURM_JOB_ID``,
+``SLURM_JOB_USER``, ``SLURMD_NODENAME``, ``SLURM_JOB_NODELIST``, ``SLURM_RESTART_COUNT``
+(only once requeued), ``SLURM_JOB_END_TIME`` (newer SLURMs), ``SLURM_STEP_ID`` ...
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import re
+from dataclasses import dataclass, field
+from typing import List, Mapping, Optional, Tuple
+
+from slurm_ckpt.core.names import validate_node, validate_user
+from slurm_ckpt.errors import CkptError, SlurmError
+from slurm_ckpt.slurm import hostlist
+
+__all__ = ["HookEnv", "JobEnv", "hook_env", "ids_of", "job_env", "parse_job_id"]
+
+_JOB_ID_RE = re.compile(r"^[1-9][0-9]{0,9}$")
+_INT_RE = re.compile(r"^-?[0-9]{1,10}$")
+#: uids/gids above this are refused (nobody is 65534; 2**31-1 keeps clear of (uid_t)-1).
+MAX_ID = 2**31 - 2
+
+
+def parse_job_id(value: object, what: str = "job id") -> str:
+    """A SLURM job id as a string of digits (``"12345"``); array/het suffixes refused."""
+    text = str(value).strip() if value is not None else ""
+    if not _JOB_ID_RE.match(text):
+        raise SlurmError(f"invalid {what} {value!r}: expected a positive number")
+    return text
+
+
+def _get(env: Mapping[str, str], name: str, required: bool) -> Optional[str]:
+    value = env.get(name)
+    if value is None or value.strip() == "":
+        if required:
+            raise SlurmError(f"${name} is not set (not running under SLURM?)")
+        return None
+    return value.strip()
+
+
+def _int(env: Mapping[str, str], name: str, required: bool, lo: int, hi: int) -> Optional[int]:
+    text = _get(env, name, required)
+    if text is None:
+        return None
+    if not _INT_RE.match(text):
+        raise SlurmError(f"${name}={text!r}: expected a whole number")
+    value = int(text)
+    if not lo <= value <= hi:
+        raise SlurmError(f"${name}={value}: out of range {lo}..{hi}")
+    return value
+
+
+def _name(env: Mapping[str, str], name: str, required: bool, check) -> Optional[str]:  # noqa: ANN001
+    text = _get(env, name, required)
+    if text is None:
+        return None
+    try:
+        return check(text)
+    except CkptError as exc:
+        raise SlurmError(f"${name}: {exc}") from None
+
+
+def _nodes(env: Mapping[str, str], *names: str) -> List[str]:
+    for name in names:
+        text = _get(env, name, False)
+        if text is None:
+            continue
+        try:
+            return [validate_node(n) for n in hostlist.expand(text)]
+        except CkptError as exc:
+            raise SlurmError(f"${name}: {exc}") from None
+    return []
+
+
+@dataclass(frozen=True)
+class HookEnv:
+    """What slurmd tells a prolog/epilog about the job it runs for."""
+
+    job_id: str
+    user: str
+    uid: int
+    gid: int
+    node: str
+    nodes: List[str] = field(default_factory=list)
+    restart_count: int = 0
+    context: Optional[str] = None
+    exit_code: Optional[int] = None
+
+    @property
+    def is_requeue(self) -> bool:
+        """The job has run before (requeued after preemption, time limit, node failure)."""
+        return self.restart_count > 0
+
+
+def hook_env(environ: Optional[Mapping[str, str]] = None, check_passwd: bool = True) -> HookEnv:
+    """Parse and validate a prolog/epilog environment.
+
+    With ``check_passwd`` the user must exist locally with exactly that uid: a hook that
+    creates directories for uid N under the name of user M would hand one user's files
+    to another.
+    """
+    env = os.environ if environ is None else environ
+    job_id = parse_job_id(_get(env, "SLURM_JOB_ID", True), "$SLURM_JOB_ID")
+    user = _name(env, "SLURM_JOB_USER", True, validate_user)
+    uid = _int(env, "SLURM_JOB_UID", True, 0, MAX_ID)
+    gid = _int(env, "SLURM_JOB_GID", False, 0, MAX_ID)
+    node = _name(env, "SLURMD_NODENAME", True, validate_node)
+    assert user is not None and uid is not None and node is not None
+    if check_passwd or gid is None:
+        try:
+            pw = pwd.getpwnam(user)
+        except KeyError:
+            raise SlurmError(f"job user {user!r} is not known on this node (passwd)") from None
+        if pw.pw_uid != uid:
+            raise SlurmError(f"$SLURM_JOB_UID={uid} does not match user {user!r} (uid {pw.pw_uid})")
+        if gid is None:
+            gid = pw.pw_gid
+    restart = _int(env, "SLURM_JOB_RESTART_COUNT", False, 0, 10**9)
+    if restart is None:
+        restart = _int(env, "SLURM_RESTART_COUNT", False, 0, 10**9)
+    exit_code = _int(env, "SLURM_JOB_EXIT_CODE", False, -(2**31), 2**31 - 1)
+    context = _get(env, "SLURM_SCRIPT_CONTEXT", False)
+    if context is not None and not re.match(r"^[a-z_]{1,32}$", context):
+        raise SlurmError(f"$SLURM_SCRIPT_CONTEXT={context!r}: unexpected value")
+    return HookEnv(
+        job_id=job_id,
+        user=user,
+        uid=uid,
+        gid=gid,
+        node=node,
+        nodes=_nodes(env, "SLURM_NODELIST", "SLURM_JOB_NODELIST"),
+        restart_count=restart or 0,
+        context=context,
+        exit_code=exit_code,
+    )
+
+
+@dataclass(frozen=True)
+class JobEnv:
+    """What a batch script or task learns about its job from the environment."""
+
+    job_id: str
+    user: Optional[str] = None
+    node: Optional[str] = None
+    nodes: List[str] = field(default_factory=list)
+    restart_count: int = 0
+    step_id: Optional[str] = None
+    end_time: Optional[float] = None
+    name: Optional[str] = None
+
+    @property
+    def nnodes(self) -> int:
+        return len(self.nodes) or 1
+
+
+def job_env(environ: Optional[Mapping[str, str]] = None) -> JobEnv:
+    """Parse the environment of a process inside a SLURM job (batch script or task)."""
+    env = os.environ if environ is None else environ
+    raw_id = _get(env, "SLURM_JOB_ID", False) or _get(env, "SLURM_JOBID", False)
+    if raw_id is None:
+        raise SlurmError("$SLURM_JOB_ID is not set (not running inside a SLURM job)")
+    job_id = parse_job_id(raw_id, "$SLURM_JOB_ID")
+    end = _int(env, "SLURM_JOB_END_TIME", False, 0, 2**40)
+    step = _get(env, "SLURM_STEP_ID", False)
+    if step is not None and not re.match(r"^[0-9]{1,10}$", step):
+        step = None  # "batch"/"extern" steps have no number; not needed then
+    name = _get(env, "SLURM_JOB_NAME", False)
+    return JobEnv(
+        job_id=job_id,
+        user=_name(env, "SLURM_JOB_USER", False, validate_user),
+        node=_name(env, "SLURMD_NODENAME", False, validate_node),
+        nodes=_nodes(env, "SLURM_JOB_NODELIST", "SLURM_NODELIST"),
+        restart_count=_int(env, "SLURM_RESTART_COUNT", False, 0, 10**9) or 0,
+        step_id=step,
+        end_time=float(end) if end else None,
+        name=name,
+    )
+
+
+def ids_of(user: str) -> Tuple[int, int]:
+    """``(uid, gid)`` of a local user; SlurmError if unknown."""
+    try:
+        pw = pwd.getpwnam(validate_user(user))
+    except KeyError:
+        raise SlurmError(f"user {user!r} is not known on this node (passwd)") from None
+    return pw.pw_uid, pw.pw_gid

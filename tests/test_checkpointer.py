@@ -543,3 +543,42 @@ def test_saves_and_flushes_become_events_and_metrics(tmp_path: Path) -> None:
     assert samples[("slurm_ckpt_flush_queue_checkpoints", None)] == 0
     assert samples[("slurm_ckpt_flush_seconds", "run")] > 0
     assert samples[("slurm_ckpt_save_stall_seconds", "run")] > 0
+
+
+def test_runs_as_a_user_below_root_owned_tiers() -> None:
+    """The secure SLURM layout: tier roots and the node ledger are root's; the prolog made
+    ``<root>/<user>`` for the job user. The job's Checkpointer (not root) must save,
+    flush and keep its own ledger in its user directory."""
+    import shutil
+    import tempfile
+
+    from conftest import in_child_as
+
+    tmp_path = Path(tempfile.mkdtemp(prefix="ckpt-user-", dir="/var/tmp"))  # world-traversable
+    os.chmod(tmp_path, 0o755)
+    local, pfs = tmp_path / "local", tmp_path / "pfs"
+    for root in (local, pfs):
+        root.mkdir(mode=0o755)
+        (root / "nobody").mkdir(mode=0o700)
+        os.chown(root / "nobody", 65534, 65534)
+    (local / ".slurm_ckpt").mkdir(mode=0o755)  # the node ledger: root's alone
+
+    def run() -> Any:
+        ck = Checkpointer(
+            local=local,
+            pfs=pfs,
+            key="run",
+            install_signals=False,
+            end_time_fn=None,
+            interval_steps=1,
+        )
+        ck.save({"model": {"w": torch.ones(4)}}, step=1)
+        ck.close()
+        assert ck.ledger is not None
+        return [s.step for s in ck.pfs.steps("nobody", "run")], str(ck.ledger.directory)
+
+    steps, ledger_dir = in_child_as(65534, 65534, run)
+    assert steps == [1]
+    assert ledger_dir == str(local / "nobody" / ".slurm_ckpt")
+    assert os.listdir(local / ".slurm_ckpt") == []  # root's ledger untouched
+    shutil.rmtree(tmp_path)

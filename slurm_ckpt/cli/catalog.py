@@ -6,7 +6,6 @@ restart or a deletion in a script.
 
 from __future__ import annotations
 
-import getpass
 import os
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ import click
 
 from slurm_ckpt.cli.output import CliState, pass_state, print_json, print_table
 from slurm_ckpt.core.layout import parse_step_dirname
-from slurm_ckpt.core.names import validate_key, validate_user
+from slurm_ckpt.core.names import current_user, validate_key, validate_user
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import CkptError, NotFound
 from slurm_ckpt.tiers.posix import PosixTier
@@ -26,7 +25,7 @@ tier_choice = click.Choice(["all", *ORDER])
 
 
 def _user(user: Optional[str]) -> str:
-    return validate_user(user or getpass.getuser())
+    return validate_user(user) if user else current_user()
 
 
 def _selected(state: CliState, tier: str) -> Dict[str, PosixTier]:

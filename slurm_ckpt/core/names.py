@@ -8,6 +8,7 @@ is rejected here, once, before any path is built.
 
 from __future__ import annotations
 
+import os
 import re
 
 from slurm_ckpt.errors import InvalidName
@@ -69,3 +70,14 @@ def validate_relpath(path: str) -> str:
     if parts[0] == "manifest.json" or parts[0].startswith(".manifest"):
         raise InvalidName(f"invalid file name {path!r}: reserved for the manifest")
     return path
+
+
+def current_user() -> str:
+    """The name of the real uid running this process (not ``$USER``, which anyone can set:
+    tier directories are owned by uids, so the name must match the uid)."""
+    import pwd
+
+    try:
+        return validate_user(pwd.getpwuid(os.getuid()).pw_name)
+    except KeyError:
+        raise InvalidName(f"uid {os.getuid()} has no passwd entry") from None

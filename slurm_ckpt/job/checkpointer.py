@@ -43,9 +43,9 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import dataclasses
 import functools
-import getpass
 import logging
 import os
 import socket
@@ -58,7 +58,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Union
 
 from slurm_ckpt.core.commit import AlreadyCommitted
 from slurm_ckpt.core.config import Config
-from slurm_ckpt.core.names import validate_key, validate_user
+from slurm_ckpt.core.names import current_user, validate_key, validate_user
 from slurm_ckpt.core.planner import auto_interval
 from slurm_ckpt.core.retention import (
     CkptInfo,
@@ -165,15 +165,6 @@ class SaveRecord:
 #: Progress events after which the node's metrics textfile is rebuilt (never on the
 #: caller's thread: these all fire on the background writer and flusher threads).
 _METRIC_EVENTS = frozenset({"local_done", "local_failed", "flush_done", "flush_failed"})
-
-
-def _current_user() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError, ImportError):  # pragma: no cover - no passwd entry
-        import pwd
-
-        return pwd.getpwuid(os.getuid()).pw_name
 
 
 def _one_line(text: object) -> str:
@@ -336,7 +327,7 @@ class Checkpointer:
         self.key = validate_key(key)
         self.shard_key = validate_key(shard_key(key, self.rank, self.world_size))
         self.prefix = shard_prefix(self.rank)
-        self.user = validate_user(user or _current_user())
+        self.user = validate_user(user or current_user())
         self.node = sanitize_node(node or socket.gethostname())
         self.job = None if job is None else str(job)
         self.flush_policy = flush_policy
@@ -361,15 +352,15 @@ class Checkpointer:
 
         tiers = tiers_from_config(cfg)
         self.local, self.pfs = tiers["local"], tiers["pfs"]
-        self.local.check(write=True)
+        self.local.check_user(self.user)
         try:
-            self.pfs.check(write=True)
+            self.pfs.check_user(self.user)
         except TierError as exc:
             log.warning("[ckpt] PFS tier not usable now (flushes will fail): %s", exc)
         self.min_free = cfg.tiers.local.min_free
         self.ledger: Optional[Ledger] = None
         try:
-            self.ledger = Ledger(cfg.ledger.dir, self.node)
+            self.ledger = Ledger(self._ledger_dir(cfg), self.node)
         except CkptError as exc:
             log.warning("[ckpt] running without a ledger: %s", exc)
 
@@ -432,6 +423,23 @@ class Checkpointer:
             atexit.register(hook)
 
     # ------------------------------------------------------------------ construction
+    def _ledger_dir(self, cfg: Config) -> str:
+        """The node ledger when this process may write it (root, standalone use), else a
+        ledger of this user's own in ``<local root>/<user>/.slurm_ckpt``.
+
+        On a SLURM node the node ledger is root's alone (a user-writable directory that
+        root opens files in would be a symlink attack); root's hooks rebuild their view
+        from the tiers, so the user's ledger only has to serve this user's process.
+        """
+        node_dir = os.fspath(cfg.ledger.dir)
+        probe = node_dir if os.path.isdir(node_dir) else os.path.dirname(node_dir)
+        if os.geteuid() == 0 or os.access(probe, os.W_OK | os.X_OK):
+            return node_dir
+        udir = os.path.join(os.fspath(cfg.tiers.local.root), self.user)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(udir, 0o700)
+        return os.path.join(udir, ".slurm_ckpt")
+
     @staticmethod
     def _build_config(
         config: Optional[Config],

@@ -11,6 +11,7 @@ import errno
 import fcntl
 import os
 import shutil
+import stat
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -149,6 +150,26 @@ class PosixTier:
         os.close(fd)
         if write and not os.access(self.root, os.W_OK | os.X_OK):
             raise TierError(f"{self.name} tier root {self.root}: permission denied")
+
+    def check_user(self, user: str) -> None:
+        """Raise a one-line TierError unless ``user`` can write checkpoints here: into
+        ``<root>/<user>`` when it exists (as a secure site's prolog makes it, below a root
+        only root may write), else by creating it in a writable root (plain directories,
+        a mode-1777 scratch root)."""
+        validate_user(user)
+        self.check()
+        udir = os.path.join(self.root, user)
+        try:
+            st = os.lstat(udir)
+        except FileNotFoundError:
+            if not os.access(self.root, os.W_OK | os.X_OK):
+                raise TierError(
+                    f"{self.name} tier: {udir} does not exist and {self.root} is not writable"
+                    " (the prolog creates it on SLURM nodes)"
+                ) from None
+            return
+        if not stat.S_ISDIR(st.st_mode) or not os.access(udir, os.W_OK | os.X_OK):
+            raise TierError(f"{self.name} tier {udir}: not a directory you can write")
 
     def free_bytes(self) -> int:
         return shutil.disk_usage(self.root).free

@@ -1,0 +1,660 @@
+"""PyTorch training state <-> the toolkit's pickle-free state tree, restored bit for bit.
+
+Why this module exists
+----------------------
+The job layer stores a nested dict whose leaves are tensors, numpy arrays, bytes or
+JSON values (raw tensor bytes plus a JSON index, no pickle: a checkpoint must never be
+able to run code when it is loaded, and must stay readable without the classes that
+wrote it). A PyTorch training job's state is not shaped like that: optimizer state is
+keyed by ``int``, ``param_groups`` hold tuples (``betas``), schedulers hold ``inf``
+(``ReduceLROnPlateau``) or nested scheduler states, RNG states are tuples of Python
+ints. :func:`capture` turns all of it into such a tree and :func:`apply` turns it back,
+*exactly* - same values, same key types, same RNG streams - so a job resumed from a
+checkpoint continues the very same trajectory (bitwise equal weights to an uninterrupted
+run, which ``tests/test_torch_resume.py`` checks).
+
+Layout of the tree (top-level keys)::
+
+    model          {param/buffer name: tensor}      (first: weights can be restored alone)
+    optimizer      {"state": {"0": {...}}, "param_groups": [...]}
+    scheduler      the LR scheduler's state_dict (JSON-able parts)
+    scaler         the GradScaler's state_dict
+    rng            {"python": ..., "numpy": ..., "torch": tensor, "cuda": {"0": tensor}}
+    data_position  the caller's dict (sampler epoch/index, tokens seen, ...)
+    extra          anything else the caller wants kept (same value rules)
+    torch_format   {"name": "slurm_ckpt.torch", "version": 1}
+
+Values that have no exact JSON form are wrapped in small tagged dicts
+(``{"__sc__": "tuple", "v": [...]}``, ``{"__sc__": "float", "v": "inf"}``, int-keyed
+dicts, lists holding tensors) so the round trip is lossless; anything that could only be
+saved by pickling (a lambda, a bound method, an arbitrary object) is refused with a
+one-line :class:`UnsupportedState` naming where it was found.
+
+This is the only module of the package that imports torch; nothing below the job layer
+may import it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, Optional
+
+import numpy as np
+import torch
+
+from slurm_ckpt.errors import CkptError
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "Resumed",
+    "TorchCheckpointer",
+    "UnsupportedState",
+    "apply",
+    "apply_model",
+    "apply_rng",
+    "capture",
+    "capture_rng",
+    "decode",
+    "encode",
+    "restore",
+    "save",
+    "state_digest",
+]
+
+FORMAT_NAME = "slurm_ckpt.torch"
+FORMAT_VERSION = 1
+TAG = "__sc__"
+
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+class UnsupportedState(CkptError):
+    """A value in the training state cannot be stored without pickle (lambda, object...)."""
+
+    exit_code = 2
+
+
+# ---------------------------------------------------------------------------------------
+# generic lossless encoding of state_dict-like values
+# ---------------------------------------------------------------------------------------
+def _is_leaf_blob(x: Any) -> bool:
+    """Leaves the job layer stores as raw bytes (not JSON)."""
+    return isinstance(x, (torch.Tensor, np.ndarray, bytes))
+
+
+def _has_blob(x: Any) -> bool:
+    """Does an encoded value contain a tensor/array/bytes anywhere? (Such values must sit
+    in dicts, not lists: the job layer's index only nests tensors inside dicts.)"""
+    if _is_leaf_blob(x):
+        return True
+    if isinstance(x, dict):
+        return any(_has_blob(v) for v in x.values())
+    if isinstance(x, list):
+        return any(_has_blob(v) for v in x)
+    return False
+
+
+def _enc_tensor(t: torch.Tensor, path: str) -> torch.Tensor:
+    if t.layout != torch.strided:
+        raise UnsupportedState(f"{path}: {t.layout} tensors are not supported (use dense)")
+    if t.is_quantized:
+        raise UnsupportedState(f"{path}: quantized tensors are not supported")
+    if t.device.type == "meta":
+        raise UnsupportedState(f"{path}: a meta tensor has no data to save")
+    t = t.detach()
+    if type(t) is not torch.Tensor:  # nn.Parameter, DTensor, ... -> plain tensor view
+        if not isinstance(t, torch.nn.Parameter) and hasattr(t, "__torch_dispatch__"):
+            raise UnsupportedState(
+                f"{path}: tensor subclass {type(t).__name__} is not supported; "
+                "pass a plain (local or gathered) tensor"
+            )
+        t = t.as_subclass(torch.Tensor)
+    return t
+
+
+def encode(obj: Any, path: str = "state") -> Any:
+    """Encode one value losslessly into tensors/arrays/bytes/JSON nested in dicts.
+
+    Tensors are returned as detached references, not copies: the job layer's ``save()``
+    takes the snapshot, so copying here would only double the memory of a checkpoint.
+    ``path`` names the value in error messages.
+    """
+    if isinstance(obj, torch.Tensor):
+        return _enc_tensor(obj, path)
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.hasobject:
+            raise UnsupportedState(f"{path}: numpy object arrays would need pickle")
+        return obj
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return bytes(obj)
+    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
+        return obj
+    if isinstance(obj, np.generic):  # before int/float: np.float64 subclasses float
+        if obj.dtype.hasobject or obj.dtype.kind not in "biufc":
+            raise UnsupportedState(f"{path}: numpy scalar of dtype {obj.dtype} not supported")
+        if obj.dtype.kind == "c":
+            return {
+                TAG: "npscalar",
+                "dtype": obj.dtype.str,
+                "v": [obj.real.item(), obj.imag.item()],
+            }
+        v = obj.item()
+        return {TAG: "npscalar", "dtype": obj.dtype.str, "v": encode(v, path)}
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        if math.isfinite(obj):
+            return float(obj)
+        return {TAG: "float", "v": repr(float(obj))}  # 'inf', '-inf', 'nan'
+    if isinstance(obj, torch.dtype):
+        return {TAG: "dtype", "v": str(obj).replace("torch.", "")}
+    if isinstance(obj, torch.device):
+        return {TAG: "device", "v": str(obj)}
+    if isinstance(obj, Mapping):
+        keys = list(obj.keys())
+        if all(isinstance(k, str) for k in keys):
+            if TAG in keys:
+                raise UnsupportedState(f"{path}: the key {TAG!r} is reserved")
+            return {k: encode(obj[k], f"{path}.{k}") for k in keys}
+        for k in keys:
+            if not isinstance(k, _JSON_SCALARS) or (isinstance(k, float) and not math.isfinite(k)):
+                raise UnsupportedState(f"{path}: dict key {k!r} ({type(k).__name__}) not supported")
+        return {
+            TAG: "dict",
+            "k": keys,
+            "v": {str(i): encode(obj[k], f"{path}[{k!r}]") for i, k in enumerate(keys)},
+        }
+    if isinstance(obj, (list, tuple)):
+        kind = "tuple" if isinstance(obj, tuple) else "list"
+        if isinstance(obj, tuple) and type(obj) is not tuple and not isinstance(obj, torch.Size):
+            raise UnsupportedState(f"{path}: named tuple {type(obj).__name__} would need pickle")
+        items = [encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+        if any(_has_blob(v) for v in items):
+            return {TAG: kind + "_d", "v": {str(i): v for i, v in enumerate(items)}}
+        return items if kind == "list" else {TAG: "tuple", "v": items}
+    what = "a function or lambda" if callable(obj) else f"an object of type {type(obj).__name__}"
+    raise UnsupportedState(
+        f"{path}: {what} cannot be saved without pickle; keep it in code (e.g. pass the same "
+        "lambda when rebuilding the scheduler) or reduce it to tensors/JSON values"
+    )
+
+
+def decode(obj: Any) -> Any:
+    """Inverse of :func:`encode` (tensors and arrays are returned as they come)."""
+    if isinstance(obj, dict):
+        tag = obj.get(TAG)
+        if tag is None:
+            return {k: decode(v) for k, v in obj.items()}
+        v = obj["v"]
+        if tag == "float":
+            return float(v)
+        if tag == "tuple":
+            return tuple(decode(x) for x in v)
+        if tag in ("list_d", "tuple_d"):
+            items = [decode(v[str(i)]) for i in range(len(v))]
+            return items if tag == "list_d" else tuple(items)
+        if tag == "dict":
+            return {k: decode(v[str(i)]) for i, k in enumerate(obj["k"])}
+        if tag == "npscalar":
+            dt = np.dtype(obj["dtype"])
+            if dt.kind == "c":
+                return dt.type(complex(v[0], v[1]))
+            return dt.type(decode(v))
+        if tag == "dtype":
+            return getattr(torch, v)
+        if tag == "device":
+            return torch.device(v)
+        raise UnsupportedState(f"unknown tag {tag!r} in saved state (written by a newer version?)")
+    if isinstance(obj, list):
+        return [decode(x) for x in obj]
+    return obj
+
+
+def _as_tensor(x: Any) -> Any:
+    """Tensors may come back from storage as numpy arrays; the optimizer wants tensors."""
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(x)
+    return x
+
+
+def _tensors_in(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _tensors_in(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_tensors_in(v) for v in x]
+    if isinstance(x, tuple):
+        return tuple(_tensors_in(v) for v in x)
+    return _as_tensor(x)
+
+
+# ---------------------------------------------------------------------------------------
+# pieces
+# ---------------------------------------------------------------------------------------
+def _model_state(model: torch.nn.Module) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for name, value in model.state_dict().items():
+        out[name] = encode(value, f"model.{name}")
+    return out
+
+
+def _optimizer_state(opt: torch.optim.Optimizer) -> Dict[str, Any]:
+    sd = opt.state_dict()
+    state = sd.get("state", {})
+    keys = list(state.keys())
+    int_keys = all(isinstance(k, int) and not isinstance(k, bool) for k in keys)
+    if not int_keys and not all(isinstance(k, str) for k in keys):
+        raise UnsupportedState("optimizer.state: keys must be all ints or all strings")
+    enc_state = {str(k): encode(state[k], f"optimizer.state[{k!r}]") for k in keys}
+    out: Dict[str, Any] = {
+        "state": enc_state,
+        "param_groups": encode(sd.get("param_groups", []), "optimizer.param_groups"),
+        "int_keys": int_keys,
+    }
+    rest = {k: v for k, v in sd.items() if k not in ("state", "param_groups")}
+    if rest:  # e.g. optimizers with extra top-level entries
+        out["rest"] = encode(rest, "optimizer")
+    return out
+
+
+def _optimizer_load(opt: torch.optim.Optimizer, saved: Dict[str, Any]) -> None:
+    int_keys = bool(saved.get("int_keys", True))
+    state = {(int(k) if int_keys else k): _tensors_in(decode(v)) for k, v in saved["state"].items()}
+    sd: Dict[str, Any] = {
+        "state": state,
+        "param_groups": _tensors_in(decode(saved["param_groups"])),
+    }
+    if "rest" in saved:
+        sd.update(_tensors_in(decode(saved["rest"])))
+    opt.load_state_dict(sd)
+
+
+def capture_rng() -> Dict[str, Any]:
+    """Every global RNG a training step may draw from: Python, NumPy, torch CPU, CUDA."""
+    version, internal, gauss_next = random.getstate()
+    np_state = np.random.get_state(legacy=True)
+    name, keys, pos, has_gauss, cached = np_state  # type: ignore[misc]
+    out: Dict[str, Any] = {
+        "python": {
+            "version": int(version),
+            "internal": [int(x) for x in internal],
+            "gauss_next": encode(gauss_next, "rng.python.gauss_next"),
+        },
+        "numpy": {
+            "name": str(name),
+            "keys": np.array(keys, dtype=np.uint32, copy=True),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": encode(float(cached), "rng.numpy.cached_gaussian"),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        out["cuda"] = {str(i): s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+    return out
+
+
+def apply_rng(saved: Dict[str, Any]) -> None:
+    """Restore the RNGs saved by :func:`capture_rng` (CUDA ones only where CUDA exists)."""
+    py = saved.get("python")
+    if py is not None:
+        random.setstate(
+            (int(py["version"]), tuple(int(x) for x in py["internal"]), decode(py["gauss_next"]))
+        )
+    nps = saved.get("numpy")
+    if nps is not None:
+        keys = np.asarray(nps["keys"], dtype=np.uint32)
+        np.random.set_state(
+            (
+                str(nps["name"]),
+                keys,
+                int(nps["pos"]),
+                int(nps["has_gauss"]),
+                float(decode(nps["cached_gaussian"])),
+            )
+        )
+    ts = saved.get("torch")
+    if ts is not None:
+        torch.set_rng_state(_as_tensor(ts).to(torch.uint8).cpu().clone())
+    cuda = saved.get("cuda")
+    if cuda:
+        if not torch.cuda.is_available():
+            warnings.warn(
+                "checkpoint holds CUDA RNG states but CUDA is not available: not restored",
+                stacklevel=3,
+            )
+        else:
+            states = [_as_tensor(cuda[str(i)]).to(torch.uint8).cpu() for i in range(len(cuda))]
+            n = torch.cuda.device_count()
+            if n != len(states):
+                warnings.warn(
+                    f"checkpoint holds {len(states)} CUDA RNG states, this process sees {n} "
+                    "devices: restoring the first min of both",
+                    stacklevel=3,
+                )
+            for i in range(min(n, len(states))):
+                torch.cuda.set_rng_state(states[i], i)
+
+
+# ---------------------------------------------------------------------------------------
+# public API
+# ---------------------------------------------------------------------------------------
+def capture(
+    model: Optional[torch.nn.Module] = None,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    scheduler: Optional[Any] = None,
+    scaler: Optional[Any] = None,
+    data_position: Optional[Mapping[str, Any]] = None,
+    extra: Optional[Mapping[str, Any]] = None,
+    *,
+    rng: bool = True,
+) -> Dict[str, Any]:
+    """The complete training state as a pickle-free tree, ready for ``Checkpointer.save``.
+
+    Tensors are *references* into the live model/optimizer (detached, not copied): hand
+    the result to ``save()`` straight away, which snapshots them before returning, and do
+    not step the optimizer in between. ``rng=False`` leaves the global RNGs out (for a
+    job whose randomness is fully derived from the step, or for weights-only exports).
+    """
+    state: Dict[str, Any] = {}
+    if model is not None:  # first: the job layer writes "model" first (weights-first restore)
+        state["model"] = _model_state(model)
+    if optimizer is not None:
+        state["optimizer"] = _optimizer_state(optimizer)
+    if scheduler is not None:
+        state["scheduler"] = encode(scheduler.state_dict(), "scheduler")
+    if scaler is not None:
+        state["scaler"] = encode(scaler.state_dict(), "scaler")
+    if rng:
+        state["rng"] = capture_rng()
+    if data_position is not None:
+        state["data_position"] = encode(dict(data_position), "data_position")
+    if extra is not None:
+        state["extra"] = encode(dict(extra), "extra")
+    state["torch_format"] = {"name": FORMAT_NAME, "version": FORMAT_VERSION}
+    return state
+
+
+def _check_format(state: Mapping[str, Any]) -> None:
+    fmt = state.get("torch_format")
+    if fmt is None:
+        return  # a tree saved by hand; accept what is there
+    if fmt.get("name") != FORMAT_NAME or int(fmt.get("version", 0)) > FORMAT_VERSION:
+        raise UnsupportedState(
+            f"checkpoint state format {fmt!r} is not readable by this version "
+            f"({FORMAT_NAME} v{FORMAT_VERSION})"
+        )
+
+
+def apply_model(state: Mapping[str, Any], model: torch.nn.Module, strict: bool = True) -> None:
+    """Load only the weights (``state["model"]``) into ``model`` - e.g. straight after a
+    weights-only restore, before the optimizer state has been read."""
+    _check_format(state)
+    if "model" not in state:
+        raise UnsupportedState("checkpoint holds no model weights ('model' key missing)")
+    sd = {k: _tensors_in(decode(v)) for k, v in state["model"].items()}
+    model.load_state_dict(sd, strict=strict)
+
+
+def apply(
+    state: Mapping[str, Any],
+    model: Optional[torch.nn.Module] = None,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    scheduler: Optional[Any] = None,
+    scaler: Optional[Any] = None,
+    *,
+    rng: bool = True,
+    strict: bool = True,
+) -> Optional[Dict[str, Any]]:
+    """Restore what :func:`capture` saved into the given objects; return the data position.
+
+    Order matters for exactness: model, then optimizer (its ``load_state_dict`` casts
+    state to the parameters' device/dtype), scheduler, scaler, and the RNGs last so that
+    nothing run during the restore consumes random numbers after they were set. A part
+    asked for but missing from the checkpoint is an error, not a silent fresh start.
+    """
+    _check_format(state)
+    if model is not None:
+        apply_model(state, model, strict=strict)
+    if optimizer is not None:
+        if "optimizer" not in state:
+            raise UnsupportedState("checkpoint holds no optimizer state ('optimizer' missing)")
+        _optimizer_load(optimizer, state["optimizer"])
+    if scheduler is not None:
+        if "scheduler" not in state:
+            raise UnsupportedState("checkpoint holds no LR scheduler state ('scheduler' missing)")
+        scheduler.load_state_dict(_tensors_in(decode(state["scheduler"])))
+    if scaler is not None:
+        if "scaler" not in state:
+            raise UnsupportedState("checkpoint holds no GradScaler state ('scaler' missing)")
+        scaler.load_state_dict(_tensors_in(decode(state["scaler"])))
+    if rng and "rng" in state:
+        apply_rng(state["rng"])
+    pos = state.get("data_position")
+    return None if pos is None else decode(pos)
+
+
+def state_digest(source: Any) -> str:
+    """sha256 of the raw bytes of every tensor of a model (or state_dict), in order.
+
+    Used to prove that a resumed run ends bitwise equal to an uninterrupted one; names,
+    dtypes and shapes are hashed too so a reshaped or retyped tensor cannot collide.
+    """
+    sd = source.state_dict() if isinstance(source, torch.nn.Module) else source
+    h = hashlib.sha256()
+    for name, t in _flat_items(sd):
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        t = t.detach().cpu().contiguous().reshape(-1)
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _flat_items(sd: Mapping[str, Any], prefix: str = "") -> Iterable[Any]:
+    for k, v in sd.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, torch.Tensor):
+            yield name, v
+        elif isinstance(v, np.ndarray):
+            yield name, torch.from_numpy(np.ascontiguousarray(v))
+        elif isinstance(v, Mapping):
+            yield from _flat_items(v, name + ".")
+
+
+# ---------------------------------------------------------------------------------------
+# with a Checkpointer (the job layer)
+# ---------------------------------------------------------------------------------------
+@dataclass
+class Resumed:
+    """What a restore put back: where training resumes, and where it came from."""
+
+    step: int
+    tokens: Optional[int]
+    tier: str
+    data_position: Optional[Dict[str, Any]]
+    extra: Optional[Dict[str, Any]] = None
+    #: seconds from the start of the restore until the weights were in the model
+    weights_s: float = 0.0
+    #: seconds for the whole restore (read + verify + apply)
+    seconds: float = 0.0
+    meta: Dict[str, Any] = field(default_factory=dict)
+
+
+def save(
+    ckpt: Any,
+    model: Optional[torch.nn.Module] = None,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    scheduler: Optional[Any] = None,
+    scaler: Optional[Any] = None,
+    *,
+    step: int,
+    tokens: Optional[int] = None,
+    data_position: Optional[Mapping[str, Any]] = None,
+    extra: Optional[Mapping[str, Any]] = None,
+    rng: bool = True,
+) -> Any:
+    """``ckpt.save(capture(...), step=, tokens=)``: returns once the snapshot is taken (the
+    job layer copies every tensor before returning), so training may go on at once."""
+    state = capture(model, optimizer, scheduler, scaler, data_position, extra, rng=rng)
+    return ckpt.save(state, step=step, tokens=tokens)
+
+
+def restore(
+    ckpt: Any,
+    model: Optional[torch.nn.Module] = None,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    scheduler: Optional[Any] = None,
+    scaler: Optional[Any] = None,
+    *,
+    weights_first: bool = False,
+    rng: bool = True,
+    strict: bool = True,
+) -> Optional[Resumed]:
+    """Restore the newest complete, verified checkpoint into the given objects.
+
+    Under torch.distributed the job layer makes every rank agree on one step (a min
+    all-reduce of each rank's newest verified step, repeated until all hold it), so all
+    ranks resume together; each rank loads its own shard. With ``weights_first`` the
+    weights are read, verified and loaded before the optimizer state is read - useful when
+    something (evaluation, a warm-up) only needs the weights. Returns None when there is
+    no checkpoint (every rank then starts fresh).
+    """
+    t0 = time.monotonic()
+    got = ckpt.restore(weights_only=bool(weights_first and model is not None))
+    if got is None:
+        return None
+    weights_s = 0.0
+    if getattr(got, "partial", False):
+        apply_model(got.state, model, strict=strict)  # type: ignore[arg-type]
+        weights_s = time.monotonic() - t0
+        rest = ckpt.restore_rest()
+        state: Dict[str, Any] = dict(rest.state)
+        pos = apply(state, None, optimizer, scheduler, scaler, rng=rng, strict=strict)
+    else:
+        state = got.state
+        if model is not None:
+            apply_model(state, model, strict=strict)
+            weights_s = time.monotonic() - t0
+        pos = apply(state, None, optimizer, scheduler, scaler, rng=rng, strict=strict)
+    extra = state.get("extra")
+    return Resumed(
+        step=got.step,
+        tokens=got.tokens,
+        tier=got.tier,
+        data_position=pos,
+        extra=None if extra is None else decode(extra),
+        weights_s=weights_s,
+        seconds=time.monotonic() - t0,
+        meta=dict(getattr(got, "meta", {}) or {}),
+    )
+
+
+def _dist() -> Any:
+    """torch.distributed when it is initialised with more than one rank, else None."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist
+    return None
+
+
+class TorchCheckpointer:
+    """A Checkpointer bound to a model/optimizer/scheduler/scaler, consistent across ranks.
+
+    Why a wrapper: under data parallelism every rank must take the same decision at the
+    same step boundary. A preemption signal reaches the ranks at slightly different
+    moments, and ``interval_seconds`` is measured per process; if rank 0 saved and left
+    at step 100 while rank 1 went on to step 101, rank 1 would hang (or crash) in the
+    next gradient all-reduce and the two shards would hold different steps. So here
+    :meth:`should_save` combines the ranks' answers with one tiny all-reduce (MAX of
+    "wants to save" and "got a signal") per step: all ranks save at the same step, and
+    once any rank got a signal all of them stop after that save (:attr:`preempted`).
+    Without torch.distributed it is a plain pass-through.
+    """
+
+    def __init__(
+        self,
+        ckpt: Any,
+        model: Optional[torch.nn.Module] = None,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        scheduler: Optional[Any] = None,
+        scaler: Optional[Any] = None,
+        *,
+        rng: bool = True,
+    ) -> None:
+        self.ckpt = ckpt
+        self.model, self.optimizer = model, optimizer
+        self.scheduler, self.scaler = scheduler, scaler
+        self.rng = rng
+        self._peer_signal = False
+        self._saved_after_signal = False
+        self.last_save: Any = None
+
+    def restore(self, weights_first: bool = False, strict: bool = True) -> Optional[Resumed]:
+        return restore(
+            self.ckpt,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            weights_first=weights_first,
+            rng=self.rng,
+            strict=strict,
+        )
+
+    def should_save(self, step: Optional[int] = None, tokens: Optional[int] = None) -> bool:
+        want = bool(self.ckpt.should_save(step=step, tokens=tokens))
+        dist = _dist()
+        if dist is None:
+            return want
+        signalled = self.ckpt.signal_received is not None
+        flags = torch.tensor([int(want), int(signalled)], dtype=torch.int64)
+        if dist.get_backend() == "nccl":  # pragma: no cover - needs GPUs
+            flags = flags.cuda()
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        want_any, signal_any = (bool(x) for x in flags.tolist())
+        if signal_any:
+            self._peer_signal = True
+        return want_any or signal_any
+
+    def save(
+        self,
+        step: int,
+        tokens: Optional[int] = None,
+        data_position: Optional[Mapping[str, Any]] = None,
+        extra: Optional[Mapping[str, Any]] = None,
+    ) -> Any:
+        self.last_save = save(
+            self.ckpt,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            step=step,
+            tokens=tokens,
+            data_position=data_position,
+            extra=extra,
+            rng=self.rng,
+        )
+        if self._peer_signal:
+            self._saved_after_signal = True
+        return self.last_save
+
+    @property
+    def preempted(self) -> bool:
+        """True once the state was saved after a preemption signal (on any rank)."""
+        return bool(self.ckpt.preempted) or self._saved_after_signal
+
+    def close(self) -> Any:
+        return self.ckpt.close()
+
+    def __enter__(self) -> TorchCheckpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

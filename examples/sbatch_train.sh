@@ -29,6 +29,9 @@
 
 set -euo pipefail
 VENV=${SLURM_CKPT_VENV:-/opt/slurm-ckpt/venv}
+# sbatch runs a copy of this script from its spool directory, so "$0" says nothing about
+# where the repository is: submit from the repository root, or set TRAIN.
+TRAIN=${TRAIN:-$SLURM_SUBMIT_DIR/examples/train_tiny.py}
 echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $(hostname)"
 
 # exec: ckpt-srun becomes the batch shell, so SLURM's B:USR1 reaches it (a plain bash
@@ -36,4 +39,4 @@ echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $(hostname)"
 # training command.
 exec "$VENV/bin/ckpt-srun" --key "${SLURM_JOB_NAME}" --warn 300 -- \
     --ntasks-per-node=1 \
-    "$VENV/bin/python" "$(dirname "$0")/train_tiny.py" --steps 20000 --interval-steps 500
+    "$VENV/bin/python" "$TRAIN" --steps 20000 --interval-steps 500

@@ -942,3 +942,12 @@ def test_publish_removes_only_old_temp_files(tmp_path, led, clock):
     os.utime(other, (clock.t - 7200, clock.t - 7200))
     led.publish_status(pfs)
     assert not old.exists() and new.exists() and other.exists()
+
+
+def test_reconcile_keeps_the_job_from_the_manifest(led):
+    led.reconcile([("u", "k", 1, 10), ("u", "k", 2, 10)], [], jobs={("u", "k", 1): "191"})
+    assert led.get("u", "k", 1).job == "191"
+    assert led.get("u", "k", 2).job is None
+    led.reconcile([("u", "k", 2, 10)], [], jobs={("u", "k", 2): "192"}, prune=False)
+    assert led.get("u", "k", 2).job == "192"
+    assert led.get("u", "k", 1).job == "191"

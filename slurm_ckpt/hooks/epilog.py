@@ -399,7 +399,7 @@ class NodeWork:
             for r in self.ledger.records()
             if r.state("pfs") is State.VERIFIED
         ]
-        return self.ledger.reconcile(local, verified, prune=complete)
+        return self.ledger.reconcile(local, verified, prune=complete, jobs=self.scan_jobs)
 
     def job_of(self, rec: Record) -> Optional[str]:
         return rec.job or self.scan_jobs.get(rec.ident)

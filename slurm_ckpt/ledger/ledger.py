@@ -823,6 +823,7 @@ class Ledger:
         pfs_verified_steps: Iterable[Tuple[str, str, int, int]],
         *,
         prune: bool = True,
+        jobs: Optional[Dict[Tuple[str, str, int], Optional[str]]] = None,
     ) -> Dict[str, int]:
         """Bring the ledger in line with what is committed on the tiers.
 
@@ -839,8 +840,13 @@ class Ledger:
           but is gone gets its PFS state cleared (so it is flushed again) if the local copy
           still exists, else ``pfs=DELETED``.
 
+        ``jobs`` maps ``(user, key, step)`` to the job id found in its manifest, so that
+        records rebuilt from a scan still say which job wrote them (``ckpt-slurm status``
+        groups by job).
+
         Returns counts: ``added``, ``fixed``, ``pruned``.
         """
+        jobs = jobs or {}
         local_map = {(u, k, int(s)): int(n) for u, k, s, n in local_steps}
         pfs_map = {(u, k, int(s)): int(n) for u, k, s, n in pfs_verified_steps}
         for u, k, s in list(local_map) + list(pfs_map):
@@ -852,6 +858,7 @@ class Ledger:
                 raw = data.get(ident)
                 if raw is None:
                     rec = Record(*ident, nbytes=nbytes, created_at=now, updated_at=now)
+                    rec.job = jobs.get(ident)
                     rec.tiers["local"] = State.COMMITTED
                     rec.committed_at["local"] = now
                     rec.selected_for_flush = True
@@ -867,6 +874,13 @@ class Ledger:
                     rec.committed_at.setdefault("local", now)
                     if not rec.nbytes:
                         rec.nbytes = nbytes
+                    rec.job = rec.job or jobs.get(ident)
+                    rec.updated_at = now
+                    self._put(data, rec)
+                    counts["fixed"] += 1
+                elif not raw.get("job") and jobs.get(ident):
+                    rec = _from_raw(raw)
+                    rec.job = jobs[ident]
                     rec.updated_at = now
                     self._put(data, rec)
                     counts["fixed"] += 1

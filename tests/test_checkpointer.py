@@ -581,4 +581,5 @@ def test_runs_as_a_user_below_root_owned_tiers() -> None:
     assert steps == [1]
     assert ledger_dir == str(local / "nobody" / ".slurm_ckpt")
     assert os.listdir(local / ".slurm_ckpt") == []  # root's ledger untouched
+    assert (local / "nobody" / ".slurm_ckpt" / "events.jsonl").stat().st_size > 0
     shutil.rmtree(tmp_path)

@@ -382,11 +382,24 @@ class Checkpointer:
         self._on_event = on_event
         self._cfg = cfg
         # Every save, flush and failure is also a structured event and a node metric.
+        # The event log sits next to the ledger this process uses (the user's own on a
+        # secure node) unless the site names a directory; the node's metrics textfile is
+        # refreshed only where this process may write it (otherwise the hooks do it).
         self._events: Optional[events.EventLog] = None
         try:
-            self._events = events.EventLog.from_config(cfg, self.node)
+            if cfg.metrics.events_dir is None and self.ledger is not None:
+                path = os.path.join(os.fspath(self.ledger.directory), "events.jsonl")
+                self._events = events.EventLog(path, self.node)
+            else:
+                self._events = events.EventLog.from_config(cfg, self.node)
         except (CkptError, OSError, ValueError) as exc:
             log.warning("[ckpt] no event log: %s", exc)
+        tdir = cfg.metrics.textfile_dir
+        self._metrics_ok = tdir is not None and (
+            os.access(tdir, os.W_OK | os.X_OK)
+            if os.path.isdir(tdir)
+            else os.access(os.path.dirname(os.fspath(tdir)), os.W_OK | os.X_OK)
+        )
         self._event_cb = events.listener(self.user, self.shard_key, self.job, self._events)
 
         self._cv = threading.Condition()
@@ -538,7 +551,7 @@ class Checkpointer:
     def _emit(self, name: str, **info: Any) -> None:
         if self._events is not None:
             self._event_cb(name, info)
-            if name in _METRIC_EVENTS and self.ledger is not None:
+            if name in _METRIC_EVENTS and self.ledger is not None and self._metrics_ok:
                 try:  # runs on the background threads that finished the work
                     refresh_textfile(self.ledger, self._cfg)
                 except (CkptError, OSError) as exc:

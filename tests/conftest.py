@@ -17,6 +17,9 @@ from typing import Callable, Iterator, List
 
 import pytest
 
+#: The dev-cluster fixture (``slurm_cluster``), registered once for every test module.
+pytest_plugins = ("cluster_fixture",)
+
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))

@@ -28,7 +28,6 @@ from slurm_ckpt.core.config import Config, load_config
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.tiers.posix import PosixTier
 
-pytest_plugins = ("cluster_fixture",)
 pytestmark = pytest.mark.root
 
 VENV = Path(os.environ.get("SLURM_CKPT_VENV", "/opt/slurm-ckpt/venv"))

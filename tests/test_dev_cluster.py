@@ -20,7 +20,6 @@ if TYPE_CHECKING:  # a plain import here would defeat pytest's assert rewriting 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "dev-cluster"
 
 # Registers the session-scoped `slurm_cluster` fixture (tests/cluster_fixture.py).
-pytest_plugins = ("cluster_fixture",)
 pytestmark = pytest.mark.root
 
 

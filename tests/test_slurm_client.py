@@ -28,8 +28,6 @@ from slurm_ckpt.slurm.client import (
 )
 from slurm_ckpt.slurm.env import hook_env, job_env
 
-pytest_plugins = ("cluster_fixture",)
-
 # --------------------------------------------------------------------------- hostlist
 
 

@@ -36,7 +36,6 @@ from slurm_ckpt.tiers.posix import PosixTier
 if TYPE_CHECKING:  # a plain import would defeat pytest's assert rewriting of the plugin
     from cluster_fixture import DevCluster
 
-pytest_plugins = ("cluster_fixture",)
 REPO = Path(__file__).resolve().parents[1]
 NB = 1000  # payload bytes per checkpoint
 

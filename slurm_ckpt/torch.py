@@ -295,7 +295,9 @@ def capture_rng() -> Dict[str, Any]:
         },
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
+    # Only when this process already uses CUDA: asking for the states would otherwise
+    # initialise CUDA in a CPU-only job (and a never-used CUDA RNG needs no restoring).
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda"] = {str(i): s for i, s in enumerate(torch.cuda.get_rng_state_all())}
     return out
 
@@ -361,6 +363,11 @@ def capture(
     the result to ``save()`` straight away, which snapshots them before returning, and do
     not step the optimizer in between. ``rng=False`` leaves the global RNGs out (for a
     job whose randomness is fully derived from the step, or for weights-only exports).
+
+    Schedulers: ``LambdaLR``/``MultiplicativeLR`` already leave plain functions and
+    lambdas out of their ``state_dict`` (rebuild the scheduler with the same function
+    before :func:`apply`); a callable *object*'s attributes are saved when they are
+    tensors/JSON values, and anything else raises :class:`UnsupportedState` naming it.
     """
     state: Dict[str, Any] = {}
     if model is not None:  # first: the job layer writes "model" first (weights-first restore)
@@ -418,6 +425,10 @@ def apply(
     state to the parameters' device/dtype), scheduler, scaler, and the RNGs last so that
     nothing run during the restore consumes random numbers after they were set. A part
     asked for but missing from the checkpoint is an error, not a silent fresh start.
+
+    The optimizer adopts the restored state tensors when their dtype and device already
+    match (no copy, as ``Optimizer.load_state_dict`` does): do not apply the same tree
+    to a second optimizer.
     """
     _check_format(state)
     if model is not None:

@@ -46,6 +46,10 @@ COMMANDS: List[Tuple[str, str]] = [
     ("slurm_ckpt.cli.hooks_cmds", "install_hooks_cmd"),
     ("slurm_ckpt.cli.status", "status_cmd"),
     ("slurm_ckpt.cli.gc", "gc_cmd"),
+    ("slurm_ckpt.cli.maint", "maint_cmd"),
+    ("slurm_ckpt.cli.maint", "guard_cmd"),
+    ("slurm_ckpt.cli.flush", "flush_cmd"),
+    ("slurm_ckpt.cli.drill", "drill_cmd"),
 ]
 
 #: OSError numbers that a user or the site causes (permissions, full or read-only disks,

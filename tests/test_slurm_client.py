@@ -329,6 +329,25 @@ def test_never_resumes_or_overwrites_an_admin_drain(
     assert info.drained and info.reason == "disk swap" and not info.reason_is_ours
 
 
+def test_a_maint_drain_is_neither_overwritten_nor_resumed_by_flush_drains(
+    slurm_cluster: DevCluster, client: SlurmClient, free_node: str
+) -> None:
+    """``ckpt-slurm maint`` holds a node for the admin: the epilog's and the stager's own
+    drains (flush in progress / done) must leave it as it is."""
+    c = slurm_cluster
+    c.wait_node_state(free_node, ["idle", "mix", "alloc"], timeout=60)
+    held = client.drain(free_node, "slurm_ckpt: maint: firmware")
+    try:
+        c.wait_node_state(free_node, lambda s: "DRAIN" in s, timeout=30)
+        assert client.drain(free_node, "slurm_ckpt: flushing 1 checkpoint (1 B)") is None
+        assert client.resume_if_ours(free_node) is False
+        info = client.node(free_node)
+        assert info.drained and info.held_for_maint and info.reason == held
+    finally:
+        client.resume(free_node)
+        c.wait_node_state(free_node, lambda s: "DRAIN" not in s, timeout=30)
+
+
 def test_client_errors_are_ckpt_errors() -> None:
     assert issubclass(SlurmError, CkptError) and issubclass(JobNotFound, SlurmError)
     assert os.environ.get("SLURM_CKPT_SLURM_BACKEND") in (None, "", "auto", "cli")

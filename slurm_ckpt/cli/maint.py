@@ -38,6 +38,7 @@ import click
 from slurm_ckpt.cli.output import CliState, console, pass_state
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import CkptError, SlurmError
+from slurm_ckpt.slurm.client import MAINT_PREFIX
 
 __all__ = [
     "EXIT_NOT_READY",
@@ -51,7 +52,6 @@ __all__ = [
 ]
 
 EXIT_NOT_READY = 4
-MAINT_PREFIX = "slurm_ckpt: maint:"
 ENV_NODES = "SLURM_CKPT_MAINT_NODES"
 
 

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "MAINT_PREFIX",
     "REASON_PREFIX",
     "CliBackend",
     "JobInfo",
@@ -64,6 +65,9 @@ __all__ = [
 ]
 
 REASON_PREFIX = "slurm_ckpt:"
+#: Drains made by ``ckpt-slurm maint``: ours, but held for the admin's maintenance, so the
+#: epilog and the stager neither overwrite nor resume them.
+MAINT_PREFIX = "slurm_ckpt: maint:"
 DEFAULT_TIMEOUT = 30.0
 #: Where SLURM's tools live when the caller has no PATH (slurmd gives hooks none).
 FALLBACK_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -153,6 +157,10 @@ class NodeInfo:
     @property
     def reason_is_ours(self) -> bool:
         return (self.reason or "").startswith(REASON_PREFIX)
+
+    @property
+    def held_for_maint(self) -> bool:
+        return (self.reason or "").startswith(MAINT_PREFIX)
 
     @property
     def state_string(self) -> str:
@@ -713,6 +721,9 @@ class SlurmClient:
             if info.drained and not info.reason_is_ours:
                 log.info("%s already drained by others (%r); reason left", name, info.reason)
                 return None
+            if info.drained and info.held_for_maint and not text.startswith(MAINT_PREFIX):
+                log.info("%s is held for maintenance (%r); reason left", name, info.reason)
+                return None
         self.cli.update_node(name, "state=drain", f"reason={text}")
         return text
 
@@ -729,7 +740,7 @@ class SlurmClient:
         an unavoidable, sub-second window.
         """
         info = self.node(node)
-        if not info.drained or not info.reason_is_ours:
+        if not info.drained or not info.reason_is_ours or info.held_for_maint:
             return False
         self.resume(node)
         return True

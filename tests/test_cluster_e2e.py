@@ -10,6 +10,7 @@ checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -208,39 +209,48 @@ class E2E:
         self.c.wait_node_state(node, lambda s: "DRAIN" not in s and "DOWN" not in s, timeout=60)
 
 
-@pytest.fixture(scope="module")
-def e2e(slurm_cluster: DevCluster) -> Iterator[E2E]:
+@contextlib.contextmanager
+def hooked_site(site: E2E) -> Iterator[E2E]:
+    """Install the site hooks for ``site`` (``ckpt-slurm install-hooks``, as an admin
+    would), turn them on in slurm.conf, and on exit turn them off, resume the nodes we
+    drained and remove the site's files. Shared by every cluster test module."""
     if not CKPT_SLURM.exists() or not CKPT_SRUN.exists():
         pytest.fail(f"{CKPT_SLURM} / {CKPT_SRUN} missing: run scripts/setup first")
-    e = E2E(slurm_cluster)
+    cluster = site.c
     proc = subprocess.run(
         [
             str(CKPT_SLURM),
             "install-hooks",
             "--dest",
-            str(e.hooks),
+            str(site.hooks),
             "--config",
-            str(e.config),
+            str(site.config),
             "--log-file",
-            str(e.log),
+            str(site.log),
         ],
-        env=slurm_cluster.env,
+        env=cluster.env,
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
-    slurm_cluster.up(prolog=str(e.hooks / "prolog"), epilog=str(e.hooks / "epilog"))
+    cluster.up(prolog=str(site.hooks / "prolog"), epilog=str(site.hooks / "epilog"))
     try:
-        yield e
+        yield site
     finally:
-        slurm_cluster.up()  # hooks off again for the rest of the session
-        for node in slurm_cluster.nodes:
-            if e.node_reason(node).startswith("slurm_ckpt:"):
-                e.resume(node)
-            shutil.rmtree(e.local_dir(node), ignore_errors=True)
-        shutil.rmtree(e.pfs_root, ignore_errors=True)
-        shutil.rmtree(e.dir, ignore_errors=True)
+        cluster.up()  # hooks off again for the rest of the session
+        for node in cluster.nodes:
+            if site.node_reason(node).startswith("slurm_ckpt:"):
+                site.resume(node)
+            shutil.rmtree(site.local_dir(node), ignore_errors=True)
+        shutil.rmtree(site.pfs_root, ignore_errors=True)
+        shutil.rmtree(site.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def e2e(slurm_cluster: DevCluster) -> Iterator[E2E]:
+    with hooked_site(E2E(slurm_cluster)) as e:
+        yield e
 
 
 @pytest.fixture(autouse=True)

@@ -37,7 +37,7 @@ from typing import Dict, Iterator, List, Optional
 
 import pytest
 from cluster_fixture import FINAL_JOB_STATES, DevCluster
-from test_cluster_e2e import CKPT_SLURM, CKPT_SRUN, E2E, PY
+from test_cluster_e2e import CKPT_SRUN, E2E, PY, hooked_site
 
 from slurm_ckpt.tiers.posix import PosixTier
 
@@ -211,41 +211,15 @@ class TrainSite(E2E):
 
 @pytest.fixture(scope="module")
 def site(slurm_cluster: DevCluster) -> Iterator[TrainSite]:
-    if not CKPT_SLURM.exists() or not CKPT_SRUN.exists():
-        pytest.fail(f"{CKPT_SLURM} / {CKPT_SRUN} missing: run scripts/setup first")
     s = TrainSite(slurm_cluster)
     s.start_reference()
-    proc = subprocess.run(
-        [
-            str(CKPT_SLURM),
-            "install-hooks",
-            "--dest",
-            str(s.hooks),
-            "--config",
-            str(s.config),
-            "--log-file",
-            str(s.log),
-        ],
-        env=slurm_cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr
-    slurm_cluster.up(prolog=str(s.hooks / "prolog"), epilog=str(s.hooks / "epilog"))
     try:
-        yield s
+        with hooked_site(s):
+            yield s
     finally:
         if s._ref is not None and s._ref.poll() is None:
             s._ref.kill()
             s._ref.wait()
-        slurm_cluster.up()  # hooks off again for the rest of the session
-        for node in slurm_cluster.nodes:
-            if s.node_reason(node).startswith("slurm_ckpt:"):
-                s.resume(node)
-            shutil.rmtree(s.local_dir(node), ignore_errors=True)
-        shutil.rmtree(s.pfs_root, ignore_errors=True)
-        shutil.rmtree(s.dir, ignore_errors=True)
 
 
 @pytest.fixture

@@ -9,14 +9,13 @@ config and local/PFS subtree). Every wait polls SLURM, the process or the files.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import time
 from typing import Iterator
 
 import pytest
 from cluster_fixture import DevCluster
-from test_cluster_e2e import CKPT_SLURM, CKPT_SRUN, E2E, PY
+from test_cluster_e2e import CKPT_SLURM, E2E, PY, hooked_site
 
 from slurm_ckpt.errors import NotFound
 
@@ -45,38 +44,10 @@ with open(marker, "w") as f:
 
 @pytest.fixture(scope="module")
 def e2e(slurm_cluster: DevCluster) -> Iterator[E2E]:
-    if not CKPT_SLURM.exists() or not CKPT_SRUN.exists():
-        pytest.fail(f"{CKPT_SLURM} / {CKPT_SRUN} missing: run scripts/setup first")
-    e = E2E(slurm_cluster)
-    (e.dir / "marker.py").write_text(MARKER)
-    proc = subprocess.run(
-        [
-            str(CKPT_SLURM),
-            "install-hooks",
-            "--dest",
-            str(e.hooks),
-            "--config",
-            str(e.config),
-            "--log-file",
-            str(e.log),
-        ],
-        env=slurm_cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr
-    slurm_cluster.up(prolog=str(e.hooks / "prolog"), epilog=str(e.hooks / "epilog"))
-    try:
+    site = E2E(slurm_cluster)
+    (site.dir / "marker.py").write_text(MARKER)
+    with hooked_site(site) as e:
         yield e
-    finally:
-        slurm_cluster.up()  # hooks off again for the rest of the session
-        for node in slurm_cluster.nodes:
-            if e.node_reason(node).startswith("slurm_ckpt:"):
-                e.resume(node)
-            shutil.rmtree(e.local_dir(node), ignore_errors=True)
-        shutil.rmtree(e.pfs_root, ignore_errors=True)
-        shutil.rmtree(e.dir, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

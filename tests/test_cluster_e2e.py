@@ -26,6 +26,7 @@ import pytest
 from cluster_fixture import DevCluster
 
 from slurm_ckpt.core.config import Config, load_config
+from slurm_ckpt.errors import NotFound
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.tiers.posix import PosixTier
 
@@ -145,6 +146,13 @@ class E2E:
             return PosixTier("pfs", str(self.pfs_root))
         assert node is not None
         return PosixTier("local", str(self.local_dir(node)))
+
+    def verified_on_pfs(self, user: str, key: str, step: int) -> bool:
+        """The step is committed and verifies on the PFS (False while not yet there)."""
+        try:
+            return bool(self.tier("pfs").verify(user, key, step).ok)
+        except NotFound:
+            return False
 
     def job(self, body: str, user: str = "ckptuser1", args: List[str] = ()) -> str:
         script = f"export SLURM_CKPT_CONFIG={self.config}\n{body}"

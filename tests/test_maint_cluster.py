@@ -17,8 +17,6 @@ import pytest
 from cluster_fixture import DevCluster
 from test_cluster_e2e import CKPT_SLURM, E2E, PY, hooked_site
 
-from slurm_ckpt.errors import NotFound
-
 pytestmark = pytest.mark.root
 
 USER = "ckptuser1"
@@ -55,14 +53,6 @@ def _hooks_on(e2e: E2E) -> Iterator[None]:
     e2e.ensure_hooks()
     yield
     e2e.configure()
-
-
-def _on_pfs(e: E2E, key: str) -> bool:
-    """Step 1 of ``key`` is complete and verifies on the PFS."""
-    try:
-        return bool(e.tier("pfs").verify(USER, key, 1).ok)
-    except NotFound:
-        return False
 
 
 def _slow_flush(e: E2E, node: str, key: str, size: int) -> None:
@@ -108,7 +98,7 @@ def test_maint_waits_for_the_stager_flush_then_runs_the_command(e2e: E2E) -> Non
     proc = None
     try:
         _slow_flush(e, node, key, 1_500_000)
-        assert not _on_pfs(e, key)  # not flushed yet
+        assert not e.verified_on_pfs(USER, key, 1)  # not flushed yet
         proc = _maint(
             e,
             node,
@@ -136,7 +126,7 @@ def test_maint_waits_for_the_stager_flush_then_runs_the_command(e2e: E2E) -> Non
         doc = json.loads(marker.read_text())
         assert doc["ok"], doc  # the action ran only once the checkpoint was on the PFS
         assert doc["nodes"] == node, doc
-        assert _on_pfs(e, key)
+        assert e.verified_on_pfs(USER, key, 1)
         # The stager did not resume the node: it stays out of service for maintenance.
         assert "DRAIN" in e.c.node_state(node), stager_out
         assert e.node_reason(node) == f"{MAINT} test", e.node_reason(node)
@@ -174,7 +164,7 @@ def test_maint_refuses_when_the_flush_outlasts_the_timeout(e2e: E2E) -> None:
         assert "waiting for" in refusal[0] and "nodes left drained" in refusal[0], err
         assert "DRAIN" in e.c.node_state(node)
         assert e.node_reason(node).startswith(MAINT), e.node_reason(node)
-        assert not _on_pfs(e, key)
+        assert not e.verified_on_pfs(USER, key, 1)
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()
@@ -182,7 +172,7 @@ def test_maint_refuses_when_the_flush_outlasts_the_timeout(e2e: E2E) -> None:
         # Clean up: no cap, let the stager finish the flush, return the node.
         e.configure()
         _stager_until_flushed(e, node)
-        assert _on_pfs(e, key)
+        assert e.verified_on_pfs(USER, key, 1)
         if "DRAIN" in e.c.node_state(node):
             e.resume(node)
 

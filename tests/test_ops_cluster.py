@@ -17,8 +17,6 @@ import pytest
 from cluster_fixture import SCRIPT, DevCluster
 from test_cluster_e2e import CKPT_SLURM, E2E, PY, hooked_site
 
-from slurm_ckpt.errors import NotFound
-
 pytestmark = pytest.mark.root
 
 USER = "ckptuser1"
@@ -37,13 +35,6 @@ def _hooks_on(e2e: E2E) -> Iterator[None]:
     e2e.ensure_hooks()
     yield
     e2e.configure()
-
-
-def _on_pfs(e: E2E, key: str) -> bool:
-    try:
-        return bool(e.tier("pfs").verify(USER, key, 1).ok)
-    except NotFound:
-        return False
 
 
 def _stager_until_flushed(e: E2E, node: str, tries: int = 5) -> str:
@@ -96,7 +87,7 @@ def test_maint_reboot_waits_for_the_flush_then_reboots_and_resumes(e2e: E2E) -> 
         assert f"RebootProgram={hook}" in c.conf.read_text()
         jobid = e.write_job(node, key, 1_500_000, 1)
         _handed_to_stager(e, node, jobid)
-        assert not _on_pfs(e, key)
+        assert not e.verified_on_pfs(USER, key, 1)
         started = c.node_info(node)["SlurmdStartTime"]
         env = dict(c.env, SLURM_CKPT_CONFIG=str(e.config))
         proc = subprocess.Popen(
@@ -119,7 +110,7 @@ def test_maint_reboot_waits_for_the_flush_then_reboots_and_resumes(e2e: E2E) -> 
         assert proc.returncode == 0, out + err
         assert f"maint {node}: done" in out, out
         assert "running: scontrol reboot ASAP nextstate=resume" in " ".join(err.split()), err
-        assert _on_pfs(e, key)  # flushed before the reboot was asked for
+        assert e.verified_on_pfs(USER, key, 1)  # flushed before the reboot was asked for
         # The RebootProgram ran on the node, slurmd came back from a fresh boot and
         # nextstate=resume returned the node to service.
         c.wait_until(
@@ -136,7 +127,7 @@ def test_maint_reboot_waits_for_the_flush_then_reboots_and_resumes(e2e: E2E) -> 
         )
         assert len(log.read_text().splitlines()) == 1, log.read_text()
         assert not e.node_reason(node).startswith("slurm_ckpt:"), e.node_reason(node)
-        assert _on_pfs(e, key)
+        assert e.verified_on_pfs(USER, key, 1)
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()
@@ -234,7 +225,7 @@ def test_status_json_while_running_while_owed_and_once_flushed(e2e: E2E) -> None
 
         # (c) the stager finishes the flush and resumes the node.
         _stager_until_flushed(e, node)
-        assert _on_pfs(e, key)
+        assert e.verified_on_pfs(USER, key, 1)
         c.wait_node_state(node, lambda s: "DRAIN" not in s, timeout=30)
         doc = _status(e, key)
         row = _job_row(doc, jobid)

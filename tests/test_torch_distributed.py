@@ -14,22 +14,14 @@ from __future__ import annotations
 
 import getpass
 import json
-import os
-import queue
 import random
 import re
 import signal
 import socket
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import List, Optional
 
-import pytest
-
-pytest.importorskip("torch")
+from test_torch_resume import TrainProc  # one reader of the trainer's output lines
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train_tiny.py"
@@ -43,72 +35,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class Rank:
-    """One rank of examples/train_tiny.py; progress is read from its output lines."""
-
-    def __init__(self, args: List[str], cwd: Path, env: Dict[str, str]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(TRAIN), *args],
-            cwd=cwd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.lines: List[str] = []
-        self._q: queue.Queue[Optional[str]] = queue.Queue()
-        self._eof = False
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._q.put(line.rstrip("\n"))
-        self._q.put(None)
-
-    def expect(self, pattern: str, timeout: float = 150.0) -> re.Match[str]:
-        rx = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        while not self._eof:
-            try:
-                line = self._q.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if line is None:
-                self._eof = True
-                break
-            self.lines.append(line)
-            m = rx.match(line)
-            if m:
-                return m
-        raise AssertionError(f"no /{pattern}/ (exited or timed out); output:\n{self.tail()}")
-
-    def finish(self, timeout: float = 150.0) -> int:
-        deadline = time.monotonic() + timeout
-        while not self._eof:
-            try:
-                line = self._q.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"did not exit; output:\n{self.tail()}") from None
-            if line is None:
-                self._eof = True
-            else:
-                self.lines.append(line)
-        return self.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-
-    def steps(self, prefix: str) -> List[int]:
-        rx = re.compile(rf"^{prefix} (?:step=)?(\d+)")
-        return [int(m.group(1)) for m in map(rx.match, self.lines) if m]
-
-    def tail(self, n: int = 40) -> str:
-        return "\n".join(self.lines[-n:])
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
 class Job:
     """``world`` ranks started together, as srun/torchrun would."""
 
@@ -117,15 +43,13 @@ class Job:
         self.ranks = []
         for r in range(world):
             env = dict(
-                os.environ,
-                PYTHONPATH=str(REPO),
                 RANK=str(r),
                 WORLD_SIZE=str(world),
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(port),
                 GLOO_SOCKET_IFNAME="lo",
             )
-            self.ranks.append(Rank(args, cwd, env))
+            self.ranks.append(TrainProc(args, cwd, env))
 
     def resumed(self) -> List[Optional[int]]:
         """Each rank's first line: the step it resumed at (None: fresh start)."""
@@ -206,7 +130,7 @@ def test_two_ranks_resume_together_after_term_kill_and_corruption(tmp_path: Path
         for r in job.ranks:
             r.proc.send_signal(signal.SIGKILL)
         assert [r.finish() for r in job.ranks] == [-signal.SIGKILL] * world
-        committed = [set(r.steps("COMMITTED")) | {term_step} for r in job.ranks]
+        committed = [set(r.values("COMMITTED")) | {term_step} for r in job.ranks]
 
         # 3. all resume at one step that every rank committed (the newest such).
         job = Job(world, args, tmp_path)
@@ -225,7 +149,7 @@ def test_two_ranks_resume_together_after_term_kill_and_corruption(tmp_path: Path
         assert [r.finish() for r in job.ranks] == [0, 0]
         assert pre[0] == pre[1]
         newest = pre[0]
-        previous = max(s for s in job.ranks[0].steps("COMMITTED") if s < newest)
+        previous = max(s for s in job.ranks[0].values("COMMITTED") if s < newest)
 
         # 4. rank 1's newest shard is corrupt on both tiers: every rank falls back.
         assert corrupt_newest(tmp_path / "local", "dp", 1, world) == newest
@@ -263,7 +187,7 @@ def test_three_ranks_one_signalled_one_corrupt(tmp_path: Path) -> None:
         assert [r.finish() for r in job.ranks] == [0] * world
         assert len(set(pre)) == 1, pre
         newest = pre[0]
-        previous = max(s for s in job.ranks[0].steps("COMMITTED") if s < newest)
+        previous = max(s for s in job.ranks[0].values("COMMITTED") if s < newest)
         # rank 0's newest shard corrupt on both tiers
         for tier in ("local", "pfs"):
             assert corrupt_newest(tmp_path / tier, "dp", 0, world) == newest

@@ -12,8 +12,10 @@ Claims checked (issue "in-job library", "Must show"), on one state of ``--size``
     DCP's FileSystemWriter fsyncs its files);
   * a full restore (read + verify every byte + rebuild the tensors) takes at most 0.6x
     the time of ``torch.load(weights_only=True)`` of a ``torch.save`` file of the same
-    tensors, page cache dropped before each timed load; and the weights-first restore's
-    time-to-weights is reported as a fraction of the full restore;
+    tensors, page cache dropped before each timed load; and a weights-first restore
+    hands out the weights in proportion to their share of the bytes: its time to weights,
+    as a fraction of the full restore, is at most 1.3x the weights' share of the bytes
+    (the rest is read in the background meanwhile);
   * a training loop that checkpoints the whole state every 60 s keeps at least 0.97x the
     steps/s of the same loop without checkpoints.
 
@@ -72,6 +74,9 @@ TARGETS = {
     "save_block_vs_torch_save_fsync": 0.15,
     "local_commit_vs_async_save_durable": 0.8,
     "restore_vs_torch_load": 0.6,
+    # "weights first returns the weights in proportion to their share of the bytes":
+    # (time to weights / full restore) / (weight bytes / all bytes), within 30 %
+    "weights_first_time_to_weights_vs_share": 1.3,
 }
 LOOP_TARGET = 0.97
 
@@ -248,6 +253,9 @@ def bench_restore(
     ours = Ours(work / "local", work / "pfs", "bench-restore", interval_steps=1)
     ours.ckpt.save(sct.capture(model, opt, rng=False), step=1)
     ours.ckpt.close()
+    weights_share = state_bytes(model.state_dict()) / state_bytes(
+        {"m": model.state_dict(), "o": opt.state_dict()["state"]}
+    )
     path = work / "torch_save.pt"
     with open(path, "wb") as fh:
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, fh)
@@ -331,10 +339,17 @@ def bench_restore(
         )
     return {
         "rounds": rows,
+        "weights_share": weights_share,
         "ratios": {
             "restore_vs_torch_load": median([x["ours_full"] / x["torch_load"] for x in rows]),
             "weights_first_time_to_weights_vs_full_restore": median(
                 [x["ours_weights"] / x["ours_full"] for x in rows]
+            ),
+            "weights_first_time_to_weights_vs_share": median(
+                [x["ours_weights"] / x["ours_full"] / weights_share for x in rows]
+            ),
+            "weights_first_all_vs_full_restore": median(
+                [x["ours_weights_then_rest"] / x["ours_full"] for x in rows]
             ),
             "restore_vs_dd_read_floor": median([x["ours_full"] / x["disk_read"] for x in rows]),
             "torch_load_vs_dd_read_floor": median([x["torch_load"] / x["disk_read"] for x in rows]),

@@ -531,9 +531,10 @@ def restore(
     Under torch.distributed the job layer makes every rank agree on one step (a min
     all-reduce of each rank's newest verified step, repeated until all hold it), so all
     ranks resume together; each rank loads its own shard. With ``weights_first`` the
-    weights are read, verified and loaded before the optimizer state is read - useful when
-    something (evaluation, a warm-up) only needs the weights. Returns None when there is
-    no checkpoint (every rank then starts fresh).
+    weights are read, verified and loaded into the model while the optimizer state is
+    still being read; if that then fails verification, an older step is loaded whole
+    (weights again included) and reported. Returns None when there is no checkpoint
+    (every rank then starts fresh).
     """
     t0 = time.monotonic()
     got = ckpt.restore(weights_only=bool(weights_first and model is not None))
@@ -545,6 +546,11 @@ def restore(
         weights_s = time.monotonic() - t0
         rest = ckpt.restore_rest()
         state: Dict[str, Any] = dict(rest.state)
+        if getattr(rest, "rolled_back", False):
+            # the rest of that step was corrupt: an older step came back whole
+            apply_model(state, model, strict=strict)  # type: ignore[arg-type]
+            weights_s = time.monotonic() - t0
+            got = rest
         pos = apply(state, None, optimizer, scheduler, scaler, rng=rng, strict=strict)
     else:
         state = got.state

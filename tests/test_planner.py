@@ -418,6 +418,7 @@ def test_cli_plot_without_matplotlib(monkeypatch, tmp_path):
 
 def test_cli_plot_with_matplotlib(tmp_path):
     import matplotlib  # noqa: F401  (a dev dependency: the plot test must run, not skip)
+
     out = tmp_path / "plan.png"
     r = _runner().invoke(plan_cmd, [*BRIEF, "--plot", str(out), "--json"])
     assert r.exit_code == 0, r.output

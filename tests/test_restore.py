@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 import pytest
 
+from slurm_ckpt.errors import VerifyError
 from slurm_ckpt.job import Checkpointer
 from slurm_ckpt.ledger.ledger import State
 
@@ -127,15 +129,65 @@ def test_weights_first_then_the_rest(tmp_path: Path) -> None:
     ckpt.close()
 
 
-def test_weights_only_refuses_a_step_whose_optimizer_is_corrupt(tmp_path: Path) -> None:
+def test_weights_first_rolls_back_when_the_rest_is_corrupt_everywhere(tmp_path: Path) -> None:
     save_steps(tmp_path, [1, 2])
     for tier in ("local", "pfs"):
         flip(payload(tmp_path, tier, 2) / "data-0001.bin")  # optimizer blob
     ckpt = make(tmp_path)
     w = ckpt.restore_weights()
-    assert w.step == 1  # the weights of step 2 are fine, but step 2 is not whole
+    # the weights of step 2 verify and are handed out before the rest is read ...
+    assert (w.step, w.partial) == (2, True) and w.state["model"]["w"][0] == 2
+    rest = ckpt.restore_rest()
+    # ... whose corruption then rolls the whole state back to step 1, weights included
+    assert rest.rolled_back and not rest.partial and rest.step == 1
+    assert rest.state["model"]["w"][0] == 1 and rest.state["optimizer"]["step"] == 1
+    assert ckpt.restored.step == 1
+    for tier in ("local", "pfs"):
+        assert ckpt.ledger.get(ckpt.user, "run", 2).state(tier) is State.BAD
+    ckpt.close()
+
+
+def test_weights_first_takes_the_rest_of_the_same_step_from_the_pfs(tmp_path: Path) -> None:
+    save_steps(tmp_path, [1, 2])
+    flip(payload(tmp_path, "local", 2) / "data-0001.bin")
+    ckpt = make(tmp_path)
+    w = ckpt.restore_weights()
+    assert (w.step, w.tier) == (2, "local")
+    rest = ckpt.restore_rest()
+    assert (rest.step, rest.tier, rest.rolled_back) == (2, "pfs", False)
+    assert rest.state["optimizer"]["step"] == 2
+    assert ckpt.ledger.get(ckpt.user, "run", 2).state("local") is State.BAD
+    ckpt.close()
+
+
+def test_weights_first_refuses_a_truncated_rest_before_the_weights(tmp_path: Path) -> None:
+    save_steps(tmp_path, [1, 2])
+    for tier in ("local", "pfs"):
+        blob = payload(tmp_path, tier, 2) / "data-0001.bin"
+        os.truncate(blob, blob.stat().st_size - 1)
+    ckpt = make(tmp_path)
+    assert ckpt.restore_weights().step == 1  # sizes are checked before anything is read
     assert ckpt.restore_rest().state["optimizer"]["step"] == 1
     ckpt.close()
+
+
+def test_weights_first_with_nothing_to_roll_back_to_raises(tmp_path: Path) -> None:
+    save_steps(tmp_path, [1])
+    for tier in ("local", "pfs"):
+        flip(payload(tmp_path, tier, 1) / "data-0001.bin")
+    ckpt = make(tmp_path)
+    assert ckpt.restore_weights().step == 1
+    with pytest.raises(VerifyError, match="no older checkpoint verifies"):
+        ckpt.restore_rest()
+    ckpt.close()
+
+
+def test_close_stops_the_background_read_of_an_unclaimed_rest(tmp_path: Path) -> None:
+    save_steps(tmp_path, [1, 2])
+    ckpt = make(tmp_path)
+    assert ckpt.restore_weights().step == 2
+    ckpt.close()
+    assert not [t for t in threading.enumerate() if t.name == "ckpt-restore-rest"]
 
 
 def test_training_back_over_an_abandoned_step_replaces_it(tmp_path: Path) -> None:
@@ -169,7 +221,14 @@ def _rank_save(root: str, rank: int, world: int, steps: List[int], per_node: boo
 
 
 def _rank_restore(
-    root: str, rank: int, world: int, per_node: bool, out: Any, barrier: Any, shared: Any
+    root: str,
+    rank: int,
+    world: int,
+    per_node: bool,
+    out: Any,
+    barrier: Any,
+    shared: Any,
+    weights_first: bool = False,
 ) -> None:
     agree = None
     if barrier is not None:
@@ -183,7 +242,11 @@ def _rank_restore(
 
     local = Path(root) / (f"node{rank}" if per_node else "local")
     ckpt = make(Path(root), local=local, key="job", rank=rank, world_size=world, agree=agree)
-    got = ckpt.restore()
+    got = ckpt.restore(weights_only=weights_first)
+    if got is not None and weights_first:
+        rest = ckpt.restore_rest()  # collective: a rank's corrupt rest rolls all back
+        if rest.rolled_back:
+            got = rest
     bad = []
     if ckpt.ledger is not None:
         bad = [
@@ -209,14 +272,19 @@ def _run(target: Any, argsets: List[tuple]) -> None:
         assert p.exitcode == 0, f"rank process failed with {p.exitcode}"
 
 
-def _restore_all(root: Path, world: int, per_node: bool, agree: bool) -> Dict[int, tuple]:
+def _restore_all(
+    root: Path, world: int, per_node: bool, agree: bool, weights_first: bool = False
+) -> Dict[int, tuple]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     barrier = ctx.Barrier(world) if agree else None
     shared = ctx.Array("q", world) if agree else None
     _run(
         _rank_restore,
-        [(str(root), r, world, per_node, out, barrier, shared) for r in range(world)],
+        [
+            (str(root), r, world, per_node, out, barrier, shared, weights_first)
+            for r in range(world)
+        ],
     )
     results = [out.get(timeout=30) for _ in range(world)]
     return {r[0]: r[1:] for r in results}
@@ -266,3 +334,17 @@ def test_multi_rank_agreement_when_one_shard_is_corrupt(tmp_path: Path) -> None:
         assert (step, tier, w0) == (2, "local", r * 1000 + 2)
     assert sorted(got[1][3]) == [(3, "local"), (3, "pfs")]
     assert got[0][3] == [] and got[2][3] == []
+
+
+def test_multi_rank_weights_first_rolls_every_rank_back(tmp_path: Path) -> None:
+    world = 3
+    _run(_rank_save, [(str(tmp_path), r, world, [1, 2, 3], True) for r in range(world)])
+    user = [u for u in os.listdir(tmp_path / "pfs") if not u.startswith(".")][0]
+    for tier in ("node1", "pfs"):  # rank 1's optimizer blob of step 3, on both tiers
+        blob = tmp_path / tier / user / "job.rank00001" / STEP_DIR.format(3) / "rank-00001"
+        flip(blob / "data-0001.bin")
+    got = _restore_all(tmp_path, world, per_node=True, agree=True, weights_first=True)
+    for r in range(world):
+        step, tier, w0, _ = got[r]
+        assert (step, tier, w0) == (2, "local", r * 1000 + 2)
+    assert sorted(got[1][3]) == [(3, "local"), (3, "pfs")]

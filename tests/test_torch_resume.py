@@ -509,7 +509,8 @@ def test_corrupt_or_partial_checkpoints_are_never_restored(tmp_path: Path) -> No
     got, m = restore()
     assert (got.step, got.tier) == (20, "pfs") and sct.state_digest(m) == digests[20]
 
-    # weights-first restore verifies the whole step before handing out the weights
+    # weights-first: step 20's weights (PFS copy) are loaded first; its rest is then
+    # corrupt on both tiers, so the whole state rolls back to step 10, weights reloaded
     _flip(_blob(pfs, 20, "rest"), 7)
     got, m = restore(weights_first=True)
     assert (got.step, got.tier) == (10, "local") and sct.state_digest(m) == digests[10]

@@ -91,7 +91,7 @@ def run_drill(
     tiers = tiers_from_config(cfg)
     order = [tiers["local"], tiers["pfs"]]  # what Checkpointer.restore() looks at
     base, rank, ws = _series(order, user, key)
-    restorer = Restorer(order, user, base, rank, ws, streams=cfg.copy.streams)
+    restorer = Restorer(order, user, base, rank, ws)
     own = restorer.own_steps()
     own_key = shard_key(base, rank, ws)
     skipped: List[Dict[str, Any]] = []
@@ -132,9 +132,7 @@ def run_drill(
                         time_to_full_state_s=round(copy_s, 4),
                     )
                     return report
-                loader = Restorer(
-                    [dst], user, base, rank, ws, streams=cfg.copy.streams, agree=_identity
-                )
+                loader = Restorer([dst], user, base, rank, ws, agree=_identity)
                 t1 = time.monotonic()
                 weights = loader.restore(weights_only=True)
                 if weights is None or weights.step != step:

@@ -1115,6 +1115,8 @@ class Checkpointer:
         if self._closed:
             return self.stats
         self._closed = True
+        if self._restorer is not None:
+            self._restorer.cancel()  # a weights-first restore whose rest was never asked for
         until = None
         if self._flag.received is not None or self._preempt_saved:
             d = self._deadline.deadline()
@@ -1190,15 +1192,17 @@ class Checkpointer:
             self.rank,
             self.world_size,
             mark_bad=self._mark_bad,
-            streams=self.config.copy.streams,
             agree=self._agree or dist_agree(),
         )
 
     def restore(self, weights_only: bool = False) -> Optional[Restored]:
         """The newest complete checkpoint that verifies, from the local tier when it has
         it, else the PFS; None when there is none. With ``weights_only`` only the model
-        weights (top-level keys such as ``model``) are returned; get the rest with
-        :meth:`restore_rest` (the whole step is verified before anything is returned)."""
+        weights (top-level keys such as ``model``) are returned as soon as they are read
+        and verified, while the rest of the step is read in the background; get it with
+        :meth:`restore_rest` (which may roll back to an older step, see there)."""
+        if self._restorer is not None:
+            self._restorer.cancel()
         self._restorer = self._make_restorer()
         got = self._restorer.restore(weights_only=weights_only)
         if got is None:
@@ -1222,7 +1226,17 @@ class Checkpointer:
         return self.restore(weights_only=True)
 
     def restore_rest(self) -> Restored:
-        """Everything but the weights, from the step :meth:`restore_weights` chose."""
+        """Everything but the weights, from the step :meth:`restore_weights` chose.
+
+        If that part of the step fails verification and no other tier holds it with the
+        same weights, an older step is restored whole and returned with
+        ``rolled_back=True``: its ``state`` has the weights too, apply them again. Raises
+        :class:`VerifyError` when no older step verifies either."""
         if self._restorer is None:
             raise CkptError("restore_rest(): call restore(weights_only=True) first")
-        return self._restorer.restore_rest()
+        got = self._restorer.restore_rest()
+        if got.rolled_back:
+            self.restored = got
+            self._ref_step, self._ref_tokens = got.step, got.tokens
+            self._ref_time = time.monotonic()
+        return got

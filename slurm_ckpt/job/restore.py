@@ -37,13 +37,15 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
+from slurm_ckpt.core.fastread import READ_STREAMS
 from slurm_ckpt.core.manifest import Manifest
 from slurm_ckpt.errors import CkptError, TierError, VerifyError
-from slurm_ckpt.job.state import GROUP_REST, GROUP_WEIGHTS, read_state
+from slurm_ckpt.job.state import GROUP_REST, GROUP_WEIGHTS, StateReader
 from slurm_ckpt.tiers.posix import PosixTier
 
 log = logging.getLogger("slurm_ckpt")
@@ -77,6 +79,10 @@ class Restored:
     seconds: float = 0.0
     #: True when only the weights were loaded (``restore(weights_only=True)``).
     partial: bool = False
+    #: Set by :meth:`Restorer.restore_rest` when the rest of the weights' step failed
+    #: verification and an older step was restored whole instead: ``state`` then holds
+    #: the weights too, and they must be applied again.
+    rolled_back: bool = False
 
 
 def dist_agree() -> Optional[Callable[[int], int]]:
@@ -113,7 +119,7 @@ class Restorer:
         world_size: int = 1,
         *,
         mark_bad: Optional[Callable[[str, str, int, str], None]] = None,
-        streams: int = 4,
+        streams: int = READ_STREAMS,
         agree: Optional[Callable[[int], int]] = None,
     ) -> None:
         self.tiers = list(tiers)
@@ -125,9 +131,9 @@ class Restorer:
         self.streams = streams
         self.agree = agree
         self._bad: Set[Tuple[str, int]] = set()
-        self._pending: Optional[Restored] = None
-        self._pending_tier: Optional[PosixTier] = None
-        self._pending_manifest: Optional[Manifest] = None
+        self._rest: Optional[_RestLoad] = None
+        self._steps: List[int] = []
+        self._own: Dict[int, List[Tuple[PosixTier, Manifest]]] = {}
 
     # -- listing -----------------------------------------------------------------------
     def _shard_steps(self, tier: PosixTier, rank: int) -> Dict[int, Manifest]:
@@ -170,21 +176,9 @@ class Restorer:
         return sorted(complete & set(own), reverse=True)
 
     # -- loading -----------------------------------------------------------------------
-    def _load(
-        self, tier: PosixTier, m: Manifest, groups: Optional[List[str]], verify_others: bool
+    def _restored(
+        self, tier: PosixTier, m: Manifest, state: Any, t0: float, partial: bool
     ) -> Restored:
-        t0 = time.monotonic()
-        where = tier.where(self.user, self.own_key, m.step)
-        with tier.step_fd(self.user, self.own_key, m.step) as sfd:
-            state, _ = read_state(
-                sfd,
-                m,
-                self.prefix,
-                groups=groups,
-                streams=self.streams,
-                verify_others=verify_others,
-                where=where,
-            )
         return Restored(
             step=m.step,
             tokens=m.tokens,
@@ -196,27 +190,47 @@ class Restorer:
             meta=dict(m.meta),
             nbytes=m.total_bytes,
             seconds=time.monotonic() - t0,
-            partial=groups is not None,
+            partial=partial,
         )
+
+    def _load(self, tier: PosixTier, m: Manifest, weights_only: bool) -> Restored:
+        """Read one step from one tier. With ``weights_only`` the weight blobs are read
+        first (all streams on them) and returned; the rest is then read and verified in
+        the background (:class:`_RestLoad`) while the caller uses the weights."""
+        t0 = time.monotonic()
+        where = tier.where(self.user, self.own_key, m.step)
+        with tier.step_fd(self.user, self.own_key, m.step) as sfd:
+            reader = StateReader(sfd, m, self.prefix, streams=self.streams, where=where)
+        try:
+            if not weights_only:
+                bufs = reader.read(reader.blobs(None))
+                return self._restored(tier, m, reader.build(bufs), t0, False)
+            bufs = reader.read(reader.blobs([GROUP_WEIGHTS]))
+            state = reader.build(bufs, [GROUP_WEIGHTS])
+        except BaseException:
+            reader.close()
+            raise
+        rest = _RestLoad(reader, tier, m, where)  # takes the reader over
+        self._rest = rest
+        return self._restored(tier, m, state, t0, True)
 
     def _try_step(
         self, step: int, holders: List[Tuple[PosixTier, Manifest]], weights_only: bool
     ) -> Optional[Restored]:
-        groups = [GROUP_WEIGHTS] if weights_only else None
         for tier, m in holders:
             if (tier.name, step) in self._bad:
                 continue
             try:
-                got = self._load(tier, m, groups, verify_others=True)
+                return self._load(tier, m, weights_only)
             except (VerifyError, TierError) as exc:
-                self._bad.add((tier.name, step))
-                log.warning("[ckpt] restore: skipping %s", exc)
-                if self.mark_bad is not None:
-                    self.mark_bad(self.own_key, tier.name, step, str(exc))
-                continue
-            self._pending_tier, self._pending_manifest = tier, m
-            return got
+                self._note_bad(tier, step, exc)
         return None
+
+    def _note_bad(self, tier: PosixTier, step: int, exc: BaseException) -> None:
+        self._bad.add((tier.name, step))
+        log.warning("[ckpt] restore: skipping %s", exc)
+        if self.mark_bad is not None:
+            self.mark_bad(self.own_key, tier.name, step, str(exc))
 
     def _best_own(
         self,
@@ -237,10 +251,15 @@ class Restorer:
         return None
 
     def restore(self, weights_only: bool = False) -> Optional[Restored]:
-        """The newest complete, verified checkpoint (None if there is none)."""
-        self._pending = None
-        own = self.own_steps()
-        steps = self.complete_steps()
+        """The newest complete, verified checkpoint (None if there is none).
+
+        With ``weights_only`` only the weights are read and verified before returning;
+        the rest of that step is read meanwhile and handed out by :meth:`restore_rest`,
+        which rolls back to an older step if the rest turns out corrupt.
+        """
+        self.cancel()
+        own = self._own = self.own_steps()
+        steps = self._steps = self.complete_steps()
         if self.agree is None:
             got = self._best_own(steps, own, None, weights_only, None)
             if got is not None and steps and got.step != steps[0] and self.world_size > 1:
@@ -253,8 +272,6 @@ class Restorer:
                 )
         else:
             got = self._agreed(steps, own, weights_only)
-        if got is not None and weights_only:
-            self._pending = got
         return got
 
     def _agreed(
@@ -262,27 +279,154 @@ class Restorer:
         steps: List[int],
         own: Dict[int, List[Tuple[PosixTier, Manifest]]],
         weights_only: bool,
+        bound: Optional[int] = None,
     ) -> Optional[Restored]:
         assert self.agree is not None
-        bound: Optional[int] = None
         current: Optional[Restored] = None
         while True:
             current = self._best_own(steps, own, bound, weights_only, current)
             mine = -1 if current is None else current.step
             agreed = self.agree(mine)
             if agreed < 0:
+                self.cancel()
                 return None
             if self.agree(1 if mine == agreed else 0) == 1:
                 return current
             bound = agreed
             if current is not None and current.step > agreed:
                 current = None
+                self.cancel()  # the rest of a step we give up
+
+    def cancel(self) -> None:
+        """Stop and drop a background read of the rest (a restore never completed)."""
+        rest, self._rest = self._rest, None
+        if rest is not None:
+            rest.cancel()
 
     def restore_rest(self) -> Restored:
-        """After ``restore(weights_only=True)``: everything but the weights, same step."""
-        if self._pending is None or self._pending_tier is None or self._pending_manifest is None:
+        """After ``restore(weights_only=True)``: everything but the weights.
+
+        Waits for the background read of the weights' step. If that part fails
+        verification (the weights did not), the copy is marked bad and:
+
+        * the same step from another tier is used when its weights are the very same
+          bytes (same manifest entries and index): the weights handed out stay valid;
+        * else the newest older step that verifies is restored **whole** and returned
+          with ``rolled_back=True``: its ``state`` holds the weights too, and the caller
+          must apply them again. With an agreement function every rank takes part in
+          this decision (this call is then collective, like :meth:`restore`).
+
+        Raises :class:`VerifyError` when nothing older verifies either.
+        """
+        rest = self._rest
+        if rest is None:
             raise CkptError("restore_rest(): call restore(weights_only=True) first")
-        tier, m = self._pending_tier, self._pending_manifest
-        self._pending = None
-        got = self._load(tier, m, [GROUP_REST], verify_others=False)
-        return got
+        self._rest = None
+        step = rest.manifest.step
+        got: Optional[Restored] = None
+        err: Optional[BaseException] = None
+        try:
+            got = rest.result(self)
+        except (VerifyError, TierError) as exc:
+            err = exc
+            self._note_bad(rest.tier, step, exc)
+            got = self._rest_elsewhere(rest)
+        if self.agree is not None:
+            if self.agree(1 if got is not None else 0) == 1:
+                assert got is not None
+                return got
+            got = None
+        if got is not None:
+            return got
+        # roll back: an older step, whole
+        older = [s for s in self._steps if s < step]
+        if self.agree is not None:
+            full = self._agreed(older, self._own, False, bound=step - 1)
+        else:
+            full = self._best_own(older, self._own, None, False, None)
+        if full is None:
+            raise VerifyError(
+                f"{rest.where}: the optimizer/other state failed verification ({err}) "
+                "and no older checkpoint verifies: the weights handed out have no "
+                "matching rest; start from scratch"
+            )
+        log.error(
+            "[ckpt] restore: the rest of step %d failed verification; rolled back to "
+            "step %d (its weights must be applied again)",
+            step,
+            full.step,
+        )
+        full.rolled_back = True
+        return full
+
+    def _rest_elsewhere(self, failed: _RestLoad) -> Optional[Restored]:
+        """The rest of the same step from another tier whose weights are identical."""
+        step = failed.manifest.step
+        for tier, m in self._own.get(step, []):
+            if (tier.name, step) in self._bad or tier.name == failed.tier.name:
+                continue
+            if not failed.same_weights(m):
+                continue
+            t0 = time.monotonic()
+            where = tier.where(self.user, self.own_key, step)
+            try:
+                with tier.step_fd(self.user, self.own_key, step) as sfd:
+                    reader = StateReader(sfd, m, self.prefix, streams=self.streams, where=where)
+                with reader:
+                    if reader.data != failed.reader.data:
+                        continue
+                    state = reader.build(reader.read(reader.blobs([GROUP_REST])), [GROUP_REST])
+            except (VerifyError, TierError) as exc:
+                self._note_bad(tier, step, exc)
+                continue
+            log.warning("[ckpt] restore: the rest of step %d came from %s", step, tier.name)
+            return self._restored(tier, m, state, t0, True)
+        return None
+
+
+class _RestLoad:
+    """The background read of everything but the weights (weights-first restore)."""
+
+    def __init__(self, reader: StateReader, tier: PosixTier, manifest: Manifest, where: str):
+        self.reader, self.tier, self.manifest, self.where = reader, tier, manifest, where
+        self.t0 = time.monotonic()
+        self._stop = False
+        self._bufs: Optional[Dict[str, Any]] = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="ckpt-restore-rest", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._bufs = self.reader.read(
+                self.reader.blobs([GROUP_REST]), cancelled=lambda: self._stop
+            )
+        except BaseException as exc:  # handed to the caller by result()
+            self._error = exc
+        finally:
+            self.reader.close()
+
+    def cancel(self) -> None:
+        self._stop = True
+        self._thread.join()
+        self._bufs = None
+
+    def same_weights(self, other: Manifest) -> bool:
+        """Whether ``other`` (another tier's manifest of this step) has the same index and
+        weight blobs, byte for byte (equal content hashes)."""
+        mine = {f.path: f.hash for f in self.manifest.files}
+        theirs = {f.path: f.hash for f in other.files}
+        pre = f"{self.reader.prefix}/" if self.reader.prefix else ""
+        names = [f"{pre}index.json"] + [f"{pre}{n}" for n in self.reader.blobs([GROUP_WEIGHTS])]
+        return all(n in theirs and mine.get(n) == theirs[n] for n in names)
+
+    def result(self, restorer: Restorer) -> Restored:
+        self._thread.join()
+        if self._error is not None:
+            if isinstance(self._error, (VerifyError, TierError)):
+                raise self._error
+            raise VerifyError(f"{self.where}: reading the rest failed: {self._error}")
+        assert self._bufs is not None
+        state = self.reader.build(self._bufs, [GROUP_REST])
+        self._bufs = None
+        return restorer._restored(self.tier, self.manifest, state, self.t0, True)

@@ -21,24 +21,18 @@ manifest chunk is hashed while it is read, so the verification costs no second p
 
 from __future__ import annotations
 
-import bisect
-import contextlib
-import errno
 import json
 import math
 import os
 import re
 import sys
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
-import xxhash
 
-from slurm_ckpt.core.hashing import combine, hash_buffer
+from slurm_ckpt.core.fastread import READ_STREAMS, ReadJob, read_files
 from slurm_ckpt.core.manifest import FileEntry, Manifest
-from slurm_ckpt.core.verify import open_payload, verify_files
+from slurm_ckpt.core.verify import open_payload
 from slurm_ckpt.errors import CkptError, VerifyError
 
 __all__ = [
@@ -47,6 +41,7 @@ __all__ = [
     "GROUP_REST",
     "GROUP_WEIGHTS",
     "INDEX_NAME",
+    "StateReader",
     "WEIGHT_KEYS",
     "TensorLeaf",
     "flatten",
@@ -524,77 +519,31 @@ def unflatten(
 
 # --------------------------------------------------------------------------- reading
 
-_IOV_MAX = 1024
-with contextlib.suppress(ValueError, OSError, AttributeError):  # platform detail
-    _IOV_MAX = max(16, min(int(os.sysconf("SC_IOV_MAX")), 1024))
 
+def _view_leaf(entry: Dict[str, Any], mm: Any) -> Any:
+    """A leaf as a view into its blob's mapping: no copy, and the view keeps ``mm`` alive.
 
-def _alloc(entry: Dict[str, Any]) -> Tuple[Any, memoryview]:
-    """The final leaf object, empty, and a writable byte view of its memory."""
+    Each torch view (``torch.frombuffer``) has a storage of exactly its own bytes, so
+    ``torch.save`` of one restored tensor writes that tensor, not the whole blob."""
     kind, shape = entry["kind"], tuple(entry["shape"])
+    off, n = entry["offset"], entry["nbytes"]
     if kind in ("bytes", "bytearray"):
-        ba = bytearray(entry["nbytes"])
-        return ba, memoryview(ba)
+        raw = memoryview(mm)[off : off + n]
+        return bytes(raw) if kind == "bytes" else bytearray(raw)
     if kind == "numpy":
-        arr = np.empty(shape, dtype=_numpy_dtype(entry["dtype"]))
-        return arr, memoryview(arr.reshape(-1).view(np.uint8))
+        dt = _numpy_dtype(entry["dtype"])
+        count = n // dt.itemsize if dt.itemsize else 0
+        if count:
+            arr = np.frombuffer(mm, dtype=dt, count=count, offset=off).reshape(shape)
+        else:
+            arr = np.empty(shape, dtype=dt)
+        return arr[()] if entry.get("scalar") else arr
     torch = _torch()
     dt = _torch_dtype(entry["dtype"])
-    t = torch.empty(shape, dtype=dt)
-    return t, memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def _finish(entry: Dict[str, Any], obj: Any) -> Any:
-    if entry["kind"] == "bytes":
-        return bytes(obj)
-    if entry["kind"] == "numpy" and entry.get("scalar"):
-        return obj[()]
-    return obj
-
-
-def _preadv_full(fd: int, iovs: List[memoryview], offset: int) -> None:
-    """Fill every view from ``offset`` on, looping over short reads and IOV_MAX."""
-    pending = [v for v in iovs if len(v)]
-    i = 0
-    while i < len(pending):
-        n = os.preadv(fd, pending[i : i + _IOV_MAX], offset)
-        if n <= 0:
-            raise OSError(errno.EIO, f"unexpected end of file at offset {offset}")
-        offset += n
-        while n and i < len(pending):
-            size = len(pending[i])
-            if size <= n:
-                n -= size
-                i += 1
-            else:
-                pending[i] = pending[i][n:]
-                n = 0
-
-
-class _Region(NamedTuple):
-    start: int
-    end: int
-    view: memoryview
-
-
-def _chunk_views(regions: List[_Region], starts: List[int], c0: int, c1: int) -> List[memoryview]:
-    """Destination views covering ``[c0, c1)`` of a blob; gaps get scratch memory."""
-    views: List[memoryview] = []
-    i = max(0, bisect.bisect_right(starts, c0) - 1)
-    pos = c0
-    while pos < c1:
-        while i < len(regions) and regions[i].end <= pos:
-            i += 1
-        if i < len(regions) and regions[i].start <= pos:
-            r = regions[i]
-            take = min(r.end, c1) - pos
-            views.append(r.view[pos - r.start : pos - r.start + take])
-        else:
-            nxt = regions[i].start if i < len(regions) else c1
-            take = min(nxt, c1) - pos
-            views.append(memoryview(bytearray(take)))
-        pos += take
-    return views
+    if not n:
+        return torch.empty(shape, dtype=dt)
+    count = n // _itemsize(kind, entry["dtype"])
+    return torch.frombuffer(mm, dtype=dt, count=count, offset=off).view(shape)
 
 
 def _read_index(step_fd: int, manifest: Manifest, prefix: str, where: str) -> bytes:
@@ -610,18 +559,11 @@ def _read_index(step_fd: int, manifest: Manifest, prefix: str, where: str) -> by
     except OSError as exc:
         raise VerifyError(f"{where}: cannot open {name} ({exc.strerror or exc})") from None
     try:
-        buf = bytearray(entry.size)
-        _preadv_full(fd, [memoryview(buf)], 0)
-        if os.pread(fd, 1, entry.size):
-            raise OSError(errno.EIO, "file longer than its manifest entry")
-    except OSError as exc:
-        raise VerifyError(f"{where}: {name} unreadable ({exc.strerror or exc})") from None
+        (buf,) = read_files([ReadJob(name, entry, fd)], manifest.chunk_size, where=where)
+        data = bytes(memoryview(buf)[: entry.size])
     finally:
         os.close(fd)
-    h, chunks = hash_buffer(buf, manifest.chunk_size)
-    if chunks != entry.chunks or h != entry.hash:
-        raise VerifyError(f"{where}: {name}: content hash mismatch")
-    return bytes(buf)
+    return data
 
 
 def _payload_blobs(manifest: Manifest, prefix: str) -> Dict[str, FileEntry]:
@@ -635,13 +577,109 @@ def _payload_blobs(manifest: Manifest, prefix: str) -> Dict[str, FileEntry]:
     return out
 
 
+class StateReader:
+    """One rank's state in an open step directory, read group by group.
+
+    Opening checks everything that is cheap before any payload is read: the index is
+    read, verified and parsed, and every blob it names is opened (relative to the step
+    directory, no symlinks) and its size compared with the manifest. So a truncated or
+    missing blob is found before the weights are handed out, and the step directory may be
+    closed: the reader holds its own descriptors until :meth:`close`.
+
+    :meth:`read` then loads the blobs of some groups (weights first, the rest later, or
+    all at once) into fresh memory, hashing each chunk as it arrives (the verification
+    is the read, see :mod:`slurm_ckpt.core.fastread`); :meth:`build` turns them into the
+    state, every leaf a view of its blob's memory.
+    """
+
+    def __init__(
+        self,
+        step_fd: int,
+        manifest: Manifest,
+        prefix: str = "",
+        *,
+        streams: int = READ_STREAMS,
+        where: str = "checkpoint",
+    ) -> None:
+        self.manifest, self.prefix, self.where = manifest, prefix, where
+        self.streams = streams
+        self.data = _read_index(step_fd, manifest, prefix, where)
+        self.files = _payload_blobs(manifest, prefix)
+        self.index = parse_index(self.data, {n: f.size for n, f in self.files.items()}, where)
+        self.fds: Dict[str, int] = {}
+        try:
+            for name in sorted(self.files):
+                path = f"{prefix}/{name}" if prefix else name
+                try:
+                    fd = self.fds[name] = open_payload(step_fd, path)
+                    size = os.fstat(fd).st_size
+                except OSError as exc:
+                    raise VerifyError(
+                        f"{where}: {name}: cannot open ({exc.strerror or exc})"
+                    ) from None
+                if size != self.files[name].size:
+                    raise VerifyError(f"{where}: {name}: size {size} != {self.files[name].size}")
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __enter__(self) -> StateReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def blobs(self, groups: Optional[Sequence[str]] = None) -> List[str]:
+        """The blob files holding ``groups`` (all blobs when None)."""
+        wanted = set(_GROUPS if groups is None else groups)
+        named = {b["name"] for b in self.index["blobs"] if b["group"] in wanted}
+        if groups is None:
+            named |= set(self.files)  # stray blobs are verified too
+        return sorted(named)
+
+    def group_bytes(self, groups: Optional[Sequence[str]] = None) -> int:
+        return sum(self.files[n].size for n in self.blobs(groups))
+
+    def read(
+        self,
+        names: Sequence[str],
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> Dict[str, Any]:
+        """Load and verify the blobs ``names``; returns name -> memory."""
+        if not self.fds and names:
+            raise CkptError(f"{self.where}: reader already closed")
+        jobs = [ReadJob(n, self.files[n], self.fds[n]) for n in names]
+        bufs = read_files(
+            jobs,
+            self.manifest.chunk_size,
+            streams=self.streams,
+            where=self.where,
+            cancelled=cancelled,
+        )
+        return dict(zip(names, bufs))
+
+    def build(self, bufs: Mapping[str, Any], groups: Optional[Sequence[str]] = None) -> Any:
+        """The state (or the top-level keys of ``groups``) from loaded blobs."""
+        objs: List[Any] = [None] * len(self.index["tensors"])
+        for i, e in enumerate(self.index["tensors"]):
+            mm = bufs.get(e["blob"])
+            if mm is not None:
+                objs[i] = _view_leaf(e, mm)
+        return unflatten(self.index, objs, None if groups is None else list(groups))
+
+
 def read_state(
     step_fd: int,
     manifest: Manifest,
     prefix: str = "",
     *,
     groups: Optional[Sequence[str]] = None,
-    streams: int = 4,
+    streams: int = READ_STREAMS,
     verify_others: bool = True,
     where: str = "checkpoint",
 ) -> Tuple[Any, Dict[str, Any]]:
@@ -653,71 +691,10 @@ def read_state(
     never hands out data of a checkpoint that is not entirely sound. Any mismatch,
     malformed index or read error raises :class:`VerifyError`.
     """
-    data = _read_index(step_fd, manifest, prefix, where)
-    files = _payload_blobs(manifest, prefix)
-    index = parse_index(data, {n: f.size for n, f in files.items()}, where)
-    wanted = set(_GROUPS if groups is None else groups)
-    entries = index["tensors"]
-    objs: List[Any] = [None] * len(entries)
-    per_blob: Dict[str, List[_Region]] = {
-        b["name"]: [] for b in index["blobs"] if b["group"] in wanted
-    }
-    for i, e in enumerate(entries):
-        if e["blob"] in per_blob:
-            objs[i], view = _alloc(e)
-            if e["nbytes"]:
-                per_blob[e["blob"]].append(_Region(e["offset"], e["offset"] + e["nbytes"], view))
-    tasks = []
-    fds: Dict[str, int] = {}
-    try:
-        for name, regions in per_blob.items():
-            entry = files[name]
-            try:
-                fd = fds[name] = open_payload(step_fd, f"{prefix}/{name}" if prefix else name)
-                size = os.fstat(fd).st_size
-            except OSError as exc:
-                raise VerifyError(f"{where}: {name}: cannot open ({exc.strerror or exc})") from None
-            if size != entry.size:
-                raise VerifyError(f"{where}: {name}: size {size} != {entry.size}")
-            if combine(entry.chunks) != entry.hash:
-                raise VerifyError(f"{where}: {name}: manifest hash inconsistent")
-            regions.sort()
-            starts = [r.start for r in regions]
-            for ci in range(len(entry.chunks)):
-                c0 = ci * manifest.chunk_size
-                c1 = min(c0 + manifest.chunk_size, entry.size)
-                tasks.append((name, fd, regions, starts, c0, c1, entry.chunks[ci]))
-
-        def run(task: Tuple[Any, ...]) -> None:
-            name, fd, regions, starts, c0, c1, want = task
-            views = _chunk_views(regions, starts, c0, c1)
-            try:
-                _preadv_full(fd, views, c0)
-            except OSError as exc:
-                raise VerifyError(f"{where}: {name}: read failed ({exc.strerror or exc})") from None
-            h = xxhash.xxh3_128()
-            for v in views:
-                h.update(v)
-            if h.hexdigest() != want:
-                raise VerifyError(f"{where}: {name}: content hash mismatch (bytes {c0}-{c1})")
-
-        if len(tasks) <= 1 or streams <= 1:
-            for t in tasks:
-                run(t)
-        else:
-            with ThreadPoolExecutor(max_workers=streams, thread_name_prefix="ckpt-read") as pool:
-                for fut in [pool.submit(run, t) for t in tasks]:
-                    fut.result()
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    if verify_others:
-        others = [f for name, f in sorted(files.items()) if name not in per_blob]
-        if others:
-            rep = verify_files(step_fd, replace(manifest, files=others), where, streams)
-            if not rep.ok:
-                raise VerifyError(f"{where}: {rep.problems[0]}")
-    for i, e in enumerate(entries):
-        if objs[i] is not None:
-            objs[i] = _finish(e, objs[i])
-    return unflatten(index, objs, None if groups is None else list(wanted)), index
+    with StateReader(step_fd, manifest, prefix, streams=streams, where=where) as reader:
+        names = reader.blobs(groups)
+        bufs = reader.read(names)
+        if verify_others and groups is not None:
+            others = [n for n in reader.blobs(None) if n not in bufs]
+            reader.read(others)  # verified, then dropped
+        return reader.build(bufs, groups), reader.index

@@ -56,6 +56,12 @@ def flip(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def assert_bad(ckpt: Checkpointer, step: int, *tiers: str) -> None:
+    """The ledger marks the copies of ``step`` on ``tiers`` bad."""
+    for tier in tiers:
+        assert ckpt.ledger.get(ckpt.user, "run", step).state(tier) is State.BAD
+
+
 def check(got: Any, step: int, tier: str, rank: int = 0) -> None:
     assert got is not None and (got.step, got.tier) == (step, tier)
     want = state_for(step, rank)
@@ -100,8 +106,7 @@ def test_both_copies_truncated_falls_back_to_previous_step(tmp_path: Path) -> No
         os.truncate(blob, blob.stat().st_size // 2)
     ckpt = make(tmp_path)
     check(ckpt.restore(), 2, "local")  # keep_local=2: step 2 is still local
-    for tier in ("local", "pfs"):
-        assert ckpt.ledger.get(ckpt.user, "run", 3).state(tier) is State.BAD
+    assert_bad(ckpt, 3, "local", "pfs")
     ckpt.close()
 
 
@@ -142,8 +147,7 @@ def test_weights_first_rolls_back_when_the_rest_is_corrupt_everywhere(tmp_path: 
     assert rest.rolled_back and not rest.partial and rest.step == 1
     assert rest.state["model"]["w"][0] == 1 and rest.state["optimizer"]["step"] == 1
     assert ckpt.restored.step == 1
-    for tier in ("local", "pfs"):
-        assert ckpt.ledger.get(ckpt.user, "run", 2).state(tier) is State.BAD
+    assert_bad(ckpt, 2, "local", "pfs")
     ckpt.close()
 
 
@@ -156,7 +160,7 @@ def test_weights_first_takes_the_rest_of_the_same_step_from_the_pfs(tmp_path: Pa
     rest = ckpt.restore_rest()
     assert (rest.step, rest.tier, rest.rolled_back) == (2, "pfs", False)
     assert rest.state["optimizer"]["step"] == 2
-    assert ckpt.ledger.get(ckpt.user, "run", 2).state("local") is State.BAD
+    assert_bad(ckpt, 2, "local")
     ckpt.close()
 
 
@@ -180,6 +184,23 @@ def test_weights_first_with_nothing_to_roll_back_to_raises(tmp_path: Path) -> No
     with pytest.raises(VerifyError, match="no older checkpoint verifies"):
         ckpt.restore_rest()
     ckpt.close()
+
+
+def test_restores_leave_no_descriptor_open(tmp_path: Path) -> None:
+    save_steps(tmp_path, [1, 2])
+    flip(payload(tmp_path, "local", 2) / "data-0001.bin")
+    before = sorted(os.listdir("/proc/self/fd"))
+    ckpt = make(tmp_path)
+    ckpt.close()
+    baseline = sorted(os.listdir("/proc/self/fd"))  # a Checkpointer's own files closed
+    for weights_only in (False, True):
+        ckpt = make(tmp_path)
+        got = ckpt.restore(weights_only=weights_only)
+        if weights_only:
+            ckpt.restore_rest()  # the local rest is corrupt: from the PFS
+        assert got.step == 2
+        ckpt.close()
+        assert sorted(os.listdir("/proc/self/fd")) == baseline == before
 
 
 def test_close_stops_the_background_read_of_an_unclaimed_rest(tmp_path: Path) -> None:

@@ -201,12 +201,12 @@ class Restorer:
         where = tier.where(self.user, self.own_key, m.step)
         with tier.step_fd(self.user, self.own_key, m.step) as sfd:
             reader = StateReader(sfd, m, self.prefix, streams=self.streams, where=where)
+        if not weights_only:
+            with reader:
+                state = reader.build(reader.read(reader.blobs(None)))
+            return self._restored(tier, m, state, t0, False)
         try:
-            if not weights_only:
-                bufs = reader.read(reader.blobs(None))
-                return self._restored(tier, m, reader.build(bufs), t0, False)
-            bufs = reader.read(reader.blobs([GROUP_WEIGHTS]))
-            state = reader.build(bufs, [GROUP_WEIGHTS])
+            state = reader.build(reader.read(reader.blobs([GROUP_WEIGHTS])), [GROUP_WEIGHTS])
         except BaseException:
             reader.close()
             raise

@@ -125,8 +125,10 @@ def test_a_refused_direct_read_falls_back_to_buffered(ext4: Path, monkeypatch: A
 
     monkeypatch.setattr(fr, "_read_direct", refuse)
     evict(path)
+    fds = sorted(os.listdir("/proc/self/fd"))
     assert read(path, entry, streams=1) == path.read_bytes()
     assert len(calls) == 1  # refused once, then buffered for the rest of the file
+    assert sorted(os.listdir("/proc/self/fd")) == fds  # the direct descriptor is closed
 
 
 def test_tmpfs_reads_without_direct_io(mounts: Any) -> None:

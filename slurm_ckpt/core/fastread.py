@@ -177,7 +177,8 @@ def read_files(
     :class:`InterruptedError` when ``cancelled()`` turns true (checked between chunks).
     """
     bufs: List[mmap.mmap] = []
-    dfds: List[Optional[int]] = []
+    dfds: List[Optional[int]] = []  # per job; None once direct reads are refused
+    opened: List[int] = []
     tasks = []
     try:
         for i, job in enumerate(jobs):
@@ -189,7 +190,10 @@ def read_files(
                 raise VerifyError(f"{where}: {job.name}: manifest hash inconsistent")
             mm = alloc(entry.size)
             bufs.append(mm)
-            dfds.append(_open_direct(job.fd) if entry.size >= DIO_ALIGN else None)
+            dfd = _open_direct(job.fd) if entry.size >= DIO_ALIGN else None
+            dfds.append(dfd)
+            if dfd is not None:
+                opened.append(dfd)
             for ci, want in enumerate(entry.chunks):
                 c0 = ci * chunk_size
                 tasks.append((i, c0, min(c0 + chunk_size, entry.size), want))
@@ -237,7 +241,6 @@ def read_files(
                         fut.cancel()
                     raise
     finally:
-        for dfd in dfds:
-            if dfd is not None:
-                os.close(dfd)
+        for dfd in opened:
+            os.close(dfd)
     return bufs

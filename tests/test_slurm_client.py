@@ -282,11 +282,15 @@ def test_signal_and_requeue(slurm_cluster: DevCluster, client: SlurmClient) -> N
     tok = uuid.uuid4().hex[:8]
     script = (
         f"trap 'echo \"{tok} got USR1 restart=${{SLURM_RESTART_COUNT:-0}}\"' USR1\n"
+        f"echo '{tok} trap set'\n"
         "for i in $(seq 600); do sleep 0.1; done\n"
     )
     jobid = c.sbatch(script, user="ckptuser1", extra_args=["--requeue", "-w", "n1"])
     try:
         c.wait_job_state(jobid, "RUNNING", timeout=30)
+        # RUNNING comes before the script runs (prolog, launch): a USR1 before the trap
+        # is set would kill the shell, so wait for the script to say it is ready.
+        c.wait_until(lambda: f"{tok} trap set" in c.job_output(jobid), timeout=30)
         # The batch shell only (what #SBATCH --signal=B:USR1@T does at the time limit).
         client.signal(jobid, "USR1", batch=True)
         c.wait_until(lambda: f"{tok} got USR1 restart=0" in c.job_output(jobid), timeout=30)

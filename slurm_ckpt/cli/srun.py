@@ -38,6 +38,7 @@ import getpass
 import logging
 import os
 import pwd
+import re
 import shutil
 import signal
 import subprocess
@@ -83,9 +84,10 @@ def resolve_key(explicit: Optional[str], env: Dict[str, str]) -> str:
 
 
 def flush_local(cfg: Any, user: str, key: str, timeout: Optional[float] = None) -> List[str]:
-    """Copy every committed local checkpoint of ``user/key`` not yet on the PFS; returns
-    one line per checkpoint (copied, already there, or why not). Newest first: if time
-    runs out, the newest is what a restart wants."""
+    """Copy every committed local checkpoint of ``user/key`` - and of its per-rank series
+    ``key.rankNNNNN`` (a multi-rank job) - not yet on the PFS; returns one line per
+    checkpoint (copied, already there, or why not). Newest first: if time runs out, the
+    newest is what a restart wants."""
     from slurm_ckpt.hooks.epilog import check_user_dir
     from slurm_ckpt.tiers.copy import copy_checkpoint
     from slurm_ckpt.tiers.registry import tiers_from_config
@@ -95,17 +97,24 @@ def flush_local(cfg: Any, user: str, key: str, timeout: Optional[float] = None) 
     check_user_dir(pfs, user, os.getuid())
     deadline = None if timeout is None else time.monotonic() + timeout
     lines = []
-    for info in reversed(local.steps(user, key)):
-        if deadline is not None and time.monotonic() > deadline:
-            lines.append(f"step {info.step}: not flushed (flush timeout; the epilog will)")
-            continue
-        try:
-            res = copy_checkpoint(local, pfs, user, key, info.step)
-        except CkptError as exc:
-            lines.append(f"step {info.step}: flush failed: {exc}")
-            continue
-        state = "already on the PFS" if res.already_present else f"flushed in {res.seconds:.1f}s"
-        lines.append(f"step {info.step}: {state}")
+    # A multi-rank job saves one series per rank (<key>.rankNNNNN, see job.restore).
+    shard = re.compile(re.escape(key) + r"\.rank[0-9]{5}")
+    keys = [k for k in local.keys(user) if k == key or shard.fullmatch(k)]
+    for series in sorted(keys):
+        name = "" if series == key else f"{series[len(key) + 1 :]} "
+        for info in reversed(local.steps(user, series)):
+            if deadline is not None and time.monotonic() > deadline:
+                lines.append(
+                    f"{name}step {info.step}: not flushed (flush timeout; the epilog will)"
+                )
+                continue
+            try:
+                res = copy_checkpoint(local, pfs, user, series, info.step)
+            except CkptError as exc:
+                lines.append(f"{name}step {info.step}: flush failed: {exc}")
+                continue
+            done = "already on the PFS" if res.already_present else f"flushed in {res.seconds:.1f}s"
+            lines.append(f"{name}step {info.step}: {done}")
     return lines
 
 

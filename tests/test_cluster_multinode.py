@@ -234,6 +234,14 @@ class MultiSite(TrainSite):
         except NotFound:
             return []
 
+    def ledger_dump(self, node: str) -> str:
+        """The node ledger's records (for failure messages)."""
+        path = self.local_dir(node) / ".slurm_ckpt" / "ledger.json"
+        try:
+            return path.read_text()[-3000:]
+        except OSError as exc:
+            return f"({path}: {exc})"
+
     def reached(self, key: str, rank: int = 0) -> int:  # type: ignore[override]
         path = self.out / f".train_tiny-{key}-rank{rank}.progress"
         return int(json.loads(path.read_text())["step"])
@@ -315,13 +323,14 @@ def test_multinode_preempted_requeued_elsewhere_resumes_exact(
 
 
 def _lose_node_mid_job(
-    t: MultiSite, key: str, wipe: bool
+    t: MultiSite, key: str, wipe: bool, jobs: List[str]
 ) -> Tuple[str, int, Dict[int, int], Dict[int, List[int]]]:
     """A 2-node job on n1,n2 that flushes only its first checkpoint itself; once both
     ranks committed three, n2 dies. Returns the job, the newest complete PFS step at the
     loss, what each rank had reached, and the shards n2 still holds (rank 1's)."""
     t.configure(hooks={"stage_on_requeue": False}, retention={"flush_every": 1000})
     job = t.multi_job(key, "n1,n2", ["-p", "low", "--requeue", "--open-mode=append"])
+    jobs.append(job)
     t.wait_ranks(job, 2, rf"COMMITTED step={3 * INTERVAL}$")
     t.wait_ranks(job, 2, rf"FLUSHED step={INTERVAL}$")
     t.c.power_off("n2", wipe_local=wipe)
@@ -338,9 +347,9 @@ def test_node_loss_restarts_on_remaining_nodes_from_pfs(t: MultiSite) -> None:
     """n2 dies with its disk: the job restarts on n1 and n3 at the newest step whose every
     shard is verified on the PFS - never older - and still ends bitwise exact."""
     key = f"lost-{t.tok}"
-    job = None
+    jobs: List[str] = []
     try:
-        job, pfs_step, reached, held = _lose_node_mid_job(t, key, wipe=True)
+        job, pfs_step, reached, held = _lose_node_mid_job(t, key, True, jobs)
         assert held == {1: []}  # the disk went with the node
         assert pfs_step >= INTERVAL
         t.move(job, "n1,n3")
@@ -356,31 +365,45 @@ def test_node_loss_restarts_on_remaining_nodes_from_pfs(t: MultiSite) -> None:
         assert run.resumed(1)[-1]["tier"] == "pfs", out  # n3 never held rank 1's shard
         assert run.hosts(1)[-1] == "n3", out
     finally:
-        if job:
-            t.c.run(["scancel", job], check=False)
+        t.c.run(["scancel", *jobs], check=False)
         t.configure(hooks={"stage_on_requeue": False})
         _bring_back(t, "n2")
 
 
 def test_node_loss_disk_survives_prolog_rescues_newer_step(t: MultiSite) -> None:
-    """n2 dies but its disk survives. While the requeued job waits (held), n2 comes back;
-    the prolog of the next job there flushes rank 1's newer shards that never reached the
-    PFS. The restart (on n1 and n3) then resumes at that newer step, not at the older one
-    that was complete on the PFS when the node died."""
+    """n2 dies but its disk survives. While the requeued job waits (held), n2 comes back,
+    and its hooks flush rank 1's newer shards that never reached the PFS: SLURM runs the
+    epilog of the job that died there once the node registers again, and the prolog of
+    the next job there (a probe job) would rescue whatever that left. The restart (on n1
+    and n3) then resumes at that newer step, not at the older one that was complete on the
+    PFS when the node died."""
     key = f"rescue-{t.tok}"
-    job = None
+    jobs: List[str] = []
     try:
-        job, pfs_step, reached, held = _lose_node_mid_job(t, key, wipe=False)
+        job, pfs_step, reached, held = _lose_node_mid_job(t, key, False, jobs)
         t.c.run(["scontrol", "hold", job])
         newer = [s for s in held[1] if s > pfs_step]
         assert newer, (held, pfs_step)  # n2 kept shards newer than the PFS has
         t.c.reboot_node("n2")
         t.c.wait_node_state("n2", lambda s: "DOWN" not in s and "DRAIN" not in s, timeout=60)
         probe = t.job("true\n", user="ckptuser2", args=["-w", "n2"])
+        jobs.append(probe)
         t.c.wait_job_state(probe, "COMPLETED", timeout=60)
-        line = t.wait_hook("prolog", probe, "n2")
-        assert "rescued" in line, line
-        assert set(newer) <= set(t.pfs_verified(key, 1)), (newer, line)
+        t.wait_hook("prolog", probe, "n2")
+        t.c.wait_until(
+            lambda: set(newer) <= set(t.pfs_verified(key, 1)),
+            timeout=60,
+            what=f"rank 1's shards {newer} flushed from n2 once it is back",
+        )
+        # Who flushed them: slurmd runs the epilog of the job that died there when the
+        # node registers again, else the prolog of the next job there rescues them.
+        text = t.log.read_text()
+        after = (
+            text[text.index(f"epilog n1 job {job}:") :] if f"epilog n1 job {job}:" in text else text
+        )
+        hooks = rf"(?:epilog n2 job {job}: .*flushed [1-9]|prolog n2 job {probe}: .*rescued [1-9])"
+        by = re.findall(rf"^.* {hooks}.*$", after, re.M)
+        assert by, text
         want = t.complete_on_pfs(key, 2)
         assert want == max(newer) > pfs_step, (want, newer, pfs_step)
         t.move(job, "n1,n3")
@@ -395,14 +418,18 @@ def test_node_loss_disk_survives_prolog_rescues_newer_step(t: MultiSite) -> None
         assert run.resumed(1)[-1]["tier"] == "pfs", out
         assert reached[1] - want < reached[1] - pfs_step  # the rescue saved work
     finally:
-        if job:
-            t.c.run(["scancel", job], check=False)
+        t.c.run(["scancel", *jobs], check=False)
         t.configure(hooks={"stage_on_requeue": False})
         _bring_back(t, "n2")
 
 
 def _bring_back(t: MultiSite, node: str) -> None:
-    """A node a test powered off is started again and returned to service."""
+    """A node a test powered off is started again and returned to service, with the
+    site's local root on its disk again if the disk was wiped (what provisioning does)."""
+    d = t.local_dir(node)
+    if not d.is_dir():
+        d.mkdir(mode=0o755)
+        os.chmod(d, 0o755)
     state = t.c.node_state(node)
     if "DOWN" in state or "NOT_RESPONDING" in state:
         t.c.reboot_node(node)

@@ -353,7 +353,7 @@ def same_key(run: Run) -> None:
     run.fault("two jobs, one key")
     wa = run.start(a)
     job_a = run.job
-    wb = run.start(b, new_job=True)
+    wb = run.start(b, new_job=True, racy=True)
     job_b = run.job
     for w in (wa, wb):
         if run.rng.random() < 0.5 and run.wait_step(w, random_step(run)):

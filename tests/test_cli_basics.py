@@ -106,7 +106,7 @@ def test_config_show_human(good_config):
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert str(good_config) in out
-    for text in ("[tiers.local]", "/local/ckpt", "[copy]", "64.0 MiB", "SIGUSR1", "[hooks]"):
+    for text in ("[tiers.local]", "/local/ckpt", "[copy]", "64.0MiB", "SIGUSR1", "[hooks]"):
         assert text in out
 
 

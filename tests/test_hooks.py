@@ -305,7 +305,7 @@ def test_local_tier_checks(area: Area) -> None:
     with pytest.raises(PrologFailed) as err:
         check_local_tier(cfg)
     msg = str(err.value)
-    assert "free, need 7.0 MiB" in msg and "expected_checkpoint_size 2.0 MiB x" in msg
+    assert "free, need 7.0MiB" in msg and "expected_checkpoint_size 2.0MiB x" in msg
 
 
 def test_prolog_fails_cleanly_on_a_full_tier(area: Area) -> None:
@@ -569,7 +569,7 @@ def test_stager_daemon_passes_until_sigterm(area: Area) -> None:
     try:
         lines = [proc.stdout.readline() for _ in range(2)]  # two passes
         assert lines[0].startswith("stager on n7: flushed 1 ") and "0 still owed" in lines[0]
-        assert lines[1].startswith("stager on n7: flushed 0 (0 B); 0 still owed")
+        assert lines[1].startswith("stager on n7: flushed 0 (0B); 0 still owed")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=5) == 0
     finally:

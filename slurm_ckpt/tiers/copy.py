@@ -29,6 +29,7 @@ from slurm_ckpt.core.commit import read_manifest
 from slurm_ckpt.core.faults import crashpoint
 from slurm_ckpt.core.layout import partial_dirname, step_dirname
 from slurm_ckpt.core.manifest import MANIFEST_NAME, Manifest
+from slurm_ckpt.core.progress import ProgressFn, report
 from slurm_ckpt.core.verify import open_payload, verify_files
 from slurm_ckpt.errors import CkptError, VerifyError
 from slurm_ckpt.tiers.posix import PosixTier
@@ -63,12 +64,14 @@ def copy_checkpoint(
     *,
     streams: Optional[int] = None,
     reread: bool = False,
+    progress: Optional[ProgressFn] = None,
 ) -> CopyResult:
     """Copy ``user/key/step`` from ``src`` to ``dst``; verified, resumable, idempotent.
 
     ``reread`` additionally drops the destination from the page cache after fsync and
     hashes it again from the device (twice the I/O; for sites that distrust their storage
-    path). The bandwidth cap of ``dst`` applies to the copy.
+    path). The bandwidth cap of ``dst`` applies to the copy. ``progress(nbytes)`` hears
+    of every copied (or already present) byte, for progress bars.
     """
     streams = streams or dst.streams
     t0 = time.monotonic()
@@ -81,12 +84,13 @@ def copy_checkpoint(
         with dst.key_fd(user, key, create=True) as kfd:
             where_dst = dst.where(user, key, step)
             if _committed_same(kfd, step, raw, where_dst):
+                report(progress, manifest.total_bytes)
                 return CopyResult(
                     step, manifest.total_bytes, 0, time.monotonic() - t0, already_present=True
                 )
             try:
                 copied, resumed = _copy_into(
-                    sfd, kfd, manifest, raw, streams, dst, where_dst, reread
+                    sfd, kfd, manifest, raw, streams, dst, where_dst, reread, progress
                 )
             except SourceCorrupt:
                 _discard(kfd, partial_dirname(step))
@@ -132,6 +136,7 @@ def _copy_into(
     dst: PosixTier,
     where: str,
     reread: bool,
+    progress: Optional[ProgressFn] = None,
 ) -> tuple[int, int]:
     pname = partial_dirname(m.step)
     try:
@@ -146,6 +151,7 @@ def _copy_into(
     try:
         keep = _resumable(pfd, m, dirs)
         todo = [e for e in m.files if e.path not in keep]
+        report(progress, sum(e.size for e in m.files if e.path in keep))
         for e in todo:
             parts = e.path.split("/")
             parent = _subdir(dirs, parts[:-1])
@@ -174,6 +180,7 @@ def _copy_into(
                     f"source {todo[fi].path}: bytes {off}-{off + n} do not match the manifest"
                 )
             crashpoint("copy:chunk")
+            report(progress, n)
             return got
 
         def done(fi: int) -> None:

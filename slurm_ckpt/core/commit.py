@@ -234,7 +234,7 @@ class CheckpointWriter:
             crashpoint("commit:renamed")
             os.fsync(self._key_fd)
             crashpoint("commit:key-synced")
-            fsio.atomic_write(self._tmp_fd, MANIFEST_NAME, manifest.to_bytes())
+            fsio.atomic_replace(self._tmp_fd, MANIFEST_NAME, manifest.to_bytes())
             crashpoint("commit:manifest")
         except OSError as exc:
             self.abort()

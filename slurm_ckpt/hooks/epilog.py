@@ -45,7 +45,7 @@ from slurm_ckpt.core.retention import RetentionPolicy, plan_local_deletions
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import CkptError, InvalidName, NotFound, SlurmError, TierError
 from slurm_ckpt.hooks.asuser import AsUserTimeout, run_as
-from slurm_ckpt.ledger import Ledger, Record, State
+from slurm_ckpt.ledger import Ledger, Record, State, publish_status
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.env import HookEnv
 from slurm_ckpt.tiers.copy import SourceCorrupt, copy_checkpoint
@@ -557,7 +557,7 @@ class NodeWork:
     def publish(self, extra: Optional[Dict[str, Any]] = None) -> None:
         """Node status on the PFS; a failure here is logged, never fatal."""
         try:
-            self.ledger.publish_status(self.cfg.tiers.pfs.root, extra)
+            publish_status(self.ledger, self.cfg.tiers.pfs.root, extra)
         except CkptError as exc:
             log.warning("node status not published: %s", exc)
 

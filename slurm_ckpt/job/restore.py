@@ -36,7 +36,6 @@ the next tier, or else the next newest step.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -50,7 +49,7 @@ from slurm_ckpt.tiers.posix import PosixTier
 
 log = logging.getLogger("slurm_ckpt")
 
-__all__ = ["Restored", "Restorer", "dist_agree", "shard_key", "shard_prefix"]
+__all__ = ["Restored", "Restorer", "shard_key", "shard_prefix"]
 
 
 def shard_key(key: str, rank: int, world_size: int) -> str:
@@ -83,28 +82,6 @@ class Restored:
     #: verification and an older step was restored whole instead: ``state`` then holds
     #: the weights too, and they must be applied again.
     rolled_back: bool = False
-
-
-def dist_agree() -> Optional[Callable[[int], int]]:
-    """A min-reduce over torch.distributed ranks, if it is initialised with >1 ranks."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    dist = getattr(torch, "distributed", None)
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return None
-    if dist.get_world_size() <= 1:
-        return None
-
-    def agree(value: int) -> int:  # pragma: no cover - needs a process group
-        device = "cpu"
-        if dist.get_backend() == "nccl":
-            device = f"cuda:{torch.cuda.current_device()}"
-        t = torch.tensor([int(value)], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return int(t.item())
-
-    return agree
 
 
 class Restorer:

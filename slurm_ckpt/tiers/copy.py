@@ -200,7 +200,7 @@ def _copy_into(
         os.rename(pname, step_dirname(m.step), src_dir_fd=kfd, dst_dir_fd=kfd)
         crashpoint("copy:renamed")
         os.fsync(kfd)
-        fsio.atomic_write(pfd, MANIFEST_NAME, raw)
+        fsio.atomic_replace(pfd, MANIFEST_NAME, raw)
         crashpoint("copy:manifest")
         return sum(e.size for e in todo), len(keep)
     finally:

@@ -456,7 +456,7 @@ def test_ckpt_srun_time_limit_requeues_once_and_resumes(e2e: E2E) -> None:
     e.configure()
     key = f"srun-{e.tok}"
     body = (
-        f"exec {CKPT_SRUN} --key {key} --warn 45 --max-requeues 3 -- "
+        f"exec {CKPT_SRUN} --key {key} --warn 45s --max-requeues 3 -- "
         f"-n1 {PY} {e.dir / 'trainer.py'} 200\n"
     )
     jobid = e.job(body, args=["-t", "1", "-N1", "--requeue", "--open-mode=append", "-w", "n1"])

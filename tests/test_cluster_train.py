@@ -311,7 +311,7 @@ def test_signalled_job_saves_at_next_step_and_epilog_flushes(t: TrainSite, how: 
     if how == "scancel":
         srun_opts, args = "--warn 0 --no-flush", ["-w", node]
     else:
-        srun_opts, args = "--warn 40 --no-requeue --no-flush", ["-w", node, "-t", "1"]
+        srun_opts, args = "--warn 40s --no-requeue --no-flush", ["-w", node, "-t", "1"]
     jobid = t.train_job(key, args, steps=LONG_STEPS, srun_opts=srun_opts)
     try:
         # Two interval checkpoints: the first (seq 0) is flushed by the job, the second

@@ -566,7 +566,7 @@ def test_stager_daemon_passes_until_sigterm(area: Area) -> None:
     save(area.cfg(), "ckptuser1", "daemon", 1)
     proc = subprocess.Popen(
         [sys.executable, "-m", "slurm_ckpt.cli.main", "--config", str(cfg_file), "stager"]
-        + ["--interval", "0.2", "--no-slurm", "--node", "n7"],
+        + ["--interval", "200ms", "--no-slurm", "--node", "n7"],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -48,14 +48,17 @@ EXAMPLES: Dict[str, List[str]] = {
         "--max-loss 30min",
         "ckpt-slurm plan --size 350GB --pfs-bw 2GB/s --mtbi 1-00:00:00 --parsable",
     ],
-    "prolog": ["Prolog=/etc/slurm/ckpt-hooks/prolog   (slurm.conf; the script runs: "
-               "ckpt-slurm prolog --budget 100s)"],
-    "epilog": ["Epilog=/etc/slurm/ckpt-hooks/epilog   (slurm.conf; the script runs: "
-               "ckpt-slurm epilog --budget 100s)"],
+    "prolog": [
+        "Prolog=/etc/slurm/ckpt-hooks/prolog   (slurm.conf; the script runs: "
+        "ckpt-slurm prolog --budget 100s)"
+    ],
+    "epilog": [
+        "Epilog=/etc/slurm/ckpt-hooks/epilog   (slurm.conf; the script runs: "
+        "ckpt-slurm epilog --budget 100s)"
+    ],
     "stager": ["systemctl enable --now slurm-ckpt-stager", "ckpt-slurm stager --once"],
     "install-hooks": [
-        "ckpt-slurm install-hooks --dest /etc/slurm/ckpt-hooks "
-        "--config /etc/slurm-ckpt/config.toml"
+        "ckpt-slurm install-hooks --dest /etc/slurm/ckpt-hooks --config /etc/slurm-ckpt/config.toml"
     ],
     "maint": [
         "ckpt-slurm maint 'gpu-[001-004]' --reason 'firmware' --signal-jobs --reboot",

@@ -27,6 +27,7 @@ from typing import List, NoReturn, Optional, Sequence, Tuple
 import click
 
 from slurm_ckpt import __version__
+from slurm_ckpt.cli.help import ExamplesGroup, GroupedHelp, attach_examples
 from slurm_ckpt.cli.output import (
     PROG,
     CliState,
@@ -36,7 +37,6 @@ from slurm_ckpt.cli.output import (
     print_error,
     print_json,
 )
-from slurm_ckpt.cli.help import ExamplesGroup, GroupedHelp, attach_examples
 from slurm_ckpt.errors import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -213,7 +213,7 @@ def _click_error(exc: click.ClickException) -> int:
     if isinstance(exc, click.UsageError):
         ctx = exc.ctx
         path = ctx.command_path if ctx is not None else PROG
-        print_error(f"{message} (see '{path} --help')")
+        print_error(f"{message.rstrip('.')} (see '{path} --help')")
         return EXIT_USAGE
     print_error(message)
     return exc.exit_code

@@ -14,8 +14,8 @@ Formats (:func:`output_options` adds the flags, :class:`Listing` prints):
 * ``--noheader``: the same rows without the title, the header line and the summary.
 * ``--parsable``: one record a line, fields separated by ``|``, a header line of field
   names (unless ``--noheader``), raw values: bytes as integers, durations in seconds,
-  ``""`` for none, lists comma-separated. A ``%`` or ``|`` inside a value is written
-  ``%25`` / ``%7C`` so that splitting on ``|`` is always right.
+  ``""`` for none, lists comma-separated, fractions to 6 decimals. A ``%`` or ``|``
+  inside a value is written ``%25`` / ``%7C`` so that splitting on ``|`` is always right.
 * ``--json``: the command's JSON document.
 
 Field vocabulary, the same in ``--parsable`` headers and ``--json`` of every command:
@@ -142,7 +142,7 @@ def parsable_value(value: Any) -> str:
     elif isinstance(value, bool):
         text = "true" if value else "false"
     elif isinstance(value, float):
-        text = repr(round(value, 3)) if value != int(value) else str(int(value))
+        text = repr(round(value, 6)) if value != int(value) else str(int(value))
     elif isinstance(value, (list, tuple)):
         text = ",".join(parsable_value(v) for v in value)
     else:
@@ -157,7 +157,8 @@ class Column:
     ``fmt`` renders the raw value for people (default: ``-`` for None, lists with
     commas); ``drop`` > 0 marks an optional column (higher: dropped sooner when the
     table does not fit); ``wrap`` lets the cell wrap at spaces; ``style`` picks a colour
-    from the rendered text (default :func:`cell_style` for ``state`` columns).
+    from the rendered text (default :func:`cell_style` for ``state`` columns);
+    ``parsable``/``human``: whether the column is in that format.
     """
 
     key: str
@@ -168,6 +169,7 @@ class Column:
     right: bool = False
     style: Optional[Callable[[str], Optional[str]]] = None
     parsable: bool = True
+    human: bool = True
 
     def styler(self) -> Optional[Callable[[str], Optional[str]]]:
         if self.style is not None:
@@ -224,8 +226,9 @@ def render_table(
                 break
             del widths[i]
             del mins[i]
-        # 2. shrink wrappable columns, widest first, down to their longest token.
-        while total(widths) > width:
+        # 2. shrink wrappable columns, widest first, down to their longest token - only
+        #    if that makes the table fit (wrapping that still overflows only adds lines).
+        while total(widths) > width and total(mins) <= width:
             shrinkable = [i for i in widths if widths[i] > mins[i]]
             if not shrinkable:
                 break
@@ -326,11 +329,10 @@ class Listing:
             out = [] if fmt.noheader else ["|".join(c.key for c in cols)]
             out += ["|".join(parsable_value(r.get(c.key)) for c in cols) for r in self.rows]
             return out
-        cells = [[c.fmt(r.get(c.key)) for c in self.columns] for r in self.rows]
+        cols = [c for c in self.columns if c.human]
+        cells = [[c.fmt(r.get(c.key)) for c in cols] for r in self.rows]
         cells = [[" ".join(str(x).split()) for x in row] for row in cells]
-        body = render_table(
-            self.columns, cells, width=width, header=not fmt.noheader, colour=colour
-        )
+        body = render_table(cols, cells, width=width, header=not fmt.noheader, colour=colour)
         if self.title and not fmt.noheader:
             body = [_paint(self.title, "bold", colour), *body]
         return body

@@ -193,6 +193,7 @@ def parse_size(value: object, what: str = "size") -> int:
     number, unit = m.group(1), m.group(2)
     x = _float(number)
     if unit == "" and x != 0:
+        _finite(x, what, value, MAX_BYTES, "8EiB")  # "too large" before "no unit"
         raise _no_unit(what, value, ["B", "MB", "MiB"])
     nbytes = x * _size_multiplier(unit, what, value, number)
     return int(round(_finite(nbytes, what, value, MAX_BYTES, "8EiB")))
@@ -211,6 +212,7 @@ def parse_bandwidth(value: object, what: str = "bandwidth") -> float:
         number, unit = m.group(1), m.group(2)
         x = _float(number)
         if unit == "" and x != 0:
+            _finite(x, what, value, MAX_BYTES, "8EiB/s")
             raise _no_unit(what, value, ["MB/s", "GB/s", "MiB/s"])
         mult = _size_multiplier(unit or "B", what, value, number)
         bw = _finite(x * mult, what, value, MAX_BYTES, "8EiB/s")
@@ -293,9 +295,8 @@ def parse_duration(value: object, what: str = "duration", *, minutes: bool = Fal
         if minutes:
             return _finite(x * 60.0, what, value, MAX_SECONDS, "1000 years")
         if x != 0:
-            raise _no_unit(
-                what, value, ["s", "min", "h"], f" (SLURM's {text}:00 is {text} minutes)"
-            )
+            note = f" (SLURM's {text}:00 is {text} minutes)" if text.isdigit() else ""
+            raise _no_unit(what, value, ["s", "min", "h"], note)
         return 0.0
     if ":" in text or re.match(r"^[0-9]+-", text):
         return parse_slurm_time(text, what)

@@ -49,10 +49,13 @@ from typing import Any, Dict, List, NoReturn, Optional, Sequence
 
 import click
 
+from slurm_ckpt import __version__
+from slurm_ckpt.cli.params import DURATION
 from slurm_ckpt.core.names import validate_key
-from slurm_ckpt.errors import CkptError, InvalidName
+from slurm_ckpt.errors import EXIT_INTERRUPTED, EXIT_USAGE, CkptError, InvalidName
+from slurm_ckpt.slurm.requeue import requeue_job, requeue_reason, stop_cause
 
-__all__ = ["decide_requeue", "flush_local", "main", "resolve_key"]
+__all__ = ["flush_local", "main", "resolve_key"]
 
 PROG = "ckpt-srun"
 log = logging.getLogger("slurm_ckpt.srun")
@@ -124,30 +127,6 @@ class StepOutcome:
     warned: bool = False
     warned_by: Optional[str] = None
     terminated: bool = False
-
-
-def decide_requeue(
-    outcome: StepOutcome,
-    state: Optional[str],
-    reason: Optional[str],
-    restarts: int,
-    max_requeues: int,
-    enabled: bool = True,
-) -> Optional[str]:
-    """Why to requeue (a message), or None. Pure, so that the policy is testable:
-    only after a time-limit warning, only while SLURM still has the job RUNNING (not
-    preempted, cancelled or already requeued), and within ``max_requeues``."""
-    if not enabled or outcome.terminated or not outcome.warned:
-        return None
-    if state != "RUNNING":
-        return None
-    if reason and "preempt" in reason.lower():
-        return None
-    if restarts >= max_requeues:
-        return None
-    return (
-        f"time limit near (warning from {outcome.warned_by}): requeueing (restart {restarts + 1})"
-    )
 
 
 class _Runner:
@@ -282,11 +261,10 @@ def _flush_everywhere(
 @click.option(
     "--warn",
     "warn_s",
-    type=click.FloatRange(min=0),
-    default=120.0,
+    type=DURATION,
+    default="2min",
     show_default=True,
-    metavar="SECONDS",
-    help="Send the warning signal this long before the time limit (0: never).",
+    help="Send the warning signal this long before the time limit: 90s, 2min (0: never).",
 )
 @click.option(
     "--signal",
@@ -310,10 +288,13 @@ def _flush_everywhere(
 )
 @click.option(
     "--flush-timeout",
-    type=click.FloatRange(min=0),
-    default=300.0,
+    type=DURATION,
+    default="5min",
     show_default=True,
-    metavar="SECONDS",
+    help="Longest flush after the step; the epilog flushes what is left.",
+)
+@click.version_option(
+    __version__, "--version", "-V", prog_name=PROG, message="%(prog)s %(version)s"
 )
 @click.option("--srun", "srun_path", default="srun", show_default=True, help="The srun to run.")
 @click.option("--flush-local", is_flag=True, hidden=True)
@@ -334,7 +315,12 @@ def cli(
     """Run SRUN_ARGS (srun options, then the training command) as a checkpointing step.
 
     ckpt-srun's own options come first; everything from the first other argument (or
-    after "--") goes to srun unchanged.
+    after "--") goes to srun unchanged. --help and --version are ckpt-srun's own.
+
+    \b
+    Examples (last line of a batch script):
+      exec ckpt-srun --key my-run -- python train.py
+      exec ckpt-srun --key my-run --warn 5min -- -n 8 python train.py --big
     """
     from slurm_ckpt.core.config import load_config, resolve_config_path
     from slurm_ckpt.slurm.env import job_env
@@ -392,17 +378,28 @@ def cli(
         + (f" after a warning ({outcome.warned_by})" if outcome.warned else "")
         + (" after SIGTERM" if outcome.terminated else "")
     )
-    if flush and cfg is not None:
+    if flush and cfg is not None and outcome.terminated and len(jenv.nodes) > 1:
+        # Preempted or cancelled: the allocation is going away, a flush step would only
+        # fail ("Unable to confirm allocation"); the epilog flushes on every node.
+        _say("terminated: no flush step (the epilog flushes on every node)")
+    elif flush and cfg is not None:
         _flush_everywhere(cfg, cfg_file, user, key, jenv.nodes, srun, flush_timeout, child_env)
     if client is not None and outcome.warned and not outcome.terminated:
         try:
             info = client.job(jenv.job_id)
-            why = decide_requeue(
-                outcome, info.state, info.reason, info.restarts, max_requeues, requeue
+            cause = stop_cause(
+                info.state, info.reason, warned=outcome.warned, terminated=outcome.terminated
+            )
+            why = requeue_reason(
+                cause,
+                restarts=info.restarts,
+                max_requeues=max_requeues,
+                enabled=requeue,
+                detail=f"warning from {outcome.warned_by}",
             )
             if why:
                 _say(why)
-                client.requeue(jenv.job_id)
+                requeue_job(jenv.job_id, why, client)
                 # SLURM now ends this batch script; nothing after this matters.
             else:
                 _say(f"not requeued (state {info.state}, restarts {info.restarts})")
@@ -427,11 +424,12 @@ def main(argv: Optional[Sequence[str]] = None) -> NoReturn:
         _say(f"error: {' '.join(str(exc).split())}")
         code = exc.exit_code
     except click.ClickException as exc:
-        exc.show()
-        code = exc.exit_code
-    except click.exceptions.Abort:
+        hint = " (see 'ckpt-srun --help')" if isinstance(exc, click.UsageError) else ""
+        _say(f"error: {' '.join(exc.format_message().split())}{hint}")
+        code = EXIT_USAGE if isinstance(exc, click.UsageError) else exc.exit_code
+    except (click.exceptions.Abort, KeyboardInterrupt):
         _say("interrupted")
-        code = 130
+        code = EXIT_INTERRUPTED
     sys.exit(code)
 
 

@@ -49,6 +49,7 @@ class RunResult:
     seed: int
     faults: Dict[str, int] = field(default_factory=dict)
     restarts: int = 0
+    drains: int = 0
     lost: List[int] = field(default_factory=list)
     violations: List[str] = field(default_factory=list)
     error: Optional[str] = None
@@ -176,6 +177,8 @@ class Run:
         self.tracker.observe(f"after epilog on {node}")
         if self.tracker.check_flushed(node, self.key, committed, f"after epilog on {node}"):
             return set()
+        if (self.site.node_reason(node) or "").startswith("slurm_ckpt:"):
+            self.result.drains += 1
         return committed
 
     def stager(self, node: str, committed: Set[int], kill_after: Optional[float] = None) -> None:
@@ -272,6 +275,7 @@ def figures(results: List[RunResult], seed: int, runs: int) -> Dict[str, Any]:
         "violations": sum(len(r.violations) for r in results),
         "errors": sum(1 for r in results if r.error),
         "restarts": sum(r.restarts for r in results),
+        "drains": sum(r.drains for r in results),
         "lost_max": max(lost, default=0),
         "lost_median": statistics.median(lost) if lost else 0,
         "interval": INTERVAL,
@@ -303,6 +307,8 @@ def markdown(fig: Dict[str, Any]) -> str:
         f"* invariant violations: {fig['violations']}",
         f"* runs that broke down (harness errors): {fig['errors']}",
         f"* restarts: {fig['restarts']}",
+        f"* nodes the epilog left drained (`slurm_ckpt:` reason) until the stager finished: "
+        f"{fig['drains']}",
         f"* steps lost per restart: max {fig['lost_max']}, median {fig['lost_median']} "
         f"(checkpoint interval: {fig['interval']} steps)",
         f"* machine: {fig['machine']}; {fig['seconds']} s of runs",

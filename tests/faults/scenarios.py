@@ -134,7 +134,7 @@ def slow_pfs(site: Site, bandwidth: str = "1MB/s", budget: str = "2s") -> Dict[s
     )
 
 
-@scenario("epilog-sigkill", lambda s: slow_pfs(s, "1MB/s", "20s"))
+@scenario("epilog-sigkill", lambda s: slow_pfs(s, "500kB/s", "20s"))
 def epilog_sigkill(run: Run) -> None:
     """SIGKILL of the epilog while it copies (slow PFS): either of the tool alone (the
     hook script drains the node with our reason) or of the whole hook (as slurmd does at
@@ -148,12 +148,17 @@ def epilog_sigkill(run: Run) -> None:
     committed = run.tracker.committed_local(node, run.key)
     assert run.job is not None
     hook = run.site.hook("epilog", node, run.job, run.restart)
-    time.sleep(run.rng.uniform(0.3, 2.5))
+    time.sleep(run.rng.uniform(0.2, 2.0))
     if hook.poll() is None:
+        # the hook script -> timeout -> ckpt-slurm -> its copies running as the user
         inner = [p for p in descendants(hook.pid) if _is_python(p)]
-        if inner and run.rng.random() < 0.5:
-            os.kill(inner[-1], signal.SIGKILL)
+        pick = run.rng.random()
+        if inner and pick < 0.4:
+            os.kill(inner[0], signal.SIGKILL)
             run.fault("epilog SIGKILL (ckpt-slurm)")
+        elif len(inner) > 1 and pick < 0.7:
+            os.kill(run.rng.choice(inner[1:]), signal.SIGKILL)
+            run.fault("epilog SIGKILL (its copy, as the user)")
         else:
             os.killpg(hook.pid, signal.SIGKILL)
             run.fault("epilog SIGKILL (whole hook)")
@@ -166,7 +171,7 @@ def epilog_sigkill(run: Run) -> None:
 def _is_python(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/comm") as fh:
-            return fh.read().startswith("python") or fh.read().startswith("ckpt-slurm")
+            return fh.read().startswith(("python", "ckpt-slurm"))
     except OSError:
         return False
 

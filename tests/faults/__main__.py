@@ -20,7 +20,7 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 REPO = Path(__file__).resolve().parents[2]
 for p in (REPO, REPO / "tests"):
@@ -33,14 +33,22 @@ from tests.faults.scenarios import SCENARIOS  # noqa: E402
 DEFAULT_OUT = REPO / "tests" / "faults" / "results"
 
 
-def campaign(runs: int, seed: int, names: List[str], out: Optional[Path], say=print) -> dict:  # noqa: ANN001
-    """Run ``runs`` runs of each scenario in ``names``; returns the figures."""
+def campaign(
+    runs: int,
+    seed: int,
+    names: List[str],
+    out: Optional[Path],
+    say: Callable[[str], Any] = print,
+    nodes: Optional[List[str]] = None,
+) -> Dict[str, Any]:
+    """Run ``runs`` runs of each scenario in ``names``; returns the figures. ``nodes``:
+    the two dev-cluster nodes whose names (drains) the runs use (default: the last two)."""
     from cluster_fixture import start_cluster
 
     if os.geteuid() != 0:
         raise SystemExit("tests.faults: run as root (mounts, FUSE, users, SLURM drains)")
     cluster = start_cluster()
-    nodes = cluster.nodes[-2:]
+    nodes = nodes or cluster.nodes[-2:]
     say(
         f"fault campaign: seed {seed}, {runs} run(s) x {len(names)} scenario(s), "
         f"nodes {','.join(nodes)} of {cluster.state_dir}"
@@ -77,6 +85,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=1234, help="master seed (printed, reproducible)")
     p.add_argument("--scenarios", default="", help="comma-separated names (default: all)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where FIGURES.md goes")
+    p.add_argument("--nodes", default="", help="two dev-cluster nodes to use (default: last two)")
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
     args = p.parse_args(argv)
     if args.list:
@@ -90,7 +99,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.runs < 1:
         print("tests.faults: error: --runs must be at least 1", file=sys.stderr)
         return 2
-    fig = campaign(args.runs, args.seed, names, args.out)
+    nodes = [n for n in args.nodes.split(",") if n] or None
+    fig = campaign(args.runs, args.seed, names, args.out, nodes=nodes)
     print(markdown(fig))
     return 1 if fig["violations"] or fig["errors"] else 0
 

@@ -33,6 +33,8 @@ class Tracker:
         self.ever: Set[Tuple[str, str, int]] = set()
         self.damaged: Set[Tuple[str, str, int]] = set()
         self.lost_tiers: Set[str] = set()
+        #: tiers whose reads fail on purpose for a while (EIO): not judged meanwhile
+        self.unreadable: Set[str] = set()
         self.violations: List[str] = []
         self.last: Dict[str, Snapshot] = {}
 
@@ -52,12 +54,14 @@ class Tracker:
                 for step, ok in steps.items():
                     if ok:
                         good.add((tid, step))
-                    elif (tid, key, step) not in self.damaged:
+                    elif (tid, key, step) not in self.damaged and tid not in self.unreadable:
                         self.violation(
                             f"I1 {when}: {tid} lists {key} step {step}, which does not verify"
                         )
             for tid, k, step in sorted(self.ever):
                 if k != key or tid in self.lost_tiers or (tid, k, step) in self.damaged:
+                    continue
+                if tid in self.unreadable:
                     continue
                 if not any(s2 >= step and t2 in (tid, "pfs") for t2, s2 in good):
                     self.violation(

@@ -275,10 +275,29 @@ def _eio(run: Run, where: str) -> None:
             run.interrupt(w, run.rng.choice([signal.SIGKILL, signal.SIGTERM]))
     w.finish()
     owed = run.end_job(node, w)
-    run.fault(f"EIO on the {where} tier", run.site.fuse_hits(name))
     run.site.fuse_rules(name, [])
     if owed:
         run.stager(node, owed)
+    if where == "local" and run.rng.random() < 0.5:
+        # The restart's reads of local checkpoints fail: it must take the PFS copies.
+        before = run.site.fuse_hits(name)
+        run.site.fuse_rules(name, [{"ops": ["read"], "match": "/step-", "errno": 5}])
+        run.tracker.unreadable.add(f"local:{node}")
+        w = run.start(node)
+        run.site.fuse_rules(name, [])
+        run.fault("EIO on restore reads", run.site.fuse_hits(name) - before)
+        run.tracker.unreadable.discard(f"local:{node}")
+        run.restart += 1
+        run.graceful = False
+        w.finish()
+        done = w.wait_for(r"^DONE ", 1) is not None
+        owed = run.end_job(node, w)
+        if owed:
+            run.stager(node, owed)
+        if done:
+            run.fault(f"EIO on the {where} tier", before)
+            return
+    run.fault(f"EIO on the {where} tier", run.site.fuse_hits(name))
     run.finish(node)
 
 

@@ -10,22 +10,19 @@ Output goes through :mod:`slurm_ckpt.cli.table` (``--json``, ``--parsable``,
 
 from __future__ import annotations
 
-import contextlib
 import os
-import time
-from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import click
 
 from slurm_ckpt.cli.output import CliState, pass_state
 from slurm_ckpt.cli.progress import ByteProgress
 from slurm_ckpt.cli.table import Column, Listing, OutputFormat, output_options, print_json_doc
-from slurm_ckpt.core.layout import parse_step_dirname
 from slurm_ckpt.core.names import current_user, validate_key, validate_user
 from slurm_ckpt.core.units import format_bytes, format_duration
-from slurm_ckpt.errors import CkptError, NotFound, TierError, UsageError
-from slurm_ckpt.tiers.posix import PosixTier
+from slurm_ckpt.errors import NotFound, UsageError
+from slurm_ckpt.ops.catalog import series_rows, step_rows, verify_targets
+from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.registry import ORDER, tiers_from_config
 
 tier_choice = click.Choice(["all", *ORDER])
@@ -42,7 +39,7 @@ def _user(user: Optional[str]) -> str:
     return validate_user(user) if user else current_user()
 
 
-def _selected(state: CliState, tier: str) -> Dict[str, PosixTier]:
+def _selected(state: CliState, tier: str) -> Dict[str, Tier]:
     tiers = tiers_from_config(state.config)
     if tier == "all":
         return tiers
@@ -81,44 +78,6 @@ SERIES_COLUMNS = [
 ]
 
 
-def _series_rows(tiers: Dict[str, PosixTier], users: Optional[List[str]]) -> List[Dict[str, Any]]:
-    """One row per series per tier: step count, newest step, bytes, age of the newest."""
-    now = time.time()
-    rows: List[Dict[str, Any]] = []
-    for name, t in tiers.items():
-        try:
-            names = users if users is not None else t.users()
-        except (TierError, OSError):
-            continue
-        for u in names:
-            try:
-                keys = t.keys(validate_user(u))
-            except (CkptError, OSError):
-                continue  # another user's private directory, or not a user directory
-            for k in keys:
-                try:
-                    steps = t.steps(u, validate_key(k))
-                except (CkptError, OSError):
-                    continue
-                if not steps:
-                    continue
-                newest = steps[-1]
-                rows.append(
-                    {
-                        "tier": name,
-                        "user": u,
-                        "key": k,
-                        "steps": len(steps),
-                        "step": newest.step,
-                        "bytes": sum(s.manifest.total_bytes for s in steps),
-                        "age_s": round(now - newest.manifest.wall_time, 3),
-                        "path": os.path.join(t.root, u, k),
-                    }
-                )
-    rows.sort(key=lambda r: (r["user"], r["key"], ORDER.index(r["tier"])))
-    return rows
-
-
 @click.command("list")
 @click.argument("key", required=False)
 @user_option
@@ -136,7 +95,7 @@ def list_cmd(
     tiers = _selected(state, tier)
     if key is None:
         users = [validate_user(user)] if user else (None if os.geteuid() == 0 else [current_user()])
-        rows = _series_rows(tiers, users)
+        rows = series_rows(tiers, users)
         if out.json:
             print_json_doc({"series": rows})
             return
@@ -148,26 +107,7 @@ def list_cmd(
         return
     user = _user(user)
     validate_key(key)
-    rows = []
-    now = time.time()
-    for name, t in tiers.items():
-        for s in t.steps(user, key):
-            m = s.manifest
-            rows.append(
-                {
-                    "tier": name,
-                    "user": user,
-                    "key": key,
-                    "step": s.step,
-                    "tokens": m.tokens,
-                    "bytes": m.total_bytes,
-                    "files": len(m.files),
-                    "age_s": round(now - m.wall_time, 3),
-                    "job": m.job,
-                    "node": m.node,
-                    "path": t.step_path(user, key, s.step),
-                }
-            )
+    rows = step_rows(tiers, user, key)
     if out.json:
         print_json_doc({"user": user, "key": key, "checkpoints": rows})
         return
@@ -189,37 +129,6 @@ VERIFY_COLUMNS = [
 ]
 
 
-def _targets(
-    state: CliState, target: str, user: Optional[str], tier: str, step: Optional[int]
-) -> List[Tuple[PosixTier, str, str, int, int]]:
-    """What to verify: ``(tier, user, key, step, bytes)`` for a step directory or a KEY."""
-    checks: List[Tuple[PosixTier, str, str, int, int]] = []
-    if os.sep in target or target.startswith("."):
-        path = Path(target).absolute()
-        s = parse_step_dirname(path.name)
-        if s is None or not path.is_dir():
-            raise CkptError(f"{target}: not a checkpoint directory (expected .../step-NNNNNNNNNN)")
-        key_dir = path.parent
-        t = PosixTier("path", str(key_dir.parent.parent))
-        size = 0
-        with contextlib.suppress(CkptError):  # verify reports it
-            size = t.manifest(key_dir.parent.name, key_dir.name, s).total_bytes
-        checks.append((t, key_dir.parent.name, key_dir.name, s, size))
-        return checks
-    user = _user(user)
-    validate_key(target)
-    for t in _selected(state, tier).values():
-        for info in t.steps(user, target):
-            if step is None or info.step == step:
-                checks.append((t, user, target, info.step, info.manifest.total_bytes))
-    if not checks:
-        raise NotFound(
-            f"no committed checkpoint for {user}/{target}"
-            + (f" at step {step}" if step is not None else "")
-        )
-    return checks
-
-
 @click.command("verify")
 @click.argument("target")
 @user_option
@@ -239,7 +148,7 @@ def verify_cmd(
 
     Exit status 0 when everything verifies, 1 on any mismatch.
     """
-    checks = _targets(state, target, user, tier, step)
+    checks = verify_targets(_selected(state, tier), target, _user(user), step)
     reports = []
     with ByteProgress("verify", total=sum(c[4] for c in checks)) as bar:
         for t, u, k, s, _size in checks:
@@ -252,7 +161,7 @@ def verify_cmd(
             "user": u,
             "key": k,
             "step": r.step,
-            "path": t.step_path(u, k, r.step),
+            "path": t.location(u, k, r.step),
             "state": "OK" if r.ok else "CORRUPT",
             "ok": r.ok,
             "bytes": r.nbytes,

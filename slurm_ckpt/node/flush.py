@@ -228,7 +228,7 @@ class Flusher:
             self._clear_in_flight(ident)
             return FlushResult(ident, "bad", nbytes=nbytes, error=str(exc))
         except CkptError as exc:
-            self._mark([ident], self.dst, State.FAILED, str(exc), code="flush")
+            self._mark([ident], self.dst, State.FAILED, str(exc), code="flush_failed")
             return FlushResult(
                 ident, "failed", nbytes=nbytes, error=str(exc), seconds=self.clock() - t0
             )

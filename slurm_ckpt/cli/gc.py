@@ -47,6 +47,7 @@ from slurm_ckpt.cli.table import (
     Column,
     Listing,
     OutputFormat,
+    echo_wrapped,
     output_options,
     plural,
     print_json_doc,
@@ -419,7 +420,7 @@ def gc_cmd(
         t = doc["totals"]
         verb = "would delete" if dry_run else "deleted"
         count = t["delete"] if dry_run else t["deleted"]
-        click.echo(
+        echo_wrapped(
             f"{t['series']} series, {plural(t['checkpoints'], 'checkpoint')}: {verb} {count} "
             f"({format_bytes(t['bytes'])}); verified {t['verified']}, corrupt {t['corrupt']}"
         )

@@ -30,7 +30,7 @@ from slurm_ckpt.cli.status_model import (
     query_slurm,
     scan_catalog,
 )
-from slurm_ckpt.cli.table import Column, Listing, OutputFormat, output_options, plural
+from slurm_ckpt.cli.table import Column, Listing, OutputFormat, echo_wrapped, output_options, plural
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import validate_key, validate_node, validate_user
 from slurm_ckpt.core.units import format_bytes, format_duration, format_rate
@@ -134,15 +134,18 @@ JOB_COLUMNS = [
     Column("user", "user", human=False),
     Column("key", "keys", human=False),
     Column("state", "state"),
-    Column("nodes", "nodes", fmt=_nodes_text),
+    # Optional columns go in this order when the width is short: rate, local age, pfs
+    # age, nodes (the nodes table below names them too), flush eta.
+    Column("nodes", "nodes", fmt=_nodes_text, drop=2),
     Column("local_step", "local", fmt=_count, right=True),
-    Column("local_age_s", "local age", fmt=format_duration, right=True, drop=3),
+    Column("local_age_s", "local age", fmt=format_duration, right=True, drop=5),
     Column("pfs_step", "pfs", fmt=_count, right=True),
-    Column("pfs_age_s", "pfs age", fmt=format_duration, right=True, drop=2),
+    Column("pfs_age_s", "pfs age", fmt=format_duration, right=True, drop=4),
     Column("steps_at_risk", "at risk", fmt=_count, right=True),
+    Column("checkpoints_at_risk", "checkpoints at risk", human=False),
     Column("bytes_at_risk", "size at risk", fmt=format_bytes, right=True),
     Column("flush_eta_s", "flush eta", fmt=format_duration, right=True, drop=1),
-    Column("flush_rate_bps", "rate", fmt=format_rate, right=True, drop=4),
+    Column("flush_rate_bps", "rate", fmt=format_rate, right=True, drop=6),
 ]
 
 NODE_COLUMNS = [
@@ -153,7 +156,7 @@ NODE_COLUMNS = [
     Column("in_flight", "in flight", right=True, drop=2),
     Column("failed", "failed", right=True, drop=1),
     Column("state", "slurm"),
-    Column("drain_reason", "our drain", wrap=True, drop=3),
+    Column("drain_reason", "our drain", wrap=True),
 ]
 
 
@@ -212,7 +215,7 @@ def print_status(
         click.echo("no node reports a status")
     t = doc["totals"]
     note = "" if doc["slurm"]["available"] else f"; SLURM: {doc['slurm']['note']}"
-    click.echo(
+    echo_wrapped(
         f"{plural(t['jobs'], 'job')}, {format_bytes(t['bytes_at_risk'])} at risk in "
         f"{plural(t['checkpoints_at_risk'], 'checkpoint')}, "
         f"{plural(t['in_flight'], 'flush', 'flushes')} in flight, "

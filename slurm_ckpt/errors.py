@@ -93,3 +93,10 @@ class NotReady(CkptError):
     """Jobs or unflushed checkpoints are still on the node(s): not safe to go ahead."""
 
     exit_code = EXIT_NOT_READY
+
+
+class TimedOut(CkptError):
+    """An operation ran into its deadline and was stopped (a child killed, a wait given up).
+    Callers with more time later (the stager after the epilog) retry it."""
+
+    exit_code = EXIT_FAILED

@@ -308,11 +308,13 @@ _cell = st.lists(_token, min_size=0, max_size=5).map(" ".join)
 )
 def test_layout_never_splits_a_token(data, width: int) -> None:
     rows, wraps, drops = data
-    cols = [Column(str(i), f"h{i}", wrap=w, drop=d) for i, (w, d) in enumerate(zip(wraps, drops))]
+    cols = [Column(str(i), f"H{i}", wrap=w, drop=d) for i, (w, d) in enumerate(zip(wraps, drops))]
     lines = render_table(cols, rows, width=width, header=True)
     words = set(" ".join(lines).split())
     kept = {c.header for c in cols} & words
-    assert "h0" in kept or cols[0].drop  # a mandatory column is never dropped
+    assert (
+        "H0" in kept or cols[0].drop
+    )  # a mandatory column is never dropped (headers: upper case, cells: lower)
     for row in rows:
         for col, cell in zip(cols, row):
             if col.header in kept:

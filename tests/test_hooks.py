@@ -27,7 +27,6 @@ from slurm_ckpt.cli.main import main as ckpt_main
 from slurm_ckpt.cli.srun import resolve_key
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.errors import CkptError, InvalidName, TierError
-from slurm_ckpt.hooks.asuser import AsUserError, AsUserTimeout, run_as, run_as_user
 from slurm_ckpt.hooks.epilog import (
     HANDED_TO_STAGER,
     NodeWork,
@@ -43,6 +42,7 @@ from slurm_ckpt.hooks.prolog import (
 )
 from slurm_ckpt.hooks.stager import stager_pass
 from slurm_ckpt.ledger import State
+from slurm_ckpt.node.asuser import AsUserError, AsUserTimeout, run_as, run_as_user
 from slurm_ckpt.slurm.env import HookEnv
 from slurm_ckpt.slurm.requeue import requeue_reason, stop_cause
 from slurm_ckpt.tiers.registry import tiers_from_config

@@ -25,8 +25,8 @@ import pytest
 
 from slurm_ckpt.cli import maint as maint_mod
 from slurm_ckpt.cli.main import main
-from slurm_ckpt.hooks.asuser import run_as_user
 from slurm_ckpt.ledger import Ledger, State, publish_status
+from slurm_ckpt.node.asuser import run_as_user
 from slurm_ckpt.tiers.posix import PosixTier
 
 USER = "ckptuser1"

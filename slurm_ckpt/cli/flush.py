@@ -93,7 +93,7 @@ def _is_busy(cfg: Config, user: str, key: str, step: int) -> bool:
     from slurm_ckpt.tiers.registry import tiers_from_config
 
     local = tiers_from_config(cfg)["local"]
-    with local.step_lock(user, key, step, wait=False) as got:
+    with local.lock(user, key, step, wait=False) as got:
         return not got
 
 
@@ -111,8 +111,8 @@ def flush_node(
     """Root: the node's backlog (or ``job``'s checkpoints), as each owner, via NodeWork.
     ``progress(nbytes)`` hears of each checkpoint's bytes once it is done (the copies
     run in children as the owner: per checkpoint, not per chunk)."""
-    from slurm_ckpt.hooks.asuser import run_as
     from slurm_ckpt.hooks.epilog import FlushOutcome, NodeWork
+    from slurm_ckpt.node.asuser import run_as
 
     work = NodeWork(cfg, node, client)
     work.reconcile()

@@ -101,7 +101,7 @@ _tls = threading.local()
 PIECE = 16 * 2**20
 
 
-def _buffer(size: int) -> memoryview:
+def io_buffer(size: int) -> memoryview:
     """A reusable, page-aligned I/O buffer per thread (allocated once, never per chunk)."""
     buf = getattr(_tls, "buf", None)
     if buf is None or len(buf) < size:
@@ -123,7 +123,7 @@ def hash_range(
     A short read (the file shrank under us) raises EIO-like ``OSError``.
     """
     h = xxhash.xxh3_128()
-    buf = _buffer(piece)
+    buf = io_buffer(piece)
     end = offset + length
     pos = offset
     while pos < end:

@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from slurm_ckpt.core.fastread import READ_STREAMS
 from slurm_ckpt.core.manifest import Manifest
-from slurm_ckpt.errors import CkptError, TierError, VerifyError
+from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
 from slurm_ckpt.job.state import GROUP_REST, GROUP_WEIGHTS, StateReader
 from slurm_ckpt.tiers.posix import PosixTier
 
@@ -199,7 +199,7 @@ class Restorer:
                 continue
             try:
                 return self._load(tier, m, weights_only)
-            except (VerifyError, TierError) as exc:
+            except (VerifyError, TierError, NotFound) as exc:
                 self._note_bad(tier, step, exc)
         return None
 
@@ -304,7 +304,7 @@ class Restorer:
         err: Optional[BaseException] = None
         try:
             got = rest.result(self)
-        except (VerifyError, TierError) as exc:
+        except (VerifyError, TierError, NotFound) as exc:
             err = exc
             self._note_bad(rest.tier, step, exc)
             got = self._rest_elsewhere(rest)
@@ -353,7 +353,7 @@ class Restorer:
                     if reader.data != failed.reader.data:
                         continue
                     state = reader.build(reader.read(reader.blobs([GROUP_REST])), [GROUP_REST])
-            except (VerifyError, TierError) as exc:
+            except (VerifyError, TierError, NotFound) as exc:
                 self._note_bad(tier, step, exc)
                 continue
             log.warning("[ckpt] restore: the rest of step %d came from %s", step, tier.name)

@@ -42,6 +42,7 @@ from slurm_ckpt.ledger import codec
 from slurm_ckpt.ledger.codec import Corrupt, Data, from_raw, raw_pending, to_raw
 from slurm_ckpt.ledger.record import (
     LIVE_LOCAL,
+    Ident,
     Record,
     State,
     check_ident,
@@ -255,53 +256,74 @@ class Ledger:
         reason: Optional[str] = None,
         *,
         code: Optional[str] = None,
+        create: bool = False,
         **fields: Any,
     ) -> Record:
         """Set the state of a checkpoint on ``tier`` (and any other record ``fields``).
 
         ``COMMITTED`` stamps ``committed_at[tier]``, ``FLUSHING`` stamps
         ``flush_started_at[tier]`` and counts an attempt, ``VERIFIED`` stamps
-        ``verified_at[tier]``. ``reason`` (one line) becomes the record's last error;
-        ``code`` also bumps that failure counter. ``durations`` is merged, not replaced.
-        Raises :class:`~slurm_ckpt.errors.NotFound` if the record does not exist.
+        ``verified_at[tier]`` (see :meth:`Record.set_state`). ``reason`` (one line)
+        becomes the record's last error; ``code`` also bumps that failure counter.
+        ``durations`` is merged, not replaced. Raises
+        :class:`~slurm_ckpt.errors.NotFound` if the record does not exist, unless
+        ``create``.
         """
-        check_ident(user, key, step)
+        done = self.mark_many(
+            [(user, key, step)], tier, state, reason, code=code, create=create, **fields
+        )
+        if not done:
+            raise NotFound(f"no ledger record for {user}/{key} step {step}")
+        return done[0]
+
+    def mark_many(
+        self,
+        idents: Iterable[Ident],
+        tier: str,
+        state: object,
+        reason: Optional[str] = None,
+        *,
+        code: Optional[str] = None,
+        create: bool = False,
+        **fields: Any,
+    ) -> List[Record]:
+        """:meth:`mark` for many checkpoints in ONE transaction (one rewrite of the file,
+        however many there are: an epilog handing 10,000 checkpoints to the stager must
+        not rewrite the ledger 10,000 times). Missing records are skipped unless
+        ``create``; returns the records stored."""
         check_tier(tier)
         st = State(state)
         unknown = set(fields) - codec.MUTABLE_FIELDS
         if unknown:
             raise TypeError(f"mark(): unknown record field(s): {', '.join(sorted(unknown))}")
+        idents = list(idents)
+        for ident in idents:
+            check_ident(*ident)
         now = self.clock()
+        out: List[Record] = []
         with self._transaction() as data:
-            raw = data.get((user, key, step))
-            if raw is None:
-                raise NotFound(f"no ledger record for {user}/{key} step {step}")
-            rec = from_raw(raw)
-            rec.tiers[tier] = st
-            if st is State.COMMITTED:
-                rec.committed_at[tier] = now
-            elif st is State.FLUSHING:
-                rec.flush_started_at[tier] = now
-                rec.attempts += 1
-            elif st is State.VERIFIED:
-                rec.verified_at[tier] = now
-                rec.committed_at.setdefault(tier, now)
-            if reason is not None:
-                rec.error = one_line(reason)
-            elif st in (State.FAILED, State.BAD) and rec.error is None:
-                rec.error = st.value
-            for name, value in fields.items():
-                if name == "durations":
-                    merge_durations(rec, value)
-                elif name == "job":
-                    rec.job = None if value is None else str(value)
+            for ident in idents:
+                raw = data.get(ident)
+                if raw is None:
+                    if not create:
+                        continue
+                    rec = Record(*ident, created_at=now)
                 else:
-                    setattr(rec, name, value)
-            rec.updated_at = now
-            if code:
-                _bump(data, code)
-            self._put(data, rec)
-            return rec
+                    rec = from_raw(raw)
+                rec.set_state(tier, st, now, reason)
+                for name, value in fields.items():
+                    if name == "durations":
+                        merge_durations(rec, value)
+                    elif name == "job":
+                        rec.job = None if value is None else str(value)
+                    else:
+                        setattr(rec, name, value)
+                rec.updated_at = now
+                self._put(data, rec)
+                out.append(rec)
+            if code and out:
+                _bump(data, code, len(out))
+        return out
 
     def update(
         self, user: str, key: str, step: int, fn: Callable[[Optional[Record]], Optional[Record]]

@@ -120,6 +120,26 @@ class Record:
         """Committed locally, must reach the PFS, and has no verified (or retired) copy there."""
         return is_pending(self.tiers, self.selected_for_flush, self.forced)
 
+    def set_state(self, tier: str, state: State, now: float, reason: Optional[str] = None) -> None:
+        """Move this checkpoint's copy on ``tier`` to ``state`` at ``now``: the one place
+        the timestamps and the attempt count follow a state change. ``COMMITTED`` stamps
+        ``committed_at``, ``FLUSHING`` stamps ``flush_started_at`` and counts an attempt,
+        ``VERIFIED`` stamps ``verified_at``. ``reason`` (one line) becomes the last error;
+        a failure without one records its state name."""
+        self.tiers[tier] = state
+        if state is State.COMMITTED:
+            self.committed_at[tier] = now
+        elif state is State.FLUSHING:
+            self.flush_started_at[tier] = now
+            self.attempts += 1
+        elif state is State.VERIFIED:
+            self.verified_at[tier] = now
+            self.committed_at.setdefault(tier, now)
+        if reason is not None:
+            self.error = one_line(reason)
+        elif state in (State.FAILED, State.BAD) and self.error is None:
+            self.error = state.value
+
     def to_local_info(self) -> CkptInfo:
         """This record as the local retention planner sees it."""
         return CkptInfo(

@@ -82,6 +82,13 @@ class SlurmError(CkptError):
     exit_code = EXIT_SLURM
 
 
+class TimedOut(CkptError):
+    """An operation ran into its deadline and was stopped (a child killed, a wait given up).
+    Callers with more time later (the stager after the epilog) retry it."""
+
+    exit_code = EXIT_FAILED
+
+
 class UsageError(CkptError):
     """A command-line value is malformed or out of range (what click calls a usage error,
     raised where click's own checks cannot see it)."""
@@ -93,10 +100,3 @@ class NotReady(CkptError):
     """Jobs or unflushed checkpoints are still on the node(s): not safe to go ahead."""
 
     exit_code = EXIT_NOT_READY
-
-
-class TimedOut(CkptError):
-    """An operation ran into its deadline and was stopped (a child killed, a wait given up).
-    Callers with more time later (the stager after the epilog) retry it."""
-
-    exit_code = EXIT_FAILED

@@ -153,7 +153,7 @@ CASES: List[Tuple[List[str], int, str]] = [
     # --- findings: exit 1
     (["verify", "nosuchkey"], EXIT_FAILED, "no committed checkpoint"),
     (["list", "nosuchkey"], EXIT_FAILED, "no committed checkpoint"),
-    (["verify", "/tmp/not-a-step"], EXIT_FAILED, "not a checkpoint directory"),
+    (["verify", "/tmp/not-a-step"], EXIT_FAILED, "/tmp/not-a-step: no such file or directory"),
     (["drill", "nosuchkey"], EXIT_FAILED, "no restorable checkpoint"),
     # --- SLURM out of reach: exit 3
     (["maint", "n1", "--reason", "x", "--reboot"], EXIT_SLURM, "scontrol"),

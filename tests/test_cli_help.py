@@ -104,7 +104,7 @@ def test_list_without_key_lists_series(tmp_path: Path, monkeypatch: pytest.Monke
     code, out, err = run(main_mod.main, ["list", "--parsable"])
     assert code == 0, err
     lines = out.splitlines()
-    assert lines[0] == "tier|user|key|steps|step|bytes|age_s|path"
+    assert lines[0] == "tier|user|key|steps|step|bytes|age_s|damaged|path"
     rows = [dict(zip(lines[0].split("|"), line.split("|"))) for line in lines[1:]]
     if os.geteuid() == 0:  # root: every user's series
         got = {(r["user"], r["key"], r["steps"], r["step"]) for r in rows}

@@ -252,6 +252,8 @@ def test_parsable_gc_and_noheader(site: Site) -> None:
         "bytes",
         "corrupt",
         "pinned",
+        "damaged_steps",
+        "reclaim",
     ]
     assert rows == [
         {
@@ -264,10 +266,12 @@ def test_parsable_gc_and_noheader(site: Site) -> None:
             "bytes": "0",
             "corrupt": "",
             "pinned": "",
+            "damaged_steps": "",
+            "reclaim": "",
         }
     ]
     code, out, _ = run(["gc", "--dry-run", "--parsable", "--noheader"])
-    assert out.splitlines() == [f"pfs|{USER}|{KEY}|2|1000,2000||0||"]
+    assert out.splitlines() == [f"pfs|{USER}|{KEY}|2|1000,2000||0||||"]
 
 
 def test_parsable_escapes_the_separator() -> None:

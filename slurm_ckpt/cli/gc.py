@@ -19,6 +19,12 @@ result is the plan with every safety-relevant ``verified`` flag measured, so:
   kept (the corrupt one too, by the policy's rule for unverified newer copies);
 * with nothing verifying, nothing is deleted.
 
+Damaged step directories (:mod:`slurm_ckpt.ops.damage`: a manifest that does not
+check, a commit that never finished, unreadable, or another series' manifest) are
+reported; a CORRUPT-manifest or INCOMPLETE one is reclaimed when a newer checkpoint of the
+series verified in this run (:func:`~slurm_ckpt.ops.damage.reclaimable`). UNREADABLE and
+FOREIGN ones are never deleted.
+
 Pins: a checkpoint is pinned when its manifest's ``meta`` has ``"pinned": true`` (set at
 save time) or when a marker ``<key>/.pin-step-NNNNNNNNNN`` exists beside it (``touch`` it
 to pin after the fact). A PFS checkpoint being archived right now (a
@@ -51,6 +57,7 @@ from slurm_ckpt.cli.table import (
     output_options,
     plural,
     print_json_doc,
+    warn,
 )
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.layout import PARTIAL_PREFIX, parse_step_dirname, step_dirname
@@ -59,6 +66,7 @@ from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.core.retention import CkptInfo, RetentionPolicy, plan_pfs_deletions
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError
+from slurm_ckpt.ops.damage import reclaimable, scan_series
 from slurm_ckpt.tiers.posix import PosixTier, StepInfo
 from slurm_ckpt.tiers.registry import tiers_from_config
 
@@ -170,6 +178,17 @@ class SeriesResult:
     bytes: int = 0
     problems: List[str] = field(default_factory=list)
     errors: List[str] = field(default_factory=list)
+    #: Damaged step directories (:mod:`slurm_ckpt.ops.damage`), as dicts.
+    damaged: List[Dict[str, Any]] = field(default_factory=list)
+    #: Those of them gc deletes (dry run: would delete) / deleted.
+    reclaim: List[int] = field(default_factory=list)
+    reclaimed: List[int] = field(default_factory=list)
+
+    @property
+    def damaged_left(self) -> int:
+        """Damaged entries gc leaves in place (a finding for the operator)."""
+        gone = set(self.reclaimed)
+        return sum(1 for d in self.damaged if d["step"] not in gone)
 
     def to_dict(self) -> Dict[str, Any]:
         return {
@@ -186,6 +205,9 @@ class SeriesResult:
             "bytes": self.bytes,
             "problems": self.problems,
             "errors": self.errors,
+            "damaged": self.damaged,
+            "reclaim": self.reclaim,
+            "reclaimed": self.reclaimed,
         }
 
 
@@ -215,6 +237,8 @@ class GcReport:
                 "verified": sum(len(s.verified) for s in self.series),
                 "corrupt": sum(len(s.corrupt) for s in self.series),
                 "errors": sum(len(s.errors) for s in self.series),
+                "damaged": sum(len(s.damaged) for s in self.series),
+                "reclaimed": sum(len(s.reclaimed) for s in self.series),
             },
             "series": [s.to_dict() for s in self.series],
         }
@@ -242,7 +266,9 @@ def gc_series(
     """Apply retention to ``user/key`` on ``tier``; see the module docstring.
     ``progress(nbytes)`` hears of every byte verified."""
     res = SeriesResult(tier.name, user, key)
-    steps: Dict[int, StepInfo] = {s.step: s for s in tier.steps(user, key)}
+    good, damaged = scan_series(tier, user, key, now)
+    res.damaged = [d.to_dict() for d in damaged]
+    steps: Dict[int, StepInfo] = {s.step: s for s in good}
     res.steps = sorted(steps)
     if not steps:
         return res
@@ -285,15 +311,21 @@ def gc_series(
     res.delete = list(deletions)
     res.keep = sorted(set(steps) - set(deletions))
     res.bytes = sum(steps[s].nbytes for s in deletions)
+    newest_ok = max(res.verified) if res.verified else None
+    res.reclaim = [
+        d.step  # type: ignore[misc]
+        for d in damaged
+        if reclaimable(d, newest_ok, pinned=d.step is not None and pin_name(d.step) in names)
+    ]
     if dry_run:
         return res
-    for step in deletions:  # oldest first
+    for step in deletions + res.reclaim:  # oldest first; then the damaged ones
         try:
             tier.delete(user, key, step)
         except (CkptError, OSError) as exc:
             res.errors.append(f"{tier.where(user, key, step)}: not deleted: {exc}")
             continue
-        res.deleted.append(step)
+        (res.deleted if step in steps else res.reclaimed).append(step)
     res.bytes = sum(steps[s].nbytes for s in res.deleted)
     return res
 
@@ -345,7 +377,7 @@ def run_gc(
             res = gc_series(
                 tier, u, k, policy, when, dry_run=dry_run, next_tier=following, progress=progress
             )
-            if res.steps:
+            if res.steps or res.damaged:
                 report.series.append(res)
     return report
 
@@ -380,6 +412,20 @@ def _gc_columns(dry_run: bool) -> List[Column]:
         Column("bytes", "size", fmt=format_bytes, right=True),
         Column("corrupt", "corrupt", fmt=step_ranges),
         Column("pinned", "pinned", fmt=step_ranges, drop=1),
+        Column(
+            "damaged",
+            "damaged",
+            fmt=lambda v: (
+                step_ranges([d["step"] for d in v if d["step"] is not None]) if v else "-"
+            ),
+            parsable=False,
+        ),
+        Column("damaged_steps", "damaged", human=False),
+        Column(
+            "reclaim" if dry_run else "reclaimed",
+            "would reclaim" if dry_run else "reclaimed",
+            fmt=step_ranges,
+        ),
     ]
 
 
@@ -395,21 +441,29 @@ def gc_cmd(
     """Apply retention on the PFS (and cold) tiers: keep the newest retention.keep_pfs
     checkpoints that verify now, one per retention.keep_pfs_every, and pinned ones.
 
-    Exit status 1 if a deletion failed. The size column is what was (or would be)
-    deleted; steps are shown as ranges (1-3,5).
+    Damaged step directories (CORRUPT, INCOMPLETE, UNREADABLE, FOREIGN) are reported;
+    CORRUPT and INCOMPLETE ones older than a checkpoint that verifies now are reclaimed.
+    Exit status 1 if a deletion failed or damaged ones are left. The size column is what
+    was (or would be) deleted; steps are shown as ranges (1-3,5).
     """
     with ByteProgress("gc: verify") as bar:
         report = run_gc(state.config, user=user, key=key, dry_run=dry_run, progress=bar.advance)
     for s in report.series:
         for line in s.errors:
             print_error(line)
+    left = sum(s.damaged_left for s in report.series)
+    code = 0 if report.ok and not left else 1
     if out.json:
         print_json_doc(report.to_dict())
-        return 0 if report.ok else 1
+        return code
     doc = report.to_dict()
-    busy = [s for s in report.series if s.delete or s.corrupt or s.errors]
+    busy = [s for s in report.series if s.delete or s.corrupt or s.errors or s.damaged]
     rows = [
-        dict(s.to_dict(), series=f"{s.user}/{s.key}")
+        dict(
+            s.to_dict(),
+            series=f"{s.user}/{s.key}",
+            damaged_steps=[d["step"] for d in s.damaged],
+        )
         for s in (report.series if not out.decorated else busy)
     ]
     if rows or not out.decorated:
@@ -423,5 +477,11 @@ def gc_cmd(
         echo_wrapped(
             f"{t['series']} series, {plural(t['checkpoints'], 'checkpoint')}: {verb} {count} "
             f"({format_bytes(t['bytes'])}); verified {t['verified']}, corrupt {t['corrupt']}"
+            + (f"; damaged {t['damaged']}, reclaimed {t['reclaimed']}" if t["damaged"] else "")
         )
-    return 0 if report.ok else 1
+    if left:
+        for s in report.series:
+            for d in s.damaged:
+                if d["step"] not in s.reclaimed and d["step"] not in (s.reclaim if dry_run else ()):
+                    warn(f"{d['path']}: {d['state']}: {d['reason']} (left in place)")
+    return code

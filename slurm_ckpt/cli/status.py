@@ -30,7 +30,15 @@ from slurm_ckpt.cli.status_model import (
     query_slurm,
     scan_catalog,
 )
-from slurm_ckpt.cli.table import Column, Listing, OutputFormat, echo_wrapped, output_options, plural
+from slurm_ckpt.cli.table import (
+    Column,
+    Listing,
+    OutputFormat,
+    echo_wrapped,
+    output_options,
+    plural,
+    warn,
+)
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import validate_key, validate_node, validate_user
 from slurm_ckpt.core.units import format_bytes, format_duration, format_rate
@@ -146,6 +154,7 @@ JOB_COLUMNS = [
     Column("bytes_at_risk", "size at risk", fmt=format_bytes, right=True),
     Column("flush_eta_s", "flush eta", fmt=format_duration, right=True, drop=1),
     Column("flush_rate_bps", "rate", fmt=format_rate, right=True, drop=6),
+    Column("damaged", "damaged", human=False),
 ]
 
 NODE_COLUMNS = [
@@ -183,6 +192,9 @@ def _job_rows(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
                 # Nothing pending: no ETA to show ("0.0s" read as "flushing, done now").
                 "flush_eta_s": j["flush_eta_s"] if pending else None,
                 "flush_rate_bps": j["flush_rate_bps"],
+                "damaged": sum(
+                    (t or {}).get("damaged", 0) for n, t in j["tiers"].items() if n != "local"
+                ),
             }
         )
     return rows
@@ -221,6 +233,11 @@ def print_status(
         f"{plural(t['in_flight'], 'flush', 'flushes')} in flight, "
         f"{plural(t['drained_by_us'], 'node')} drained by slurm_ckpt{note}"
     )
+    if t.get("damaged"):
+        warn(
+            f"{plural(t['damaged'], 'damaged step directory', 'damaged step directories')} "
+            "on the shared tiers (ckpt-slurm verify KEY says which and why)"
+        )
 
 
 @click.command("status")

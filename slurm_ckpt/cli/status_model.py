@@ -28,7 +28,7 @@ Top level::
     slurm         {"available": bool, "note": str}
     filters       {"user", "job", "key", "node"}: null when not given
     totals        {"jobs", "nodes", "steps_at_risk", "checkpoints_at_risk",
-                   "bytes_at_risk", "in_flight", "drained_by_us"}
+                   "bytes_at_risk", "in_flight", "drained_by_us", "damaged"}
     jobs          list of job entries (below), sorted by user, key, job
     nodes         list of node entries (below), sorted by name
 
@@ -44,9 +44,10 @@ to the job recorded in its newest PFS manifest; a series with neither has ``job:
     nodes                nodes that report the job (status files) or that SLURM lists
     tiers                {"local": T|null, "pfs": T|null[, "cold": T|null]} where T is
                          {"step", "age_s"} for local (from the node status files) and
-                         {"step", "age_s", "bytes", "checkpoints"} for pfs/cold: the newest
-                         committed step, its age (now minus the checkpoint's commit time),
-                         its size, and the number of step directories up to it
+                         {"step", "age_s", "bytes", "checkpoints", "damaged"} for pfs/cold:
+                         the newest committed step, its age (now minus the checkpoint's
+                         commit time), its size, the number of step directories up to it,
+                         and the damaged step directories newer than it
     steps_at_risk        newest local step minus the newest step safe on the PFS
                          (committed there, or verified per the node status); null when no
                          node reports the job
@@ -78,11 +79,13 @@ A **node entry**::
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import re
 import stat
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Dict, Iterable, List, Optional, Set, Tuple, Union
@@ -94,6 +97,7 @@ from slurm_ckpt.core.layout import parse_step_dirname, step_dirname
 from slurm_ckpt.core.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
 from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.errors import CkptError
+from slurm_ckpt.ops.damage import COMMIT_GRACE_S
 
 __all__ = [
     "REASON_PREFIX",
@@ -208,6 +212,10 @@ class SeriesHead:
     committed_at: float
     #: Step directories up to and including the newest committed one (counted by name).
     checkpoints: int
+    #: Step directories newer than that one which are damaged (no manifest after the
+    #: commit grace time, a manifest that does not check, or of another series); older
+    #: steps are not read here (``list KEY``/``verify KEY`` report those).
+    damaged: int = 0
 
 
 def _read_manifest(step_fd: int) -> Tuple[bytes, float]:
@@ -287,22 +295,32 @@ def _facts(data: bytes) -> _Facts:
 
 def _read_head(kfd: int, user: str, key: str, names: Iterable[str]) -> Optional[SeriesHead]:
     steps = sorted((s for s in map(parse_step_dirname, names) if s is not None), reverse=True)
+    damaged = 0
     for i, step in enumerate(steps):
         try:
             sfd = os.open(step_dirname(step), fsio.O_DIR, dir_fd=kfd)
         except OSError:
+            damaged += 1  # unreadable, or not a directory
             continue
         try:
             data, mtime = _read_manifest(sfd)
             f = _facts(data)
+        except FileNotFoundError:
+            # No manifest: a commit in progress (young), or one that never finished.
+            with contextlib.suppress(OSError):
+                if time.time() - os.fstat(sfd).st_mtime >= COMMIT_GRACE_S:
+                    damaged += 1
+            continue
         except (OSError, CkptError):
-            continue  # not committed (yet), or damaged: the next older one may be newest
+            damaged += 1  # damaged: the next older one may be the newest
+            continue
         finally:
             os.close(sfd)
         if (f.user, f.key, f.step) != (user, key, step):
+            damaged += 1
             continue
         return SeriesHead(
-            user, key, step, f.wall_time, f.nbytes, f.job, f.node, mtime, len(steps) - i
+            user, key, step, f.wall_time, f.nbytes, f.job, f.node, mtime, len(steps) - i, damaged
         )
     return None
 
@@ -435,6 +453,7 @@ def _tier_entry(heads: List[SeriesHead], now: float) -> Optional[Dict[str, Any]]
         "age_s": round(now - newest.wall_time, 3),
         "bytes": newest.nbytes,
         "checkpoints": sum(h.checkpoints for h in heads),
+        "damaged": sum(h.damaged for h in heads),
     }
 
 
@@ -654,6 +673,12 @@ def build_status(
             "bytes_at_risk": sum(r["bytes_at_risk"] for r in rows),
             "in_flight": sum(r["in_flight"] for r in nodes_out),
             "drained_by_us": sum(1 for r in nodes_out if r["drained_by_us"]),
+            "damaged": sum(
+                (t or {}).get("damaged", 0)
+                for r in rows
+                for n, t in r["tiers"].items()
+                if n != "local"
+            ),
         },
         "jobs": rows,
         "nodes": nodes_out,

@@ -209,3 +209,19 @@ def scan_series(
     good.sort(key=lambda s: s.step)
     damaged.sort(key=lambda d: d.step or 0)
     return good, damaged
+
+
+def reclaimable(d: Damaged, newest_verified: Optional[int], pinned: bool = False) -> bool:
+    """May ``gc`` delete this damaged step directory?
+
+    Only a step directory (not a symlink or file in its place) that is CORRUPT in its
+    manifest or INCOMPLETE, not pinned, and older than a checkpoint of the same series
+    that verified *in this run* on the same tier: retention would not keep it anyway, and
+    the series keeps a good copy. UNREADABLE and FOREIGN directories are never deleted
+    (they may be someone else's data, or ours to fix by hand); they are reported.
+    """
+    if pinned or d.step is None or newest_verified is None or d.step >= newest_verified:
+        return False
+    if d.state == INCOMPLETE:
+        return True
+    return d.state == CORRUPT and d.reason.startswith("manifest")

@@ -70,13 +70,21 @@ def test_every_command_has_an_example_and_takes_config(path: str, cmd: click.Com
 def test_config_after_the_subcommand_wins(tmp_path: Path) -> None:
     good = tmp_path / "good.toml"
     good.write_text('[tiers.local]\nroot = "/l"\n[tiers.pfs]\nroot = "/p"\n')
-    code, out, err = run(main_mod.main, ["config", "check", "--config", str(good)])
-    assert (code, out, err) == (0, f"ok: {good}\n", "")
+    code, out, err = run(main_mod.main, ["config", "check", "--offline", "--config", str(good)])
+    assert (code, out, err) == (0, f"ok: {good} (offline: file only)\n", "")
     code, out, err = run(
         main_mod.main,
-        ["--config", str(tmp_path / "nope.toml"), "config", "check", "--config", str(good)],
+        [
+            "--config",
+            str(tmp_path / "nope.toml"),
+            "config",
+            "check",
+            "--offline",
+            "--config",
+            str(good),
+        ],
     )
-    assert (code, out) == (0, f"ok: {good}\n"), err
+    assert (code, out) == (0, f"ok: {good} (offline: file only)\n"), err
 
 
 def test_ckpt_srun_answers_version_and_help_itself() -> None:

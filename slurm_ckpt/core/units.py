@@ -312,8 +312,10 @@ def parse_duration(value: object, what: str = "duration", *, minutes: bool = Fal
 # --------------------------------------------------------------------------- output
 
 
-def format_bytes(n: float) -> str:
-    """``1536 -> '1.5KiB'``: IEC units, one decimal, rounded, no space."""
+def format_bytes(n: Optional[float]) -> str:
+    """``1536 -> '1.5KiB'``: IEC units, one decimal, rounded, no space; ``None -> '-'``."""
+    if n is None:
+        return "-"
     x = float(n)
     if not math.isfinite(x):
         return "-"

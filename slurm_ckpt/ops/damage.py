@@ -135,8 +135,11 @@ def _classify(
         return None, None  # deleted while we looked
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            kind = "a symlink" if exc.errno == errno.ELOOP else "not a directory"
-            return bad(CORRUPT, f"{name} is {kind}")
+            try:
+                link = stat.S_ISLNK(os.lstat(name, dir_fd=kfd).st_mode)
+            except OSError:
+                link = exc.errno == errno.ELOOP
+            return bad(CORRUPT, f"{name} is {'a symlink' if link else 'not a directory'}")
         return bad(UNREADABLE, _why(exc))
     try:
         try:
@@ -163,7 +166,8 @@ def _classify(
         m = Manifest.from_bytes(data, where)
     except VerifyError as exc:
         text = str(exc)
-        return bad(CORRUPT, text[len(where) + 2 :] if text.startswith(where + ": ") else text)
+        text = text[len(where) + 2 :] if text.startswith(where + ": ") else text
+        return bad(CORRUPT, text if text.startswith("manifest") else f"manifest: {text}")
     if (m.user, m.key, m.step) != (user, key, step):
         return bad(FOREIGN, f"manifest belongs to {m.user}/{m.key} step {m.step}")
     return StepInfo(tier.name, user, key, step, m), None
@@ -181,6 +185,15 @@ def scan_series(
     validate_key(key)
     now = time.time() if now is None else now
     series_path = os.path.join(tier.root, user, key)
+    try:
+        os.lstat(series_path)
+    except (FileNotFoundError, NotADirectoryError):
+        return [], []  # no such series (or no such tier root here: config check says so)
+    except PermissionError:
+        why = "permission denied on the way to the series directory"
+        return [], [Damaged(tier.name, user, key, None, series_path, UNREADABLE, why)]
+    except OSError:
+        pass  # key_fd says what it is
     try:
         ctx = tier.key_fd(user, key)
         kfd = ctx.__enter__()

@@ -16,21 +16,21 @@ from typing import TYPE_CHECKING, Any, Dict
 
 import pytest
 
-from slurm_ckpt.cli.status import collect_status
-from slurm_ckpt.cli.status_model import (
-    SlurmJob,
-    SlurmNode,
-    SlurmSnapshot,
-    _facts,
-    no_slurm,
-    query_slurm,
-    scan_catalog,
-)
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.layout import step_dirname
 from slurm_ckpt.core.manifest import Manifest
+from slurm_ckpt.core.manifest import manifest_facts as _facts
 from slurm_ckpt.errors import VerifyError
 from slurm_ckpt.ledger import Ledger, State, publish_status
+from slurm_ckpt.ops.catalog import scan_catalog
+from slurm_ckpt.ops.status import (
+    SlurmJob,
+    SlurmNode,
+    SlurmSnapshot,
+    collect_status,
+    no_slurm,
+    query_slurm,
+)
 from slurm_ckpt.tiers.posix import PosixTier
 
 if TYPE_CHECKING:  # a plain import would defeat pytest's assert rewriting of the plugin

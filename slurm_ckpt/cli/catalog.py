@@ -11,8 +11,7 @@ Output goes through :mod:`slurm_ckpt.cli.table` (``--json``, ``--parsable``,
 from __future__ import annotations
 
 import os
-import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import click
 
@@ -29,10 +28,11 @@ from slurm_ckpt.cli.table import (
 )
 from slurm_ckpt.core.names import current_user, validate_key, validate_user
 from slurm_ckpt.core.units import format_bytes, format_duration
-from slurm_ckpt.errors import CkptError, NotFound, TierError, UsageError
-from slurm_ckpt.ops.damage import COMMITTED, CORRUPT, UNREADABLE, Damaged, scan_series
+from slurm_ckpt.errors import NotFound, UsageError
+from slurm_ckpt.ops.catalog import series_rows, step_rows, verify_targets
+from slurm_ckpt.ops.damage import COMMITTED, CORRUPT, UNREADABLE
 from slurm_ckpt.ops.verify_path import verify_path
-from slurm_ckpt.tiers.posix import PosixTier
+from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.registry import ORDER, tiers_from_config
 
 tier_choice = click.Choice(["all", *ORDER])
@@ -49,7 +49,7 @@ def _user(user: Optional[str]) -> str:
     return validate_user(user) if user else current_user()
 
 
-def _selected(state: CliState, tier: str) -> Dict[str, PosixTier]:
+def _selected(state: CliState, tier: str) -> Dict[str, Tier]:
     tiers = tiers_from_config(state.config)
     if tier == "all":
         return tiers
@@ -91,47 +91,6 @@ SERIES_COLUMNS = [
 ]
 
 
-def _series_rows(tiers: Dict[str, PosixTier], users: Optional[List[str]]) -> List[Dict[str, Any]]:
-    """One row per series per tier: step count, newest step, bytes, age of the newest."""
-    now = time.time()
-    rows: List[Dict[str, Any]] = []
-    for name, t in tiers.items():
-        try:
-            names = users if users is not None else t.users()
-        except (TierError, OSError):
-            continue
-        for u in names:
-            try:
-                keys = t.keys(validate_user(u))
-            except (CkptError, OSError):
-                continue  # another user's private directory, or not a user directory
-            for k in keys:
-                try:
-                    steps, damaged = scan_series(t, u, validate_key(k), now)
-                except (CkptError, OSError):
-                    continue
-                if not steps and not damaged:
-                    continue
-                newest = steps[-1] if steps else None
-                rows.append(
-                    {
-                        "tier": name,
-                        "user": u,
-                        "key": k,
-                        "steps": len(steps),
-                        "step": None if newest is None else newest.step,
-                        "bytes": sum(s.manifest.total_bytes for s in steps),
-                        "age_s": None
-                        if newest is None
-                        else round(now - newest.manifest.wall_time, 3),
-                        "damaged": len(damaged),
-                        "path": os.path.join(t.root, u, k),
-                    }
-                )
-    rows.sort(key=lambda r: (r["user"], r["key"], ORDER.index(r["tier"])))
-    return rows
-
-
 @click.command("list")
 @click.argument("key", required=False)
 @user_option
@@ -151,7 +110,7 @@ def list_cmd(
     tiers = _selected(state, tier)
     if key is None:
         users = [validate_user(user)] if user else (None if os.geteuid() == 0 else [current_user()])
-        rows = _series_rows(tiers, users)
+        rows = series_rows(tiers, users)
         bad = sum(r["damaged"] for r in rows)
         if out.json:
             print_json_doc({"series": rows})
@@ -166,41 +125,17 @@ def list_cmd(
         return 1 if bad else 0
     user = _user(user)
     validate_key(key)
-    rows = []
-    now = time.time()
-    for name, t in tiers.items():
-        steps, damaged = scan_series(t, user, key, now)
-        for s in steps:
-            m = s.manifest
-            rows.append(
-                {
-                    "tier": name,
-                    "user": user,
-                    "key": key,
-                    "step": s.step,
-                    "tokens": m.tokens,
-                    "bytes": m.total_bytes,
-                    "files": len(m.files),
-                    "age_s": round(now - m.wall_time, 3),
-                    "job": m.job,
-                    "node": m.node,
-                    "state": COMMITTED,
-                    "reason": None,
-                    "path": t.step_path(user, key, s.step),
-                }
-            )
-        rows += [dict(d.to_dict(), tier=name) for d in damaged]
-    rows.sort(key=lambda r: (ORDER.index(r["tier"]), r["step"] or 0))
-    bad = [r for r in rows if r["state"] != COMMITTED]
+    rows = step_rows(tiers, user, key)
+    bad_rows = [r for r in rows if r["state"] != COMMITTED]
     if out.json:
         print_json_doc({"user": user, "key": key, "checkpoints": rows})
-        return 1 if bad else 0
+        return 1 if bad_rows else 0
     if not rows:
         raise NotFound(f"no committed checkpoint for {user}/{key}")
     Listing(STEP_COLUMNS, rows, f"checkpoints of {user}/{key}").print(out)
-    if bad and out.decorated:
-        warn(f"{plural(len(bad), 'damaged step')} (see state and reason): exit status 1")
-    return 1 if bad else 0
+    if bad_rows and out.decorated:
+        warn(f"{plural(len(bad_rows), 'damaged step')} (see state and reason): exit status 1")
+    return 1 if bad_rows else 0
 
 
 VERIFY_COLUMNS = [
@@ -256,29 +191,6 @@ def _verify_path(target: str, streams: int, out: OutputFormat) -> int:
     return 0 if rep.ok else 1
 
 
-def _targets(
-    state: CliState, target: str, user: Optional[str], tier: str, step: Optional[int]
-) -> Tuple[List[Tuple[PosixTier, str, str, int, int]], List[Tuple[str, Damaged]]]:
-    """What to verify for a KEY: ``(tier, user, key, step, bytes)`` of every committed
-    step, and the damaged step directories (reported as they are)."""
-    checks: List[Tuple[PosixTier, str, str, int, int]] = []
-    broken: List[Tuple[str, Damaged]] = []
-    user = _user(user)
-    validate_key(target)
-    for name, t in _selected(state, tier).items():
-        good, damaged = scan_series(t, user, target)
-        for info in good:
-            if step is None or info.step == step:
-                checks.append((t, user, target, info.step, info.manifest.total_bytes))
-        broken += [(name, d) for d in damaged if step is None or d.step in (None, step)]
-    if not checks and not broken:
-        raise NotFound(
-            f"no committed checkpoint for {user}/{target}"
-            + (f" at step {step}" if step is not None else "")
-        )
-    return checks, broken
-
-
 @click.command("verify")
 @click.argument("target")
 @user_option
@@ -304,7 +216,7 @@ def verify_cmd(
     """
     if _is_path(target):
         return _verify_path(target, 4, out)
-    checks, broken = _targets(state, target, user, tier, step)
+    checks, broken = verify_targets(_selected(state, tier), target, _user(user), step)
     reports = []
     with ByteProgress("verify", total=sum(c[4] for c in checks)) as bar:
         for t, u, k, s, _size in checks:
@@ -316,7 +228,7 @@ def verify_cmd(
             "user": u,
             "key": k,
             "step": r.step,
-            "path": t.step_path(u, k, r.step),
+            "path": t.location(u, k, r.step),
             "state": _result_state(r.ok, r.problems),
             "ok": r.ok,
             "bytes": r.nbytes,

@@ -91,28 +91,10 @@ class Damaged:
         }
 
 
-#: Larger than any real manifest (the status scan uses the same cap).
-MAX_MANIFEST = 64 * 2**20
-
-
 def _read_manifest(sfd: int) -> bytes:
     """The manifest's bytes: opened non-blocking without following a symlink, its type
     checked before reading (a FIFO named manifest.json must not hang a root-run scan)."""
-    fd = os.open(MANIFEST_NAME, fsio.O_READ | os.O_NONBLOCK, dir_fd=sfd)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, "manifest.json is not a regular file")
-        if st.st_size > MAX_MANIFEST:
-            raise OSError(errno.EFBIG, "manifest.json is too large")
-        chunks = []
-        while True:
-            b = os.read(fd, 1 << 20)
-            if not b:
-                return b"".join(chunks)
-            chunks.append(b)
-    finally:
-        os.close(fd)
+    return fsio.read_regular(sfd, MANIFEST_NAME)[0]
 
 
 def _why(exc: OSError) -> str:

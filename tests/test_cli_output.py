@@ -26,12 +26,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slurm_ckpt.cli import main as main_mod
-from slurm_ckpt.cli import status as status_mod
 from slurm_ckpt.cli.progress import ByteProgress
-from slurm_ckpt.cli.status_model import SlurmJob, SlurmNode, SlurmSnapshot
 from slurm_ckpt.cli.table import Column, Listing, OutputFormat, parsable_value, render_table
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.ledger import Ledger, State, publish_status
+from slurm_ckpt.ops import status as status_mod
+from slurm_ckpt.ops.status import SlurmJob, SlurmNode, SlurmSnapshot
 from slurm_ckpt.tiers.copy import copy_checkpoint
 from slurm_ckpt.tiers.posix import PosixTier
 

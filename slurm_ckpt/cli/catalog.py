@@ -11,17 +11,27 @@ Output goes through :mod:`slurm_ckpt.cli.table` (``--json``, ``--parsable``,
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import click
 
 from slurm_ckpt.cli.output import CliState, pass_state
 from slurm_ckpt.cli.progress import ByteProgress
-from slurm_ckpt.cli.table import Column, Listing, OutputFormat, output_options, print_json_doc
+from slurm_ckpt.cli.table import (
+    Column,
+    Listing,
+    OutputFormat,
+    output_options,
+    plural,
+    print_json_doc,
+    warn,
+)
 from slurm_ckpt.core.names import current_user, validate_key, validate_user
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import NotFound, UsageError
 from slurm_ckpt.ops.catalog import series_rows, step_rows, verify_targets
+from slurm_ckpt.ops.damage import COMMITTED, CORRUPT, UNREADABLE
+from slurm_ckpt.ops.verify_path import verify_path
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.registry import ORDER, tiers_from_config
 
@@ -63,6 +73,8 @@ STEP_COLUMNS = [
     Column("age_s", "age", fmt=format_duration, right=True),
     Column("job", "job", drop=1),
     Column("node", "node", drop=1),
+    Column("state", "state"),
+    Column("reason", "reason", wrap=True),
     Column("path", "path", drop=6, wrap=True),
 ]
 
@@ -74,6 +86,7 @@ SERIES_COLUMNS = [
     Column("step", "newest", right=True),
     Column("bytes", "size", fmt=format_bytes, right=True),
     Column("age_s", "age", fmt=format_duration, right=True),
+    Column("damaged", "damaged", right=True, style=lambda t: "red" if t != "0" else None),
     Column("path", "path", drop=1, wrap=True),
 ]
 
@@ -86,34 +99,43 @@ SERIES_COLUMNS = [
 @pass_state
 def list_cmd(
     state: CliState, key: Optional[str], user: Optional[str], tier: str, out: OutputFormat
-) -> None:
+) -> int:
     """List the committed checkpoints of KEY on each tier, or (no KEY) your series.
 
     Without KEY: one line per series and tier (root: every user's series; -u: that
-    user's). Exit status 1 when KEY has no committed checkpoint.
+    user's). Damaged step directories are listed too, with their state (CORRUPT,
+    INCOMPLETE, UNREADABLE, FOREIGN) and reason. Exit status 1 when KEY has no
+    committed checkpoint, or when a damaged step is listed.
     """
     tiers = _selected(state, tier)
     if key is None:
         users = [validate_user(user)] if user else (None if os.geteuid() == 0 else [current_user()])
         rows = series_rows(tiers, users)
+        bad = sum(r["damaged"] for r in rows)
         if out.json:
             print_json_doc({"series": rows})
-            return
+            return 1 if bad else 0
         title = "checkpoint series" + (f" of {users[0]}" if users else "")
         if not rows and out.decorated:
             click.echo(f"no committed checkpoints{' of ' + users[0] if users else ''}")
-            return
+            return 0
         Listing(SERIES_COLUMNS, rows, title).print(out)
-        return
+        if bad and out.decorated:
+            warn(f"{plural(bad, 'damaged step')}: see ckpt-slurm list KEY; exit status 1")
+        return 1 if bad else 0
     user = _user(user)
     validate_key(key)
     rows = step_rows(tiers, user, key)
+    bad_rows = [r for r in rows if r["state"] != COMMITTED]
     if out.json:
         print_json_doc({"user": user, "key": key, "checkpoints": rows})
-        return
+        return 1 if bad_rows else 0
     if not rows:
         raise NotFound(f"no committed checkpoint for {user}/{key}")
     Listing(STEP_COLUMNS, rows, f"checkpoints of {user}/{key}").print(out)
+    if bad_rows and out.decorated:
+        warn(f"{plural(len(bad_rows), 'damaged step')} (see state and reason): exit status 1")
+    return 1 if bad_rows else 0
 
 
 VERIFY_COLUMNS = [
@@ -127,6 +149,46 @@ VERIFY_COLUMNS = [
     Column("problems", "problems", fmt=lambda v: "; ".join(v[:3]) if v else "-", wrap=True),
     Column("path", "path", drop=5, wrap=True),
 ]
+
+
+def _result_state(ok: bool, problems: List[str]) -> str:
+    """OK, or why not: a read refused for permissions is UNREADABLE, not CORRUPT."""
+    if ok:
+        return "OK"
+    if problems and all("permission denied" in p for p in problems):
+        return UNREADABLE
+    return CORRUPT
+
+
+def _is_path(target: str) -> bool:
+    return os.sep in target or target.startswith(".")
+
+
+def _verify_path(target: str, streams: int, out: OutputFormat) -> int:
+    """``verify PATH``: any checkpoint directory, wherever it is (see ops.verify_path)."""
+    size: List[int] = []
+    with ByteProgress(f"verify {target}") as bar:
+        res = verify_path(target, streams, progress=bar.advance, expected_size=size)
+    rep, m = res.report, res.manifest
+    row = {
+        "tier": "path",
+        "user": None if m is None else m.user,
+        "key": None if m is None else m.key,
+        "step": None if m is None else m.step,
+        "path": res.path,
+        "state": _result_state(rep.ok, rep.problems),
+        "ok": rep.ok,
+        "bytes": rep.nbytes,
+        "seconds": round(rep.seconds, 3),
+        "problems": rep.problems + res.notes,
+        "moved": res.moved,
+        "origin": res.origin,
+    }
+    if out.json:
+        print_json_doc({"ok": rep.ok, "checkpoints": [row]})
+    else:
+        Listing(VERIFY_COLUMNS, [row], "verify").print(out)
+    return 0 if rep.ok else 1
 
 
 @click.command("verify")
@@ -144,17 +206,22 @@ def verify_cmd(
     step: Optional[int],
     out: OutputFormat,
 ) -> int:
-    """Re-hash every byte of TARGET (a step directory, or a KEY) against its manifest.
+    """Re-hash every byte of TARGET (a KEY, or a checkpoint directory anywhere) against
+    its manifest.
 
-    Exit status 0 when everything verifies, 1 on any mismatch.
+    A KEY: every step on every tier, damaged step directories included (CORRUPT,
+    INCOMPLETE, UNREADABLE, FOREIGN, with the reason). A directory: wherever it is (a
+    copy that was moved says so); a missing path, a symlink and a permission problem
+    each get their own message. Exit status 0 when everything verifies, 1 otherwise.
     """
-    checks = verify_targets(_selected(state, tier), target, _user(user), step)
+    if _is_path(target):
+        return _verify_path(target, 4, out)
+    checks, broken = verify_targets(_selected(state, tier), target, _user(user), step)
     reports = []
     with ByteProgress("verify", total=sum(c[4] for c in checks)) as bar:
         for t, u, k, s, _size in checks:
             bar.set_description(f"verify {t.name} {u}/{k} step {s}")
             reports.append((t, u, k, t.verify(u, k, s, progress=bar.advance)))
-    ok = all(r.ok for _t, _u, _k, r in reports)
     rows = [
         {
             "tier": t.name,
@@ -162,7 +229,7 @@ def verify_cmd(
             "key": k,
             "step": r.step,
             "path": t.location(u, k, r.step),
-            "state": "OK" if r.ok else "CORRUPT",
+            "state": _result_state(r.ok, r.problems),
             "ok": r.ok,
             "bytes": r.nbytes,
             "seconds": round(r.seconds, 3),
@@ -170,6 +237,14 @@ def verify_cmd(
         }
         for t, u, k, r in reports
     ]
+    rows += [
+        dict(d.to_dict(), tier=name, ok=False, bytes=0, seconds=0.0, problems=[d.reason])
+        for name, d in broken
+    ]
+    rows.sort(key=lambda r: (ORDER.index(r["tier"]) if r["tier"] in ORDER else 99, r["step"] or 0))
+    for r in rows:
+        r.pop("reason", None)
+    ok = all(r["ok"] for r in rows)
     if out.json:
         print_json_doc({"ok": ok, "checkpoints": rows})
     else:

@@ -16,6 +16,7 @@ from slurm_ckpt.cli.table import (
     Column,
     Listing,
     OutputFormat,
+    echo_wrapped,
     output_options,
     plural,
     print_json_doc,
@@ -70,7 +71,7 @@ def _print(summary: FlushSummary, out: OutputFormat) -> None:
     )
     if summary.left_to_jobs:
         line += f", {summary.left_to_jobs} left to jobs still running here"
-    click.echo(line)
+    echo_wrapped(line)
 
 
 @click.command("flush")

@@ -14,9 +14,11 @@ from slurm_ckpt.cli.table import (
     Column,
     Listing,
     OutputFormat,
+    echo_wrapped,
     output_options,
     plural,
     print_json_doc,
+    warn,
 )
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.ops.gc import (
@@ -53,6 +55,20 @@ def _gc_columns(dry_run: bool) -> List[Column]:
         Column("bytes", "size", fmt=format_bytes, right=True),
         Column("corrupt", "corrupt", fmt=step_ranges),
         Column("pinned", "pinned", fmt=step_ranges, drop=1),
+        Column(
+            "damaged",
+            "damaged",
+            fmt=lambda v: (
+                step_ranges([d["step"] for d in v if d["step"] is not None]) if v else "-"
+            ),
+            parsable=False,
+        ),
+        Column("damaged_steps", "damaged", human=False),
+        Column(
+            "reclaim" if dry_run else "reclaimed",
+            "would reclaim" if dry_run else "reclaimed",
+            fmt=step_ranges,
+        ),
     ]
 
 
@@ -68,21 +84,29 @@ def gc_cmd(
     """Apply retention on the PFS (and cold) tiers: keep the newest retention.keep_pfs
     checkpoints that verify now, one per retention.keep_pfs_every, and pinned ones.
 
-    Exit status 1 if a deletion failed. The size column is what was (or would be)
-    deleted; steps are shown as ranges (1-3,5).
+    Damaged step directories (CORRUPT, INCOMPLETE, UNREADABLE, FOREIGN) are reported;
+    CORRUPT and INCOMPLETE ones older than a checkpoint that verifies now are reclaimed.
+    Exit status 1 if a deletion failed or damaged ones are left. The size column is what
+    was (or would be) deleted; steps are shown as ranges (1-3,5).
     """
     with ByteProgress("gc: verify") as bar:
         report = run_gc(state.config, user=user, key=key, dry_run=dry_run, progress=bar.advance)
     for s in report.series:
         for line in s.errors:
             print_error(line)
+    left = sum(s.damaged_left for s in report.series)
+    code = 0 if report.ok and not left else 1
     if out.json:
         print_json_doc(report.to_dict())
-        return 0 if report.ok else 1
+        return code
     doc = report.to_dict()
-    busy = [s for s in report.series if s.delete or s.corrupt or s.errors]
+    busy = [s for s in report.series if s.delete or s.corrupt or s.errors or s.damaged]
     rows = [
-        dict(s.to_dict(), series=f"{s.user}/{s.key}")
+        dict(
+            s.to_dict(),
+            series=f"{s.user}/{s.key}",
+            damaged_steps=[d["step"] for d in s.damaged],
+        )
         for s in (report.series if not out.decorated else busy)
     ]
     if rows or not out.decorated:
@@ -93,8 +117,14 @@ def gc_cmd(
         t = doc["totals"]
         verb = "would delete" if dry_run else "deleted"
         count = t["delete"] if dry_run else t["deleted"]
-        click.echo(
+        echo_wrapped(
             f"{t['series']} series, {plural(t['checkpoints'], 'checkpoint')}: {verb} {count} "
             f"({format_bytes(t['bytes'])}); verified {t['verified']}, corrupt {t['corrupt']}"
+            + (f"; damaged {t['damaged']}, reclaimed {t['reclaimed']}" if t["damaged"] else "")
         )
-    return 0 if report.ok else 1
+    if left:
+        for s in report.series:
+            for d in s.damaged:
+                if d["step"] not in s.reclaimed and d["step"] not in (s.reclaim if dry_run else ()):
+                    warn(f"{d['path']}: {d['state']}: {d['reason']} (left in place)")
+    return code

@@ -22,7 +22,15 @@ import click
 
 from slurm_ckpt.cli.output import CliState, pass_state
 from slurm_ckpt.cli.params import JOB_ID, NODELIST
-from slurm_ckpt.cli.table import Column, Listing, OutputFormat, output_options, plural
+from slurm_ckpt.cli.table import (
+    Column,
+    Listing,
+    OutputFormat,
+    echo_wrapped,
+    output_options,
+    plural,
+    warn,
+)
 from slurm_ckpt.core.units import format_bytes, format_duration, format_rate
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ops.status import SlurmSnapshot, collect_status, no_slurm
@@ -79,15 +87,19 @@ JOB_COLUMNS = [
     Column("user", "user", human=False),
     Column("key", "keys", human=False),
     Column("state", "state"),
-    Column("nodes", "nodes", fmt=_nodes_text),
+    # Optional columns go in this order when the width is short: rate, local age, pfs
+    # age, nodes (the nodes table below names them too), flush eta.
+    Column("nodes", "nodes", fmt=_nodes_text, drop=2),
     Column("local_step", "local", fmt=_count, right=True),
-    Column("local_age_s", "local age", fmt=format_duration, right=True, drop=3),
+    Column("local_age_s", "local age", fmt=format_duration, right=True, drop=5),
     Column("pfs_step", "pfs", fmt=_count, right=True),
-    Column("pfs_age_s", "pfs age", fmt=format_duration, right=True, drop=2),
+    Column("pfs_age_s", "pfs age", fmt=format_duration, right=True, drop=4),
     Column("steps_at_risk", "at risk", fmt=_count, right=True),
+    Column("checkpoints_at_risk", "checkpoints at risk", human=False),
     Column("bytes_at_risk", "size at risk", fmt=format_bytes, right=True),
     Column("flush_eta_s", "flush eta", fmt=format_duration, right=True, drop=1),
-    Column("flush_rate_bps", "rate", fmt=format_rate, right=True, drop=4),
+    Column("flush_rate_bps", "rate", fmt=format_rate, right=True, drop=6),
+    Column("damaged", "damaged", human=False),
 ]
 
 NODE_COLUMNS = [
@@ -98,7 +110,7 @@ NODE_COLUMNS = [
     Column("in_flight", "in flight", right=True, drop=2),
     Column("failed", "failed", right=True, drop=1),
     Column("state", "slurm"),
-    Column("drain_reason", "our drain", wrap=True, drop=3),
+    Column("drain_reason", "our drain", wrap=True),
 ]
 
 
@@ -125,6 +137,9 @@ def _job_rows(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
                 # Nothing pending: no ETA to show ("0.0s" read as "flushing, done now").
                 "flush_eta_s": j["flush_eta_s"] if pending else None,
                 "flush_rate_bps": j["flush_rate_bps"],
+                "damaged": sum(
+                    (t or {}).get("damaged", 0) for n, t in j["tiers"].items() if n != "local"
+                ),
             }
         )
     return rows
@@ -157,12 +172,17 @@ def print_status(
         click.echo("no node reports a status")
     t = doc["totals"]
     note = "" if doc["slurm"]["available"] else f"; SLURM: {doc['slurm']['note']}"
-    click.echo(
+    echo_wrapped(
         f"{plural(t['jobs'], 'job')}, {format_bytes(t['bytes_at_risk'])} at risk in "
         f"{plural(t['checkpoints_at_risk'], 'checkpoint')}, "
         f"{plural(t['in_flight'], 'flush', 'flushes')} in flight, "
         f"{plural(t['drained_by_us'], 'node')} drained by slurm_ckpt{note}"
     )
+    if t.get("damaged"):
+        warn(
+            f"{plural(t['damaged'], 'damaged step directory', 'damaged step directories')} "
+            "on the shared tiers (ckpt-slurm verify KEY says which and why)"
+        )
 
 
 @click.command("status")

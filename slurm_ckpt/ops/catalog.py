@@ -18,7 +18,6 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from slurm_ckpt.core import fsio
@@ -26,8 +25,8 @@ from slurm_ckpt.core.layout import parse_step_dirname, step_dirname
 from slurm_ckpt.core.manifest import MANIFEST_NAME, manifest_facts
 from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.errors import CkptError, NotFound, TierError
+from slurm_ckpt.ops.damage import COMMIT_GRACE_S, COMMITTED, Damaged, scan_series
 from slurm_ckpt.tiers.base import Tier
-from slurm_ckpt.tiers.posix import PosixTier
 from slurm_ckpt.tiers.registry import ORDER
 
 __all__ = [
@@ -57,27 +56,41 @@ class SeriesHead:
     committed_at: float
     #: Step directories up to and including the newest committed one (counted by name).
     checkpoints: int
+    #: Step directories newer than that one which are damaged (no manifest after the
+    #: commit grace time, a manifest that does not check, or of another series); older
+    #: steps are not read here (``list KEY``/``verify KEY`` report those).
+    damaged: int = 0
 
 
 def _read_head(kfd: int, user: str, key: str, names: Iterable[str]) -> Optional[SeriesHead]:
     steps = sorted((s for s in map(parse_step_dirname, names) if s is not None), reverse=True)
+    damaged = 0
     for i, step in enumerate(steps):
         try:
             sfd = os.open(step_dirname(step), fsio.O_DIR, dir_fd=kfd)
         except OSError:
+            damaged += 1  # unreadable, or not a directory
             continue
         try:
             data, st = fsio.read_regular(sfd, MANIFEST_NAME)
             f = manifest_facts(data)
             mtime = st.st_mtime
+        except FileNotFoundError:
+            # No manifest: a commit in progress (young), or one that never finished.
+            with contextlib.suppress(OSError):
+                if time.time() - os.fstat(sfd).st_mtime >= COMMIT_GRACE_S:
+                    damaged += 1
+            continue
         except (OSError, CkptError):
-            continue  # not committed (yet), or damaged: the next older one may be newest
+            damaged += 1  # damaged: the next older one may be the newest
+            continue
         finally:
             os.close(sfd)
         if (f.user, f.key, f.step) != (user, key, step):
+            damaged += 1
             continue
         return SeriesHead(
-            user, key, step, f.wall_time, f.nbytes, f.job, f.node, mtime, len(steps) - i
+            user, key, step, f.wall_time, f.nbytes, f.job, f.node, mtime, len(steps) - i, damaged
         )
     return None
 
@@ -154,7 +167,8 @@ def scan_catalog(
 
 
 def series_rows(tiers: Dict[str, Tier], users: Optional[List[str]]) -> List[Dict[str, Any]]:
-    """One row per series per tier: step count, newest step, bytes, age of the newest."""
+    """One row per series per tier: step count, newest step, bytes, age of the newest,
+    and the number of damaged step directories (:mod:`slurm_ckpt.ops.damage`)."""
     now = time.time()
     rows: List[Dict[str, Any]] = []
     for name, t in tiers.items():
@@ -169,21 +183,24 @@ def series_rows(tiers: Dict[str, Tier], users: Optional[List[str]]) -> List[Dict
                 continue  # another user's private directory, or not a user directory
             for k in keys:
                 try:
-                    steps = t.steps(u, validate_key(k))
+                    steps, damaged = scan_series(t, u, validate_key(k), now)  # type: ignore[arg-type]
                 except (CkptError, OSError):
                     continue
-                if not steps:
+                if not steps and not damaged:
                     continue
-                newest = steps[-1]
+                newest = steps[-1] if steps else None
                 rows.append(
                     {
                         "tier": name,
                         "user": u,
                         "key": k,
                         "steps": len(steps),
-                        "step": newest.step,
+                        "step": None if newest is None else newest.step,
                         "bytes": sum(s.manifest.total_bytes for s in steps),
-                        "age_s": round(now - newest.manifest.wall_time, 3),
+                        "age_s": None
+                        if newest is None
+                        else round(now - newest.manifest.wall_time, 3),
+                        "damaged": len(damaged),
                         "path": t.location(u, k),
                     }
                 )
@@ -192,11 +209,13 @@ def series_rows(tiers: Dict[str, Tier], users: Optional[List[str]]) -> List[Dict
 
 
 def step_rows(tiers: Dict[str, Tier], user: str, key: str) -> List[Dict[str, Any]]:
-    """One row per committed checkpoint of ``user/key`` per tier."""
-    rows = []
+    """One row per step directory of ``user/key`` per tier: committed checkpoints
+    (``state`` "committed") and damaged ones (their state and ``reason``)."""
+    rows: List[Dict[str, Any]] = []
     now = time.time()
     for name, t in tiers.items():
-        for s in t.steps(user, key):
+        steps, damaged = scan_series(t, user, key, now)  # type: ignore[arg-type]
+        for s in steps:
             m = s.manifest
             rows.append(
                 {
@@ -210,38 +229,35 @@ def step_rows(tiers: Dict[str, Tier], user: str, key: str) -> List[Dict[str, Any
                     "age_s": round(now - m.wall_time, 3),
                     "job": m.job,
                     "node": m.node,
+                    "state": COMMITTED,
+                    "reason": None,
                     "path": t.location(user, key, s.step),
                 }
             )
+        rows += [dict(d.to_dict(), tier=name) for d in damaged]
+    rows.sort(key=lambda r: (ORDER.index(r["tier"]) if r["tier"] in ORDER else 99, r["step"] or 0))
     return rows
 
 
 def verify_targets(
     tiers: Dict[str, Tier], target: str, user: str, step: Optional[int]
-) -> List[Tuple[Tier, str, str, int, int]]:
-    """What to verify: ``(tier, user, key, step, bytes)`` for a step directory or a KEY
-    of ``user`` on ``tiers``."""
+) -> Tuple[List[Tuple[Tier, str, str, int, int]], List[Tuple[str, Damaged]]]:
+    """What to verify for KEY ``target`` of ``user``: ``(tier, user, key, step, bytes)``
+    of every committed step, and the damaged step directories (reported as they are).
+    A checkpoint directory given by path is :func:`slurm_ckpt.ops.verify_path.verify_path`'s.
+    """
     checks: List[Tuple[Tier, str, str, int, int]] = []
-    if os.sep in target or target.startswith("."):
-        path = Path(target).absolute()
-        s = parse_step_dirname(path.name)
-        if s is None or not path.is_dir():
-            raise CkptError(f"{target}: not a checkpoint directory (expected .../step-NNNNNNNNNN)")
-        key_dir = path.parent
-        t = PosixTier("path", str(key_dir.parent.parent))
-        size = 0
-        with contextlib.suppress(CkptError):  # verify reports it
-            size = t.manifest(key_dir.parent.name, key_dir.name, s).total_bytes
-        checks.append((t, key_dir.parent.name, key_dir.name, s, size))
-        return checks
+    broken: List[Tuple[str, Damaged]] = []
     validate_key(target)
-    for t in tiers.values():
-        for info in t.steps(user, target):
+    for name, t in tiers.items():
+        good, damaged = scan_series(t, user, target)  # type: ignore[arg-type]
+        for info in good:
             if step is None or info.step == step:
                 checks.append((t, user, target, info.step, info.manifest.total_bytes))
-    if not checks:
+        broken += [(name, d) for d in damaged if step is None or d.step in (None, step)]
+    if not checks and not broken:
         raise NotFound(
             f"no committed checkpoint for {user}/{target}"
             + (f" at step {step}" if step is not None else "")
         )
-    return checks
+    return checks, broken

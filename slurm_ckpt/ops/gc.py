@@ -19,6 +19,12 @@ result is the plan with every safety-relevant ``verified`` flag measured, so:
   kept (the corrupt one too, by the policy's rule for unverified newer copies);
 * with nothing verifying, nothing is deleted.
 
+Damaged step directories (:mod:`slurm_ckpt.ops.damage`: a manifest that does not
+check, a commit that never finished, unreadable, or another series' manifest) are
+reported; a CORRUPT-manifest or INCOMPLETE one is reclaimed when a newer checkpoint of the
+series verified in this run (:func:`~slurm_ckpt.ops.damage.reclaimable`). UNREADABLE and
+FOREIGN ones are never deleted.
+
 Pins: a checkpoint is pinned when its manifest's ``meta`` has ``"pinned": true`` (set at
 save time) or when a marker ``<key>/.pin-step-NNNNNNNNNN`` exists beside it (``touch`` it
 to pin after the fact). A PFS checkpoint being archived right now (a
@@ -45,6 +51,7 @@ from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.core.retention import CkptInfo, RetentionPolicy, plan_pfs_deletions
 from slurm_ckpt.errors import CkptError
+from slurm_ckpt.ops.damage import reclaimable, scan_series
 from slurm_ckpt.tiers.posix import PosixTier, StepInfo
 from slurm_ckpt.tiers.registry import tiers_from_config
 
@@ -155,6 +162,17 @@ class SeriesResult:
     bytes: int = 0
     problems: List[str] = field(default_factory=list)
     errors: List[str] = field(default_factory=list)
+    #: Damaged step directories (:mod:`slurm_ckpt.ops.damage`), as dicts.
+    damaged: List[Dict[str, Any]] = field(default_factory=list)
+    #: Those of them gc deletes (dry run: would delete) / deleted.
+    reclaim: List[int] = field(default_factory=list)
+    reclaimed: List[int] = field(default_factory=list)
+
+    @property
+    def damaged_left(self) -> int:
+        """Damaged entries gc leaves in place (a finding for the operator)."""
+        gone = set(self.reclaimed)
+        return sum(1 for d in self.damaged if d["step"] not in gone)
 
     def to_dict(self) -> Dict[str, Any]:
         return {
@@ -171,6 +189,9 @@ class SeriesResult:
             "bytes": self.bytes,
             "problems": self.problems,
             "errors": self.errors,
+            "damaged": self.damaged,
+            "reclaim": self.reclaim,
+            "reclaimed": self.reclaimed,
         }
 
 
@@ -200,6 +221,8 @@ class GcReport:
                 "verified": sum(len(s.verified) for s in self.series),
                 "corrupt": sum(len(s.corrupt) for s in self.series),
                 "errors": sum(len(s.errors) for s in self.series),
+                "damaged": sum(len(s.damaged) for s in self.series),
+                "reclaimed": sum(len(s.reclaimed) for s in self.series),
             },
             "series": [s.to_dict() for s in self.series],
         }
@@ -227,7 +250,9 @@ def gc_series(
     """Apply retention to ``user/key`` on ``tier``; see the module docstring.
     ``progress(nbytes)`` hears of every byte verified."""
     res = SeriesResult(tier.name, user, key)
-    steps: Dict[int, StepInfo] = {s.step: s for s in tier.steps(user, key)}
+    good, damaged = scan_series(tier, user, key, now)  # type: ignore[arg-type]
+    res.damaged = [d.to_dict() for d in damaged]
+    steps: Dict[int, StepInfo] = {s.step: s for s in good}
     res.steps = sorted(steps)
     if not steps:
         return res
@@ -270,15 +295,21 @@ def gc_series(
     res.delete = list(deletions)
     res.keep = sorted(set(steps) - set(deletions))
     res.bytes = sum(steps[s].nbytes for s in deletions)
+    newest_ok = max(res.verified) if res.verified else None
+    res.reclaim = [
+        d.step  # type: ignore[misc]
+        for d in damaged
+        if reclaimable(d, newest_ok, pinned=d.step is not None and pin_name(d.step) in names)
+    ]
     if dry_run:
         return res
-    for step in deletions:  # oldest first
+    for step in deletions + res.reclaim:  # oldest first; then the damaged ones
         try:
             tier.delete(user, key, step)
         except (CkptError, OSError) as exc:
             res.errors.append(f"{tier.where(user, key, step)}: not deleted: {exc}")
             continue
-        res.deleted.append(step)
+        (res.deleted if step in steps else res.reclaimed).append(step)
     res.bytes = sum(steps[s].nbytes for s in res.deleted)
     return res
 
@@ -330,6 +361,6 @@ def run_gc(
             res = gc_series(
                 tier, u, k, policy, when, dry_run=dry_run, next_tier=following, progress=progress
             )
-            if res.steps:
+            if res.steps or res.damaged:
                 report.series.append(res)
     return report

@@ -28,7 +28,7 @@ Top level::
     slurm         {"available": bool, "note": str}
     filters       {"user", "job", "key", "node"}: null when not given
     totals        {"jobs", "nodes", "steps_at_risk", "checkpoints_at_risk",
-                   "bytes_at_risk", "in_flight", "drained_by_us"}
+                   "bytes_at_risk", "in_flight", "drained_by_us", "damaged"}
     jobs          list of job entries (below), sorted by user, key, job
     nodes         list of node entries (below), sorted by name
 
@@ -44,9 +44,10 @@ to the job recorded in its newest PFS manifest; a series with neither has ``job:
     nodes                nodes that report the job (status files) or that SLURM lists
     tiers                {"local": T|null, "pfs": T|null[, "cold": T|null]} where T is
                          {"step", "age_s"} for local (from the node status files) and
-                         {"step", "age_s", "bytes", "checkpoints"} for pfs/cold: the newest
-                         committed step, its age (now minus the checkpoint's commit time),
-                         its size, and the number of step directories up to it
+                         {"step", "age_s", "bytes", "checkpoints", "damaged"} for pfs/cold:
+                         the newest committed step, its age (now minus the checkpoint's
+                         commit time), its size, the number of step directories up to it,
+                         and the damaged step directories newer than it
     steps_at_risk        newest local step minus the newest step safe on the PFS
                          (committed there, or verified per the node status); null when no
                          node reports the job
@@ -230,6 +231,7 @@ def _tier_entry(heads: List[SeriesHead], now: float) -> Optional[Dict[str, Any]]
         "age_s": round(now - newest.wall_time, 3),
         "bytes": newest.nbytes,
         "checkpoints": sum(h.checkpoints for h in heads),
+        "damaged": sum(h.damaged for h in heads),
     }
 
 
@@ -449,6 +451,12 @@ def build_status(
             "bytes_at_risk": sum(r["bytes_at_risk"] for r in rows),
             "in_flight": sum(r["in_flight"] for r in nodes_out),
             "drained_by_us": sum(1 for r in nodes_out if r["drained_by_us"]),
+            "damaged": sum(
+                (t or {}).get("damaged", 0)
+                for r in rows
+                for n, t in r["tiers"].items()
+                if n != "local"
+            ),
         },
         "jobs": rows,
         "nodes": nodes_out,

@@ -38,7 +38,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
-from slurm_ckpt.errors import CkptError, NotFound, TimedOut, VerifyError
+from slurm_ckpt.core.progress import ProgressFn
+from slurm_ckpt.errors import CkptError, NotFound, TierError, TimedOut
 from slurm_ckpt.ledger import Ident, Ledger, State
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.copy import SourceCorrupt, copy_checkpoint
@@ -67,9 +68,10 @@ MIN_SLICE_S = 0.5
 CopyFn = Callable[[Ident, Optional[float]], Dict[str, Any]]
 
 
-class Unflushable(VerifyError):
-    """The checkpoint can never be flushed as it is (it does not match its own manifest,
-    or holds something root-run code must not touch). Marked ``BAD`` on its tier."""
+class Unflushable(TierError):
+    """The checkpoint can never be flushed as it is (it holds something root-run code must
+    not touch, or belongs to no one it claims to). Marked ``BAD`` on its tier; it must
+    not keep a node drained."""
 
 
 @dataclass
@@ -121,13 +123,14 @@ class FlushOutcome:
         return [r.ident for r in self._with("gone")]
 
 
-def copy_in_process(src: Tier, dst: Tier) -> CopyFn:
+def copy_in_process(src: Tier, dst: Tier, progress: Optional[ProgressFn] = None) -> CopyFn:
     """A :data:`CopyFn` that copies in this process, with its own permissions (the
     training job, ckpt-srun, a user's ``ckpt-slurm flush``). ``left_s`` is not enforced
-    mid-copy here: the engine only starts a copy that fits."""
+    mid-copy here: the engine only starts a copy that fits. ``progress(nbytes)`` hears of
+    every byte copied."""
 
     def copy(ident: Ident, _left: Optional[float]) -> Dict[str, Any]:
-        res = copy_checkpoint(src, dst, *ident, replace_older=True)
+        res = copy_checkpoint(src, dst, *ident, replace_older=True, progress=progress)
         return {
             "nbytes": res.nbytes,
             "copied": res.copied_bytes,
@@ -175,13 +178,24 @@ class Flusher:
         try:
             self.ledger.mark_many(idents, tier, state, reason, create=True, **kw)
         except (CkptError, OSError) as exc:
-            log.warning("ledger not updated (%s %s for %d checkpoints): %s", tier, state.value,
-                        len(idents), exc)
+            log.warning(
+                "ledger not updated (%s %s for %d checkpoints): %s",
+                tier,
+                state.value,
+                len(idents),
+                exc,
+            )
 
     def hand_off(self, idents: Iterable[Ident], note: Optional[str] = None) -> None:
         """Leave these for later (``FLUSH_PENDING`` + note), in one ledger transaction."""
-        self._mark(list(idents), self.dst, State.FLUSH_PENDING, note or self.hand_off_note,
-                   forced=True, selected_for_flush=True)
+        self._mark(
+            list(idents),
+            self.dst,
+            State.FLUSH_PENDING,
+            note or self.hand_off_note,
+            forced=True,
+            selected_for_flush=True,
+        )
 
     # -- one -----------------------------------------------------------------------
     def flush_one(
@@ -214,9 +228,10 @@ class Flusher:
             self._clear_in_flight(ident)
             return FlushResult(ident, "bad", nbytes=nbytes, error=str(exc))
         except CkptError as exc:
-            self._mark([ident], self.dst, State.FAILED, str(exc), code="flush")
-            return FlushResult(ident, "failed", nbytes=nbytes, error=str(exc),
-                               seconds=self.clock() - t0)
+            self._mark([ident], self.dst, State.FAILED, str(exc), code="flush_failed")
+            return FlushResult(
+                ident, "failed", nbytes=nbytes, error=str(exc), seconds=self.clock() - t0
+            )
         seconds = float(res.get("seconds", self.clock() - t0))
         self._mark([ident], self.dst, State.VERIFIED, error=None, durations={"flush_s": seconds})
         return FlushResult(

@@ -47,7 +47,7 @@ from slurm_ckpt.tiers.posix import PosixTier
 
 pytestmark = pytest.mark.root
 
-STEPS = 60
+STEPS = 40
 INTERVAL = 10
 SLEEP = 0.1
 #: Nodes the module needs (a 3-node job requeued onto a partly different node set).

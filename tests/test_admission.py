@@ -370,3 +370,63 @@ def test_a_planted_or_unsafe_store_is_refused_without_hanging(pfs: Path, plant: 
         store.transact(lambda st: None, deadline=time.time() + 5)
     if plant == "symlink":
         assert os.listdir(pfs / "elsewhere") == []  # nothing created through the link
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def test_queue_depth_and_wait_are_prometheus_metrics(tmp_path: Path) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from slurm_ckpt.core.admission import decision_event
+    from slurm_ckpt.ledger import Ledger
+    from slurm_ckpt.ledger.events import EventLog
+    from slurm_ckpt.ledger.metrics import refresh_textfile
+
+    (tmp_path / "l").mkdir()
+    (tmp_path / "p").mkdir()
+    cfg = Config.standalone(
+        tmp_path / "l", tmp_path / "p", metrics={"textfile_dir": str(tmp_path / "prom")}
+    )
+    policy = AdmissionPolicy(max_nodes=1, lease=30, poll=1)
+    adm, store, clock = _sim(policy)
+    other = _sim(policy, "n2", store, clock)[0]
+    held = other.request(budget=100)
+    other.poll(held)
+    for i in range(3):
+        _sim(policy, f"w{i}", store, clock)[0].request(budget=100)
+    ts = [100.0]
+    log = EventLog(tmp_path / "l" / ".slurm_ckpt" / "events.jsonl", "n1", clock=lambda: ts[0])
+    refused = adm.acquire(budget=4.0)
+    etype, fields = decision_event(refused, Priority.ROUTINE)
+    assert etype == "admission_refused" and fields["queue_depth"] == 3
+    log.emit(etype, **fields)
+    other.release(held)
+    ts[0] = 200.0
+    for waiter in list(store.state.waiters):  # the three earlier waiters give up
+        store.state.leave(waiter)
+    granted = adm.acquire(budget=10.0)
+    assert granted.admitted
+    etype, fields = decision_event(granted, Priority.MAINTENANCE)
+    log.emit(etype, **fields)
+    led = Ledger(cfg.ledger.dir, "n1")
+    text = refresh_textfile(led, cfg).read_text()  # type: ignore[union-attr]
+    got = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+    n = (("node", "n1"),)
+    assert got[("slurm_ckpt_admission_queue_depth", n)] == 0  # as seen at the newest decision
+    assert got[("slurm_ckpt_admission_slots_in_use", n)] == 1
+    assert got[("slurm_ckpt_admission_wait_seconds", n)] == pytest.approx(granted.waited_s)
+    assert got[("slurm_ckpt_admission_wait_seconds_sum_total", n)] == pytest.approx(
+        refused.waited_s + granted.waited_s
+    )
+    assert (
+        got[("slurm_ckpt_admission_requests_total", (("node", "n1"), ("outcome", "admitted")))] == 1
+    )
+    assert (
+        got[("slurm_ckpt_admission_requests_total", (("node", "n1"), ("outcome", "not_admitted")))]
+        == 1
+    )

@@ -56,6 +56,7 @@ __all__ = [
     "Decision",
     "Entry",
     "Heartbeat",
+    "decision_event",
     "MemoryStore",
     "Priority",
     "SimClock",
@@ -661,6 +662,20 @@ def _live_ahead(st: SlotState, eid: str, limit: int, now: float) -> int:
         if st.waiters[other].until > now:
             n += 1
     return n
+
+
+def decision_event(decision: Decision, priority: int) -> Tuple[str, Dict[str, Any]]:
+    """``(event type, fields)`` for the event log (``slurm_ckpt.ledger.events``): type
+    ``admission`` for a slot granted, ``admission_refused`` for "not admitted". The
+    metrics export the last queue depth and wait, and counters of both.
+    """
+    etype = "admission" if decision.admitted else "admission_refused"
+    return etype, {
+        "wait_s": round(decision.waited_s, 6),
+        "queue_depth": decision.queue_depth,
+        "holders": decision.holders,
+        "priority": int(priority),
+    }
 
 
 class Heartbeat:

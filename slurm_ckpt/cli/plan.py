@@ -8,11 +8,12 @@ also when the command is invoked on its own (tests, other groups).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import click
 
 from slurm_ckpt.cli.output import console, print_error, print_json
+from slurm_ckpt.cli.plan_cluster import run_cluster_plan
 from slurm_ckpt.core.planner import (
     Plan,
     PlanInputError,
@@ -239,6 +240,24 @@ def _nodes(value: str) -> int:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--plot", "plot_path", metavar="FILE.png", help="Draw loss and overhead vs interval.")
+@click.option(
+    "--cluster",
+    is_flag=True,
+    help="Plan the whole site's flushes against the PFS (--jobs/--job, --pfs-bw, --node-bw).",
+)
+@click.option("--jobs", "jobs_file", metavar="FILE", help="--cluster: the jobs, TOML or JSON.")
+@click.option(
+    "--job",
+    "job_flags",
+    multiple=True,
+    metavar="SPEC",
+    help="--cluster: one job, nodes=64,size=20GB,interval=30min[,count=N] (repeatable).",
+)
+@click.option("--node-bw", metavar="RATE", help="--cluster: one node's flush rate: 5GB/s.")
+@click.option("--share", metavar="PCT", help="--cluster: PFS share for checkpoints [70%].")
+@click.option("--tenants", metavar="RATE", help="--cluster: other tenants' PFS demand.")
+@click.option("--cap", metavar="N", help="--cluster: evaluate this max_nodes cap.")
+@click.option("--jitter", metavar="DURATION", help="--cluster: evaluate this jitter.")
 @click.pass_context
 def plan(
     ctx: click.Context,
@@ -258,12 +277,41 @@ def plan(
     stall: Optional[str],
     as_json: bool,
     plot_path: Optional[str],
+    cluster: bool,
+    jobs_file: Optional[str],
+    job_flags: Tuple[str, ...],
+    node_bw: Optional[str],
+    share: Optional[str],
+    tenants: Optional[str],
+    cap: Optional[str],
+    jitter: Optional[str],
 ) -> None:
     """Size the checkpoint, time each tier and choose how often to save.
 
     Example: ckpt-slurm plan --params 70e9 --local-bw 3GB/s --pfs-bw 500MB/s
     --mtbi 6h --max-loss 30min
+
+    With --cluster: do all the site's checkpoint flushes fit the PFS, and which
+    [admission] cap and jitter keep them within a share of it. Example:
+    ckpt-slurm plan --cluster --jobs site.toml --pfs-bw 1TB/s --node-bw 5GB/s --share 70%
     """
+    if cluster:
+        try:
+            run_cluster_plan(
+                jobs_file=jobs_file,
+                job_flags=job_flags,
+                pfs_bw=pfs_bw,
+                node_bw=node_bw,
+                share=share,
+                tenants=tenants,
+                cap=cap,
+                jitter=jitter,
+                as_json=as_json,
+            )
+        except CkptError as e:
+            print_error(e)
+            ctx.exit(e.exit_code)
+        return
     try:
         if pfs_bw is None:
             raise PlanInputError("--pfs-bw is required (PFS bandwidth, e.g. 500MB/s)")

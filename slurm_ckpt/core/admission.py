@@ -223,11 +223,15 @@ class SlotState:
     _queue: List[Tuple[Tuple[int, float, str], str]] = field(default_factory=list)
     examined: int = 0
     dirty: bool = False
+    #: No holder's lease ends before this (a lower bound: renewals only push leases out,
+    #: releases only remove them), so most decisions need not look at the holders at all.
+    _next_expiry: float = -math.inf
+    _rate: float = 0.0
 
     # -- reading ----------------------------------------------------------------------
     def used(self) -> Tuple[int, float]:
-        """``(holders, summed rate)``."""
-        return len(self.holders), sum(h.rate for h in self.holders.values())
+        """``(holders, summed rate)``, kept up to date: no walk over the holders."""
+        return len(self.holders), max(0.0, self._rate)
 
     def queue_depth(self) -> int:
         return len(self.waiters)
@@ -241,12 +245,22 @@ class SlotState:
 
     # -- changes ----------------------------------------------------------------------
     def expire(self, now: float) -> List[Entry]:
-        """Drop holders whose lease lapsed; returns them. Holders are few (the cap)."""
+        """Drop holders whose lease lapsed; returns them.
+
+        The holders are looked at only once the earliest lease may have ended (about once
+        per lease period when flushes are shorter than the lease), so a decision costs the
+        same whatever the cap.
+        """
+        self.examined += 1
+        if now < self._next_expiry:
+            return []
         gone = [h for h in self.holders.values() if h.until <= now]
         self.examined += len(self.holders)
         for h in gone:
             del self.holders[h.id]
             self.dirty = True
+        self._next_expiry = min((h.until for h in self.holders.values()), default=math.inf)
+        self._rate = sum(h.rate for h in self.holders.values())  # no drift
         return gone
 
     def enqueue(self, entry: Entry) -> None:
@@ -309,6 +323,8 @@ class SlotState:
         w.until = now + lease
         w.granted = now
         self.holders[eid] = w
+        self._next_expiry = min(self._next_expiry, w.until)
+        self._rate += w.rate
         self.dirty = True
         return w
 
@@ -324,7 +340,9 @@ class SlotState:
 
     def release(self, eid: str) -> bool:
         """Give a slot back (or leave the queue). True if it was there."""
-        if self.holders.pop(eid, None) is not None:
+        h = self.holders.pop(eid, None)
+        if h is not None:
+            self._rate -= h.rate
             self.dirty = True
             self.examined += 1
             return True
@@ -352,6 +370,7 @@ class SlotState:
         for raw in holders:
             e = Entry.from_list(raw)
             st.holders[e.id] = e
+            st._rate += e.rate
         for raw in waiters:
             e = Entry.from_list(raw)
             if e.id in st.holders or e.id in st.waiters:

@@ -47,7 +47,7 @@ from slurm_ckpt.cli.status_model import no_slurm  # noqa: E402
 from slurm_ckpt.core.config import Config  # noqa: E402
 from slurm_ckpt.core.layout import step_dirname  # noqa: E402
 from slurm_ckpt.core.manifest import MANIFEST_NAME, Manifest  # noqa: E402
-from slurm_ckpt.ledger.ledger import Ledger, State  # noqa: E402
+from slurm_ckpt.ledger import Ledger, State, publish_status  # noqa: E402
 from slurm_ckpt.tiers.posix import PosixTier  # noqa: E402
 
 STEPS_PER_JOB = 10
@@ -100,7 +100,7 @@ def build(root: Path, scratch: Path, jobs: int) -> None:
         led.mark(user, key, last, "pfs", State.VERIFIED)
         led.record_local_commit(user, key, last + 100, len(payload), 1, job, True)
     for led in ledgers.values():
-        led.publish_status(root)
+        publish_status(led, root)
 
 
 def drop_caches() -> None:

@@ -223,7 +223,7 @@ def setup_distributed(args: argparse.Namespace) -> Tuple[int, int]:
     """
     import torch.distributed as dist
 
-    from slurm_ckpt.job.slurm_env import resolve_rank
+    from slurm_ckpt.slurm.env import resolve_rank
 
     rank, world = resolve_rank()
     if world <= 1:

@@ -53,3 +53,10 @@ class SlurmError(CkptError):
     """SLURM is missing, unreachable or answered with an error."""
 
     exit_code = 3
+
+
+class TimedOut(CkptError):
+    """An operation ran into its deadline and was stopped (a child killed, a wait given up).
+    Callers with more time later (the stager after the epilog) retry it."""
+
+    exit_code = 1

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from slurm_ckpt.errors import CkptError
+from slurm_ckpt.job.dist import all_reduce_ints, process_group
 
 __all__ = [
     "FORMAT_NAME",
@@ -571,15 +572,6 @@ def restore(
     )
 
 
-def _dist() -> Any:
-    """torch.distributed when it is initialised with more than one rank, else None."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist
-    return None
-
-
 class TorchCheckpointer:
     """A Checkpointer bound to a model/optimizer/scheduler/scaler, consistent across ranks.
 
@@ -626,15 +618,10 @@ class TorchCheckpointer:
 
     def should_save(self, step: Optional[int] = None, tokens: Optional[int] = None) -> bool:
         want = bool(self.ckpt.should_save(step=step, tokens=tokens))
-        dist = _dist()
-        if dist is None:
+        if process_group() is None:
             return want
         signalled = self.ckpt.signal_received is not None
-        flags = torch.tensor([int(want), int(signalled)], dtype=torch.int64)
-        if dist.get_backend() == "nccl":  # pragma: no cover - needs GPUs
-            flags = flags.cuda()
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        want_any, signal_any = (bool(x) for x in flags.tolist())
+        want_any, signal_any = (bool(x) for x in all_reduce_ints([want, signalled], "max"))
         if signal_any:
             self._peer_signal = True
         return want_any or signal_any

@@ -21,7 +21,7 @@ from slurm_ckpt import Checkpointer  # noqa: E402
 from slurm_ckpt.errors import ConfigError  # noqa: E402
 from slurm_ckpt.job import CheckpointFailed  # noqa: E402
 from slurm_ckpt.job.checkpointer import DEFAULT_INTERVAL_TOKENS  # noqa: E402
-from slurm_ckpt.ledger.ledger import State  # noqa: E402
+from slurm_ckpt.ledger import State  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 WAIT = 60.0  # generous bound for "eventually", never a timing assertion

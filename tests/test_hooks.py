@@ -24,10 +24,9 @@ from conftest import Mounts, need_root
 from slurm_ckpt.cli import hooks_cmds
 from slurm_ckpt.cli.main import cli as ckpt_cli
 from slurm_ckpt.cli.main import main as ckpt_main
-from slurm_ckpt.cli.srun import StepOutcome, decide_requeue, resolve_key
+from slurm_ckpt.cli.srun import resolve_key
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.errors import CkptError, InvalidName, TierError
-from slurm_ckpt.hooks.asuser import AsUserError, AsUserTimeout, run_as, run_as_user
 from slurm_ckpt.hooks.epilog import (
     HANDED_TO_STAGER,
     NodeWork,
@@ -43,7 +42,9 @@ from slurm_ckpt.hooks.prolog import (
 )
 from slurm_ckpt.hooks.stager import stager_pass
 from slurm_ckpt.ledger import State
+from slurm_ckpt.node.asuser import AsUserError, AsUserTimeout, run_as, run_as_user
 from slurm_ckpt.slurm.env import HookEnv
+from slurm_ckpt.slurm.requeue import requeue_reason, stop_cause
 from slurm_ckpt.tiers.registry import tiers_from_config
 
 pytestmark = pytest.mark.root
@@ -531,15 +532,20 @@ def test_hook_script_timeout_drains_and_logs(area: Area) -> None:
 
 
 def test_ckpt_srun_requeue_policy() -> None:
-    warned = StepOutcome(0, warned=True, warned_by="ckpt-srun timer")
-    assert decide_requeue(warned, "RUNNING", None, 0, 5)
-    assert decide_requeue(warned, "RUNNING", None, 5, 5) is None  # cap
-    assert decide_requeue(warned, "COMPLETING", None, 0, 5) is None
-    assert decide_requeue(warned, "RUNNING", "Preempted", 0, 5) is None
-    assert decide_requeue(warned, "RUNNING", None, 0, 5, enabled=False) is None
-    assert decide_requeue(StepOutcome(0), "RUNNING", None, 0, 5) is None  # finished
-    term = StepOutcome(143, warned=True, terminated=True)
-    assert decide_requeue(term, "RUNNING", None, 0, 5) is None  # SLURM requeues preemptions
+    def decide(state, reason, restarts, max_requeues, *, warned=True, terminated=False, **kw):
+        cause = stop_cause(state, reason, warned=warned, terminated=terminated)
+        return requeue_reason(cause, restarts=restarts, max_requeues=max_requeues, **kw)
+
+    assert decide("RUNNING", None, 0, 5)
+    assert decide("RUNNING", None, 5, 5) is None  # cap
+    assert decide("COMPLETING", None, 0, 5) is None
+    assert decide("RUNNING", "Preempted", 0, 5) is None
+    assert decide("RUNNING", None, 0, 5, enabled=False) is None
+    assert decide("RUNNING", None, 0, 5, warned=False) is None  # finished
+    # SLURM requeues preemptions itself
+    assert decide("RUNNING", None, 0, 5, terminated=True) is None
+    # The in-job library asks the same rule with the job's state as the cause.
+    assert requeue_reason("TIMEOUT") and requeue_reason("PREEMPTED") is None
 
 
 def test_ckpt_srun_key() -> None:

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
+from slurm_ckpt.core import fsio
+from slurm_ckpt.core.names import validate_node as validate_node_name
 from slurm_ckpt.core.retention import RetentionPolicy, plan_local_deletions
 from slurm_ckpt.errors import CkptError, InvalidName, NotFound, TierError
 from slurm_ckpt.ledger import (
@@ -25,11 +27,12 @@ from slurm_ckpt.ledger import (
     LedgerError,
     Record,
     State,
+    codec,
+    node_status,
+    publish_status,
     read_node_statuses,
     status_path,
-    validate_node_name,
 )
-from slurm_ckpt.ledger import ledger as ledger_mod
 
 FORK = mp.get_context("fork")
 
@@ -406,7 +409,7 @@ def test_unwritable_directory_raises_ledger_error(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ledger_mod, "_write_all", boom)
+    monkeypatch.setattr(fsio, "write_all", boom)
     with pytest.raises(LedgerError, match="No space left"):
         commit(led, 1)
     monkeypatch.undo()
@@ -600,7 +603,7 @@ def test_malformed_record_with_valid_checksum_is_dropped(led, caplog):
 
 def test_stale_temp_files_are_removed(led):
     commit(led, 1)
-    stale = led.directory / f"{LEDGER_NAME}.tmp-99999-deadbeef"
+    stale = led.directory / f".{LEDGER_NAME}.tmp-99999-deadbeef"
     stale.write_bytes(b"half a ledg")
     commit(led, 2)
     assert not stale.exists()
@@ -630,7 +633,7 @@ def test_ten_thousand_records_load_and_save_fast(tmp_path):
                 verified_at={"pfs": 1.7e9 + i},
                 durations={"snapshot_s": 1.5, "local_s": 3.2, "flush_s": 40.1},
             )
-            data.put(ledger_mod._to_raw(rec))
+            data.put(codec.to_raw(rec))
     assert len(led.path.read_bytes()) > 1_000_000
     best_cycle = best_mark = float("inf")
     for _ in range(5):
@@ -752,9 +755,7 @@ def test_sigkill_at_random_moments_never_tears_the_ledger(tmp_path):
     with led._transaction() as data:
         for i in range(3000):
             data.put(
-                ledger_mod._to_raw(
-                    Record("bulk", "b", i, nbytes=i, tiers={"local": State.COMMITTED})
-                )
+                codec.to_raw(Record("bulk", "b", i, nbytes=i, tiers={"local": State.COMMITTED}))
             )
     rng = random.Random(1234)
     committed: list = []
@@ -790,7 +791,7 @@ def test_sigkill_at_random_moments_never_tears_the_ledger(tmp_path):
 
 def _crash_at(directory: str, point: str) -> None:
     led = Ledger(Path(directory), "n1")
-    real_fsync, real_replace, real_write_all = os.fsync, os.replace, ledger_mod._write_all
+    real_fsync, real_rename, real_write_all = os.fsync, os.rename, fsio.write_all
 
     def die(*a, **k):
         os._exit(17)
@@ -801,18 +802,18 @@ def _crash_at(directory: str, point: str) -> None:
             real_write_all(fd, blob[: len(blob) // 2])
             os._exit(17)
 
-        ledger_mod._write_all = half
+        fsio.write_all = half
     elif point == "before_fsync":
-        ledger_mod.os.fsync = die
+        fsio.os.fsync = die
     elif point == "before_rename":
-        ledger_mod.os.replace = die
+        fsio.os.rename = die
     elif point == "after_rename":
 
-        def replace_then_die(src, dst, *a, **k):
-            real_replace(src, dst, *a, **k)
+        def rename_then_die(src, dst, *a, **k):
+            real_rename(src, dst, *a, **k)
             os._exit(17)
 
-        ledger_mod.os.replace = replace_then_die
+        fsio.os.rename = rename_then_die
     del real_fsync
     led.record_local_commit("alice", "run", 2, nbytes=2, seq=2, job="1", selected_for_flush=True)
     os._exit(0)
@@ -849,7 +850,7 @@ def _busy_ledger(led, clock):
 
 def test_status_summary(led, clock):
     _busy_ledger(led, clock)
-    st = led.status({"stager": "up"})
+    st = node_status(led, {"stager": "up"})
     assert st["node"] == "node-01" and st["time"] == clock.t
     assert st["pending"] == {"count": 3, "bytes": 600}
     assert [(f["step"], f["tier"]) for f in st["in_flight"]] == [(2, "pfs")]
@@ -869,15 +870,15 @@ def test_publish_and_read_node_statuses(tmp_path, clock, caplog):
     a = Ledger(tmp_path / "a", "node-b", clock=clock)
     b = Ledger(tmp_path / "b", "node-a", clock=clock)
     _busy_ledger(a, clock)
-    path = a.publish_status(pfs, extra={"version": "0.1"})
+    path = publish_status(a, pfs, extra={"version": "0.1"})
     assert path == status_path(pfs, "node-b") == pfs / ".slurm_ckpt" / "nodes" / "node-b.json"
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o755
     doc = json.loads(path.read_text())
     assert doc["node"] == "node-b" and doc["pending"]["count"] == 3
     assert doc["extra"] == {"version": "0.1"}
-    b.publish_status(pfs)
-    a.publish_status(pfs)  # replaces atomically, no temp files left
+    publish_status(b, pfs)
+    publish_status(a, pfs)  # replaces atomically, no temp files left
     assert sorted(os.listdir(path.parent)) == ["node-a.json", "node-b.json"]
     # Junk the readers must survive.
     nodes = path.parent
@@ -904,7 +905,7 @@ def test_publish_does_not_follow_a_planted_symlink(tmp_path, led):
     final = nodes / "node-01.json"
     final.symlink_to(target)
     commit(led, 1)
-    assert led.publish_status(pfs) == final
+    assert publish_status(led, pfs) == final
     assert target.read_text() == "precious"
     assert not final.is_symlink() and final.is_file()
     assert json.loads(final.read_text())["node"] == "node-01"
@@ -917,20 +918,20 @@ def test_publish_refuses_symlinked_directories(tmp_path, led):
     elsewhere.mkdir()
     (pfs / ".slurm_ckpt").symlink_to(elsewhere)
     with pytest.raises(TierError, match="refusing"):
-        led.publish_status(pfs)
+        publish_status(led, pfs)
     assert list(elsewhere.iterdir()) == []
 
 
 def test_publish_needs_an_existing_pfs_root(tmp_path, led):
     with pytest.raises(TierError):
-        led.publish_status(tmp_path / "not-mounted")
+        publish_status(led, tmp_path / "not-mounted")
     assert not (tmp_path / "not-mounted").exists()
 
 
 def test_publish_removes_only_old_temp_files(tmp_path, led, clock):
     pfs = tmp_path / "pfs"
     pfs.mkdir()
-    led.publish_status(pfs)
+    publish_status(led, pfs)
     nodes = pfs / ".slurm_ckpt" / "nodes"
     old = nodes / ".node-01.json.tmp-1-aaaa"
     new = nodes / ".node-01.json.tmp-2-bbbb"
@@ -940,7 +941,7 @@ def test_publish_removes_only_old_temp_files(tmp_path, led, clock):
     os.utime(old, (clock.t - 7200, clock.t - 7200))
     os.utime(new, (clock.t - 10, clock.t - 10))
     os.utime(other, (clock.t - 7200, clock.t - 7200))
-    led.publish_status(pfs)
+    publish_status(led, pfs)
     assert not old.exists() and new.exists() and other.exists()
 
 

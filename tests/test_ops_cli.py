@@ -25,8 +25,8 @@ import pytest
 
 from slurm_ckpt.cli import maint as maint_mod
 from slurm_ckpt.cli.main import main
-from slurm_ckpt.hooks.asuser import run_as_user
-from slurm_ckpt.ledger.ledger import Ledger, State
+from slurm_ckpt.ledger import Ledger, State, publish_status
+from slurm_ckpt.node.asuser import run_as_user
 from slurm_ckpt.tiers.posix import PosixTier
 
 USER = "ckptuser1"
@@ -259,7 +259,7 @@ def test_guard_exit_codes_from_ledger_and_pfs_status(site: Site) -> None:
     other = Ledger(site.base / "other-ledger", "g2")
     other.record_local_commit(USER, "run", 2, 10, 0, "9", selected_for_flush=True)
     shutil.rmtree(ldir)
-    other.publish_status(site.pfs)
+    publish_status(other, site.pfs)
     code, _, err = site.cli("guard", "--node", "g2")
     assert code == 4 and "PFS status" in err
 
@@ -322,7 +322,7 @@ def test_maint_waits_for_jobs_and_fresh_status_then_acts(
     monkeypatch.setattr(maint_mod, "client_factory", lambda: fake)
     led = Ledger(site.base / "led", "m1")
     led.record_local_commit(USER, "run", 1, 10, 0, "11", selected_for_flush=True)
-    led.publish_status(site.pfs)  # older than the drain: must not count
+    publish_status(led, site.pfs)  # older than the drain: must not count
     polls = {"n": 0}
 
     def poll() -> None:
@@ -331,7 +331,7 @@ def test_maint_waits_for_jobs_and_fresh_status_then_acts(
             fake.nodes["m1"] = FakeNode(True, "slurm_ckpt: flushing 1 checkpoint (10 B)")
         if polls["n"] == 4:  # ... the stager flushed, published and resumed the node
             led.mark(USER, "run", 1, "pfs", State.VERIFIED)
-            led.publish_status(site.pfs)
+            publish_status(led, site.pfs)
             fake.nodes["m1"] = FakeNode(False, None)
 
     fake.on_poll = poll
@@ -386,9 +386,9 @@ def test_maint_slurm_actions(
     monkeypatch.setattr(maint_mod, "client_factory", lambda: fake)
     for n in ("m1", "m2"):
         led = Ledger(site.base / f"led-{n}", n)
-        led.publish_status(site.pfs)
+        publish_status(led, site.pfs)
     # statuses must be newer than the drain: publish again from inside the first poll
-    fake.on_poll = lambda: [Ledger(site.base / f"led-{n}", n).publish_status(site.pfs)
+    fake.on_poll = lambda: [publish_status(Ledger(site.base / f"led-{n}", n), site.pfs)
                             for n in ("m1", "m2")]  # fmt: skip
     code, _, err = site.cli("maint", "m[1-2]", "--reason", "r", "--poll", "0.05", *args)
     assert code == 0, err

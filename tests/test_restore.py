@@ -13,7 +13,7 @@ import pytest
 
 from slurm_ckpt.errors import VerifyError
 from slurm_ckpt.job import Checkpointer
-from slurm_ckpt.ledger.ledger import State
+from slurm_ckpt.ledger import State
 
 STEP_DIR = "step-{:010d}"
 

@@ -16,7 +16,7 @@ import pytest
 
 from slurm_ckpt.job import Checkpointer
 from slurm_ckpt.job.signals import Deadline, SignalFlag, signal_number
-from slurm_ckpt.ledger.ledger import State
+from slurm_ckpt.ledger import State
 
 SIGS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 

@@ -17,16 +17,16 @@ from cluster_fixture import DevCluster
 
 from slurm_ckpt.errors import CkptError, InvalidName, SlurmError
 from slurm_ckpt.slurm import hostlist
-from slurm_ckpt.slurm.client import (
+from slurm_ckpt.slurm.client import SlurmClient
+from slurm_ckpt.slurm.env import hook_env, job_env
+from slurm_ckpt.slurm.records import (
     REASON_PREFIX,
     JobNotFound,
-    SlurmClient,
     node_from_oneliner,
     parse_duration,
     parse_oneliner,
     parse_time,
 )
-from slurm_ckpt.slurm.env import hook_env, job_env
 
 # --------------------------------------------------------------------------- hostlist
 

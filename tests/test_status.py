@@ -30,7 +30,7 @@ from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.layout import step_dirname
 from slurm_ckpt.core.manifest import Manifest
 from slurm_ckpt.errors import VerifyError
-from slurm_ckpt.ledger import Ledger, State
+from slurm_ckpt.ledger import Ledger, State, publish_status
 from slurm_ckpt.tiers.posix import PosixTier
 
 if TYPE_CHECKING:  # a plain import would defeat pytest's assert rewriting of the plugin
@@ -90,11 +90,11 @@ class Site:
         n1.record_local_commit("alice", "run1", 400, NB, 1, 11, True)
         n1.record_local_commit("alice", "run1", 500, NB, 2, 11, True)
         n1.mark("alice", "run1", 500, "pfs", State.FLUSHING)
-        n1.publish_status(tmp / "pfs")
+        publish_status(n1, tmp / "pfs")
         n2 = Ledger(tmp / "ledgers/n2", "n2", clock=lambda: self.t_n2)
         n2.record_local_commit("alice", "run2", 30, NB, 0, 13, True)
         n2.count_failure("flush_failed")
-        n2.publish_status(tmp / "pfs")
+        publish_status(n2, tmp / "pfs")
 
     def slurm(self) -> SlurmSnapshot:
         return SlurmSnapshot(

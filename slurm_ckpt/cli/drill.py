@@ -152,7 +152,7 @@ def run_drill(
                     time_to_full_state_s=round(copy_s + weights_s + rest_s, 4),
                 )
                 return report
-            except (VerifyError, TierError) as exc:
+            except (VerifyError, TierError, NotFound) as exc:
                 report["ok"] = False
                 skipped.append({"tier": tier.name, "step": step, "error": str(exc)})
             finally:

@@ -82,7 +82,7 @@ def _is_busy(cfg: Config, user: str, key: str, step: int) -> bool:
     from slurm_ckpt.tiers.registry import tiers_from_config
 
     local = tiers_from_config(cfg)["local"]
-    with local.step_lock(user, key, step, wait=False) as got:
+    with local.lock(user, key, step, wait=False) as got:
         return not got
 
 
@@ -93,8 +93,8 @@ def flush_node(
     cfg: Config, node: str, job: Optional[str] = None, wait: bool = False, client: Any = None
 ) -> FlushSummary:
     """Root: the node's backlog (or ``job``'s checkpoints), as each owner, via NodeWork."""
-    from slurm_ckpt.hooks.asuser import run_as
     from slurm_ckpt.hooks.epilog import NodeWork
+    from slurm_ckpt.node.asuser import run_as
 
     work = NodeWork(cfg, node, client)
     work.reconcile()

@@ -26,6 +26,7 @@ from typing import Optional
 import click
 
 from slurm_ckpt.cli.output import CliState, pass_state
+from slurm_ckpt.core import fsio
 from slurm_ckpt.core.config import load_config, resolve_config_path
 from slurm_ckpt.core.names import validate_node
 from slurm_ckpt.core.units import format_duration
@@ -280,15 +281,7 @@ def _ckpt_slurm_path() -> str:
 
 
 def _write_script(dest: Path, name: str, text: str) -> Path:
-    tmp = dest / f".{name}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o755)
-    try:
-        os.write(fd, text.encode())
-        os.fchmod(fd, 0o755)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, dest / name)
+    fsio.atomic_replace_path(dest / name, text.encode(), 0o755)
     return dest / name
 
 

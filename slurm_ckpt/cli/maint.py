@@ -38,7 +38,7 @@ import click
 from slurm_ckpt.cli.output import CliState, console, pass_state
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import CkptError, SlurmError
-from slurm_ckpt.slurm.client import MAINT_PREFIX
+from slurm_ckpt.slurm.records import MAINT_PREFIX
 
 __all__ = [
     "EXIT_NOT_READY",
@@ -228,7 +228,7 @@ def wait_ready(
     """Poll until every node is ready (returned) or ``timeout`` (NotReady raised)."""
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from slurm_ckpt.ledger.ledger import read_node_statuses
+    from slurm_ckpt.ledger.node_status import read_node_statuses
 
     deadline = time.monotonic() + timeout
     progress = Progress(
@@ -361,7 +361,7 @@ def local_backlog(cfg: Any, node: str) -> Optional[Tuple[int, int]]:
 
 
 def _pfs_backlog(cfg: Any, node: str) -> Optional[Tuple[int, int]]:
-    from slurm_ckpt.ledger.ledger import read_node_statuses
+    from slurm_ckpt.ledger.node_status import read_node_statuses
 
     for doc in read_node_statuses(cfg.tiers.pfs.root):
         if doc.get("node") == node:

@@ -50,8 +50,9 @@ import click
 
 from slurm_ckpt.core.names import validate_key
 from slurm_ckpt.errors import CkptError, InvalidName
+from slurm_ckpt.slurm.requeue import requeue_job, requeue_reason, stop_cause
 
-__all__ = ["decide_requeue", "flush_local", "main", "resolve_key"]
+__all__ = ["flush_local", "main", "resolve_key"]
 
 PROG = "ckpt-srun"
 log = logging.getLogger("slurm_ckpt.srun")
@@ -115,30 +116,6 @@ class StepOutcome:
     warned: bool = False
     warned_by: Optional[str] = None
     terminated: bool = False
-
-
-def decide_requeue(
-    outcome: StepOutcome,
-    state: Optional[str],
-    reason: Optional[str],
-    restarts: int,
-    max_requeues: int,
-    enabled: bool = True,
-) -> Optional[str]:
-    """Why to requeue (a message), or None. Pure, so that the policy is testable:
-    only after a time-limit warning, only while SLURM still has the job RUNNING (not
-    preempted, cancelled or already requeued), and within ``max_requeues``."""
-    if not enabled or outcome.terminated or not outcome.warned:
-        return None
-    if state != "RUNNING":
-        return None
-    if reason and "preempt" in reason.lower():
-        return None
-    if restarts >= max_requeues:
-        return None
-    return (
-        f"time limit near (warning from {outcome.warned_by}): requeueing (restart {restarts + 1})"
-    )
 
 
 class _Runner:
@@ -388,12 +365,19 @@ def cli(
     if client is not None and outcome.warned and not outcome.terminated:
         try:
             info = client.job(jenv.job_id)
-            why = decide_requeue(
-                outcome, info.state, info.reason, info.restarts, max_requeues, requeue
+            cause = stop_cause(
+                info.state, info.reason, warned=outcome.warned, terminated=outcome.terminated
+            )
+            why = requeue_reason(
+                cause,
+                restarts=info.restarts,
+                max_requeues=max_requeues,
+                enabled=requeue,
+                detail=f"warning from {outcome.warned_by}",
             )
             if why:
                 _say(why)
-                client.requeue(jenv.job_id)
+                requeue_job(jenv.job_id, why, client)
                 # SLURM now ends this batch script; nothing after this matters.
             else:
                 _say(f"not requeued (state {info.state}, restarts {info.restarts})")

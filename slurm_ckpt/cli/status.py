@@ -32,7 +32,7 @@ from slurm_ckpt.cli.status_model import (
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import validate_key, validate_node, validate_user
 from slurm_ckpt.core.units import format_bytes, format_duration
-from slurm_ckpt.ledger.ledger import read_node_statuses
+from slurm_ckpt.ledger.node_status import read_node_statuses
 
 __all__ = ["collect_status", "slurm_query", "status_cmd"]
 

@@ -2,7 +2,8 @@
 
 A login node sees three things: the **catalog** on the shared tiers (``<root>/<user>/<key>/
 step-*``), the **node status files** every node publishes on the PFS
-(``<pfs>/.slurm_ckpt/nodes/<node>.json``, see :meth:`Ledger.publish_status`), and
+(``<pfs>/.slurm_ckpt/nodes/<node>.json``, see
+:func:`~slurm_ckpt.ledger.node_status.publish_status`), and
 **SLURM** (one bulk ``squeue`` and one ``sinfo``, through an injectable function so that
 this works, and is tested, where SLURM is absent). :func:`build_status` joins them; it is
 pure (no I/O, no clock) and takes the scans as arguments.

@@ -8,10 +8,17 @@ stream that finishes its last chunk.
 
 from __future__ import annotations
 
+import errno
+import mmap
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional, Sequence
+
+import xxhash
+
+from slurm_ckpt.core.fsio import write_all
 
 
 class BandwidthLimiter:
@@ -94,12 +101,10 @@ _tls = threading.local()
 PIECE = 16 * 2**20
 
 
-def _buffer(size: int) -> memoryview:
+def io_buffer(size: int) -> memoryview:
     """A reusable, page-aligned I/O buffer per thread (allocated once, never per chunk)."""
     buf = getattr(_tls, "buf", None)
     if buf is None or len(buf) < size:
-        import mmap
-
         buf = _tls.buf = memoryview(mmap.mmap(-1, size))
     return buf
 
@@ -117,15 +122,8 @@ def hash_range(
 
     A short read (the file shrank under us) raises EIO-like ``OSError``.
     """
-    import errno
-    import os
-
-    import xxhash
-
-    from slurm_ckpt.core.fsio import write_all
-
     h = xxhash.xxh3_128()
-    buf = _buffer(piece)
+    buf = io_buffer(piece)
     end = offset + length
     pos = offset
     while pos < end:

@@ -11,6 +11,12 @@ A checkpoint exists only once step 3 has completed: readers list a step only whe
 manifest parses and checks. A crash at any point leaves either nothing listable or the
 complete checkpoint; leftovers (``.tmp-*`` or a ``step-N`` without manifest) are swept by
 the next writer of that step or by :meth:`PosixTier.sweep`.
+
+A **copy** of a committed checkpoint from another tier (``copy_of=manifest``) goes
+through the same protocol, with two differences: its work directory is named by the step
+(``.partial-step-N``), so a copy killed midway is found and resumed by the next one
+(:meth:`CheckpointWriter.resumable`); and the manifest is the source's, byte for byte.
+This is the one place a checkpoint is committed on a POSIX tier.
 """
 
 from __future__ import annotations
@@ -18,18 +24,20 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import stat
 import threading
 import time
 from contextlib import contextmanager, suppress
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
 from slurm_ckpt.core import fsio
-from slurm_ckpt.core.chunks import run_chunks
+from slurm_ckpt.core.chunks import hash_range, run_chunks
 from slurm_ckpt.core.faults import crashpoint
 from slurm_ckpt.core.hashing import DEFAULT_CHUNK_SIZE, ChunkedHasher, chunk_digest, combine
-from slurm_ckpt.core.layout import TMP_PREFIX, step_dirname
+from slurm_ckpt.core.layout import TMP_PREFIX, partial_dirname, step_dirname
 from slurm_ckpt.core.manifest import MANIFEST_NAME, FileEntry, Manifest
 from slurm_ckpt.core.names import validate_key, validate_relpath, validate_user
+from slurm_ckpt.core.verify import VerifyReport, open_payload, verify_files
 from slurm_ckpt.errors import CkptError, VerifyError
 
 WRITE_PIECE = 16 * 2**20
@@ -53,8 +61,10 @@ def read_manifest(step_fd: int, where: str) -> Manifest:
 class CheckpointWriter:
     """Writes one checkpoint into a tier root and commits it atomically.
 
-    Use as a context manager: leaving the block by an exception removes the temporary
-    directory; :meth:`commit` publishes the checkpoint.
+    A context manager: a clean exit commits (unless :meth:`commit` already did), an
+    exception aborts and removes the work directory. ``copy_of`` switches to copy mode
+    (see the module docstring): payload files come in through :meth:`file` sinks and the
+    given manifest is committed unchanged.
     """
 
     def __init__(
@@ -71,6 +81,7 @@ class CheckpointWriter:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         streams: int = 4,
         where: str = "tier",
+        copy_of: Optional[Manifest] = None,
     ) -> None:
         self.user = validate_user(user)
         self.key = validate_key(key)
@@ -78,14 +89,21 @@ class CheckpointWriter:
         self.step_name = step_dirname(step)
         self.tokens, self.job, self.node = tokens, job, node
         self.meta = dict(meta or {})
-        self.chunk_size = chunk_size
+        self.copy_of = copy_of
+        self.chunk_size = copy_of.chunk_size if copy_of is not None else chunk_size
         self.streams = streams
         self.where = f"{where}:{root}/{user}/{key}/{self.step_name}"
         self._entries: Dict[str, FileEntry] = {}
         self._lock = threading.Lock()
         self._dirs: Dict[str, int] = {}
+        self._sinks: Dict[str, _FileSink] = {}
         self._done = False
-        self.tmp_name = f"{TMP_PREFIX}{self.step_name}-{os.getpid()}-{secrets.token_hex(4)}"
+        if copy_of is None:
+            self.tmp_name = f"{TMP_PREFIX}{self.step_name}-{os.getpid()}-{secrets.token_hex(4)}"
+        else:
+            if (copy_of.user, copy_of.key, copy_of.step) != (user, key, step):
+                raise CkptError(f"{self.where}: manifest names another checkpoint")
+            self.tmp_name = partial_dirname(step)
         try:
             root_fd = fsio.open_dir(root)
         except OSError as exc:
@@ -98,7 +116,12 @@ class CheckpointWriter:
             os.close(root_fd)
         try:
             self._clear_leftover_step()
-            os.mkdir(self.tmp_name, fsio.DIR_MODE, dir_fd=self._key_fd)
+            try:
+                os.mkdir(self.tmp_name, fsio.DIR_MODE, dir_fd=self._key_fd)
+                os.fsync(self._key_fd)
+            except FileExistsError:
+                if copy_of is None:
+                    raise
             self._tmp_fd = os.open(self.tmp_name, fsio.O_DIR, dir_fd=self._key_fd)
         except OSError as exc:
             os.close(self._key_fd)
@@ -151,7 +174,7 @@ class CheckpointWriter:
         with self._lock:
             self._entries[entry.path] = entry
 
-    # -- writing ---------------------------------------------------------------
+    # -- fresh mode ------------------------------------------------------------
     def write_buffers(self, items: Mapping[str, object]) -> List[FileEntry]:
         """Write several in-memory buffers as files, in parallel chunks, hashed on the way."""
         names = list(items)
@@ -202,23 +225,122 @@ class CheckpointWriter:
         h, chunks = stream.hasher.finish()
         self._add(FileEntry(relpath, stream.hasher.size, h, chunks))
 
+    # -- copy mode -------------------------------------------------------------
+    def _manifest_for_copy(self) -> Manifest:
+        if self.copy_of is None:
+            raise CkptError(f"{self.where}: not a copy (give copy_of= to the writer)")
+        return self.copy_of
+
+    def resumable(self) -> Set[str]:
+        """Files an interrupted copy completed that match the manifest (kept, and counted
+        as written); everything else in the work directory is removed."""
+        m = self._manifest_for_copy()
+        files, problems = fsio.walk_files(self._tmp_fd)
+        if problems:
+            # Symlinks or special files in our own work area: start the copy over.
+            self._clear_work_dir()
+            return set()
+        wanted = {e.path: e for e in m.files}
+        keep: Set[str] = set()
+        for rel, st in files:
+            e = wanted.get(rel)
+            ok = False
+            if e is not None and st.st_size == e.size:
+                fd = open_payload(self._tmp_fd, rel)
+                try:
+                    ok = all(
+                        hash_range(
+                            fd, i * m.chunk_size, min(m.chunk_size, e.size - i * m.chunk_size)
+                        )
+                        == c
+                        for i, c in enumerate(e.chunks)
+                    )
+                finally:
+                    os.close(fd)
+            if ok:
+                keep.add(rel)
+                self._add(e)  # type: ignore[arg-type]
+            else:
+                pfd, name = self._parent_fd(rel)
+                os.unlink(name, dir_fd=pfd)
+        return keep
+
+    def _clear_work_dir(self) -> None:
+        for fd in set(self._dirs.values()) - {self._tmp_fd}:
+            os.close(fd)
+        self._dirs = {"": self._tmp_fd}
+        for name in os.listdir(self._tmp_fd):
+            st = os.stat(name, dir_fd=self._tmp_fd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                fsio.remove_tree(self._tmp_fd, name)
+            else:
+                os.unlink(name, dir_fd=self._tmp_fd)
+
+    def file(self, relpath: str, size: int) -> _FileSink:
+        """A sink for one payload file of the copied checkpoint, space reserved up front
+        (a full filesystem fails here, not halfway). Closed by :meth:`_FileSink.finish`."""
+        entry = self._manifest_for_copy().file(relpath)
+        if entry.size != size:
+            raise CkptError(f"{self.where}: {relpath}: size {size} != manifest {entry.size}")
+        try:
+            fd = self._create(relpath)
+        except OSError as exc:
+            raise fsio.tier_error(exc, f"{self.where}: cannot create {relpath}") from None
+        sink = _FileSink(self, entry, fd)
+        with self._lock:
+            self._sinks[relpath] = sink
+        if size:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    sink.close()
+                    raise fsio.tier_error(exc, f"{self.where}: {relpath}") from None
+        return sink
+
+    def _sink_done(self, sink: _FileSink) -> None:
+        with self._lock:
+            self._sinks.pop(sink.entry.path, None)
+            self._entries[sink.entry.path] = sink.entry
+
+    def verify_written(self) -> VerifyReport:
+        """Drop what was written from the page cache and hash it again from the device."""
+        m = self._manifest_for_copy()
+        for e in m.files:
+            with suppress(OSError):
+                fd = open_payload(self._tmp_fd, e.path)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+        return verify_files(self._tmp_fd, m, self.where, self.streams)
+
     # -- commit ----------------------------------------------------------------
     def commit(self) -> Manifest:
         """Publish the checkpoint: rename into place, then write the manifest last."""
         if self._done:
             raise CkptError(f"{self.where}: writer already finished")
-        manifest = Manifest(
-            user=self.user,
-            key=self.key,
-            step=self.step,
-            files=sorted(self._entries.values(), key=lambda e: e.path),
-            tokens=self.tokens,
-            wall_time=time.time(),
-            job=self.job,
-            node=self.node,
-            meta=self.meta,
-            chunk_size=self.chunk_size,
-        )
+        if self.copy_of is not None:
+            manifest = self.copy_of
+            missing = sorted({e.path for e in manifest.files} - set(self._entries))
+            if missing:
+                raise CkptError(
+                    f"{self.where}: copy incomplete ({len(missing)} files missing, "
+                    f"first {missing[0]})"
+                )
+        else:
+            manifest = Manifest(
+                user=self.user,
+                key=self.key,
+                step=self.step,
+                files=sorted(self._entries.values(), key=lambda e: e.path),
+                tokens=self.tokens,
+                wall_time=time.time(),
+                job=self.job,
+                node=self.node,
+                meta=self.meta,
+                chunk_size=self.chunk_size,
+            )
         try:
             for sub in sorted(self._dirs, key=len, reverse=True):
                 os.fsync(self._dirs[sub])
@@ -234,7 +356,7 @@ class CheckpointWriter:
             crashpoint("commit:renamed")
             os.fsync(self._key_fd)
             crashpoint("commit:key-synced")
-            fsio.atomic_write(self._tmp_fd, MANIFEST_NAME, manifest.to_bytes())
+            fsio.atomic_replace(self._tmp_fd, MANIFEST_NAME, manifest.to_bytes())
             crashpoint("commit:manifest")
         except OSError as exc:
             self.abort()
@@ -261,6 +383,9 @@ class CheckpointWriter:
         self._close()
 
     def _close(self) -> None:
+        for sink in list(self._sinks.values()):
+            sink.close()
+        self._sinks.clear()
         for fd in set(self._dirs.values()):
             os.close(fd)
         self._dirs.clear()
@@ -270,7 +395,36 @@ class CheckpointWriter:
         return self
 
     def __exit__(self, et: object, ev: object, tb: object) -> None:
-        self.abort()  # no-op after commit; removes the temporary directory otherwise
+        if et is None and not self._done:
+            self.commit()  # commit on a clean exit
+        else:
+            self.abort()  # no-op after commit; removes the work directory otherwise
+
+
+class _FileSink:
+    """One payload file of a copy: positional writes, fsync and close at :meth:`finish`."""
+
+    def __init__(self, writer: CheckpointWriter, entry: FileEntry, fd: int) -> None:
+        self.writer = writer
+        self.entry = entry
+        self.size = entry.size
+        self.fd: Optional[int] = fd
+
+    def fileno(self) -> Optional[int]:
+        return self.fd
+
+    def write(self, data: memoryview, offset: int) -> None:
+        fsio.write_all(self.fd, data, offset)  # type: ignore[arg-type]
+
+    def finish(self) -> None:
+        os.fsync(self.fd)  # type: ignore[arg-type]
+        self.close()
+        self.writer._sink_done(self)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 class _HashingStream:

@@ -14,9 +14,11 @@ import os
 import secrets
 import shutil
 import stat
+import time
 from contextlib import contextmanager, suppress
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
+from slurm_ckpt.core.faults import crashpoint
 from slurm_ckpt.errors import CkptError, TierError
 
 O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -24,6 +26,8 @@ O_NEWFILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 O_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 DIR_MODE = 0o700
 FILE_MODE = 0o600
+#: Marks the temporary files of :func:`atomic_replace` (``.<name>.tmp-<pid>-<rand>``).
+TMP_MARK = ".tmp-"
 
 
 def tier_error(exc: OSError, what: str) -> CkptError:
@@ -114,19 +118,31 @@ def read_small(dfd: int, name: str, limit: int = 64 * 2**20) -> bytes:
         os.close(fd)
 
 
-def atomic_write(dfd: int, name: str, data: bytes, mode: int = FILE_MODE) -> None:
-    """Write ``name`` in directory ``dfd`` atomically: temp file, fsync, rename, fsync dir.
+def temp_name(name: str) -> str:
+    """The hidden, unique temporary name :func:`atomic_replace` writes ``name`` under."""
+    return f".{name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
 
-    A reader (or a crash) sees either no file, the old file, or the complete new one.
+
+def atomic_replace(
+    dfd: int, name: str, data: bytes, mode: int = FILE_MODE, *, durable: bool = True
+) -> None:
+    """Replace ``name`` in directory ``dfd`` atomically: temp file, fsync, rename, fsync dir.
+
+    The one way this toolkit replaces a file (manifests, the ledger, node statuses, event
+    summaries, hook scripts): a reader, or a crash, sees the old file or the complete new
+    one, never a torn one. The temp file is created with ``O_EXCL | O_NOFOLLOW`` and its
+    mode set with fchmod (independent of the umask); the rename replaces whatever sits at
+    ``name`` - a planted symlink included - without following it. ``durable=False`` skips
+    both fsyncs, for caches whose loss costs nothing.
     """
-    from slurm_ckpt.core.faults import crashpoint
-
-    tmp = f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = temp_name(name)
     fd = os.open(tmp, O_NEWFILE, mode, dir_fd=dfd)
     try:
+        os.fchmod(fd, mode)
         write_all(fd, data)
         crashpoint("atomic_write:written")
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     except BaseException:
         os.close(fd)
         unlink_quiet(dfd, tmp)
@@ -139,7 +155,40 @@ def atomic_write(dfd: int, name: str, data: bytes, mode: int = FILE_MODE) -> Non
         unlink_quiet(dfd, tmp)
         raise
     crashpoint("atomic_write:renamed")
-    os.fsync(dfd)
+    if durable:
+        os.fsync(dfd)
+
+
+def atomic_replace_path(
+    path: Union[str, os.PathLike[str]], data: bytes, mode: int = FILE_MODE, *, durable: bool = True
+) -> None:
+    """:func:`atomic_replace` for a path whose directory is trusted (not below a tier
+    root): the directory itself is opened without following a final symlink."""
+    directory, name = os.path.split(os.path.abspath(os.fspath(path)))
+    dfd = open_dir(directory)
+    try:
+        atomic_replace(dfd, name, data, mode, durable=durable)
+    finally:
+        os.close(dfd)
+
+
+def remove_stale_temps(
+    dfd: int, name: str, min_age_s: float = 0.0, now: Optional[float] = None
+) -> None:
+    """Remove temp files :func:`atomic_replace` left for ``name`` (a killed writer's).
+    With ``min_age_s`` only those older than that: another process may be writing now."""
+    prefix = f".{name}{TMP_MARK}"
+    now = time.time() if now is None else now
+    with suppress(OSError):
+        for entry in os.listdir(dfd):
+            if not entry.startswith(prefix):
+                continue
+            with suppress(OSError):
+                if min_age_s > 0:
+                    st = os.stat(entry, dir_fd=dfd, follow_symlinks=False)
+                    if now - st.st_mtime <= min_age_s:
+                        continue
+                os.unlink(entry, dir_fd=dfd)
 
 
 def unlink_quiet(dfd: int, name: str) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+from slurm_ckpt.errors import InvalidName
+
 STEP_DIGITS = 10
 STEP_PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
@@ -23,8 +25,6 @@ MAX_STEP = 10**STEP_DIGITS - 1
 
 def step_dirname(step: int) -> str:
     if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
-        from slurm_ckpt.errors import InvalidName
-
         raise InvalidName(f"invalid step {step!r}: must be an integer 0..{MAX_STEP}")
     return f"{STEP_PREFIX}{step:0{STEP_DIGITS}d}"
 

@@ -9,6 +9,7 @@ is rejected here, once, before any path is built.
 from __future__ import annotations
 
 import os
+import pwd
 import re
 
 from slurm_ckpt.errors import InvalidName
@@ -16,6 +17,7 @@ from slurm_ckpt.errors import InvalidName
 _KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=@-]{0,127}")
 _USER_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 _NODE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+_NODE_BAD = re.compile(r"[^A-Za-z0-9_.-]+")
 _COMPONENT_BAD = re.compile(r"[\x00-\x1f\x7f\\]")
 MAX_RELPATH = 1024
 MAX_COMPONENT = 255
@@ -44,6 +46,18 @@ def validate_node(node: str) -> str:
     if not isinstance(node, str) or not _NODE_RE.fullmatch(node):
         raise InvalidName(f"invalid node name {node!r}")
     return node
+
+
+def node_name(host: str) -> str:
+    """A host name as a node name :func:`validate_node` accepts (the one node-name rule):
+    the short name, odd characters replaced, ``"localhost"`` when nothing usable is left.
+
+    ``gpu-node17.cluster.example`` -> ``gpu-node17``. For names that come from the
+    machine (``gethostname``), not from a user: those are validated, never repaired.
+    """
+    short = (host or "").strip().split(".", 1)[0]
+    short = _NODE_BAD.sub("_", short).lstrip("._-")[:128]
+    return short if _NODE_RE.fullmatch(short) else "localhost"
 
 
 def validate_relpath(path: str) -> str:
@@ -75,8 +89,6 @@ def validate_relpath(path: str) -> str:
 def current_user() -> str:
     """The name of the real uid running this process (not ``$USER``, which anyone can set:
     tier directories are owned by uids, so the name must match the uid)."""
-    import pwd
-
     try:
         return validate_user(pwd.getpwuid(os.getuid()).pw_name)
     except KeyError:

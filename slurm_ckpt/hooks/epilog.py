@@ -20,7 +20,7 @@ This module also holds the machinery the prolog and the stager share (:class:`No
 the scan, the flush loop, retention, and the checks that keep root-run code safe -
 user directories must be real directories owned by the user they are named after, every
 file copied or deleted must be a regular file with one link owned by that user, and all
-of it happens in a child process running as that user (:mod:`slurm_ckpt.hooks.asuser`).
+of it happens in a child process running as that user (:mod:`slurm_ckpt.node.asuser`).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.core.retention import RetentionPolicy, plan_local_deletions
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import CkptError, InvalidName, NotFound, SlurmError, TierError
-from slurm_ckpt.hooks.asuser import AsUserTimeout, run_as
-from slurm_ckpt.ledger import Ledger, Record, State
+from slurm_ckpt.ledger import Ledger, Record, State, publish_status
+from slurm_ckpt.node.asuser import AsUserTimeout, run_as
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.env import HookEnv
 from slurm_ckpt.tiers.copy import SourceCorrupt, copy_checkpoint
@@ -557,7 +557,7 @@ class NodeWork:
     def publish(self, extra: Optional[Dict[str, Any]] = None) -> None:
         """Node status on the PFS; a failure here is logged, never fatal."""
         try:
-            self.ledger.publish_status(self.cfg.tiers.pfs.root, extra)
+            publish_status(self.ledger, self.cfg.tiers.pfs.root, extra)
         except CkptError as exc:
             log.warning("node status not published: %s", exc)
 

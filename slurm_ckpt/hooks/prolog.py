@@ -42,7 +42,6 @@ from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import validate_key
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import CkptError, InvalidName, SlurmError, TierError
-from slurm_ckpt.hooks.asuser import run_as
 from slurm_ckpt.hooks.epilog import (
     FlushOutcome,
     NodeWork,
@@ -50,6 +49,7 @@ from slurm_ckpt.hooks.epilog import (
     check_step_files,
     check_user_dir,
 )
+from slurm_ckpt.node.asuser import run_as
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.env import HookEnv
 from slurm_ckpt.tiers.copy import SourceCorrupt, copy_checkpoint

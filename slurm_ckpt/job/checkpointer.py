@@ -49,7 +49,6 @@ import functools
 import logging
 import os
 import socket
-import subprocess
 import threading
 import time
 import weakref
@@ -58,7 +57,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Union
 
 from slurm_ckpt.core.commit import AlreadyCommitted
 from slurm_ckpt.core.config import Config
-from slurm_ckpt.core.names import current_user, validate_key, validate_user
+from slurm_ckpt.core.names import current_user, node_name, validate_key, validate_user
 from slurm_ckpt.core.planner import auto_interval
 from slurm_ckpt.core.retention import (
     CkptInfo,
@@ -68,14 +67,18 @@ from slurm_ckpt.core.retention import (
 )
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
-from slurm_ckpt.job.restore import Restored, Restorer, dist_agree, shard_key, shard_prefix
+from slurm_ckpt.job.dist import dist_agree
+from slurm_ckpt.job.restore import Restored, Restorer, shard_key, shard_prefix
 from slurm_ckpt.job.signals import Deadline, SignalFlag
-from slurm_ckpt.job.slurm_env import job_end_time, read_env, resolve_rank, sanitize_node
 from slurm_ckpt.job.staging import StagingArea, write_direct
 from slurm_ckpt.job.state import flatten, index_bytes, layout
 from slurm_ckpt.ledger import events
-from slurm_ckpt.ledger.ledger import Ledger, Record, State
+from slurm_ckpt.ledger.ledger import Ledger
 from slurm_ckpt.ledger.metrics import refresh_textfile
+from slurm_ckpt.ledger.node_status import publish_status
+from slurm_ckpt.ledger.record import Record, State
+from slurm_ckpt.slurm.env import job_end_time, job_env, resolve_rank
+from slurm_ckpt.slurm.requeue import requeue_job, requeue_reason
 from slurm_ckpt.tiers.copy import copy_checkpoint
 from slurm_ckpt.tiers.registry import tiers_from_config
 
@@ -99,7 +102,6 @@ FLUSH_POLICIES = ("skip", "wait")
 BOOTSTRAP_COST_S = 1.0
 #: Work planned to end this long before the deadline (clock skew, process teardown).
 DEADLINE_MARGIN_S = 5.0
-_TIME_LIMIT_STATES = ("TIMEOUT", "TIME_LIMIT", "TIMELIMIT", "DEADLINE")
 _UNSET: Any = object()
 
 
@@ -171,43 +173,9 @@ def _one_line(text: object) -> str:
     return " ".join(str(text).split())[:500]
 
 
-def _is_time_limit(cause: Optional[str]) -> bool:
-    return cause is not None and str(cause).strip().upper() in _TIME_LIMIT_STATES
-
-
 def _crossed(every: Optional[int], now: Optional[int], ref: Optional[int]) -> bool:
     """A multiple of ``every`` was reached since ``ref`` (aligned intervals)."""
     return bool(every) and now is not None and ref is not None and now // every > ref // every
-
-
-def _scontrol_requeue(job_id: Optional[str]) -> Callable[[str], None]:
-    """The default requeue hook: ``scontrol requeue <job>``, only under SLURM."""
-
-    def requeue(reason: str) -> None:
-        if not job_id:
-            log.info("[ckpt] not requeueing (%s): not running under SLURM", reason)
-            return
-        log.warning("[ckpt] requeueing job %s: %s", job_id, reason)
-        try:
-            res = subprocess.run(
-                ["scontrol", "requeue", str(job_id)],
-                capture_output=True,
-                text=True,
-                timeout=30,
-                check=False,
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            log.error("[ckpt] scontrol requeue %s failed: %s", job_id, exc)
-            return
-        if res.returncode != 0:
-            log.error(
-                "[ckpt] scontrol requeue %s failed (exit %d): %s",
-                job_id,
-                res.returncode,
-                _one_line(res.stderr or res.stdout),
-            )
-
-    return requeue
 
 
 def _finish_at_exit(ref: Callable[[], Optional[Checkpointer]]) -> None:
@@ -328,7 +296,7 @@ class Checkpointer:
         self.shard_key = validate_key(shard_key(key, self.rank, self.world_size))
         self.prefix = shard_prefix(self.rank)
         self.user = validate_user(user or current_user())
-        self.node = sanitize_node(node or socket.gethostname())
+        self.node = node_name(node or socket.gethostname())
         self.job = None if job is None else str(job)
         self.flush_policy = flush_policy
         self.policy = RetentionPolicy(
@@ -375,7 +343,7 @@ class Checkpointer:
         if install_signals and jc.signals:
             self._flag.install(jc.signals)
         self._requeue = requeue
-        self._requeue_fn = requeue_fn or _scontrol_requeue(self.job)
+        self._requeue_fn = requeue_fn or functools.partial(requeue_job, self.job)
         self._job_state_fn = job_state_fn
         self._requeued = False
         self._agree = agree
@@ -506,7 +474,7 @@ class Checkpointer:
         """The site config (``SLURM_CKPT_CONFIG`` or /etc/slurm-ckpt/config.toml) plus the
         SLURM environment: the key defaults to the job id, the node to SLURMD_NODENAME,
         rank/world to SLURM_PROCID and the step's task count."""
-        senv = read_env()
+        senv = job_env(required=False)
         cfg = config if config is not None else Config.load(config_path)
         key = key or senv.job_id
         if not key:
@@ -1148,7 +1116,7 @@ class Checkpointer:
         self._staging.close()
         if self.ledger is not None:
             try:
-                self.ledger.publish_status(self.pfs.root)
+                publish_status(self.ledger, self.pfs.root)
             except (CkptError, OSError) as exc:
                 log.debug("[ckpt] cannot publish node status: %s", exc)
         return self.stats
@@ -1162,7 +1130,12 @@ class Checkpointer:
                 cause = self._job_state_fn()
             except Exception as exc:  # noqa: BLE001 - never fail close() on a provider
                 log.warning("[ckpt] job state provider failed: %s", exc)
-        if not _is_time_limit(cause):
+        why = requeue_reason(
+            cause,
+            detail=f"checkpoint of step {self._ref_step} saved after signal "
+            f"{self._flag.received}, job state {cause}",
+        )
+        if why is None:
             log.info(
                 "[ckpt] not requeueing: job state is %s (only a time limit is requeued here; "
                 "SLURM requeues preempted jobs itself)",
@@ -1170,10 +1143,7 @@ class Checkpointer:
             )
             return
         self._requeued = True
-        reason = (
-            f"checkpoint of step {self._ref_step} saved after signal {self._flag.received} "
-            f"at the time limit ({cause})"
-        )
+        reason = why
         try:
             self._requeue_fn(reason)
         except Exception as exc:  # noqa: BLE001

@@ -36,7 +36,6 @@ the next tier, or else the next newest step.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,13 +43,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from slurm_ckpt.core.fastread import READ_STREAMS
 from slurm_ckpt.core.manifest import Manifest
-from slurm_ckpt.errors import CkptError, TierError, VerifyError
+from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
 from slurm_ckpt.job.state import GROUP_REST, GROUP_WEIGHTS, StateReader
 from slurm_ckpt.tiers.posix import PosixTier
 
 log = logging.getLogger("slurm_ckpt")
 
-__all__ = ["Restored", "Restorer", "dist_agree", "shard_key", "shard_prefix"]
+__all__ = ["Restored", "Restorer", "shard_key", "shard_prefix"]
 
 
 def shard_key(key: str, rank: int, world_size: int) -> str:
@@ -83,28 +82,6 @@ class Restored:
     #: verification and an older step was restored whole instead: ``state`` then holds
     #: the weights too, and they must be applied again.
     rolled_back: bool = False
-
-
-def dist_agree() -> Optional[Callable[[int], int]]:
-    """A min-reduce over torch.distributed ranks, if it is initialised with >1 ranks."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    dist = getattr(torch, "distributed", None)
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return None
-    if dist.get_world_size() <= 1:
-        return None
-
-    def agree(value: int) -> int:  # pragma: no cover - needs a process group
-        device = "cpu"
-        if dist.get_backend() == "nccl":
-            device = f"cuda:{torch.cuda.current_device()}"
-        t = torch.tensor([int(value)], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return int(t.item())
-
-    return agree
 
 
 class Restorer:
@@ -222,7 +199,7 @@ class Restorer:
                 continue
             try:
                 return self._load(tier, m, weights_only)
-            except (VerifyError, TierError) as exc:
+            except (VerifyError, TierError, NotFound) as exc:
                 self._note_bad(tier, step, exc)
         return None
 
@@ -327,7 +304,7 @@ class Restorer:
         err: Optional[BaseException] = None
         try:
             got = rest.result(self)
-        except (VerifyError, TierError) as exc:
+        except (VerifyError, TierError, NotFound) as exc:
             err = exc
             self._note_bad(rest.tier, step, exc)
             got = self._rest_elsewhere(rest)
@@ -376,7 +353,7 @@ class Restorer:
                     if reader.data != failed.reader.data:
                         continue
                     state = reader.build(reader.read(reader.blobs([GROUP_REST])), [GROUP_REST])
-            except (VerifyError, TierError) as exc:
+            except (VerifyError, TierError, NotFound) as exc:
                 self._note_bad(tier, step, exc)
                 continue
             log.warning("[ckpt] restore: the rest of step %d came from %s", step, tier.name)

@@ -1,25 +1,24 @@
 """ledger layer: the per-node record of each checkpoint's state on each tier."""
 
-from slurm_ckpt.ledger.ledger import (
-    LEDGER_NAME,
-    LOCK_NAME,
-    Ledger,
-    LedgerError,
-    Record,
-    State,
+from slurm_ckpt.ledger.ledger import LEDGER_NAME, LOCK_NAME, Ledger, LedgerError
+from slurm_ckpt.ledger.node_status import (
+    node_status,
+    publish_status,
     read_node_statuses,
     status_path,
-    validate_node_name,
 )
+from slurm_ckpt.ledger.record import Ident, Record, State
 
 __all__ = [
     "LEDGER_NAME",
     "LOCK_NAME",
+    "Ident",
     "Ledger",
     "LedgerError",
     "Record",
     "State",
+    "node_status",
+    "publish_status",
     "read_node_statuses",
     "status_path",
-    "validate_node_name",
 ]

@@ -73,8 +73,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
+from slurm_ckpt.core import fsio
 from slurm_ckpt.core.config import Config
-from slurm_ckpt.core.fsio import write_all
 from slurm_ckpt.core.names import validate_node
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,8 @@ _TYPE_RE = re.compile(r"[a-z][a-z0-9_]{0,63}")
 _SUMMARY_FORMAT = "slurm_ckpt.events_summary"
 _O_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_MODE = 0o644
+#: Temp files of the summary older than this are a killed writer's.
+_STALE_TMP_S = 3600.0
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -308,15 +310,13 @@ class EventLog:
         doc["updated_at"] = event["ts"]
         blob = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
         target = self.summary_path
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-        fd = os.open(
-            tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, _FILE_MODE
-        )
+        dfd = fsio.open_dir(str(target.parent))
         try:
-            write_all(fd, blob)
+            fsio.remove_stale_temps(dfd, target.name, _STALE_TMP_S)
+            # Not durable: a cache; a crash costs a counter reset at most.
+            fsio.atomic_replace(dfd, target.name, blob, _FILE_MODE, durable=False)
         finally:
-            os.close(fd)
-        os.replace(tmp, target)  # no fsync: a cache; a crash costs a counter reset at most
+            os.close(dfd)
 
 
 def _encode(event: Dict[str, Any]) -> bytes:

@@ -56,7 +56,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.ledger.events import events_path, read_summary
-from slurm_ckpt.ledger.ledger import Ledger, State
+from slurm_ckpt.ledger.ledger import Ledger
+from slurm_ckpt.ledger.record import LIVE_LOCAL, State
 
 __all__ = [
     "METRICS",
@@ -70,7 +71,6 @@ __all__ = [
 
 TEXTFILE_NAME = "slurm_ckpt.prom"
 _P = "slurm_ckpt_"
-_LIVE_LOCAL = (State.COMMITTED.value, State.VERIFIED.value)
 
 #: name -> (type, help, extra labels besides ``node``). The dashboard and tests use it.
 METRICS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
@@ -195,7 +195,7 @@ def collect(ledger: Ledger, events_file: Optional[Path] = None) -> NodeMetrics:
             flushed_at = rec.verified_at.get("pfs", rec.updated_at)
             m.flush.offer(series, flushed_at, d["flush_s"])
             m.flush_bytes.offer(series, flushed_at, rec.nbytes)
-        if tiers.get("local") in _LIVE_LOCAL:
+        if tiers.get("local") in LIVE_LOCAL:
             newest_local[series] = max(rec.step, newest_local.get(series, -1))
         if tiers.get("pfs") == State.VERIFIED.value:
             newest_pfs[series] = max(rec.step, newest_pfs.get(series, -1))

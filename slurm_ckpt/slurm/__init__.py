@@ -2,16 +2,10 @@
 and the validated hook/job environment. Imports only core and errors, so hooks and the
 job wrapper can use it without the job library."""
 
-from slurm_ckpt.slurm.client import (
-    REASON_PREFIX,
-    JobInfo,
-    JobNotFound,
-    NodeInfo,
-    SlurmClient,
-    get_client,
-)
+from slurm_ckpt.slurm.client import SlurmClient, get_client
 from slurm_ckpt.slurm.env import HookEnv, JobEnv, hook_env, job_env
 from slurm_ckpt.slurm.hostlist import compress, expand
+from slurm_ckpt.slurm.records import REASON_PREFIX, JobInfo, JobNotFound, NodeInfo
 
 __all__ = [
     "REASON_PREFIX",

@@ -1,4 +1,5 @@
-"""The SLURM environment of a hook (prolog/epilog) or a job, parsed and validated.
+"""The SLURM environment of a hook (prolog/epilog) or a job, parsed and validated: the
+toolkit's one reader of SLURM variables (hooks, the batch wrapper, the in-job library).
 
 Root-run hooks build paths (``<local root>/<user>/``) and switch to uids taken from these
 variables, so every value is checked before use: names through
@@ -27,7 +28,16 @@ from slurm_ckpt.core.names import validate_node, validate_user
 from slurm_ckpt.errors import CkptError, SlurmError
 from slurm_ckpt.slurm import hostlist
 
-__all__ = ["HookEnv", "JobEnv", "hook_env", "ids_of", "job_env", "parse_job_id"]
+__all__ = [
+    "HookEnv",
+    "JobEnv",
+    "hook_env",
+    "ids_of",
+    "job_end_time",
+    "job_env",
+    "parse_job_id",
+    "resolve_rank",
+]
 
 _JOB_ID_RE = re.compile(r"^[1-9][0-9]{0,9}$")
 _INT_RE = re.compile(r"^-?[0-9]{1,10}$")
@@ -151,9 +161,13 @@ def hook_env(environ: Optional[Mapping[str, str]] = None, check_passwd: bool = T
 
 @dataclass(frozen=True)
 class JobEnv:
-    """What a batch script or task learns about its job from the environment."""
+    """What a batch script or task learns about its job from the environment.
 
-    job_id: str
+    ``job_id`` is None outside SLURM (``job_env(required=False)``): the in-job library
+    works on plain directories too.
+    """
+
+    job_id: Optional[str] = None
     user: Optional[str] = None
     node: Optional[str] = None
     nodes: List[str] = field(default_factory=list)
@@ -161,24 +175,44 @@ class JobEnv:
     step_id: Optional[str] = None
     end_time: Optional[float] = None
     name: Optional[str] = None
+    #: ``SLURM_PROCID``: this task's rank in its step.
+    procid: Optional[int] = None
+    #: Tasks of the step this process runs in (``SLURM_STEP_NUM_TASKS``, else
+    #: ``SLURM_NTASKS``): the number of checkpoint shards is the number of processes
+    #: that actually write one, and a batch script running one Python process sees the
+    #: allocation's ``SLURM_NTASKS`` but is a step of one.
+    ntasks: Optional[int] = None
+
+    @property
+    def in_slurm(self) -> bool:
+        return self.job_id is not None
 
     @property
     def nnodes(self) -> int:
         return len(self.nodes) or 1
 
 
-def job_env(environ: Optional[Mapping[str, str]] = None) -> JobEnv:
-    """Parse the environment of a process inside a SLURM job (batch script or task)."""
+def job_env(environ: Optional[Mapping[str, str]] = None, required: bool = True) -> JobEnv:
+    """Parse the environment of a process inside a SLURM job (batch script or task).
+
+    The one reader of a job's SLURM variables, for the batch wrapper and the in-job
+    library alike. Outside a job: SlurmError, or with ``required=False`` an empty
+    :class:`JobEnv`. A malformed variable is a one-line SlurmError naming it.
+    """
     env = os.environ if environ is None else environ
     raw_id = _get(env, "SLURM_JOB_ID", False) or _get(env, "SLURM_JOBID", False)
     if raw_id is None:
-        raise SlurmError("$SLURM_JOB_ID is not set (not running inside a SLURM job)")
+        if required:
+            raise SlurmError("$SLURM_JOB_ID is not set (not running inside a SLURM job)")
+        return JobEnv()
     job_id = parse_job_id(raw_id, "$SLURM_JOB_ID")
     end = _int(env, "SLURM_JOB_END_TIME", False, 0, 2**40)
     step = _get(env, "SLURM_STEP_ID", False)
     if step is not None and not re.match(r"^[0-9]{1,10}$", step):
         step = None  # "batch"/"extern" steps have no number; not needed then
-    name = _get(env, "SLURM_JOB_NAME", False)
+    ntasks = _int(env, "SLURM_STEP_NUM_TASKS", False, 1, 10**7)
+    if ntasks is None:
+        ntasks = _int(env, "SLURM_NTASKS", False, 1, 10**7)
     return JobEnv(
         job_id=job_id,
         user=_name(env, "SLURM_JOB_USER", False, validate_user),
@@ -187,8 +221,54 @@ def job_env(environ: Optional[Mapping[str, str]] = None) -> JobEnv:
         restart_count=_int(env, "SLURM_RESTART_COUNT", False, 0, 10**9) or 0,
         step_id=step,
         end_time=float(end) if end else None,
-        name=name,
+        name=_get(env, "SLURM_JOB_NAME", False),
+        procid=_int(env, "SLURM_PROCID", False, 0, 10**7),
+        ntasks=ntasks,
     )
+
+
+def job_end_time(environ: Optional[Mapping[str, str]] = None) -> Optional[float]:
+    """``SLURM_JOB_END_TIME`` (epoch seconds) if set and sane, else None.
+
+    The default deadline provider of the Checkpointer: SLURM >= 21.08 exports it in the
+    job environment. It is not updated when an admin extends the time limit; the SLURM
+    client's provider asks the controller instead.
+    """
+    env = os.environ if environ is None else environ
+    try:
+        end = _int(env, "SLURM_JOB_END_TIME", False, 0, 2**40)
+    except SlurmError:
+        return None
+    return float(end) if end else None
+
+
+def resolve_rank(
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    environ: Optional[Mapping[str, str]] = None,
+) -> Tuple[int, int]:
+    """``(rank, world_size)``: explicit arguments, else ``RANK``/``WORLD_SIZE`` (torchrun),
+    else ``SLURM_PROCID`` and the step's task count, else ``(0, 1)``."""
+    env = os.environ if environ is None else environ
+    if world_size is None:
+        world_size = _int(env, "WORLD_SIZE", False, 1, 10**7)
+        if world_size is not None and rank is None:
+            rank = _int(env, "RANK", False, 0, 10**7)
+    if world_size is None:
+        senv = job_env(env, required=False)
+        if senv.ntasks is not None and senv.procid is not None:
+            world_size = senv.ntasks
+            if rank is None:
+                rank = senv.procid
+    if world_size is None:
+        world_size = 1
+    if rank is None:
+        rank = 0
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise CkptError(f"world_size must be a whole number >= 1, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise CkptError(f"rank must be a whole number in 0..{world_size - 1}, got {rank!r}")
+    return rank, world_size
 
 
 def ids_of(user: str) -> Tuple[int, int]:

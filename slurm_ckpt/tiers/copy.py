@@ -1,37 +1,45 @@
-"""The copy engine: move a committed checkpoint to another tier, verified, then commit it.
+"""The copy engine: move a committed checkpoint from any tier to any tier, verified.
+
+This is the one module that copies checkpoints between tiers; every flusher (the flush
+engine in :mod:`slurm_ckpt.node.flush`), the prolog's staging and the cold-tier aging call
+:func:`copy_checkpoint`. It commits only through the destination tier's writer
+(:meth:`Tier.writer(copy_of=...) <slurm_ckpt.tiers.base.Tier.writer>`), so each tier's
+commit protocol - manifest last, atomically - is written once, in the tier.
 
 One pass through memory per byte: each stream reads a range of the source into its own
 reusable buffer, hashes it, and writes it to the same offset of the destination. Every
-range's digest is compared with the source manifest, so the bytes written are proven equal
-to the bytes that were committed; only then is the destination committed with the same
-protocol as a fresh write (data, fsync, rename, manifest last).
+range's digest is compared with the source manifest, so the bytes written are proven
+equal to the bytes that were committed; only then is the destination committed, with the
+source's manifest byte for byte.
 
-The copy is made in ``<key>/.partial-step-N/`` (a name fixed by the step, not by the
-process) so that a copy interrupted by a crash is found and resumed by the next run: files
-already complete and matching their hashes are kept, everything else is redone. Copies of
-one step are serialised by a lock on the *source* tier (node-local, so flock is reliable
-even when the destination is a parallel filesystem).
+A copy killed midway leaves the destination writer's work area, which the next copy of
+the same step resumes (:meth:`TierWriter.resumable`: complete, matching files are kept).
+Copies of one step are serialised by the *source* tier's lock (node-local, so flock is
+reliable even when the destination is a parallel filesystem). Files are opened in
+bounded batches, so a checkpoint of 100,000 files needs no more descriptors than one of
+64.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import os
-import stat
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import List, Optional
+
+import xxhash
 
 from slurm_ckpt.core import fsio
-from slurm_ckpt.core.chunks import hash_range, run_chunks
-from slurm_ckpt.core.commit import read_manifest
+from slurm_ckpt.core.chunks import PIECE, BandwidthLimiter, io_buffer, run_chunks
 from slurm_ckpt.core.faults import crashpoint
-from slurm_ckpt.core.layout import partial_dirname, step_dirname
-from slurm_ckpt.core.manifest import MANIFEST_NAME, Manifest
-from slurm_ckpt.core.verify import open_payload, verify_files
-from slurm_ckpt.errors import CkptError, VerifyError
-from slurm_ckpt.tiers.posix import PosixTier
+from slurm_ckpt.core.manifest import FileEntry
+from slurm_ckpt.errors import CkptError, NotFound, VerifyError
+from slurm_ckpt.tiers.base import RangeSink, RangeSource, Tier, TierReader, TierWriter
+
+__all__ = ["FILES_PER_BATCH", "CopyResult", "SourceCorrupt", "copy_checkpoint"]
+
+#: Payload files open at once (source and destination each) during a copy.
+FILES_PER_BATCH = 64
 
 
 @dataclass
@@ -55,202 +63,151 @@ class SourceCorrupt(VerifyError):
 
 
 def copy_checkpoint(
-    src: PosixTier,
-    dst: PosixTier,
+    src: Tier,
+    dst: Tier,
     user: str,
     key: str,
     step: int,
     *,
     streams: Optional[int] = None,
     reread: bool = False,
+    replace_older: bool = False,
 ) -> CopyResult:
     """Copy ``user/key/step`` from ``src`` to ``dst``; verified, resumable, idempotent.
 
-    ``reread`` additionally drops the destination from the page cache after fsync and
-    hashes it again from the device (twice the I/O; for sites that distrust their storage
-    path). The bandwidth cap of ``dst`` applies to the copy.
+    When ``dst`` already holds this very checkpoint (identical manifest bytes) nothing is
+    copied. When it holds a *different* checkpoint of the same step: with
+    ``replace_older`` and an older one (``wall_time``), that copy is of an abandoned
+    timeline (training went back to an older step and came here again) and is replaced;
+    otherwise CkptError. ``reread`` reads the copy back from the device before the commit
+    (twice the I/O; for sites that distrust their storage path). The bandwidth cap of
+    ``dst`` applies.
     """
     streams = streams or dst.streams
     t0 = time.monotonic()
-    with src.step_lock(user, key, step), src.step_fd(user, key, step) as sfd:
-        where_src = src.where(user, key, step)
-        raw = fsio.read_small(sfd, MANIFEST_NAME)
-        manifest = Manifest.from_bytes(raw, where_src)
-        if (manifest.user, manifest.key, manifest.step) != (user, key, step):
-            raise VerifyError(f"{where_src}: manifest names another checkpoint")
-        with dst.key_fd(user, key, create=True) as kfd:
-            where_dst = dst.where(user, key, step)
-            if _committed_same(kfd, step, raw, where_dst):
-                return CopyResult(
-                    step, manifest.total_bytes, 0, time.monotonic() - t0, already_present=True
-                )
-            try:
-                copied, resumed = _copy_into(
-                    sfd, kfd, manifest, raw, streams, dst, where_dst, reread
-                )
-            except SourceCorrupt:
-                _discard(kfd, partial_dirname(step))
-                raise
-            except OSError as exc:
-                # ENOSPC and friends: give the space back, keep nothing half-made.
-                _discard(kfd, partial_dirname(step))
-                raise fsio.tier_error(exc, f"copy to {where_dst}") from None
+    with src.lock(user, key, step), src.reader(user, key, step) as reader:
+        manifest = reader.manifest
+        if _present(dst, reader, replace_older):
+            return CopyResult(
+                step, manifest.total_bytes, 0, time.monotonic() - t0, already_present=True
+            )
+        where = dst.where(user, key, step)
+        try:
+            with dst.writer(user, key, step, copy_of=manifest) as writer:
+                keep = writer.resumable()
+                todo = [e for e in manifest.files if e.path not in keep]
+                for i in range(0, len(todo), FILES_PER_BATCH):
+                    _copy_files(
+                        reader,
+                        writer,
+                        todo[i : i + FILES_PER_BATCH],
+                        manifest.chunk_size,
+                        streams,
+                        dst.limiter,
+                        dst.buffer_size,
+                    )
+                if reread:
+                    rep = writer.verify_written()
+                    if not rep.ok:
+                        raise VerifyError(f"{where}: re-read after copy failed: {rep.problems[0]}")
+                writer.commit()
+        except OSError as exc:
+            # ENOSPC and friends: the writer gave the space back; nothing half-made is kept.
+            raise fsio.tier_error(exc, f"copy to {where}") from None
     return CopyResult(
-        step, manifest.total_bytes, copied, time.monotonic() - t0, resumed_files=resumed
+        step,
+        manifest.total_bytes,
+        sum(e.size for e in todo),
+        time.monotonic() - t0,
+        resumed_files=len(keep),
     )
 
 
-def _committed_same(kfd: int, step: int, raw: bytes, where: str) -> bool:
-    """True when the destination already holds this exact checkpoint, committed."""
+def _present(dst: Tier, reader: TierReader, replace_older: bool) -> bool:
+    """True when ``dst`` already holds this exact checkpoint, committed."""
+    m = reader.manifest
     try:
-        sfd = os.open(step_dirname(step), fsio.O_DIR, dir_fd=kfd)
-    except FileNotFoundError:
+        existing = dst.manifest_bytes(m.user, m.key, m.step)
+    except NotFound:
         return False
-    try:
-        existing = fsio.read_small(sfd, MANIFEST_NAME)
-    except FileNotFoundError:
-        os.close(sfd)
-        fsio.remove_tree(kfd, step_dirname(step))  # debris of a crashed commit
-        return False
-    os.close(sfd)
-    if existing != raw:
-        raise CkptError(f"{where}: a different checkpoint with this step is already committed")
-    return True
+    if existing == reader.manifest_bytes:
+        return True
+    where = dst.where(m.user, m.key, m.step)
+    if replace_older:
+        try:
+            theirs_time: Optional[float] = dst.manifest(m.user, m.key, m.step).wall_time
+        except VerifyError:
+            theirs_time = None  # a corrupt manifest: debris of nothing we can trust
+        if theirs_time is None or theirs_time < m.wall_time:
+            dst.delete(m.user, m.key, m.step)
+            return False
+    raise CkptError(f"{where}: a different checkpoint with this step is already committed")
 
 
-def _discard(kfd: int, name: str) -> None:
-    with contextlib.suppress(OSError):
-        fsio.remove_tree(kfd, name)
-
-
-def _copy_into(
-    sfd: int,
-    kfd: int,
-    m: Manifest,
-    raw: bytes,
+def _copy_files(
+    reader: TierReader,
+    writer: TierWriter,
+    entries: List[FileEntry],
+    chunk_size: int,
     streams: int,
-    dst: PosixTier,
-    where: str,
-    reread: bool,
-) -> tuple[int, int]:
-    pname = partial_dirname(m.step)
+    limiter: Optional[BandwidthLimiter],
+    piece: int,
+) -> None:
+    sources: List[Optional[RangeSource]] = [None] * len(entries)
+    sinks: List[Optional[RangeSink]] = [None] * len(entries)
     try:
-        os.mkdir(pname, fsio.DIR_MODE, dir_fd=kfd)
-        os.fsync(kfd)
-    except FileExistsError:
-        pass
-    pfd = os.open(pname, fsio.O_DIR, dir_fd=kfd)
-    dirs: Dict[str, int] = {"": pfd}
-    src_fds: List[Optional[int]] = []
-    dst_fds: List[Optional[int]] = []
-    try:
-        keep = _resumable(pfd, m, dirs)
-        todo = [e for e in m.files if e.path not in keep]
-        for e in todo:
-            parts = e.path.split("/")
-            parent = _subdir(dirs, parts[:-1])
-            src_fds.append(open_payload(sfd, e.path))
-            fd = os.open(parts[-1], fsio.O_NEWFILE, fsio.FILE_MODE, dir_fd=parent)
-            dst_fds.append(fd)
-            if e.size:
-                try:
-                    os.posix_fallocate(fd, 0, e.size)  # fail fast on a full filesystem
-                except OSError as exc:
-                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                        raise
+        for i, e in enumerate(entries):
+            try:
+                sources[i] = reader.open(e.path)
+            except VerifyError as exc:
+                raise SourceCorrupt(str(exc)) from None
+            sinks[i] = writer.file(e.path, e.size)
         crashpoint("copy:files-created")
 
         def op(fi: int, ci: int, off: int, n: int) -> str:
-            got = hash_range(
-                src_fds[fi],
-                off,
-                n,
-                dst_fds[fi],
-                dst.limiter,
-                dst.buffer_size,  # type: ignore[arg-type]
-            )
-            if got != todo[fi].chunks[ci]:
+            got = _hash_copy(sources[fi], sinks[fi], off, n, limiter, piece)  # type: ignore[arg-type]
+            if got != entries[fi].chunks[ci]:
                 raise SourceCorrupt(
-                    f"source {todo[fi].path}: bytes {off}-{off + n} do not match the manifest"
+                    f"source {entries[fi].path}: bytes {off}-{off + n} do not match the manifest"
                 )
             crashpoint("copy:chunk")
             return got
 
         def done(fi: int) -> None:
-            os.fsync(dst_fds[fi])  # type: ignore[arg-type]
+            sinks[fi].finish()  # type: ignore[union-attr]
             crashpoint("copy:file-synced")
 
-        run_chunks([e.size for e in todo], m.chunk_size, op, done, streams)
-        if reread:
-            for fd in dst_fds:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # type: ignore[arg-type]
-            rep = verify_files(pfd, m, where, streams)
-            if not rep.ok:
-                raise VerifyError(f"{where}: re-read after copy failed: {rep.problems[0]}")
-        for sub in sorted(dirs, key=len, reverse=True):
-            os.fsync(dirs[sub])
-        crashpoint("copy:dirs-synced")
-        os.rename(pname, step_dirname(m.step), src_dir_fd=kfd, dst_dir_fd=kfd)
-        crashpoint("copy:renamed")
-        os.fsync(kfd)
-        fsio.atomic_write(pfd, MANIFEST_NAME, raw)
-        crashpoint("copy:manifest")
-        return sum(e.size for e in todo), len(keep)
+        run_chunks([e.size for e in entries], chunk_size, op, done, streams)
     finally:
-        for fd in src_fds + dst_fds:
-            if fd is not None:
-                os.close(fd)
-        for fd in set(dirs.values()):
-            os.close(fd)
+        for s in sources:
+            if s is not None:
+                s.close()
 
 
-def _subdir(dirs: Dict[str, int], parts: List[str]) -> int:
-    key = "/".join(parts)
-    if key not in dirs:
-        parent = _subdir(dirs, parts[:-1])
-        dirs[key] = fsio.open_beneath(parent, [parts[-1]], create=True)
-    return dirs[key]
-
-
-def _resumable(pfd: int, m: Manifest, dirs: Dict[str, int]) -> set[str]:
-    """Files of an interrupted copy that are complete and correct; the rest is removed."""
-    files, problems = fsio.walk_files(pfd)
-    if not files and not problems:
-        return set()
-    wanted = {e.path: e for e in m.files}
-    keep = set()
-    for rel, st in files:
-        e = wanted.get(rel)
-        ok = False
-        if e is not None and st.st_size == e.size:
-            fd = open_payload(pfd, rel)
-            try:
-                ok = all(
-                    hash_range(fd, i * m.chunk_size, min(m.chunk_size, e.size - i * m.chunk_size))
-                    == c
-                    for i, c in enumerate(e.chunks)
-                )
-            finally:
-                os.close(fd)
-        if ok:
-            keep.add(rel)
-        else:
-            parts = rel.split("/")
-            os.unlink(parts[-1], dir_fd=_subdir(dirs, parts[:-1]))
-    if problems:
-        # Symlinks or special files in our own work area: start the copy over.
-        for fd in set(dirs.values()) - {pfd}:
-            os.close(fd)
-        for k in [k for k in dirs if k]:
-            del dirs[k]
-        for name in os.listdir(pfd):
-            st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                fsio.remove_tree(pfd, name)
-            else:
-                os.unlink(name, dir_fd=pfd)
-        return set()
-    return keep
-
-
-__all__ = ["copy_checkpoint", "CopyResult", "SourceCorrupt", "read_manifest"]
+def _hash_copy(
+    src: RangeSource,
+    dst: RangeSink,
+    offset: int,
+    length: int,
+    limiter: Optional[BandwidthLimiter],
+    piece: int = PIECE,
+) -> str:
+    """Read ``length`` bytes at ``offset`` of ``src`` in pieces, hash them and write them
+    to the same offset of ``dst``: one pass through memory. A short read (the file
+    shrank under us) is an I/O error."""
+    h = xxhash.xxh3_128()
+    buf = io_buffer(piece)
+    end = offset + length
+    pos = offset
+    while pos < end:
+        n = min(piece, end - pos)
+        if limiter is not None:
+            limiter.acquire(n)
+        got = src.readinto(buf[:n], pos)
+        if got <= 0:
+            raise OSError(errno.EIO, f"unexpected end of file at offset {pos}")
+        view = buf[:got]
+        h.update(view)
+        dst.write(view, pos)
+        pos += got
+    return h.hexdigest()

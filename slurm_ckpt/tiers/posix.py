@@ -1,8 +1,9 @@
 """A tier that is a POSIX directory tree: node-local NVMe, a parallel filesystem, an archive.
 
-Everything a tier does - list, read a manifest, verify, write, delete, sweep debris - goes
-through directory file descriptors opened with ``O_NOFOLLOW`` below the (trusted) root,
-so the same code is safe when root runs it over user-owned trees.
+Implements :class:`~slurm_ckpt.tiers.base.Tier`. Everything it does - list, read a
+manifest, verify, write, delete, sweep debris - goes through directory file descriptors
+opened with ``O_NOFOLLOW`` below the (trusted) root, so the same code is safe when root
+runs it over user-owned trees. Writes and commits are :mod:`slurm_ckpt.core.commit`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ import shutil
 import stat
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 from slurm_ckpt.core import fsio
 from slurm_ckpt.core.chunks import PIECE, BandwidthLimiter
@@ -30,29 +30,17 @@ from slurm_ckpt.core.layout import (
     parse_step_dirname,
     step_dirname,
 )
-from slurm_ckpt.core.manifest import Manifest
+from slurm_ckpt.core.manifest import MANIFEST_NAME, Manifest
 from slurm_ckpt.core.names import validate_key, validate_user
-from slurm_ckpt.core.verify import VerifyReport, verify_files
-from slurm_ckpt.errors import NotFound, TierError, VerifyError
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """A committed checkpoint as listed on a tier."""
-
-    tier: str
-    user: str
-    key: str
-    step: int
-    manifest: Manifest
-
-    @property
-    def nbytes(self) -> int:
-        return self.manifest.total_bytes
+from slurm_ckpt.core.verify import VerifyReport, open_payload, verify_files
+from slurm_ckpt.errors import InvalidName, NotFound, TierError, VerifyError
+from slurm_ckpt.tiers.base import StepInfo
 
 
 class PosixTier:
-    """One storage tier rooted at a directory."""
+    """One storage tier rooted at a directory (see the module docstring)."""
+
+    kind = "posix"
 
     def __init__(
         self,
@@ -95,6 +83,8 @@ class PosixTier:
         root = self._root_fd()
         try:
             fd = fsio.open_beneath(root, [user, key], create=create)
+        except FileNotFoundError:
+            raise NotFound(f"{self.where(user, key)}: no such series") from None
         except OSError as exc:
             raise fsio.tier_error(exc, self.where(user, key)) from None
         finally:
@@ -119,7 +109,7 @@ class PosixTier:
                 os.close(fd)
 
     @contextmanager
-    def step_lock(self, user: str, key: str, step: int, wait: bool = True) -> Iterator[bool]:
+    def lock(self, user: str, key: str, step: int, wait: bool = True) -> Iterator[bool]:
         """Exclusive per-step lock (flock on a node-local file) held by copies and deletes.
 
         Yields False when ``wait`` is False and someone else holds it.
@@ -175,18 +165,40 @@ class PosixTier:
         return shutil.disk_usage(self.root).free
 
     # -- writing ---------------------------------------------------------------
-    def writer(self, user: str, key: str, step: int, **kw: object) -> CheckpointWriter:
+    def writer(
+        self, user: str, key: str, step: int, *, copy_of: Optional[Manifest] = None, **kw: Any
+    ) -> CheckpointWriter:
+        """A commit-on-close writer (fresh, or a copy of ``copy_of``; see the Tier protocol)."""
         kw.setdefault("chunk_size", self.chunk_size)
         kw.setdefault("streams", self.streams)
-        return CheckpointWriter(self.root, user, key, step, where=self.name, **kw)  # type: ignore[arg-type]
+        return CheckpointWriter(self.root, user, key, step, where=self.name, copy_of=copy_of, **kw)
+
+    # -- reading ---------------------------------------------------------------
+    def reader(self, user: str, key: str, step: int) -> PosixReader:
+        """The committed checkpoint open for reading (a context manager)."""
+        return PosixReader(self, user, key, step)
 
     # -- listing ---------------------------------------------------------------
+    def series(self) -> Iterator[Tuple[str, str]]:
+        """Every ``(user, key)`` below the root (dot-names are the toolkit's own)."""
+        for user in self.users():
+            try:
+                keys = self.keys(user)
+            except (TierError, NotFound):
+                continue
+            for key in keys:
+                yield user, key
+
     def users(self) -> List[str]:
-        return sorted(n for n in _listdir(self.root) if not n.startswith("."))
+        """Directories below the root named like users (``lost+found`` and dot-names are
+        not)."""
+        return sorted(n for n in _listdir(self.root) if _is_name(n, validate_user))
 
     def keys(self, user: str) -> List[str]:
         validate_user(user)
-        return sorted(n for n in _listdir(os.path.join(self.root, user)) if not n.startswith("."))
+        return sorted(
+            n for n in _listdir(os.path.join(self.root, user)) if _is_name(n, validate_key)
+        )
 
     def steps(self, user: str, key: str) -> List[StepInfo]:
         """Committed checkpoints, oldest first; uncommitted or malformed ones are skipped."""
@@ -194,7 +206,7 @@ class PosixTier:
         try:
             ctx = self.key_fd(user, key)
             kfd = ctx.__enter__()
-        except TierError:
+        except (TierError, NotFound):
             return []
         try:
             for name in os.listdir(kfd):
@@ -228,6 +240,16 @@ class PosixTier:
             except FileNotFoundError:
                 raise NotFound(f"{self.where(user, key, step)}: no such checkpoint") from None
 
+    def manifest_bytes(self, user: str, key: str, step: int) -> bytes:
+        """The committed manifest's exact bytes; NotFound when the step has none."""
+        try:
+            with self.step_fd(user, key, step) as sfd:
+                return fsio.read_small(sfd, MANIFEST_NAME)
+        except FileNotFoundError:
+            raise NotFound(f"{self.where(user, key, step)}: not committed") from None
+        except OSError as exc:
+            raise fsio.tier_error(exc, self.where(user, key, step)) from None
+
     def verify(self, user: str, key: str, step: int) -> VerifyReport:
         """Re-hash every byte; a bad manifest is reported the same way as bad payload."""
         where = self.where(user, key, step)
@@ -255,7 +277,7 @@ class PosixTier:
     # -- deleting and sweeping -------------------------------------------------
     def delete(self, user: str, key: str, step: int) -> None:
         """Remove one checkpoint: the manifest first (so it stops counting), then the data."""
-        with self.step_lock(user, key, step), self.key_fd(user, key) as kfd:
+        with self.lock(user, key, step), self.key_fd(user, key) as kfd:
             name = step_dirname(step)
             try:
                 sfd = os.open(name, fsio.O_DIR, dir_fd=kfd)
@@ -281,7 +303,7 @@ class PosixTier:
         try:
             ctx = self.key_fd(user, key)
             kfd = ctx.__enter__()
-        except TierError:
+        except (TierError, NotFound):
             return removed
         try:
             now = time.time()
@@ -310,6 +332,66 @@ class PosixTier:
         return removed
 
 
+class PosixSource:
+    """One payload file open for ranged reads (``preadv``), with its fd for fast paths."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd: Optional[int] = fd
+        self.size = size
+
+    def readinto(self, buf: memoryview, offset: int) -> int:
+        return os.preadv(self.fd, [buf], offset)  # type: ignore[arg-type]
+
+    def fileno(self) -> Optional[int]:
+        return self.fd
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class PosixReader:
+    """A committed checkpoint open for reading: the step directory stays open (by fd) for
+    as long as the reader, so a concurrent delete cannot swap files under it."""
+
+    def __init__(self, tier: PosixTier, user: str, key: str, step: int) -> None:
+        self.where = tier.where(user, key, step)
+        self._ctx = tier.step_fd(user, key, step)
+        self.step_fd = self._ctx.__enter__()
+        try:
+            try:
+                self.manifest_bytes = fsio.read_small(self.step_fd, MANIFEST_NAME)
+            except FileNotFoundError:
+                raise NotFound(f"{self.where}: not committed") from None
+            except OSError as exc:
+                raise fsio.tier_error(exc, self.where) from None
+            self.manifest = Manifest.from_bytes(self.manifest_bytes, self.where)
+            if (self.manifest.user, self.manifest.key, self.manifest.step) != (user, key, step):
+                raise VerifyError(f"{self.where}: manifest names another checkpoint")
+        except BaseException:
+            self._ctx.__exit__(None, None, None)
+            raise
+
+    def open(self, relpath: str) -> PosixSource:
+        size = self.manifest.file(relpath).size
+        try:
+            return PosixSource(open_payload(self.step_fd, relpath), size)
+        except FileNotFoundError:
+            raise VerifyError(f"{self.where}/{relpath}: missing") from None
+        except OSError as exc:
+            raise fsio.tier_error(exc, f"{self.where}/{relpath}") from None
+
+    def close(self) -> None:
+        self._ctx.__exit__(None, None, None)
+
+    def __enter__(self) -> PosixReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def _pid_alive(tmp_name: str) -> bool:
     """``.tmp-step-N-<pid>-<rand>``: is that writer still running on this node?"""
     try:
@@ -325,6 +407,14 @@ def _pid_alive(tmp_name: str) -> bool:
     return True
 
 
+def _is_name(name: str, check: Any) -> bool:
+    try:
+        check(name)
+    except InvalidName:
+        return False
+    return True
+
+
 def _listdir(path: str) -> List[str]:
     try:
         return os.listdir(path)
@@ -334,4 +424,4 @@ def _listdir(path: str) -> List[str]:
         raise fsio.tier_error(exc, path) from None
 
 
-__all__ = ["PosixTier", "StepInfo"]
+__all__ = ["PosixReader", "PosixSource", "PosixTier", "StepInfo"]

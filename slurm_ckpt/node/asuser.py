@@ -33,7 +33,7 @@ import sys
 import time
 from typing import Any, Callable, Dict, Optional, Sequence, Type
 
-from slurm_ckpt.errors import CkptError
+from slurm_ckpt.errors import CkptError, TimedOut
 
 __all__ = ["AsUserError", "AsUserTimeout", "run_as", "run_as_user"]
 
@@ -47,7 +47,7 @@ class AsUserError(CkptError):
     exit_code = 1
 
 
-class AsUserTimeout(AsUserError):
+class AsUserTimeout(AsUserError, TimedOut):
     """The callable did not finish within its timeout; the child was killed."""
 
 

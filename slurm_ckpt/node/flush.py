@@ -1,0 +1,272 @@
+"""The flush engine: get checkpoints from one tier to the next, verified, and keep the
+ledger true about it. Every flusher uses it: the Checkpointer's background flusher, the
+epilog, the prolog's rescue, the stager, ``ckpt-slurm flush`` and ckpt-srun.
+
+What differs between them is only *how* one checkpoint is copied, and that is a function
+the caller passes in (:data:`CopyFn`): in the training process the copy runs in-process
+(:func:`copy_in_process`); on the root side it runs in a child that has become the
+checkpoint's owner (:class:`~slurm_ckpt.node.work.NodeWork`), with a deadline. The bytes
+are always moved by :func:`slurm_ckpt.tiers.copy.copy_checkpoint`, the one module that
+copies between tiers.
+
+What the engine decides, once for everyone:
+
+* **When not to start**: less time left than the copy needs (``min_s``, an estimate) or
+  than :data:`MIN_SLICE_S`: the checkpoint is *handed off* (``FLUSH_PENDING`` with a note
+  saying to whom: the epilog, the stager) rather than started and killed.
+* **What a failure means** for the ledger:
+
+  ========================================  ==========================================
+  the copy raised                           the ledger says
+  ========================================  ==========================================
+  :class:`~slurm_ckpt.errors.TimedOut`      handed off (retried later, elsewhere)
+  :class:`~slurm_ckpt.errors.NotFound`      local copy ``DELETED`` (gone: nothing owed)
+  source corrupt / unsafe to touch          local copy ``BAD``: never flushable as it is,
+                                            so it must not keep a node drained
+  any other :class:`CkptError`              destination ``FAILED`` (retried)
+  success                                   destination ``VERIFIED`` with ``flush_s``
+  ========================================  ==========================================
+
+* **Batches**: hand-offs of a whole backlog are written in one ledger transaction, and
+  every loop checks its deadline before each item.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+from slurm_ckpt.errors import CkptError, NotFound, TimedOut, VerifyError
+from slurm_ckpt.ledger import Ident, Ledger, State
+from slurm_ckpt.tiers.base import Tier
+from slurm_ckpt.tiers.copy import SourceCorrupt, copy_checkpoint
+
+log = logging.getLogger("slurm_ckpt.flush")
+
+__all__ = [
+    "HANDED_TO_STAGER",
+    "LEFT_TO_EPILOG",
+    "MIN_SLICE_S",
+    "CopyFn",
+    "FlushOutcome",
+    "FlushResult",
+    "Flusher",
+    "Unflushable",
+    "copy_in_process",
+]
+
+HANDED_TO_STAGER = "handed to stager"
+LEFT_TO_EPILOG = "left to epilog"
+#: Do not start a copy with less time than this left; hand it off instead.
+MIN_SLICE_S = 0.5
+
+#: ``copy(ident, left_s) -> {"nbytes", "copied", "seconds", "already"}``; raises
+#: :class:`~slurm_ckpt.errors.TimedOut` when it ran out of ``left_s``.
+CopyFn = Callable[[Ident, Optional[float]], Dict[str, Any]]
+
+
+class Unflushable(VerifyError):
+    """The checkpoint can never be flushed as it is (it does not match its own manifest,
+    or holds something root-run code must not touch). Marked ``BAD`` on its tier."""
+
+
+@dataclass
+class FlushResult:
+    """What happened to one checkpoint. ``status``: ``flushed``, ``already`` (the
+    destination had the identical checkpoint), ``handed`` (left for later), ``failed``
+    (destination ``FAILED``), ``bad`` (source ``BAD``), ``gone`` (no local copy)."""
+
+    ident: Ident
+    status: str
+    nbytes: int = 0
+    copied: int = 0
+    seconds: float = 0.0
+    error: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("flushed", "already")
+
+
+@dataclass
+class FlushOutcome:
+    """What one flush round did."""
+
+    results: List[FlushResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def _with(self, *status: str) -> List[FlushResult]:
+        return [r for r in self.results if r.status in status]
+
+    @property
+    def flushed(self) -> List[Ident]:
+        return [r.ident for r in self._with("flushed", "already")]
+
+    @property
+    def flushed_bytes(self) -> int:
+        return sum(r.copied for r in self._with("flushed", "already"))
+
+    @property
+    def handed(self) -> List[Ident]:
+        return [r.ident for r in self._with("handed")]
+
+    @property
+    def failed(self) -> List[Tuple[Ident, str]]:
+        return [(r.ident, r.error or r.status) for r in self._with("failed", "bad")]
+
+    @property
+    def dropped(self) -> List[Ident]:
+        return [r.ident for r in self._with("gone")]
+
+
+def copy_in_process(src: Tier, dst: Tier) -> CopyFn:
+    """A :data:`CopyFn` that copies in this process, with its own permissions (the
+    training job, ckpt-srun, a user's ``ckpt-slurm flush``). ``left_s`` is not enforced
+    mid-copy here: the engine only starts a copy that fits."""
+
+    def copy(ident: Ident, _left: Optional[float]) -> Dict[str, Any]:
+        res = copy_checkpoint(src, dst, *ident, replace_older=True)
+        return {
+            "nbytes": res.nbytes,
+            "copied": res.copied_bytes,
+            "seconds": res.seconds,
+            "already": res.already_present,
+        }
+
+    return copy
+
+
+class Flusher:
+    """Flushes checkpoints of one source tier to one destination tier (names as in the
+    ledger: ``"local"`` -> ``"pfs"``) through ``copy``, recording every outcome in
+    ``ledger`` (optional: ckpt-srun and plain directories run without one).
+
+    ``hand_off_note`` says who finishes what this process cannot (``"left to epilog"``
+    in a job, ``"handed to stager"`` on the root side). ``clock`` is the clock deadlines
+    are given in.
+    """
+
+    def __init__(
+        self,
+        copy: CopyFn,
+        ledger: Optional[Ledger] = None,
+        *,
+        src: str = "local",
+        dst: str = "pfs",
+        hand_off_note: str = HANDED_TO_STAGER,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.copy = copy
+        self.ledger = ledger
+        self.src, self.dst = src, dst
+        self.hand_off_note = hand_off_note
+        self.clock = clock
+
+    # -- ledger --------------------------------------------------------------------
+    def _mark(
+        self, idents: List[Ident], tier: str, state: State, reason: Optional[str] = None, **kw: Any
+    ) -> None:
+        """Record a state; the ledger is a cache of the tiers, so a ledger that cannot be
+        written (full disk, lock held) is logged, never fatal for the flush itself."""
+        if self.ledger is None or not idents:
+            return
+        try:
+            self.ledger.mark_many(idents, tier, state, reason, create=True, **kw)
+        except (CkptError, OSError) as exc:
+            log.warning("ledger not updated (%s %s for %d checkpoints): %s", tier, state.value,
+                        len(idents), exc)
+
+    def hand_off(self, idents: Iterable[Ident], note: Optional[str] = None) -> None:
+        """Leave these for later (``FLUSH_PENDING`` + note), in one ledger transaction."""
+        self._mark(list(idents), self.dst, State.FLUSH_PENDING, note or self.hand_off_note,
+                   forced=True, selected_for_flush=True)
+
+    # -- one -----------------------------------------------------------------------
+    def flush_one(
+        self,
+        ident: Ident,
+        *,
+        deadline: Optional[float] = None,
+        min_s: float = 0.0,
+        nbytes: int = 0,
+    ) -> FlushResult:
+        """Copy one checkpoint, unless less than ``max(min_s, MIN_SLICE_S)`` is left
+        before ``deadline`` (then it is handed off)."""
+        left = None if deadline is None else deadline - self.clock()
+        if left is not None and left < max(min_s, MIN_SLICE_S):
+            self.hand_off([ident])
+            return FlushResult(ident, "handed", nbytes=nbytes)
+        self._mark([ident], self.dst, State.FLUSHING)
+        t0 = self.clock()
+        try:
+            res = self.copy(ident, left)
+        except TimedOut as exc:
+            self.hand_off([ident])
+            return FlushResult(ident, "handed", nbytes=nbytes, error=str(exc))
+        except NotFound as exc:
+            self._mark([ident], self.src, State.DELETED, str(exc))
+            return FlushResult(ident, "gone", nbytes=nbytes, error=str(exc))
+        except (SourceCorrupt, Unflushable) as exc:
+            code = "source_bad" if isinstance(exc, SourceCorrupt) else "unsafe"
+            self._mark([ident], self.src, State.BAD, str(exc), code=code)
+            self._clear_in_flight(ident)
+            return FlushResult(ident, "bad", nbytes=nbytes, error=str(exc))
+        except CkptError as exc:
+            self._mark([ident], self.dst, State.FAILED, str(exc), code="flush")
+            return FlushResult(ident, "failed", nbytes=nbytes, error=str(exc),
+                               seconds=self.clock() - t0)
+        seconds = float(res.get("seconds", self.clock() - t0))
+        self._mark([ident], self.dst, State.VERIFIED, error=None, durations={"flush_s": seconds})
+        return FlushResult(
+            ident,
+            "already" if res.get("already") else "flushed",
+            nbytes=int(res.get("nbytes", nbytes)),
+            copied=int(res.get("copied", 0)),
+            seconds=seconds,
+        )
+
+    def _clear_in_flight(self, ident: Ident) -> None:
+        """A source found BAD will never be copied: its destination state must not stay
+        ``FLUSHING`` (status would show it in flight forever)."""
+        if self.ledger is None:
+            return
+
+        def fn(rec: Any) -> Any:
+            if rec is None or rec.tiers.get(self.dst) != State.FLUSHING:
+                return None
+            del rec.tiers[self.dst]
+            return rec
+
+        try:
+            self.ledger.update(*ident, fn)
+        except (CkptError, OSError) as exc:
+            log.warning("ledger not updated for %s: %s", ident, exc)
+
+    # -- many ----------------------------------------------------------------------
+    def flush_all(
+        self,
+        items: Iterable[Tuple[Ident, int]],
+        deadline: Optional[float] = None,
+        on_result: Optional[Callable[[FlushResult], None]] = None,
+    ) -> FlushOutcome:
+        """Flush ``(ident, nbytes)`` in order until ``deadline``; everything not started by
+        then is handed off in one ledger transaction. Stops at the first KeyboardInterrupt
+        (the rest stays owed)."""
+        out = FlushOutcome()
+        t0 = self.clock()
+        todo = list(items)
+        for i, (ident, nbytes) in enumerate(todo):
+            left = None if deadline is None else deadline - self.clock()
+            if left is not None and left < MIN_SLICE_S:
+                rest = [it for it, _n in todo[i:]]
+                self.hand_off(rest)
+                out.results.extend(FlushResult(it, "handed", nbytes=n) for it, n in todo[i:])
+                break
+            res = self.flush_one(ident, deadline=deadline, nbytes=nbytes)
+            out.results.append(res)
+            if on_result is not None:
+                on_result(res)
+        out.seconds = self.clock() - t0
+        return out

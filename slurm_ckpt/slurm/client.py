@@ -34,7 +34,13 @@ from slurm_ckpt.slurm.backends import (
     load_pyslurm,
 )
 from slurm_ckpt.slurm.env import parse_job_id
-from slurm_ckpt.slurm.records import MAINT_PREFIX, REASON_PREFIX, JobInfo, NodeInfo
+from slurm_ckpt.slurm.records import (
+    MAINT_PREFIX,
+    REASON_PREFIX,
+    JobInfo,
+    NodeInfo,
+    parse_oneliner,
+)
 
 log = logging.getLogger(__name__)
 
@@ -265,6 +271,12 @@ class SlurmClient:
     def config(self) -> Dict[str, str]:
         """``scontrol show config`` as a dict (``"PrologEpilogTimeout": "120"``...)."""
         return self.cli.config()
+
+    def partitions(self) -> List[Dict[str, str]]:
+        """``scontrol show partition -o``: one dict per partition (``PartitionName``,
+        ``GraceTime``, ``PreemptMode``, ``Default``...), for ``ckpt-slurm doctor``."""
+        out = self.cli.run(["scontrol", "show", "partition", "-o"])
+        return [parse_oneliner(ln) for ln in out.splitlines() if ln.startswith("PartitionName=")]
 
     def prolog_epilog_timeout(self) -> Optional[float]:
         """slurm.conf PrologEpilogTimeout in seconds (None: unset or unlimited)."""

@@ -1,5 +1,5 @@
 """``ckpt-slurm doctor`` on the real dev cluster, run inside a node's mount namespace as a
-compute node's admin would: clean on the good setup (hooks from ``install-hooks``, the
+compute node's admin would (and a job learning its end time from squeue): clean on the good setup (hooks from ``install-hooks``, the
 dev cluster's slurm.conf), and it finds a deliberately broken setting: a
 PrologEpilogTimeout too short for hooks.budget, and an epilog script that is not
 executable. Exit status 1 for those, 0 when clean."""
@@ -13,7 +13,9 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 from cluster_fixture import DevCluster
-from test_cluster_e2e import CKPT_SLURM, E2E, hooked_site
+from test_cluster_e2e import CKPT_SLURM, E2E, PY, hooked_site
+
+from slurm_ckpt.slurm.records import parse_time
 
 pytestmark = pytest.mark.root
 
@@ -80,3 +82,27 @@ def test_doctor_is_clean_on_a_good_setup_and_finds_broken_settings(e2e: E2E) -> 
         os.chmod(epilog, 0o755)
     rc, doc = _doctor(e)
     assert rc == 0 and not _errors(doc)
+
+
+END_TIME_JOB = """
+env -u SLURM_JOB_END_TIME {py} -c '
+import os
+from slurm_ckpt.slurm.client import job_end_time_provider
+env = dict(os.environ)
+env.pop("SLURM_JOB_END_TIME", None)
+print("END", job_end_time_provider(os.environ["SLURM_JOB_ID"], environ=env)())
+'
+"""
+
+
+def test_the_job_learns_its_end_time_from_squeue(e2e: E2E) -> None:
+    """Without SLURM_JOB_END_TIME the Checkpointer's provider asks the controller."""
+    e, c = e2e, e2e.c
+    e.ensure_hooks()
+    jobid = e.job(END_TIME_JOB.format(py=PY), args=["-w", "n2", "--time=7"])
+    info = c.wait_job_state(jobid, "COMPLETED", timeout=120)
+    lines = [ln for ln in c.job_output(jobid).splitlines() if ln.startswith("END ")]
+    assert lines, c.job_output(jobid)
+    got = float(lines[0].split()[1])
+    start = parse_time(info["StartTime"])
+    assert start is not None and abs(got - (start + 7 * 60)) <= 1.0, (got, info["StartTime"])

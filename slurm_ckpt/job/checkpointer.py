@@ -77,7 +77,8 @@ from slurm_ckpt.ledger.ledger import Ledger
 from slurm_ckpt.ledger.metrics import refresh_textfile
 from slurm_ckpt.ledger.node_status import publish_status
 from slurm_ckpt.ledger.record import Record, State
-from slurm_ckpt.slurm.env import job_end_time, job_env, resolve_rank
+from slurm_ckpt.slurm.client import job_end_time_provider
+from slurm_ckpt.slurm.env import job_env, resolve_rank
 from slurm_ckpt.slurm.requeue import requeue_job, requeue_reason
 from slurm_ckpt.tiers.copy import copy_checkpoint
 from slurm_ckpt.tiers.registry import tiers_from_config
@@ -336,7 +337,7 @@ class Checkpointer:
         self._flag = SignalFlag()
         self._deadline = Deadline(
             self._flag,
-            job_end_time if end_time_fn is _UNSET else end_time_fn,
+            job_end_time_provider(self.job) if end_time_fn is _UNSET else end_time_fn,
             kill_wait_s,
             signal_lead_s,
         )
@@ -385,6 +386,7 @@ class Checkpointer:
         self._cost_s: Optional[float] = None
         self._flush_rate: Optional[float] = None
         self._preempt_saved = False
+        self._deadline_due = False  # the job's end is near: the next save is its last
         self._ref_step: Optional[int] = None
         self._ref_tokens: Optional[int] = None
         self._ref_time = time.monotonic()
@@ -547,6 +549,8 @@ class Checkpointer:
         self._raise_if_failed()
         if self._flag.received is not None and not self._preempt_saved:
             return True
+        if not self._preempt_saved and self._near_end():
+            return True
         if step is not None and self._ref_step is None:
             self._ref_step = step
         if tokens is not None and self._ref_tokens is None:
@@ -557,6 +561,32 @@ class Checkpointer:
             return True
         period = self._auto_period() if self.interval_auto else self.interval_seconds
         return bool(period) and time.monotonic() - self._ref_time >= period  # type: ignore[operator]
+
+    def _near_end(self) -> bool:
+        """True once the job's end time (SLURM's, see ``job_end_time_provider``) is
+        closer than one save plus its flush (as measured so far, x1.5, plus a margin):
+        the save taken now is treated like one answering a warning signal (always
+        flushed; :attr:`preempted` set afterwards), so no one has to guess ``--signal``.
+        """
+        if self._deadline_due:
+            return True
+        end = self._deadline.end_time()
+        if end is None:
+            return False
+        s = self._stats
+        newest = self._newest
+        need = (s.last_stall_s or BOOTSTRAP_COST_S) + (s.last_local_s or 0.0)
+        if newest is not None:
+            need += self._estimate_flush_s(newest.nbytes)
+        if end - time.time() > 1.5 * need + DEADLINE_MARGIN_S:
+            return False
+        self._deadline_due = True
+        log.warning(
+            "[ckpt] the job ends in %.0fs; a save and its flush take ~%.0fs: saving now",
+            end - time.time(),
+            need,
+        )
+        return True
 
     # ------------------------------------------------------------------ save
     def save(
@@ -585,7 +615,8 @@ class Checkpointer:
             raise CkptError(f"save(): step must be a whole number >= 0, got {step!r}")
         t0 = time.monotonic()
         if preemption is None:
-            preempt = self._flag.received is not None and not self._preempt_saved
+            warned = self._flag.received is not None or self._deadline_due
+            preempt = warned and not self._preempt_saved
         else:
             preempt = bool(preemption)
         reason = "signal" if preempt else "interval"

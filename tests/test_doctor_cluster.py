@@ -1,8 +1,8 @@
 """``ckpt-slurm doctor`` on the real dev cluster, run inside a node's mount namespace as a
-compute node's admin would (and a job learning its end time from squeue): clean on the good setup (hooks from ``install-hooks``, the
-dev cluster's slurm.conf), and it finds a deliberately broken setting: a
-PrologEpilogTimeout too short for hooks.budget, and an epilog script that is not
-executable. Exit status 1 for those, 0 when clean."""
+compute node's admin would: clean on the good setup (hooks from ``install-hooks``, the dev
+cluster's slurm.conf), and it finds a deliberately broken setting (a PrologEpilogTimeout
+too short for hooks.budget, an epilog script that is not executable): exit 1 for those,
+0 when clean. Also: a job learns its end time from squeue."""
 
 from __future__ import annotations
 

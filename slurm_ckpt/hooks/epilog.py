@@ -34,10 +34,11 @@ import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import slurm_ckpt.core.faults  # noqa: F401 - preloaded, see _PRELOADED
 from slurm_ckpt.core import fsio
+from slurm_ckpt.core.admission import Priority
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.manifest import MANIFEST_NAME
 from slurm_ckpt.core.names import validate_key, validate_user
@@ -45,7 +46,9 @@ from slurm_ckpt.core.retention import RetentionPolicy, plan_local_deletions
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import CkptError, InvalidName, NotFound, SlurmError, TierError
 from slurm_ckpt.ledger import Ledger, Record, State, publish_status
+from slurm_ckpt.ledger.events import EventLog
 from slurm_ckpt.node.asuser import AsUserTimeout, run_as
+from slurm_ckpt.node.slots import SlotGate
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.env import HookEnv
 from slurm_ckpt.tiers.copy import SourceCorrupt, copy_checkpoint
@@ -83,6 +86,11 @@ MIN_SLICE_S = 0.5
 SCAN_TIMEOUT_S = 60.0
 
 Ident = Tuple[str, str, int]
+_NO_GATE = object()
+
+
+class _NotAdmitted(Exception):
+    """No PFS slot within the flush's budget: the checkpoint is handed off."""
 
 
 # --------------------------------------------------------------------------- users
@@ -309,6 +317,7 @@ class NodeWork:
         self.users: Dict[str, UserIds] = {}
         self.scan_jobs: Dict[Ident, Optional[str]] = {}
         self.skipped_dirs: List[str] = []
+        self._gate: Any = _NO_GATE  # the PFS slot gate, made at the first flush
         ensure_ledger_dir(cfg.ledger.dir)
         self.ledger = Ledger(cfg.ledger.dir, node)
 
@@ -451,18 +460,24 @@ class NodeWork:
                 continue
             self.ledger.mark(*ident, "pfs", State.FLUSHING)
             try:
-                res = run_as(
-                    ids.uid,
-                    ids.gid,
-                    _flush_as_user,
-                    self.cfg,
-                    *ident,
-                    ids.uid,
-                    user=ids.name,
-                    timeout=left,
-                    what="flush",
-                )
-            except AsUserTimeout:
+                # Admission control (fleet): a cluster-wide PFS slot around the copy,
+                # waited for no longer than the deadline leaves; none -> hand off.
+                with self._pfs_slot(left) as admitted:
+                    if not admitted:
+                        raise _NotAdmitted()
+                    left = None if deadline is None else deadline - self.clock()
+                    res = run_as(
+                        ids.uid,
+                        ids.gid,
+                        _flush_as_user,
+                        self.cfg,
+                        *ident,
+                        ids.uid,
+                        user=ids.name,
+                        timeout=left,
+                        what="flush",
+                    )
+            except (AsUserTimeout, _NotAdmitted):
                 out.handed.append(ident)
                 continue
             except NotFound as exc:
@@ -491,6 +506,26 @@ class NodeWork:
         self.hand_off(out.handed)
         out.seconds = self.clock() - t0
         return out
+
+    @contextlib.contextmanager
+    def _pfs_slot(self, left: Optional[float]) -> Iterator[bool]:
+        """Hold a PFS slot (``[admission]``) for the block: yields False when none came
+        within ``left`` less :data:`MIN_SLICE_S`; True at once without a cap."""
+        if self._gate is _NO_GATE:
+            prio = Priority.ROUTINE
+            if self.client is not None:
+                with contextlib.suppress(SlurmError):
+                    if self.client.node(self.node).held_for_maint:
+                        prio = Priority.MAINTENANCE  # an admin waits on this node
+            # Decisions go to the node's event log: the admission metrics and panels.
+            emit = EventLog.from_config(self.cfg, self.node).emit
+            self._gate = SlotGate.from_config(self.cfg, self.node, priority=prio, emit=emit)
+        if self._gate is None:
+            yield True
+            return
+        budget = None if left is None else max(0.0, left - MIN_SLICE_S)
+        with self._gate.slot(budget) as admitted:
+            yield admitted
 
     def hand_off(self, idents: List[Ident]) -> None:
         """Leave these to the stager: ``FLUSH_PENDING`` with reason "handed to stager"."""

@@ -197,7 +197,7 @@ def write_markdown(doc: Dict[str, Any], path: Path, chart: Optional[str]) -> Non
         "| benchmark | claim | against | target | median | spread | rounds | verdict |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for name, title, _argv, _t in BENCHES:
+    for name, _title, _argv, _t in BENCHES:
         res = doc["runs"].get(name, {})
         for c in res.get("claims", []):
             target = "-" if c["target"] is None else f"{c['cmp']} {c['target']}"

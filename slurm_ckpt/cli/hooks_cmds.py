@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -30,6 +29,7 @@ from slurm_ckpt.core.names import validate_node
 from slurm_ckpt.core.units import format_duration
 from slurm_ckpt.errors import CkptError, SlurmError, UsageError
 from slurm_ckpt.ops.install import GRACE_S, install_hooks, render_hook
+from slurm_ckpt.slurm.env import slurmd_nodename, this_node
 
 __all__ = [
     "GRACE_S",
@@ -98,7 +98,7 @@ def _hook_env(kind: str, client: Any) -> Any:
         return hook_env()
     except CkptError as exc:
         msg = f"{kind}: bad SLURM job environment: {exc}"
-        _drain_quietly(client, os.environ.get("SLURMD_NODENAME"), f"slurm_ckpt: {msg}")
+        _drain_quietly(client, slurmd_nodename(), f"slurm_ckpt: {msg}")
         raise UsageError(msg) from None
 
 
@@ -121,7 +121,7 @@ def prolog_cmd(state: CliState, budget: Optional[float]) -> None:
     try:
         report = run_prolog(state.config, env, client, _budget(state.config.hooks.budget, budget))
     except CkptError as exc:
-        _drain_quietly(client, os.environ.get("SLURMD_NODENAME"), f"slurm_ckpt: prolog: {exc}")
+        _drain_quietly(client, slurmd_nodename(), f"slurm_ckpt: prolog: {exc}")
         if isinstance(exc, PrologFailed):
             raise
         raise PrologFailed(str(exc)) from None
@@ -146,7 +146,7 @@ def epilog_cmd(state: CliState, budget: Optional[float]) -> None:
     try:
         report = run_epilog(state.config, env, client, _budget(state.config.hooks.budget, budget))
     except CkptError as exc:
-        _drain_quietly(client, os.environ.get("SLURMD_NODENAME"), f"slurm_ckpt: epilog: {exc}")
+        _drain_quietly(client, slurmd_nodename(), f"slurm_ckpt: epilog: {exc}")
         raise
     click.echo(report.line())
 
@@ -178,8 +178,7 @@ def stager_cmd(
 
     _setup_logging("stager")
     _need_root("ckpt-slurm stager")
-    name = node or os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
-    validate_node(name)
+    name = this_node(node)
     client = None if no_slurm else _client()
     state.config  # noqa: B018 - fail now, with one line, if the config is bad
     return run_stager(

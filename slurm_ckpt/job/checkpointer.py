@@ -56,12 +56,13 @@ from slurm_ckpt.job.pipeline import (
     Shard,
 )
 from slurm_ckpt.job.restore import Restored, Restorer, shard_key, shard_prefix
-from slurm_ckpt.job.schedule import DEFAULT_INTERVAL_TOKENS, Schedule
+from slurm_ckpt.job.schedule import BOOTSTRAP_COST_S, DEFAULT_INTERVAL_TOKENS, Schedule
 from slurm_ckpt.job.signals import Deadline, SignalFlag
 from slurm_ckpt.job.staging import StagingArea
 from slurm_ckpt.job.state import flatten, index_bytes, layout
 from slurm_ckpt.ledger.record import State
-from slurm_ckpt.slurm.env import job_end_time, job_env, resolve_rank
+from slurm_ckpt.slurm.client import job_end_time_provider
+from slurm_ckpt.slurm.env import job_env, resolve_rank
 from slurm_ckpt.slurm.requeue import requeue_job, requeue_reason
 from slurm_ckpt.tiers.registry import tiers_from_config
 
@@ -145,7 +146,7 @@ class Checkpointer:
         self._flag = SignalFlag()
         self._deadline = Deadline(
             self._flag,
-            job_end_time if opts.end_time_fn is UNSET else opts.end_time_fn,
+            job_end_time_provider(self.job) if opts.end_time_fn is UNSET else opts.end_time_fn,
             opts.kill_wait_s,
             opts.signal_lead_s,
         )
@@ -272,7 +273,35 @@ class Checkpointer:
         preemption save is taken). Raises :class:`CheckpointFailed` after too many
         failures in a row."""
         self._raise_if_failed()
+        if not self._schedule.preempt_saved and self._near_end():
+            return True
         return self._schedule.due(step, tokens)
+
+    def _near_end(self) -> bool:
+        """True once the job's end time (SLURM's: ``SLURM_JOB_END_TIME``, else squeue) is
+        closer than one save plus its flush (as measured so far, x1.5, plus a margin):
+        the save taken now is treated like one answering a warning signal (always
+        flushed; :attr:`preempted` set afterwards), so no one has to guess ``--signal``.
+        """
+        if self._schedule.deadline_due:
+            return True
+        end = self._deadline.end_time()
+        if end is None:
+            return False
+        s = self._pipeline.stats
+        need = (s.last_stall_s or BOOTSTRAP_COST_S) + (s.last_local_s or 0.0)
+        newest = self._pipeline.newest
+        if newest is not None:
+            need += self._pipeline.estimate_flush_s(newest.nbytes)
+        if end - time.time() > 1.5 * need + DEADLINE_MARGIN_S:
+            return False
+        self._schedule.deadline_due = True
+        log.warning(
+            "[ckpt] the job ends in %.0fs; a save and its flush take ~%.0fs: saving now",
+            end - time.time(),
+            need,
+        )
+        return True
 
     # ------------------------------------------------------------------ save
     def save(

@@ -47,6 +47,8 @@ class Schedule:
         self.flag = flag
         #: The save answering a preemption signal has been taken.
         self.preempt_saved = False
+        #: The job's end is near (see the Checkpointer): the next save is its last.
+        self.deadline_due = False
         self.cost_s: Optional[float] = None
         self.ref_step: Optional[int] = None
         self.ref_tokens: Optional[int] = None
@@ -61,8 +63,10 @@ class Schedule:
 
     @property
     def preempt_pending(self) -> bool:
-        """A preemption signal arrived and its save has not been taken yet."""
-        return self.flag.received is not None and not self.preempt_saved
+        """A preemption signal arrived (or the job's end is near) and its save has not
+        been taken yet."""
+        warned = self.flag.received is not None or self.deadline_due
+        return warned and not self.preempt_saved
 
     def due(self, step: Optional[int] = None, tokens: Optional[int] = None) -> bool:
         """True when an interval is reached or a preemption save is pending."""

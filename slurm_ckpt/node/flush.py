@@ -148,7 +148,9 @@ class Flusher:
 
     ``hand_off_note`` says who finishes what this process cannot (``"left to epilog"``
     in a job, ``"handed to stager"`` on the root side). ``clock`` is the clock deadlines
-    are given in.
+    are given in. ``slots`` (a :class:`~slurm_ckpt.node.slots.SlotGate`, optional):
+    every copy first waits for a cluster-wide PFS slot, never past what its deadline
+    leaves after the copy's own ``min_s``; not admitted in time, it is handed off.
     """
 
     def __init__(
@@ -160,8 +162,10 @@ class Flusher:
         dst: str = "pfs",
         hand_off_note: str = HANDED_TO_STAGER,
         clock: Callable[[], float] = time.monotonic,
+        slots: Optional[Any] = None,
     ) -> None:
         self.copy = copy
+        self.slots = slots
         self.ledger = ledger
         self.src, self.dst = src, dst
         self.hand_off_note = hand_off_note
@@ -212,6 +216,21 @@ class Flusher:
         if left is not None and left < max(min_s, MIN_SLICE_S):
             self.hand_off([ident])
             return FlushResult(ident, "handed", nbytes=nbytes)
+        if self.slots is None:
+            return self._copy_one(ident, left, nbytes)
+        # Admission control: wait for a PFS slot with what the deadline leaves beyond the
+        # copy's own need; no slot in time -> hand off, like any flush without time.
+        budget = None if left is None else max(0.0, left - max(min_s, MIN_SLICE_S))
+        t_ask = self.clock()
+        with self.slots.slot(budget) as admitted:
+            if not admitted:
+                self.hand_off([ident])
+                return FlushResult(ident, "handed", nbytes=nbytes, error="no PFS slot in time")
+            if left is not None:
+                left -= self.clock() - t_ask
+            return self._copy_one(ident, left, nbytes)
+
+    def _copy_one(self, ident: Ident, left: Optional[float], nbytes: int) -> FlushResult:
         self._mark([ident], self.dst, State.FLUSHING)
         t0 = self.clock()
         try:

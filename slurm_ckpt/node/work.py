@@ -10,6 +10,7 @@ user data happens in a child process running as that user
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pwd
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from slurm_ckpt.core import fsio
+from slurm_ckpt.core.admission import Priority
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.manifest import MANIFEST_NAME
 from slurm_ckpt.core.names import validate_key, validate_user
@@ -26,6 +28,7 @@ from slurm_ckpt.core.retention import RetentionPolicy, plan_local_deletions
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, InvalidName, NotFound, SlurmError, TierError
 from slurm_ckpt.ledger import Ident, Ledger, Record, State, publish_status
+from slurm_ckpt.ledger.events import EventLog
 from slurm_ckpt.node.asuser import run_as
 from slurm_ckpt.node.flush import (
     HANDED_TO_STAGER,
@@ -35,6 +38,7 @@ from slurm_ckpt.node.flush import (
     FlushResult,
 )
 from slurm_ckpt.node.guard import check_step_files, check_user_dir, ensure_ledger_dir
+from slurm_ckpt.node.slots import SlotGate
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.tiers.copy import copy_checkpoint
 from slurm_ckpt.tiers.posix import PosixTier
@@ -58,6 +62,7 @@ RESERVE_FRACTION = 0.2
 RESERVE_MAX_S = 15.0
 #: A scan (listing and reading manifests) of one user's local directory.
 SCAN_TIMEOUT_S = 60.0
+_NO_GATE = object()
 
 
 # --------------------------------------------------------------------------- users
@@ -174,6 +179,7 @@ class NodeWork:
         self.users: Dict[str, UserIds] = {}
         self.scan_jobs: Dict[Ident, Optional[str]] = {}
         self.skipped_dirs: List[str] = []
+        self._gate: Any = _NO_GATE  # the PFS slot gate, made at the first flush
         ensure_ledger_dir(cfg.ledger.dir)
         self.ledger = Ledger(cfg.ledger.dir, node)
 
@@ -301,10 +307,29 @@ class NodeWork:
 
     # -- flush ------------------------------------------------------------------------
     def flusher(self) -> Flusher:
-        """The flush engine over this node's ledger, copying as each checkpoint's owner."""
+        """The flush engine over this node's ledger, copying as each checkpoint's owner,
+        under the cluster-wide PFS admission control (``[admission]``) when configured."""
         return Flusher(
-            self._copy_as_owner, self.ledger, hand_off_note=HANDED_TO_STAGER, clock=self.clock
+            self._copy_as_owner,
+            self.ledger,
+            hand_off_note=HANDED_TO_STAGER,
+            clock=self.clock,
+            slots=self._slot_gate(),
         )
+
+    def _slot_gate(self) -> Optional[SlotGate]:
+        """The PFS slot gate, made once: maintenance priority when an admin holds this
+        node for maintenance (someone waits on it); decisions go to the node's event log
+        (the admission metrics and panels). None without an admission cap."""
+        if self._gate is _NO_GATE:
+            prio = Priority.ROUTINE
+            if self.client is not None:
+                with contextlib.suppress(SlurmError):
+                    if self.client.node(self.node).held_for_maint:
+                        prio = Priority.MAINTENANCE
+            emit = EventLog.from_config(self.cfg, self.node).emit
+            self._gate = SlotGate.from_config(self.cfg, self.node, priority=prio, emit=emit)
+        return self._gate  # type: ignore[return-value]
 
     def _copy_as_owner(self, ident: Ident, left: Optional[float]) -> Dict[str, Any]:
         ids = self.users[ident[0]]

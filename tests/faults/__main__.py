@@ -40,6 +40,7 @@ def campaign(
     out: Optional[Path],
     say: Callable[[str], Any] = print,
     nodes: Optional[List[str]] = None,
+    run_seed: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Run ``runs`` runs of each scenario in ``names``; returns the figures. ``nodes``:
     the two dev-cluster nodes whose names (drains) the runs use (default: the last two)."""
@@ -58,17 +59,19 @@ def campaign(
     for name in names:
         setup, body = SCENARIOS[name]
         for i in range(runs):
-            run_seed = master.randrange(2**32)
+            this_seed = master.randrange(2**32) if run_seed is None else run_seed
             t0 = time.monotonic()
-            res = run_one(name, body, setup, i, run_seed, cluster.env, nodes)
+            res = run_one(name, body, setup, i, this_seed, cluster.env, nodes)
             bad = len(res.violations) + (1 if res.error else 0)
             say(
-                f"  {name} #{i} seed={run_seed}: {sum(res.faults.values())} fault(s), "
+                f"  {name} #{i} seed={this_seed}: {sum(res.faults.values())} fault(s), "
                 f"{res.restarts} restart(s), lost {res.lost}, "
                 f"{'OK' if not bad else 'FAILED'} ({time.monotonic() - t0:.1f}s)"
             )
             for v in res.violations:
                 say(f"    VIOLATION {v}")
+            if res.violations and res.hook_log:
+                say("    hooks: " + res.hook_log.replace("\n", "\n    hooks: "))
             if res.error:
                 say("    ERROR " + res.error.replace("\n", "\n    "))
             results.append(res)
@@ -86,6 +89,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--scenarios", default="", help="comma-separated names (default: all)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where FIGURES.md goes")
     p.add_argument("--nodes", default="", help="two dev-cluster nodes to use (default: last two)")
+    p.add_argument("--run-seed", type=int, help="replay one run: its seed (from a report)")
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
     args = p.parse_args(argv)
     if args.list:
@@ -100,7 +104,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("tests.faults: error: --runs must be at least 1", file=sys.stderr)
         return 2
     nodes = [n for n in args.nodes.split(",") if n] or None
-    fig = campaign(args.runs, args.seed, names, args.out, nodes=nodes)
+    fig = campaign(args.runs, args.seed, names, args.out, nodes=nodes, run_seed=args.run_seed)
     print(markdown(fig))
     return 1 if fig["violations"] or fig["errors"] else 0
 

@@ -53,6 +53,7 @@ class RunResult:
     lost: List[int] = field(default_factory=list)
     violations: List[str] = field(default_factory=list)
     error: Optional[str] = None
+    hook_log: str = ""
     seconds: float = 0.0
 
 
@@ -251,6 +252,8 @@ def run_one(
         finally:
             result.faults = dict(run.faults)
             result.violations = list(run.tracker.violations)
+            if result.violations and site.log.exists():
+                result.hook_log = "\n".join(site.log.read_text().splitlines()[-12:])
     except Exception:  # noqa: BLE001 - a broken run is reported, the campaign goes on
         result.error = traceback.format_exc(limit=8)
     finally:

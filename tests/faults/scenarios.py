@@ -267,12 +267,16 @@ def _eio(run: Run, where: str) -> None:
     if run.wait_step(w, random_step(run, 2, 2)):
         chosen = run.rng.sample(ops, run.rng.randint(1, 3))
         prob = run.rng.choice([0.05, 0.3, 1.0])
-        run.site.fuse_rules(
-            name, [{"ops": chosen, "errno": 5, "prob": prob}], run.rng.randint(0, 9)
-        )
+        seed = run.rng.randint(0, 9)
+        run.site.fuse_rules(name, [{"ops": chosen, "errno": 5, "prob": prob}], seed)
         run.wait_step(w, random_step(run, 2, 3))
         if w.proc.poll() is None:
             run.interrupt(w, run.rng.choice([signal.SIGKILL, signal.SIGTERM]))
+        # Reads come back for the epilog (a disk that cannot be read at all when the job
+        # ends has nothing left to save, and the checker must read the tiers); the
+        # failing writes, syncs and renames stay.
+        writes = [op for op in chosen if op != "read"]
+        run.site.fuse_rules(name, [{"ops": writes, "errno": 5, "prob": prob}] if writes else [])
     w.finish()
     owed = run.end_job(node, w)
     run.site.fuse_rules(name, [])
@@ -283,12 +287,12 @@ def _eio(run: Run, where: str) -> None:
         before = run.site.fuse_hits(name)
         run.site.fuse_rules(name, [{"ops": ["read"], "match": "/step-", "errno": 5}])
         run.tracker.unreadable.add(f"local:{node}")
+        run.graceful = False  # with its local copy unreadable, a restart may lose work
         w = run.start(node)
         run.site.fuse_rules(name, [])
         run.fault("EIO on restore reads", run.site.fuse_hits(name) - before)
         run.tracker.unreadable.discard(f"local:{node}")
         run.restart += 1
-        run.graceful = False
         w.finish()
         done = w.wait_for(r"^DONE ", 1) is not None
         owed = run.end_job(node, w)

@@ -161,8 +161,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         return saver(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--per-node", type=int, default=2, help="concurrent saver jobs per node")
-    p.add_argument("--seconds", type=float, default=120.0, help="how long each job saves")
-    p.add_argument("--size", type=int, default=4 << 20, help="state bytes per checkpoint")
+    p.add_argument("--seconds", type=float, default=90.0, help="how long each job saves")
+    p.add_argument(
+        "--size",
+        type=int,
+        default=256 << 10,
+        help="state bytes per checkpoint (every one is kept on the PFS: jobs x saves x size "
+        "must fit the dev cluster's 2 GiB PFS, or the flushes fail with ENOSPC)",
+    )
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
     # The driver uses the cluster test fixtures (a saver job must not: its copy of this

@@ -38,7 +38,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import pytest
 from cluster_fixture import DevCluster
-from test_cluster_e2e import PY, hooked_site
+from test_cluster_e2e import CKPT_SRUN, PY, hooked_site
 from test_cluster_train import USER, TrainSite
 from test_torch_distributed import free_port
 
@@ -174,16 +174,10 @@ class MultiSite(TrainSite):
             'nodes=$SLURM_JOB_NODELIST"\n'
         )
         body += (
-            f"exec {self.ckpt_srun} --key {key} --warn 0 -- -N{n} --ntasks-per-node=1 "
+            f"exec {CKPT_SRUN} --key {key} --warn 0 -- -N{n} --ntasks-per-node=1 "
             f"--label bash -c '{rank_cmd}'\n"
         )
         return self.job(body, args=["-N", str(n), "-w", nodes, *sbatch_args])
-
-    @property
-    def ckpt_srun(self) -> Path:
-        from test_cluster_e2e import CKPT_SRUN
-
-        return CKPT_SRUN
 
     def multi(self, jobid: str) -> MultiRun:
         return MultiRun(self.c.job_output(jobid))
@@ -233,14 +227,6 @@ class MultiSite(TrainSite):
             return [s.step for s in self.tier("local", node).steps(USER, shard(key, rank))]
         except NotFound:
             return []
-
-    def ledger_dump(self, node: str) -> str:
-        """The node ledger's records (for failure messages)."""
-        path = self.local_dir(node) / ".slurm_ckpt" / "ledger.json"
-        try:
-            return path.read_text()[-3000:]
-        except OSError as exc:
-            return f"({path}: {exc})"
 
     def reached(self, key: str, rank: int = 0) -> int:  # type: ignore[override]
         path = self.out / f".train_tiny-{key}-rank{rank}.progress"

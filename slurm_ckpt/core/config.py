@@ -289,7 +289,9 @@ class Config:
         return _build(data, source)
 
     @classmethod
-    def standalone(cls, local: PathLike, pfs: Optional[PathLike] = None, **overrides: Any) -> Config:
+    def standalone(
+        cls, local: PathLike, pfs: Optional[PathLike] = None, **overrides: Any
+    ) -> Config:
         """A configuration without any file, for library use on plain directories.
 
         ``local`` and ``pfs`` may be relative (they are made absolute); without ``pfs``

@@ -175,13 +175,24 @@ class Flusher:
         try:
             self.ledger.mark_many(idents, tier, state, reason, create=True, **kw)
         except (CkptError, OSError) as exc:
-            log.warning("ledger not updated (%s %s for %d checkpoints): %s", tier, state.value,
-                        len(idents), exc)
+            log.warning(
+                "ledger not updated (%s %s for %d checkpoints): %s",
+                tier,
+                state.value,
+                len(idents),
+                exc,
+            )
 
     def hand_off(self, idents: Iterable[Ident], note: Optional[str] = None) -> None:
         """Leave these for later (``FLUSH_PENDING`` + note), in one ledger transaction."""
-        self._mark(list(idents), self.dst, State.FLUSH_PENDING, note or self.hand_off_note,
-                   forced=True, selected_for_flush=True)
+        self._mark(
+            list(idents),
+            self.dst,
+            State.FLUSH_PENDING,
+            note or self.hand_off_note,
+            forced=True,
+            selected_for_flush=True,
+        )
 
     # -- one -----------------------------------------------------------------------
     def flush_one(
@@ -215,8 +226,9 @@ class Flusher:
             return FlushResult(ident, "bad", nbytes=nbytes, error=str(exc))
         except CkptError as exc:
             self._mark([ident], self.dst, State.FAILED, str(exc), code="flush")
-            return FlushResult(ident, "failed", nbytes=nbytes, error=str(exc),
-                               seconds=self.clock() - t0)
+            return FlushResult(
+                ident, "failed", nbytes=nbytes, error=str(exc), seconds=self.clock() - t0
+            )
         seconds = float(res.get("seconds", self.clock() - t0))
         self._mark([ident], self.dst, State.VERIFIED, error=None, durations={"flush_s": seconds})
         return FlushResult(

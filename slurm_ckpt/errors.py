@@ -8,11 +8,38 @@ it never shows a traceback for these. Anything else is a bug and may show one.
 
 from __future__ import annotations
 
+# --------------------------------------------------------------------------- exit codes
+# The one exit-code table of every slurm_ckpt command (``ckpt-slurm``, ``ckpt-srun``'s own
+# failures, the hook scripts). README.md shows it; tests/test_cli_bad_inputs.py holds each
+# command to it.
+
+#: Success: the operation did what was asked, and found nothing wrong.
+EXIT_OK = 0
+#: An operation failed, or a check found a problem (a corrupt checkpoint, a failed flush).
+EXIT_FAILED = 1
+#: Bad usage or configuration: unknown option, malformed value, invalid config file.
+EXIT_USAGE = 2
+#: SLURM is missing, unreachable or answered with an error.
+EXIT_SLURM = 3
+#: Not ready: jobs or unflushed checkpoints still on the node(s) (``maint``, ``guard``).
+EXIT_NOT_READY = 4
+#: Interrupted (Ctrl-C, SIGINT): 128 + 2, as shells report it.
+EXIT_INTERRUPTED = 130
+
+EXIT_CODES = {
+    EXIT_OK: "ok",
+    EXIT_FAILED: "failed operation, or a finding (corrupt or missing checkpoint, ...)",
+    EXIT_USAGE: "usage or configuration error",
+    EXIT_SLURM: "SLURM unreachable or answered with an error",
+    EXIT_NOT_READY: "not ready (jobs or unflushed checkpoints still on the node)",
+    EXIT_INTERRUPTED: "interrupted",
+}
+
 
 class CkptError(Exception):
     """Base class: a one-line message for humans plus the CLI exit code."""
 
-    exit_code = 1
+    exit_code = EXIT_FAILED
 
     def __init__(self, message: str) -> None:
         # Keep the message on one line whatever the caller passed in.
@@ -22,41 +49,54 @@ class CkptError(Exception):
 class ConfigError(CkptError):
     """The site configuration is missing, unreadable or invalid."""
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
 
 
 class InvalidName(CkptError):
     """A key, user or file name is unsafe (``..``, absolute, control characters, ...)."""
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
 
 
 class TierError(CkptError):
     """A tier cannot be used: missing root, no permission, no space, I/O error."""
 
-    exit_code = 1
+    exit_code = EXIT_FAILED
 
 
 class VerifyError(CkptError):
     """Bytes on a tier do not match their manifest (corrupt, truncated, missing, replaced)."""
 
-    exit_code = 1
+    exit_code = EXIT_FAILED
 
 
 class NotFound(CkptError):
     """No committed checkpoint matches the request."""
 
-    exit_code = 1
+    exit_code = EXIT_FAILED
 
 
 class SlurmError(CkptError):
     """SLURM is missing, unreachable or answered with an error."""
 
-    exit_code = 3
+    exit_code = EXIT_SLURM
 
 
 class TimedOut(CkptError):
     """An operation ran into its deadline and was stopped (a child killed, a wait given up).
     Callers with more time later (the stager after the epilog) retry it."""
 
-    exit_code = 1
+    exit_code = EXIT_FAILED
+
+
+class UsageError(CkptError):
+    """A command-line value is malformed or out of range (what click calls a usage error,
+    raised where click's own checks cannot see it)."""
+
+    exit_code = EXIT_USAGE
+
+
+class NotReady(CkptError):
+    """Jobs or unflushed checkpoints are still on the node(s): not safe to go ahead."""
+
+    exit_code = EXIT_NOT_READY

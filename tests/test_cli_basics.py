@@ -106,7 +106,7 @@ def test_config_show_human(good_config):
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert str(good_config) in out
-    for text in ("[tiers.local]", "/local/ckpt", "[copy]", "64.0 MiB", "SIGUSR1", "[hooks]"):
+    for text in ("[tiers.local]", "/local/ckpt", "[copy]", "64.0MiB", "SIGUSR1", "[hooks]"):
         assert text in out
 
 
@@ -189,11 +189,10 @@ def test_config_is_loaded_lazily(tmp_path):
 
 
 @pytest.mark.parametrize("args", [["no-such-command"], ["config", "show", "--nope"], ["--config"]])
-def test_usage_errors_keep_click_exit_code(args):
+def test_usage_errors_are_one_line_exit_2(args):
     proc = run_cli(*args)
-    assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr
-    assert "Error:" in proc.stderr
+    line = assert_one_line_error(proc, 2)
+    assert line.endswith("--help')"), line  # points at the help
 
 
 def test_group_without_subcommand_shows_help():
@@ -272,7 +271,9 @@ def test_main_command_status_and_bugs(capsys, raising_command):
 def test_main_usage_error_in_process(capsys):
     code, out, err = _main_exit(capsys, ["--bogus"])
     assert code == 2
-    assert "No such option" in err
+    (line,) = err.splitlines()
+    assert line.startswith("ckpt-slurm: error: No such option") and "--bogus" in line
+    assert line.endswith(" (see 'ckpt-slurm --help')")
 
 
 def test_main_ok_in_process(capsys, good_config):

@@ -68,7 +68,8 @@ def test_verify_exit_codes(site) -> None:
     doc = json.loads(r.stdout)
     assert not doc["ok"]
     bad = [c for c in doc["checkpoints"] if not c["ok"]]
-    assert [(c["where"].split(":")[0], c["step"]) for c in bad] == [("local", 2)]
+    assert [(c["tier"], c["step"], c["state"]) for c in bad] == [("local", 2, "CORRUPT")]
+    assert bad[0]["path"] == lt.step_path("alice", "run", 2)
     assert "content hash mismatch" in bad[0]["problems"][0]
     # By path, and restricted to the PFS tier: the PFS copy is fine.
     assert cli("verify", lt.step_path("alice", "run", 1), config=cfg).returncode == 0
@@ -83,7 +84,7 @@ def test_verify_exit_codes(site) -> None:
         (["list", "../etc", "--user", "alice"], 2, "invalid"),
         (["verify", "run", "--user", "bad/user"], 2, "invalid user"),
         (["verify", "/tmp/not-a-step"], 1, "not a checkpoint directory"),
-        (["list", "run", "--user", "alice", "--tier", "cold"], 1, "not configured"),
+        (["list", "run", "--user", "alice", "--tier", "cold"], 2, "not configured"),
     ],
 )
 def test_bad_input_one_line(site, args, code, needle) -> None:

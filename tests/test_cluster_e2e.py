@@ -301,7 +301,7 @@ def test_slow_flush_drains_until_the_stager_finishes(e2e: E2E) -> None:
         e.c.wait_node_state("n2", lambda s: "DRAIN" in s, timeout=30)
         reason = e.node_reason("n2")
         # One or both (on a loaded machine the first copy may not fit in the budget either).
-        assert re.match(r"slurm_ckpt: flushing [12] checkpoints? \([0-9.]+ MiB\)$", reason), reason
+        assert re.match(r"slurm_ckpt: flushing [12] checkpoints? \([0-9.]+ ?MiB\)$", reason), reason
         # A job that asks for n2 now does not get it.
         probe = e.job("true\n", args=["-w", "n2"])
         e.c.wait_until(
@@ -456,7 +456,7 @@ def test_ckpt_srun_time_limit_requeues_once_and_resumes(e2e: E2E) -> None:
     e.configure()
     key = f"srun-{e.tok}"
     body = (
-        f"exec {CKPT_SRUN} --key {key} --warn 45 --max-requeues 3 -- "
+        f"exec {CKPT_SRUN} --key {key} --warn 45s --max-requeues 3 -- "
         f"-n1 {PY} {e.dir / 'trainer.py'} 200\n"
     )
     jobid = e.job(body, args=["-t", "1", "-N1", "--requeue", "--open-mode=append", "-w", "n1"])

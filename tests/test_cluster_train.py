@@ -311,7 +311,7 @@ def test_signalled_job_saves_at_next_step_and_epilog_flushes(t: TrainSite, how: 
     if how == "scancel":
         srun_opts, args = "--warn 0 --no-flush", ["-w", node]
     else:
-        srun_opts, args = "--warn 40 --no-requeue --no-flush", ["-w", node, "-t", "1"]
+        srun_opts, args = "--warn 40s --no-requeue --no-flush", ["-w", node, "-t", "1"]
     jobid = t.train_job(key, args, steps=LONG_STEPS, srun_opts=srun_opts)
     try:
         # Two interval checkpoints: the first (seq 0) is flushed by the job, the second
@@ -389,7 +389,7 @@ def test_sigkilled_trainer_epilog_hands_slow_flush_to_stager(t: TrainSite) -> No
         assert "handed 1 to the stager" in line and "drained:" in line, line
         t.c.wait_node_state(node, lambda s: "DRAIN" in s, timeout=30)
         reason = t.node_reason(node)
-        assert re.match(r"slurm_ckpt: flushing 1 checkpoint \([0-9.]+ KiB\)$", reason), reason
+        assert re.match(r"slurm_ckpt: flushing 1 checkpoint \([0-9.]+ ?KiB\)$", reason), reason
         assert step not in t.pfs_steps(key)
         res = t.stager(node)
         assert res.returncode == 0, res.stdout + res.stderr

@@ -168,7 +168,7 @@ def test_full_config_values_and_round_trip(tmp_path):
     assert again == cfg
     assert again.to_dict() == data
     human = cfg.to_dict(human=True)
-    assert human["copy"]["chunk_size"] == "128.0 MiB"
+    assert human["copy"]["chunk_size"] == "128.0MiB"
     assert human["retention"]["keep_pfs_every"] == "12h00m"
 
 

@@ -306,7 +306,7 @@ def test_local_tier_checks(area: Area) -> None:
     with pytest.raises(PrologFailed) as err:
         check_local_tier(cfg)
     msg = str(err.value)
-    assert "free, need 7.0 MiB" in msg and "expected_checkpoint_size 2.0 MiB x" in msg
+    assert "free, need 7.0MiB" in msg and "expected_checkpoint_size 2.0MiB x" in msg
 
 
 def test_prolog_fails_cleanly_on_a_full_tier(area: Area) -> None:
@@ -566,7 +566,7 @@ def test_stager_daemon_passes_until_sigterm(area: Area) -> None:
     save(area.cfg(), "ckptuser1", "daemon", 1)
     proc = subprocess.Popen(
         [sys.executable, "-m", "slurm_ckpt.cli.main", "--config", str(cfg_file), "stager"]
-        + ["--interval", "0.2", "--no-slurm", "--node", "n7"],
+        + ["--interval", "200ms", "--no-slurm", "--node", "n7"],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -575,7 +575,7 @@ def test_stager_daemon_passes_until_sigterm(area: Area) -> None:
     try:
         lines = [proc.stdout.readline() for _ in range(2)]  # two passes
         assert lines[0].startswith("stager on n7: flushed 1 ") and "0 still owed" in lines[0]
-        assert lines[1].startswith("stager on n7: flushed 0 (0 B); 0 still owed")
+        assert lines[1].startswith("stager on n7: flushed 0 (0B); 0 still owed")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=5) == 0
     finally:

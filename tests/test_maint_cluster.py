@@ -69,9 +69,9 @@ def _slow_flush(e: E2E, node: str, key: str, size: int) -> None:
 
 def _maint(e: E2E, node: str, timeout: float, *action: str) -> subprocess.Popen:
     env = dict(e.c.env, SLURM_CKPT_CONFIG=str(e.config))
-    argv = [str(CKPT_SLURM), "maint", node, "--reason", "test", "--timeout", str(timeout)]
+    argv = [str(CKPT_SLURM), "maint", node, "--reason", "test", "--timeout", f"{timeout}s"]
     return subprocess.Popen(
-        [*argv, "--poll", "1", "--", *action],
+        [*argv, "--poll", "1s", "--", *action],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

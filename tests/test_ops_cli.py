@@ -248,7 +248,7 @@ def test_guard_exit_codes_from_ledger_and_pfs_status(site: Site) -> None:
     led = Ledger(ldir, "g1")
     led.record_local_commit(USER, "run", 1, 123, 0, "9", selected_for_flush=True)
     t0 = time.monotonic()
-    code, out, err = site.cli("guard", "--node", "g1", "--wait", "0.5", "--poll", "0.1")
+    code, out, err = site.cli("guard", "--node", "g1", "--wait", "0.5s", "--poll", "100ms")
     assert code == 4 and out == "" and time.monotonic() - t0 >= 0.5
     assert err.startswith("ckpt-slurm: error: guard g1: 1 checkpoint (")
     assert err.count("\n") == 1
@@ -337,8 +337,8 @@ def test_maint_waits_for_jobs_and_fresh_status_then_acts(
     fake.on_poll = poll
     marker = site.base / "did-it"
     code, out, err = site.cli(
-        "maint", "m1", "--reason", "kernel update", "--signal-jobs", "--timeout", "20",
-        "--poll", "0.05", "--", "touch", str(marker),
+        "maint", "m1", "--reason", "kernel update", "--signal-jobs", "--timeout", "20s",
+        "--poll", "50ms", "--", "touch", str(marker),
     )  # fmt: skip
     assert code == 0, err
     assert marker.exists() and "maint m1: done" in out
@@ -356,7 +356,7 @@ def test_maint_timeout_refuses_with_exit_4_and_stays_drained(
     monkeypatch.setattr(maint_mod, "client_factory", lambda: fake)
     marker = site.base / "did-it"
     code, out, err = site.cli(
-        "maint", "m[1-2]", "--reason", "x", "--timeout", "0.3", "--poll", "0.05",
+        "maint", "m[1-2]", "--reason", "x", "--timeout", "300ms", "--poll", "50ms",
         "--", "touch", str(marker),
     )  # fmt: skip
     assert code == 4 and not marker.exists() and "maint m1" not in out
@@ -390,7 +390,7 @@ def test_maint_slurm_actions(
     # statuses must be newer than the drain: publish again from inside the first poll
     fake.on_poll = lambda: [publish_status(Ledger(site.base / f"led-{n}", n), site.pfs)
                             for n in ("m1", "m2")]  # fmt: skip
-    code, _, err = site.cli("maint", "m[1-2]", "--reason", "r", "--poll", "0.05", *args)
+    code, _, err = site.cli("maint", "m[1-2]", "--reason", "r", "--poll", "50ms", *args)
     assert code == 0, err
     assert fake.cli.ran == [want]
 

@@ -91,8 +91,8 @@ def test_maint_reboot_waits_for_the_flush_then_reboots_and_resumes(e2e: E2E) -> 
         started = c.node_info(node)["SlurmdStartTime"]
         env = dict(c.env, SLURM_CKPT_CONFIG=str(e.config))
         proc = subprocess.Popen(
-            [str(CKPT_SLURM), "maint", node, "--reason", "r", "--timeout", "90"]
-            + ["--poll", "1", "--reboot"],
+            [str(CKPT_SLURM), "maint", node, "--reason", "r", "--timeout", "90s"]
+            + ["--poll", "1s", "--reboot"],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -370,9 +370,24 @@ def test_cli_options_reach_the_plan():
 def test_cli_table():
     r = _runner().invoke(plan_cmd, BRIEF)
     assert r.exit_code == 0, r.output
-    for text in ("checkpoint size", "980.1 GB", "5m26s", "32m40s", "flush_every", "18.1%"):
+    # IEC sizes (980.07 GB = 912.8 GiB); durations rounded (326.7 s = 5m27s, not 5m26s).
+    for text in ("checkpoint size", "912.8GiB", "5m27s", "32m40s", "flush_every", "18.1%"):
         assert text in r.stdout, text
-    assert "flush_every=2" in r.stdout  # the warning
+    assert "flush_every=2" not in r.stdout
+    assert r.stderr.strip().startswith("warning: the PFS copy (32m40s)")  # warnings: stderr
+    assert "flush_every=2" in r.stderr
+
+
+def test_cli_parsable_raw_numbers():
+    r = _runner().invoke(plan_cmd, [*BRIEF, "--parsable"])
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[0] == "field|value"
+    fields = dict(line.split("|") for line in lines[1:])
+    assert int(fields["checkpoint_bytes"]) == 980 * GB + EXTRA_STATE_BYTES
+    assert float(fields["interval_s"]) == 1800.0
+    assert float(fields["local_write_s"]) == pytest.approx(326.689, abs=1e-3)
+    assert fields["interval_tokens"] == ""
 
 
 @pytest.mark.parametrize(

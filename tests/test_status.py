@@ -304,7 +304,7 @@ def test_cli_json_and_table(site: Site) -> None:
     }
     r = cli("status", "--no-slurm", "--job", "11", config=site.cfg_path)
     assert r.returncode == 0, r.stderr
-    assert "alice/run1" in r.stdout and "200 steps" in r.stdout and "bob" not in r.stdout
+    assert "alice/run1" in r.stdout and " 200 " in r.stdout and "bob" not in r.stdout
     r = cli("status", "--user", "../etc", config=site.cfg_path)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("ckpt-slurm: error: invalid user")

@@ -29,11 +29,14 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import click
 
-from slurm_ckpt.cli.output import CliState, console, pass_state, print_json, print_table
+from slurm_ckpt.cli.output import CliState, pass_state, print_json, print_table
+from slurm_ckpt.cli.progress import ByteProgress
+from slurm_ckpt.cli.table import warn
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import current_user, validate_key, validate_user
+from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.core.units import format_bytes, format_duration
-from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
+from slurm_ckpt.errors import NotFound, TierError, UsageError, VerifyError
 
 __all__ = ["drill_cmd", "run_drill"]
 
@@ -77,9 +80,14 @@ def _identity(value: int) -> int:
 
 
 def run_drill(
-    cfg: Config, key: str, user: Optional[str] = None, scratch: Optional[str] = None
+    cfg: Config,
+    key: str,
+    user: Optional[str] = None,
+    scratch: Optional[str] = None,
+    progress: Optional[ProgressFn] = None,
 ) -> Dict[str, Any]:
-    """Run the drill (see the module docstring); the report as a dict."""
+    """Run the drill (see the module docstring); the report as a dict.
+    ``progress(nbytes)`` hears of every byte copied and verified."""
     from slurm_ckpt.job.restore import Restorer, shard_key
     from slurm_ckpt.job.state import INDEX_NAME
     from slurm_ckpt.tiers.copy import copy_checkpoint
@@ -106,7 +114,7 @@ def run_drill(
                 )
                 t0 = time.monotonic()
                 try:
-                    res = copy_checkpoint(tier, dst, user, own_key, step)
+                    res = copy_checkpoint(tier, dst, user, own_key, step, progress=progress)
                 except (VerifyError, TierError, NotFound) as exc:
                     skipped.append({"tier": tier.name, "step": step, "error": str(exc)})
                     continue
@@ -118,7 +126,7 @@ def run_drill(
                     step=step,
                     tokens=manifest.tokens,
                     tier=tier.name,
-                    source=tier.step_path(user, own_key, step),
+                    path=tier.step_path(user, own_key, step),
                     scratch=parent,
                     bytes=res.nbytes,
                     copy_s=round(copy_s, 4),
@@ -179,13 +187,13 @@ def _count_leaves(obj: Any) -> int:
 
 @click.command("drill")
 @click.argument("key")
-@click.option("--user", help="owner of the checkpoints (default: you)")
+@click.option("-u", "--user", help="Owner of the checkpoints (default: you).")
 @click.option(
     "--scratch",
     metavar="DIR",
-    help="where to put the copy (default: a temporary directory on the tier it comes from)",
+    help="Where to put the copy (default: a temporary directory on the tier it comes from).",
 )
-@click.option("--json", "as_json", is_flag=True, help="machine-readable output (for CI)")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON (for CI).")
 @pass_state
 def drill_cmd(
     state: CliState, key: str, user: Optional[str], scratch: Optional[str], as_json: bool
@@ -196,19 +204,19 @@ def drill_cmd(
     Exit status 1 when nothing is restorable.
     """
     if scratch is not None and not os.path.isdir(scratch):
-        raise CkptError(f"--scratch {scratch}: not a directory")
-    report = run_drill(state.config, key, user, scratch)
+        raise UsageError(f"--scratch {scratch}: not a directory")
+    with ByteProgress(f"drill {key}: copy + verify") as bar:
+        report = run_drill(state.config, key, user, scratch, progress=bar.advance)
     if as_json:
         print_json(report)
         return 0 if report["ok"] else 1
     for s in report["skipped"]:
-        line = f"skipped {s['tier']} step {s['step']}: {s['error']}"
-        console(stderr=True).print(line, markup=False)
+        warn(f"skipped {s['tier']} step {s['step']}: {s['error']}")
     if not report["ok"]:
         raise NotFound(f"no restorable checkpoint for {report['user']}/{key}")
     rows = [
         ("step", report["step"]),
-        ("from", f"{report['tier']}: {report['source']}"),
+        ("from", f"{report['tier']}: {report['path']}"),
         ("size", format_bytes(report["bytes"])),
         ("copy + verify", format_duration(report["copy_s"])),
         ("payload", report["load"]),

@@ -23,8 +23,19 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import click
 
-from slurm_ckpt.cli.output import CliState, console, pass_state, print_json, print_table
+from slurm_ckpt.cli.output import CliState, pass_state
+from slurm_ckpt.cli.params import JOB_ID, NODE
+from slurm_ckpt.cli.progress import ByteProgress
+from slurm_ckpt.cli.table import (
+    Column,
+    Listing,
+    OutputFormat,
+    output_options,
+    plural,
+    print_json_doc,
+)
 from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.progress import ProgressFn, report
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import CkptError
 
@@ -45,7 +56,7 @@ class FlushSummary:
     def to_dict(self) -> Dict[str, Any]:
         return {
             "flushed": [
-                {"user": u, "key": k, "step": s, "copied_bytes": n, "seconds": round(t, 3)}
+                {"user": u, "key": k, "step": s, "bytes": n, "seconds": round(t, 3)}
                 for (u, k, s), n, t in self.flushed
             ],
             "failed": [
@@ -60,8 +71,7 @@ class FlushSummary:
     def from_dict(cls, d: Dict[str, Any]) -> FlushSummary:
         return cls(
             flushed=[
-                ((f["user"], f["key"], f["step"]), f["copied_bytes"], f["seconds"])
-                for f in d["flushed"]
+                ((f["user"], f["key"], f["step"]), f["bytes"], f["seconds"]) for f in d["flushed"]
             ],
             failed=[((f["user"], f["key"], f["step"]), f["error"]) for f in d["failed"]],
             busy=[(b["user"], b["key"], b["step"]) for b in d["busy"]],
@@ -90,10 +100,17 @@ def _is_busy(cfg: Config, user: str, key: str, step: int) -> bool:
 
 
 def flush_node(
-    cfg: Config, node: str, job: Optional[str] = None, wait: bool = False, client: Any = None
+    cfg: Config,
+    node: str,
+    job: Optional[str] = None,
+    wait: bool = False,
+    client: Any = None,
+    progress: Optional[ProgressFn] = None,
 ) -> FlushSummary:
-    """Root: the node's backlog (or ``job``'s checkpoints), as each owner, via NodeWork."""
-    from slurm_ckpt.hooks.epilog import NodeWork
+    """Root: the node's backlog (or ``job``'s checkpoints), as each owner, via NodeWork.
+    ``progress(nbytes)`` hears of each checkpoint's bytes once it is done (the copies
+    run in children as the owner: per checkpoint, not per chunk)."""
+    from slurm_ckpt.hooks.epilog import FlushOutcome, NodeWork
     from slurm_ckpt.node.asuser import run_as
 
     work = NodeWork(cfg, node, client)
@@ -131,7 +148,14 @@ def flush_node(
             else:
                 free.append(rec)
         todo = free
-    out = work.flush(todo)
+    out = FlushOutcome()
+    for rec in todo:  # one at a time, so that progress moves (NodeWork.flush is sequential)
+        one = work.flush([rec])
+        out.flushed += one.flushed
+        out.failed += one.failed
+        out.handed += one.handed
+        out.dropped += one.dropped
+        report(progress, rec.nbytes)
     failed = dict(out.failed)
     by_ident = {r.ident: r for r in todo}
     for ident in out.flushed:
@@ -149,9 +173,15 @@ def flush_node(
 
 
 def flush_own(
-    cfg: Config, user: str, node: str, job: Optional[str] = None, wait: bool = False
+    cfg: Config,
+    user: str,
+    node: str,
+    job: Optional[str] = None,
+    wait: bool = False,
+    progress: Optional[ProgressFn] = None,
 ) -> FlushSummary:
-    """A user's own checkpoints on this node's local tier -> the PFS (copy_checkpoint)."""
+    """A user's own checkpoints on this node's local tier -> the PFS (copy_checkpoint);
+    ``progress(nbytes)`` hears of every byte copied."""
     from slurm_ckpt.ledger import State
     from slurm_ckpt.ledger.ledger import LEDGER_NAME, Ledger
     from slurm_ckpt.tiers.copy import copy_checkpoint
@@ -180,7 +210,7 @@ def flush_own(
             summary.busy.append(ident)
             continue
         try:
-            res = copy_checkpoint(local, pfs, *ident)
+            res = copy_checkpoint(local, pfs, *ident, progress=progress)
         except CkptError as exc:
             summary.failed.append((ident, str(exc)))
             continue
@@ -197,60 +227,85 @@ def flush_own(
 # --------------------------------------------------------------------------- command
 
 
-def _print(summary: FlushSummary) -> None:
-    rows = [
-        [f"{u}/{k}", s, "flushed", f"{format_bytes(n)} in {format_duration(t)}"]
-        for (u, k, s), n, t in summary.flushed
-    ]
-    rows += [[f"{u}/{k}", s, "FAILED", e] for (u, k, s), e in summary.failed]
+FLUSH_COLUMNS = [
+    Column("series", "series", parsable=False),
+    Column("user", "user", human=False),
+    Column("key", "key", human=False),
+    Column("step", "step", right=True),
+    Column("state", "result"),
+    Column("bytes", "size", fmt=format_bytes, right=True),
+    Column("seconds", "time", fmt=format_duration, right=True),
+    Column("error", "detail", wrap=True),
+]
+
+
+def _rows(summary: FlushSummary) -> List[Dict[str, Any]]:
+    def row(ident: Ident, state: str, **kw: Any) -> Dict[str, Any]:
+        u, k, s = ident
+        return dict({"series": f"{u}/{k}", "user": u, "key": k, "step": s, "state": state}, **kw)
+
+    rows = [row(i, "flushed", bytes=n, seconds=round(t, 3)) for i, n, t in summary.flushed]
+    rows += [row(i, "FAILED", error=e) for i, e in summary.failed]
     rows += [
-        [f"{u}/{k}", s, "busy", "another process is flushing it (use --wait)"]
-        for u, k, s in summary.busy
+        row(i, "busy", error="another process is flushing it (use --wait)") for i in summary.busy
     ]
-    if rows:
-        print_table("flush", rows, ["series", "step", "result", "detail"])
+    return rows
+
+
+def _print(summary: FlushSummary, out: OutputFormat) -> None:
+    rows = _rows(summary)
+    if rows or not out.decorated:
+        Listing(FLUSH_COLUMNS, rows, "flush").print(out)
+    if not out.decorated:
+        return
     total = sum(n for _i, n, _t in summary.flushed)
     line = (
-        f"flushed {len(summary.flushed)} checkpoints ({format_bytes(total)}), "
+        f"flushed {plural(len(summary.flushed), 'checkpoint')} ({format_bytes(total)}), "
         f"{len(summary.failed)} failed, {len(summary.busy)} busy"
     )
     if summary.left_to_jobs:
         line += f", {summary.left_to_jobs} left to jobs still running here"
-    console().print(line, markup=False)
+    click.echo(line)
 
 
 @click.command("flush")
-@click.option("--job", default=None, help="only checkpoints written by this job")
-@click.option("--wait", is_flag=True, help="wait for copies other processes are running")
-@click.option("--node", default=None, help="node name (default: $SLURMD_NODENAME, else host)")
-@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.option("-j", "--job", type=JOB_ID, default=None, help="Only checkpoints of this job.")
+@click.option("--wait", is_flag=True, help="Wait for copies other processes are running.")
+@click.option(
+    "-w",
+    "--node",
+    type=NODE,
+    default=None,
+    help="This node's name (default: $SLURMD_NODENAME, else the host name).",
+)
+@output_options
 @pass_state
 def flush_cmd(
-    state: CliState, job: Optional[str], wait: bool, node: Optional[str], as_json: bool
+    state: CliState, job: Optional[str], wait: bool, node: Optional[str], out: OutputFormat
 ) -> int:
     """Flush this node's checkpoints to the PFS now (root: every user's, as that user;
-    otherwise your own). Exit status 1 when anything failed."""
+    otherwise your own).
+
+    Exit status 1 when anything failed.
+    """
     from slurm_ckpt.core.names import current_user
 
     cfg = state.config
     name = _node_name(node)
-    if job is not None:
-        from slurm_ckpt.slurm.env import parse_job_id
-
-        job = parse_job_id(job)
-    if os.geteuid() == 0:
-        client = None
-        try:
-            from slurm_ckpt.slurm.client import SlurmClient
-
-            client = SlurmClient(backend="cli", timeout=15.0)
-        except CkptError:
+    with ByteProgress("flush") as bar:
+        if os.geteuid() == 0:
             client = None
-        summary = flush_node(cfg, name, job, wait, client)
+            try:
+                from slurm_ckpt.slurm.client import SlurmClient
+
+                client = SlurmClient(backend="cli", timeout=15.0)
+            except CkptError:
+                client = None
+            summary = flush_node(cfg, name, job, wait, client, progress=bar.advance)
+        else:
+            summary = flush_own(cfg, current_user(), name, job, wait, progress=bar.advance)
+    if out.json:
+        print_json_doc(summary.to_dict())
     else:
-        summary = flush_own(cfg, current_user(), name, job, wait)
-    if as_json:
-        print_json(summary.to_dict())
-    else:
-        _print(summary)
+        _print(summary, out)
     return 1 if summary.failed else 0

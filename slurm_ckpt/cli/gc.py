@@ -41,10 +41,20 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import click
 
-from slurm_ckpt.cli.output import CliState, console, pass_state, print_json, print_table
+from slurm_ckpt.cli.output import CliState, pass_state, print_error
+from slurm_ckpt.cli.progress import ByteProgress
+from slurm_ckpt.cli.table import (
+    Column,
+    Listing,
+    OutputFormat,
+    output_options,
+    plural,
+    print_json_doc,
+)
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.layout import PARTIAL_PREFIX, parse_step_dirname, step_dirname
 from slurm_ckpt.core.names import validate_key, validate_user
+from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.core.retention import CkptInfo, RetentionPolicy, plan_pfs_deletions
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError
@@ -226,8 +236,10 @@ def gc_series(
     *,
     dry_run: bool = False,
     next_tier: Optional[PosixTier] = None,
+    progress: Optional[ProgressFn] = None,
 ) -> SeriesResult:
-    """Apply retention to ``user/key`` on ``tier``; see the module docstring."""
+    """Apply retention to ``user/key`` on ``tier``; see the module docstring.
+    ``progress(nbytes)`` hears of every byte verified."""
     res = SeriesResult(tier.name, user, key)
     steps: Dict[int, StepInfo] = {s.step: s for s in tier.steps(user, key)}
     res.steps = sorted(steps)
@@ -258,7 +270,7 @@ def gc_series(
 
     def verify(step: int) -> bool:
         try:
-            rep = tier.verify(user, key, step)
+            rep = tier.verify(user, key, step, progress=progress)
         except CkptError as exc:
             res.problems.append(f"{tier.where(user, key, step)}: {exc}")
             return False
@@ -312,6 +324,7 @@ def run_gc(
     key: Optional[str] = None,
     dry_run: bool = False,
     now: Optional[float] = None,
+    progress: Optional[ProgressFn] = None,
 ) -> GcReport:
     """Retention over every selected series on the PFS and (when configured) cold tiers."""
     if user is not None:
@@ -328,7 +341,9 @@ def run_gc(
             continue
         following = tiers.get(GC_TIERS[i + 1]) if i + 1 < len(GC_TIERS) else None
         for u, k in _series(tier, user, key):
-            res = gc_series(tier, u, k, policy, when, dry_run=dry_run, next_tier=following)
+            res = gc_series(
+                tier, u, k, policy, when, dry_run=dry_run, next_tier=following, progress=progress
+            )
             if res.steps:
                 report.series.append(res)
     return report
@@ -337,55 +352,75 @@ def run_gc(
 # --------------------------------------------------------------------------- command
 
 
-def _steps_text(steps: List[int]) -> str:
-    return ", ".join(str(s) for s in steps) if steps else "-"
+def step_ranges(steps: Sequence[int]) -> str:
+    """``[1, 2, 3, 5]`` -> ``"1-3,5"``: one token however many steps (``-`` for none)."""
+    out: List[str] = []
+    ordered = sorted(set(steps))
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(out) or "-"
+
+
+def _gc_columns(dry_run: bool) -> List[Column]:
+    gone = "delete" if dry_run else "deleted"
+    return [
+        Column("tier", "tier"),
+        Column("series", "series", parsable=False),
+        Column("user", "user", human=False),
+        Column("key", "key", human=False),
+        Column("checkpoints", "checkpoints", right=True, drop=2),
+        Column("keep", "keep", fmt=step_ranges),
+        Column(gone, "would delete" if dry_run else "deleted", fmt=step_ranges),
+        Column("bytes", "size", fmt=format_bytes, right=True),
+        Column("corrupt", "corrupt", fmt=step_ranges),
+        Column("pinned", "pinned", fmt=step_ranges, drop=1),
+    ]
 
 
 @click.command("gc")
-@click.option("--dry-run", is_flag=True, help="only report what would be deleted")
-@click.option("--user", help="only this user's checkpoints (default: everyone's)")
-@click.option("--key", help="only this key")
-@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.option("--dry-run", is_flag=True, help="Only report what would be deleted.")
+@click.option("-u", "--user", help="Only this user's checkpoints (default: everyone's).")
+@click.option("-k", "--key", help="Only this key.")
+@output_options
 @pass_state
 def gc_cmd(
-    state: CliState, dry_run: bool, user: Optional[str], key: Optional[str], as_json: bool
+    state: CliState, dry_run: bool, user: Optional[str], key: Optional[str], out: OutputFormat
 ) -> int:
     """Apply retention on the PFS (and cold) tiers: keep the newest retention.keep_pfs
     checkpoints that verify now, one per retention.keep_pfs_every, and pinned ones.
 
-    Exit status 1 if a deletion failed.
+    Exit status 1 if a deletion failed. The size column is what was (or would be)
+    deleted; steps are shown as ranges (1-3,5).
     """
-    report = run_gc(state.config, user=user, key=key, dry_run=dry_run)
-    if as_json:
-        print_json(report.to_dict())
+    with ByteProgress("gc: verify") as bar:
+        report = run_gc(state.config, user=user, key=key, dry_run=dry_run, progress=bar.advance)
+    for s in report.series:
+        for line in s.errors:
+            print_error(line)
+    if out.json:
+        print_json_doc(report.to_dict())
         return 0 if report.ok else 1
     doc = report.to_dict()
     busy = [s for s in report.series if s.delete or s.corrupt or s.errors]
-    if busy:
-        print_table(
-            "gc (dry run: nothing deleted)" if dry_run else "gc",
-            [
-                [
-                    s.tier,
-                    f"{s.user}/{s.key}",
-                    _steps_text(s.keep),
-                    _steps_text(s.delete if dry_run else s.deleted),
-                    format_bytes(s.bytes),
-                    _steps_text(s.corrupt),
-                ]
-                for s in busy
-            ],
-            ["tier", "series", "keep", "would delete" if dry_run else "deleted", "size", "corrupt"],
+    rows = [
+        dict(s.to_dict(), series=f"{s.user}/{s.key}")
+        for s in (report.series if not out.decorated else busy)
+    ]
+    if rows or not out.decorated:
+        Listing(
+            _gc_columns(dry_run), rows, "gc (dry run: nothing deleted)" if dry_run else "gc"
+        ).print(out)
+    if out.decorated:
+        t = doc["totals"]
+        verb = "would delete" if dry_run else "deleted"
+        count = t["delete"] if dry_run else t["deleted"]
+        click.echo(
+            f"{t['series']} series, {plural(t['checkpoints'], 'checkpoint')}: {verb} {count} "
+            f"({format_bytes(t['bytes'])}); verified {t['verified']}, corrupt {t['corrupt']}"
         )
-    t = doc["totals"]
-    verb = "would delete" if dry_run else "deleted"
-    count = t["delete"] if dry_run else t["deleted"]
-    console().print(
-        f"{t['series']} series, {t['checkpoints']} checkpoints: {verb} {count} "
-        f"({format_bytes(t['bytes'])}); verified {t['verified']}, corrupt {t['corrupt']}",
-        markup=False,
-    )
-    for s in report.series:
-        for line in s.errors:
-            console(stderr=True).print(f"error: {line}", markup=False)
     return 0 if report.ok else 1

@@ -21,16 +21,17 @@ import shutil
 import socket
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import click
 
 from slurm_ckpt.cli.output import CliState, pass_state
+from slurm_ckpt.cli.params import NODE, SECONDS_COMPAT, Duration
 from slurm_ckpt.core import fsio
 from slurm_ckpt.core.config import load_config, resolve_config_path
 from slurm_ckpt.core.names import validate_node
 from slurm_ckpt.core.units import format_duration
-from slurm_ckpt.errors import CkptError, ConfigError, SlurmError
+from slurm_ckpt.errors import CkptError, ConfigError, SlurmError, UsageError
 
 __all__ = [
     "GRACE_S",
@@ -160,10 +161,10 @@ def _drain_quietly(client, node: Optional[str], reason: str) -> None:  # noqa: A
 
 budget_option = click.option(
     "--budget",
-    type=float,
+    type=SECONDS_COMPAT,
     default=None,
-    metavar="SECONDS",
-    help="Finish within this many seconds; hooks.budget of the config applies when it is "
+    help="Finish within this long (100s; a plain number is seconds, as installed hook "
+    "scripts pass it); hooks.budget of the config applies when it is "
     "smaller (the hook scripts pass the budget they were installed with, so lowering "
     "hooks.budget works at once; raising it needs `install-hooks` again).",
 )
@@ -171,6 +172,21 @@ budget_option = click.option(
 
 def _budget(cfg_budget: float, cap: Optional[float]) -> float:
     return cfg_budget if cap is None else min(cfg_budget, cap)
+
+
+def _hook_env(kind: str, client: Any) -> Any:
+    """The job environment slurmd sets, or one line and exit 2 (usage) for both hooks:
+    a missing or malformed ``$SLURM_JOB_ID`` means the hook was not run by slurmd, and
+    prolog and epilog must answer that with the same code. The node is drained first
+    (when its name is known), as for any failed hook."""
+    from slurm_ckpt.slurm.env import hook_env
+
+    try:
+        return hook_env()
+    except CkptError as exc:
+        msg = f"{kind}: bad SLURM job environment: {exc}"
+        _drain_quietly(client, os.environ.get("SLURMD_NODENAME"), f"slurm_ckpt: {msg}")
+        raise UsageError(msg) from None
 
 
 @click.command("prolog")
@@ -184,13 +200,12 @@ def prolog_cmd(state: CliState, budget: Optional[float]) -> None:
     with reason "slurm_ckpt: prolog: ..." and SLURM requeues the job, held.
     """
     from slurm_ckpt.hooks.prolog import PrologFailed, run_prolog
-    from slurm_ckpt.slurm.env import hook_env
 
     _setup_logging("prolog")
     _need_root("ckpt-slurm prolog")
     client = _client()
+    env = _hook_env("prolog", client)
     try:
-        env = hook_env()
         report = run_prolog(state.config, env, client, _budget(state.config.hooks.budget, budget))
     except CkptError as exc:
         _drain_quietly(client, os.environ.get("SLURMD_NODENAME"), f"slurm_ckpt: prolog: {exc}")
@@ -210,13 +225,12 @@ def epilog_cmd(state: CliState, budget: Optional[float]) -> None:
     drained with reason "slurm_ckpt: flushing N checkpoints (SIZE)" until it is done.
     """
     from slurm_ckpt.hooks.epilog import run_epilog
-    from slurm_ckpt.slurm.env import hook_env
 
     _setup_logging("epilog")
     _need_root("ckpt-slurm epilog")
     client = _client()
+    env = _hook_env("epilog", client)
     try:
-        env = hook_env()
         report = run_epilog(state.config, env, client, _budget(state.config.hooks.budget, budget))
     except CkptError as exc:
         _drain_quietly(client, os.environ.get("SLURMD_NODENAME"), f"slurm_ckpt: epilog: {exc}")
@@ -228,14 +242,15 @@ def epilog_cmd(state: CliState, budget: Optional[float]) -> None:
 @click.option("--once", is_flag=True, help="One pass, then exit (1 if work remains).")
 @click.option(
     "--interval",
-    type=click.FloatRange(min=0.1),
-    default=30.0,
+    type=Duration(minimum=0.1),
+    default="30s",
     show_default=True,
-    metavar="SECONDS",
-    help="Time between passes.",
+    help="Time between passes: 30s, 1min.",
 )
 @click.option(
+    "-w",
     "--node",
+    type=NODE,
     default=None,
     help="SLURM node name (default: $SLURMD_NODENAME, else the short host name).",
 )

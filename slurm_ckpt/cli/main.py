@@ -3,8 +3,13 @@
 :func:`main` is the console script. It runs the click group :data:`cli` and turns every
 :class:`~slurm_ckpt.errors.CkptError`, every user-caused :class:`OSError` (EACCES, ENOSPC,
 ...) and Ctrl-C into one line ``ckpt-slurm: error: <message>`` on stderr plus an exit code
-(the error's ``exit_code``; 1 for OSError; 130 for Ctrl-C). Click usage errors keep click's
-own message and exit code 2. Anything else is a bug and shows its traceback.
+(the error's ``exit_code``; 1 for OSError; 130 for Ctrl-C). Click usage errors become one
+line too (``ckpt-slurm: error: <message> (see 'ckpt-slurm CMD --help')``), exit code 2.
+Anything else is a bug and shows its traceback. The exit codes are those of
+:mod:`slurm_ckpt.errors` (``EXIT_*``), the one table README.md shows.
+
+``--config PATH`` is accepted before or after the subcommand (``_register`` adds it to
+every command), and ``--help`` groups the admin commands apart (:mod:`.help`).
 
 Adding a command: write a module that defines a click command or group (take global state
 with ``@pass_state`` from :mod:`slurm_ckpt.cli.output`, never import this module), then add
@@ -22,6 +27,7 @@ from typing import List, NoReturn, Optional, Sequence, Tuple
 import click
 
 from slurm_ckpt import __version__
+from slurm_ckpt.cli.help import ExamplesGroup, GroupedHelp, attach_examples
 from slurm_ckpt.cli.output import (
     PROG,
     CliState,
@@ -31,7 +37,12 @@ from slurm_ckpt.cli.output import (
     print_error,
     print_json,
 )
-from slurm_ckpt.errors import CkptError
+from slurm_ckpt.errors import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    CkptError,
+)
 
 #: Command modules attached to :data:`cli` besides ``config`` (defined here), as
 #: ``(module, attribute)``, e.g. ``("slurm_ckpt.cli.status", "status")``. The lead edits
@@ -80,11 +91,12 @@ USER_ERRNOS = frozenset(
     if hasattr(errno, name)
 )
 
-EXIT_INTERRUPTED = 130
+CONFIG_HELP = "Site config file (default: $SLURM_CKPT_CONFIG, else /etc/slurm-ckpt/config.toml)."
 
 
 @click.group(
     name=PROG,
+    cls=GroupedHelp,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
 @click.version_option(
@@ -95,18 +107,23 @@ EXIT_INTERRUPTED = 130
     "config_path",
     metavar="PATH",
     default=None,
-    help="Site config file (default: $SLURM_CKPT_CONFIG, else /etc/slurm-ckpt/config.toml).",
+    help=CONFIG_HELP,
 )
 @click.pass_context
 def cli(ctx: click.Context, config_path: Optional[str]) -> None:
-    """Fast, verified, tiered checkpoints for long training jobs on SLURM clusters."""
+    """Fast, verified, tiered checkpoints for long training jobs on SLURM clusters.
+
+    Exit status: 0 ok, 1 failed operation or a finding (corrupt checkpoint, failed
+    flush), 2 usage or configuration error, 3 SLURM unreachable, 4 not ready (maint,
+    guard), 130 interrupted.
+    """
     ctx.obj = CliState(config_path)
 
 
 # --------------------------------------------------------------------------- config
 
 
-@click.group("config")
+@click.group("config", cls=ExamplesGroup)
 def config_group() -> None:
     """Show or check the site configuration."""
 
@@ -134,11 +151,44 @@ def config_check(state: CliState) -> None:
 # --------------------------------------------------------------------------- wiring
 
 
+def _set_config(ctx: click.Context, _param: click.Parameter, value: Optional[str]) -> None:
+    """``--config`` given after the subcommand: it wins over one given before."""
+    if value is not None:
+        state = ctx.find_object(CliState)
+        if state is None:
+            state = ctx.ensure_object(CliState)
+        state.config_path = value
+        state._config = None
+
+
+def _add_config_option(cmd: click.Command) -> None:
+    """Accept ``--config`` after the subcommand too (unless it has its own)."""
+    if isinstance(cmd, click.Group):
+        for sub in cmd.commands.values():
+            _add_config_option(sub)
+        return
+    if any("--config" in getattr(p, "opts", ()) for p in cmd.params):
+        return
+    cmd.params.append(
+        click.Option(
+            ["--config"],
+            metavar="PATH",
+            default=None,
+            expose_value=False,
+            callback=_set_config,
+            help=CONFIG_HELP,
+        )
+    )
+
+
 def _register() -> None:
     """Attach ``config`` and every command listed in :data:`COMMANDS` to :data:`cli`."""
     cli.add_command(config_group)
     for module_name, attr in COMMANDS:
         cli.add_command(getattr(importlib.import_module(module_name), attr))
+    for cmd in cli.commands.values():
+        _add_config_option(cmd)
+        attach_examples(cmd)
 
 
 _register()
@@ -151,6 +201,22 @@ def _quiet_stdout() -> None:
         os.dup2(devnull, sys.stdout.fileno())
     except (OSError, ValueError):  # pragma: no cover
         pass
+
+
+def _click_error(exc: click.ClickException) -> int:
+    """Print a click error as one line (help for a bare group); return its exit code."""
+    no_args = getattr(click.exceptions, "NoArgsIsHelpError", None)
+    if no_args is not None and isinstance(exc, no_args):
+        exc.show()  # the help text of a group called without a subcommand
+        return exc.exit_code
+    message = exc.format_message()
+    if isinstance(exc, click.UsageError):
+        ctx = exc.ctx
+        path = ctx.command_path if ctx is not None else PROG
+        print_error(f"{message.rstrip('.')} (see '{path} --help')")
+        return EXIT_USAGE
+    print_error(message)
+    return exc.exit_code
 
 
 def main(argv: Optional[Sequence[str]] = None) -> NoReturn:
@@ -174,10 +240,9 @@ def main(argv: Optional[Sequence[str]] = None) -> NoReturn:
             code = EXIT_INTERRUPTED
         else:
             print_error("aborted")
-            code = 1
+            code = EXIT_FAILED
     except click.ClickException as exc:
-        exc.show()
-        code = exc.exit_code
+        code = _click_error(exc)
     except click.exceptions.Exit as exc:  # pragma: no cover - click returns it instead
         code = exc.exit_code
     except KeyboardInterrupt:
@@ -185,12 +250,12 @@ def main(argv: Optional[Sequence[str]] = None) -> NoReturn:
         code = EXIT_INTERRUPTED
     except BrokenPipeError:
         _quiet_stdout()
-        code = 1
+        code = EXIT_FAILED
     except OSError as exc:
         if exc.errno not in USER_ERRNOS:
             raise
         print_error(oserror_message(exc))
-        code = 1
+        code = EXIT_FAILED
     sys.exit(code)
 
 

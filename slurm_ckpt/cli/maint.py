@@ -19,9 +19,9 @@ drained with the maint reason. While it waits, it re-asserts the maint reason wh
 hook (the epilog's ``flushing ...`` drain) replaced it or the stager resumed the node after
 its flush: both only touch ``slurm_ckpt:`` reasons, as ours is.
 
-``guard [--node N] [--wait S]`` is for SLURM's ``RebootProgram`` (or a wrapper around
-it): exit 0 when the node has no checkpoint waiting for the PFS (the node's ledger, else
-its status file on the PFS), else wait up to ``--wait`` seconds and exit 4 with one line.
+``guard [--node N] [--wait DURATION]`` is for SLURM's ``RebootProgram`` (or a wrapper
+around it): exit 0 when the node has no checkpoint waiting for the PFS (the node's ledger,
+else its status file on the PFS), else wait up to ``--wait`` and exit 4 with one line.
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import click
 
 from slurm_ckpt.cli.output import CliState, console, pass_state
+from slurm_ckpt.cli.params import DURATION, NODE, NODELIST, Duration
+from slurm_ckpt.cli.progress import progress_enabled
 from slurm_ckpt.core.units import format_bytes, format_duration
-from slurm_ckpt.errors import CkptError, SlurmError
+from slurm_ckpt.errors import EXIT_NOT_READY, CkptError, NotReady, SlurmError
 from slurm_ckpt.slurm.records import MAINT_PREFIX
 
 __all__ = [
@@ -51,14 +53,7 @@ __all__ = [
     "node_readiness",
 ]
 
-EXIT_NOT_READY = 4
 ENV_NODES = "SLURM_CKPT_MAINT_NODES"
-
-
-class NotReady(CkptError):
-    """Jobs or unflushed checkpoints are still on the node(s): not safe to go ahead."""
-
-    exit_code = EXIT_NOT_READY
 
 
 def maint_reason(text: str) -> str:
@@ -238,7 +233,7 @@ def wait_ready(
         TimeElapsedColumn(),
         console=console(stderr=True),
         transient=True,
-        disable=not show,
+        disable=not (show and progress_enabled()),
     )
     with progress:
         tasks = {n: progress.add_task(n, total=None) for n in nodes}
@@ -266,27 +261,30 @@ def wait_ready(
 
 
 @click.command("maint")
-@click.argument("nodelist")
+@click.argument("nodelist", type=NODELIST)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-@click.option("--reason", required=True, help="why (drain reason: 'slurm_ckpt: maint: TEXT')")
-@click.option("--signal-jobs", is_flag=True, help="ask running jobs to checkpoint now (USR1)")
+@click.option("--reason", required=True, help="Why (drain reason: 'slurm_ckpt: maint: TEXT').")
+@click.option("--signal-jobs", is_flag=True, help="Ask running jobs to checkpoint now (USR1).")
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=0),
-    default=3600.0,
+    type=DURATION,
+    default="1h",
     show_default=True,
-    metavar="S",
-    help="give up (exit 4, nodes left drained) after this many seconds",
+    help="Give up (exit 4, nodes left drained) after this long: 90min, 2h, 1:30:00.",
 )
 @click.option(
-    "--poll", type=click.FloatRange(min=0.05), default=5.0, show_default=True, metavar="S"
+    "--poll",
+    type=Duration(minimum=0.05),
+    default="5s",
+    show_default=True,
+    help="How often to look again.",
 )
-@click.option("--reboot", is_flag=True, help="then: scontrol reboot ASAP nextstate=resume")
-@click.option("--reservation", metavar="NAME", help="then: create a MAINT reservation NAME")
+@click.option("--reboot", is_flag=True, help="Then: scontrol reboot ASAP nextstate=resume.")
+@click.option("--reservation", metavar="NAME", help="Then: create a MAINT reservation NAME.")
 @pass_state
 def maint_cmd(
     state: CliState,
-    nodelist: str,
+    nodelist: List[str],
     command: Tuple[str, ...],
     reason: str,
     signal_jobs: bool,
@@ -305,7 +303,7 @@ def maint_cmd(
         raise click.UsageError("give exactly one action: --reboot, --reservation NAME or -- CMD")
     if not reason.strip():
         raise click.UsageError("--reason must not be empty")
-    nodes = _expand(nodelist)
+    nodes = list(nodelist)
     kind, argv = _action_argv(nodes, reboot, reservation, command)
     cfg = state.config
     client = client_factory()
@@ -378,17 +376,22 @@ def _backlog(cfg: Any, node: str) -> Tuple[Optional[Tuple[int, int]], str]:
 
 
 @click.command("guard")
-@click.option("--node", default=None, help="node name (default: $SLURMD_NODENAME, else host)")
+@click.option(
+    "-w",
+    "--node",
+    type=NODE,
+    default=None,
+    help="This node's name (default: $SLURMD_NODENAME, else the host name).",
+)
 @click.option(
     "--wait",
     "wait_s",
-    type=click.FloatRange(min=0),
-    default=0.0,
+    type=DURATION,
+    default="0s",
     show_default=True,
-    metavar="S",
-    help="wait up to S seconds for the backlog to drain",
+    help="Wait up to this long for the backlog to drain: 90s, 5min, 1h.",
 )
-@click.option("--poll", type=click.FloatRange(min=0.05), default=2.0, hidden=True)
+@click.option("--poll", type=Duration(minimum=0.05), default="2s", hidden=True)
 @pass_state
 def guard_cmd(state: CliState, node: Optional[str], wait_s: float, poll: float) -> None:
     """Exit 0 when this node has no checkpoint waiting for the PFS, else exit 4.

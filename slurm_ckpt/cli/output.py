@@ -87,46 +87,43 @@ def render_value(value: Any) -> str:
 def print_table(
     title: str, rows: Iterable[Sequence[Any]], headers: Optional[Sequence[str]] = None
 ) -> None:
-    """Print a small rich table; cells go through :func:`render_value` and are escaped."""
-    from rich.markup import escape
-    from rich.table import Table
+    """Print a small key/value (or headed) table; cells go through :func:`render_value`.
 
-    table = Table(
-        title=escape(title),
-        title_justify="left",
-        title_style="bold",
-        show_header=headers is not None,
-        box=None,
-        padding=(0, 2),
+    Laid out by :func:`slurm_ckpt.cli.table.render_table`: fits the terminal by wrapping
+    at spaces, never inside a token.
+    """
+    from slurm_ckpt.cli.table import Column, render_table, terminal_width, use_colour
+
+    cells = [[" ".join(render_value(c).split()) for c in row] for row in rows]
+    names = list(headers or ("key", "value"))
+    columns = [Column(str(i), name, wrap=i > 0) for i, name in enumerate(names)]
+    colour = use_colour(sys.stdout)
+    lines = render_table(
+        columns,
+        cells,
+        width=terminal_width(sys.stdout),
+        header=headers is not None,
+        colour=colour,
     )
-    for i, name in enumerate(headers or ("key", "value")):
-        table.add_column(name, style="cyan" if i == 0 else None, overflow="fold")
-    for row in rows:
-        cells = []
-        for cell in row:
-            text = escape(render_value(cell))
-            cells.append(f"[dim]{text}[/dim]" if cell is None else text)
-        table.add_row(*cells)
-    console().print(table)
+    title_line = f"\x1b[1m{title}\x1b[0m" if colour else title
+    sys.stdout.write("\n".join([title_line, *lines]) + "\n")
+    sys.stdout.flush()
 
 
 def print_config(cfg: Config) -> None:
     """The effective configuration for people: one table per section, units formatted."""
     data = cfg.to_dict(human=True)
-    out = console()
-    from rich.markup import escape
-
-    out.print(f"[bold]config:[/bold] {escape(str(cfg.source))}\n")
+    click.echo(f"config: {cfg.source}\n")
     for tier, values in data["tiers"].items():
         if values is None:
-            out.print(f"[bold]\\[tiers.{tier}][/bold] [dim]not configured[/dim]")
+            click.echo(f"[tiers.{tier}] not configured")
         else:
             print_table(f"[tiers.{tier}]", values.items())
-        out.print()
+        click.echo()
     for section, values in data.items():
         if section != "tiers":
             print_table(f"[{section}]", values.items())
-            out.print()
+            click.echo()
 
 
 # --------------------------------------------------------------------------- errors

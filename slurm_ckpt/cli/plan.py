@@ -1,125 +1,192 @@
 """``ckpt-slurm plan``: size checkpoints, time the tiers, choose the save interval.
 
 The arithmetic lives in :mod:`slurm_ckpt.core.planner`; this module only parses options,
-prints a rich table or JSON, and optionally draws a plot (matplotlib, if installed).
+prints a table (:mod:`slurm_ckpt.cli.table`) or JSON, and optionally draws a plot
+(matplotlib, if installed). Warnings go to stderr.
 Bad input is reported as one line ``ckpt-slurm: error: ...`` on stderr with exit code 2,
 also when the command is invoked on its own (tests, other groups).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import os
+from typing import Any, List, Optional, Tuple
 
 import click
 
-from slurm_ckpt.cli.output import console, print_error, print_json
+from slurm_ckpt.cli.output import print_error
+from slurm_ckpt.cli.table import Column, Listing, OutputFormat, output_options, print_json_doc, warn
 from slurm_ckpt.core.planner import (
     Plan,
     PlanInputError,
     make_plan,
     parse_count,
 )
-from slurm_ckpt.core.units import format_bytes, format_duration
+from slurm_ckpt.core.units import format_bytes, format_duration, format_rate
 from slurm_ckpt.errors import CkptError
 
 _MATPLOTLIB_MISSING = "plot needs matplotlib: pip install matplotlib"
-
-
-def _si(n: float) -> str:
-    return f"{n / 1e9:,.1f} GB"
-
-
-def _bw(bps: float) -> str:
-    if bps >= 1e9:
-        return f"{bps / 1e9:g} GB/s"
-    return f"{bps / 1e6:g} MB/s"
 
 
 def _dur(seconds: Optional[float]) -> str:
     return "-" if seconds is None else format_duration(seconds)
 
 
-def _rows(plan: Plan) -> list[tuple[str, str, str]]:
+def _rows(plan: Plan) -> List[Tuple[str, str, Any, str, str]]:
+    """``(field, figure, raw value, value for people, note)`` per line of the plan;
+    ``field`` is the plan's JSON name, ``raw`` its number (bytes, seconds, bytes/s)."""
     layout = "sharded" if plan.sharded else "replicated"
     bd = plan.size_breakdown
     size_note = (
-        f"weights {bd.weights / 1e9:,.0f} + master {bd.master_weights / 1e9:,.0f} + "
-        f"optimizer {bd.optimizer / 1e9:,.0f} GB + rest {format_bytes(bd.extra)}"
+        f"weights {format_bytes(bd.weights)} + master {format_bytes(bd.master_weights)} + "
+        f"optimizer {format_bytes(bd.optimizer)} + rest {format_bytes(bd.extra)}"
         if bd
         else "given with --size"
     )
     writers = plan.nodes if plan.sharded else 1
-    rows = [
+    return [
         (
+            "checkpoint_bytes",
             "checkpoint size",
-            f"{_si(plan.checkpoint_bytes)} ({format_bytes(plan.checkpoint_bytes)})",
+            plan.checkpoint_bytes,
+            format_bytes(plan.checkpoint_bytes),
             size_note,
         ),
         (
+            "bytes_per_node",
             "bytes per node",
-            _si(plan.bytes_per_node),
+            plan.bytes_per_node,
+            format_bytes(plan.bytes_per_node),
             f"{layout}: {plan.nodes} node(s), {writers} writing",
         ),
         (
+            "local_write_s",
             "local write",
+            plan.local_write_s,
             _dur(plan.local_write_s),
-            "no local tier" if plan.local_bw is None else f"per node at {_bw(plan.local_bw)}",
+            "no local tier"
+            if plan.local_bw is None
+            else f"per node at {format_rate(plan.local_bw)}",
         ),
-        ("PFS write", _dur(plan.pfs_write_s), f"all of it at {_bw(plan.pfs_bw)}"),
-        ("save cost C", _dur(plan.save_cost_s), f"blocks training: {plan.save_cost_basis}"),
-        ("MTBI M", _dur(plan.mtbi_s), "mean time between interrupts"),
-        ("Young interval", _dur(plan.young_interval_s), "sqrt(2CM)"),
-        ("Daly interval", _dur(plan.daly_interval_s), "Daly 2006, higher order"),
         (
+            "pfs_write_s",
+            "PFS write",
+            plan.pfs_write_s,
+            _dur(plan.pfs_write_s),
+            f"all of it at {format_rate(plan.pfs_bw)}",
+        ),
+        (
+            "save_cost_s",
+            "save cost C",
+            plan.save_cost_s,
+            _dur(plan.save_cost_s),
+            f"blocks training: {plan.save_cost_basis}",
+        ),
+        ("mtbi_s", "MTBI M", plan.mtbi_s, _dur(plan.mtbi_s), "mean time between interrupts"),
+        (
+            "young_interval_s",
+            "Young interval",
+            plan.young_interval_s,
+            _dur(plan.young_interval_s),
+            "sqrt(2CM)",
+        ),
+        (
+            "daly_interval_s",
+            "Daly interval",
+            plan.daly_interval_s,
+            _dur(plan.daly_interval_s),
+            "Daly 2006, higher order",
+        ),
+        (
+            "interval_s",
             "interval",
+            plan.interval_s,
             _dur(plan.interval_s),
             "capped by max-loss" if plan.interval_basis == "max_loss" else "Daly",
         ),
         (
+            "interval_tokens",
             "interval tokens",
-            "-" if plan.interval_tokens is None else f"{plan.interval_tokens:,}",
-            "-" if plan.tokens_per_s is None else f"at {plan.tokens_per_s:,.0f} tokens/s",
+            plan.interval_tokens,
+            "-" if plan.interval_tokens is None else str(plan.interval_tokens),
+            "-" if plan.tokens_per_s is None else f"at {plan.tokens_per_s:.0f} tokens/s",
         ),
         (
+            "expected_loss_s",
             "expected loss / failure",
+            plan.expected_loss_s,
             _dur(plan.expected_loss_s),
             "T/2 + restore from local",
         ),
         (
+            "expected_loss_pfs_s",
             "expected loss, node lost",
+            plan.expected_loss_pfs_s,
             _dur(plan.expected_loss_pfs_s),
             "N*T/2 + PFS lag + restore",
         ),
         (
+            "overhead_fraction",
             "I/O overhead",
+            plan.overhead_fraction,
             f"{plan.overhead_fraction:.1%}",
             f"C/T ({plan.wall_overhead_fraction:.1%} of wall time)",
         ),
-        ("PFS keeps up", "yes" if plan.pfs_keeps_up else "no", "PFS write <= interval"),
+        (
+            "pfs_keeps_up",
+            "PFS keeps up",
+            plan.pfs_keeps_up,
+            "yes" if plan.pfs_keeps_up else "no",
+            "PFS write <= interval",
+        ),
         (
             "flush_every",
+            "flush_every",
+            plan.flush_every,
             str(plan.flush_every),
             f"1 local checkpoint in {plan.flush_every} to the PFS, "
             f"every {format_duration(plan.pfs_interval_s)}",
         ),
     ]
-    return rows
 
 
-def _print_table(plan: Plan) -> None:
-    from rich.markup import escape
-    from rich.table import Table
+PLAN_COLUMNS = [
+    Column("figure", "figure", parsable=False),
+    Column("field", "field", human=False),
+    Column("shown", "value", right=True, parsable=False),
+    Column("value", "value", human=False),
+    Column("note", "note", wrap=True, drop=1, parsable=False),
+]
 
-    out = console()
-    table = Table(title="checkpoint plan", show_lines=False)
-    table.add_column("figure", style="bold")
-    table.add_column("value", justify="right")
-    table.add_column("note", style="dim")
-    for name, value, note in _rows(plan):
-        table.add_row(escape(name), escape(value), escape(note))
-    out.print(table)
+
+def _print_table(plan: Plan, out: Optional[OutputFormat] = None) -> None:
+    """The plan for people (or ``--parsable``: ``field|value`` with raw numbers: bytes,
+    seconds); the warnings go to stderr either way."""
+    rows = [
+        {"field": f, "figure": name, "value": raw, "shown": shown, "note": note}
+        for f, name, raw, shown, note in _rows(plan)
+    ]
+    Listing(PLAN_COLUMNS, rows, "checkpoint plan").print(out or OutputFormat())
     for w in plan.warnings:
-        out.print(f"[yellow]warning:[/yellow] {escape(w)}")
+        warn(w)
+
+
+def _check_plot_path(plt: Any, path: str) -> None:
+    """Refuse a file type matplotlib cannot write (``--plot x.txt``) before any work."""
+    fig = plt.figure()
+    try:
+        types = fig.canvas.get_supported_filetypes()
+    finally:
+        plt.close(fig)
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    if ext not in types:
+        raise PlanInputError(
+            f"--plot {path}: cannot draw a {'.' + ext if ext else 'file without extension'}; "
+            f"use one of {', '.join('.' + t for t in sorted(types))}"
+        )
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise PlanInputError(f"--plot {path}: directory {parent} does not exist")
 
 
 def _load_pyplot():
@@ -237,8 +304,8 @@ def _nodes(value: str) -> int:
 @click.option(
     "--stall", metavar="DURATION", help="Training stall per save when saving asynchronously: 20s."
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--plot", "plot_path", metavar="FILE.png", help="Draw loss and overhead vs interval.")
+@output_options
 @click.pass_context
 def plan(
     ctx: click.Context,
@@ -256,13 +323,13 @@ def plan(
     tokens_per_s: Optional[str],
     restart_cost: Optional[str],
     stall: Optional[str],
-    as_json: bool,
     plot_path: Optional[str],
+    out: OutputFormat,
 ) -> None:
     """Size the checkpoint, time each tier and choose how often to save.
 
-    Example: ckpt-slurm plan --params 70e9 --local-bw 3GB/s --pfs-bw 500MB/s
-    --mtbi 6h --max-loss 30min
+    Sizes take a unit (350GB, 1.2TiB), rates too (500MB/s), durations as well (6h,
+    1h30m, 1-00:00:00): a bare number is refused. Warnings go to stderr.
     """
     try:
         if pfs_bw is None:
@@ -272,6 +339,8 @@ def plan(
         if params is not None and size is not None:
             raise PlanInputError("give --params or --size, not both")
         plt = _load_pyplot() if plot_path else None
+        if plt is not None:
+            _check_plot_path(plt, plot_path)
         result = make_plan(
             params=None if params is None else parse_count(params, "--params"),
             size=size,
@@ -294,9 +363,11 @@ def plan(
         print_error(e)
         ctx.exit(e.exit_code)
         return
-    if as_json:
-        print_json(result.to_dict())
+    if out.json:
+        print_json_doc(result.to_dict())
+        for w in result.warnings:
+            warn(w)
     else:
-        _print_table(result)
-        if plot_path:
-            click.echo(f"plot written to {plot_path}")
+        _print_table(result, out)
+    if plot_path and out.decorated:
+        click.echo(f"plot written to {plot_path}")

@@ -48,8 +48,10 @@ from typing import Any, Dict, List, NoReturn, Optional, Sequence
 
 import click
 
+from slurm_ckpt import __version__
+from slurm_ckpt.cli.params import DURATION
 from slurm_ckpt.core.names import validate_key
-from slurm_ckpt.errors import CkptError, InvalidName
+from slurm_ckpt.errors import EXIT_INTERRUPTED, EXIT_USAGE, CkptError, InvalidName
 from slurm_ckpt.slurm.requeue import requeue_job, requeue_reason, stop_cause
 
 __all__ = ["flush_local", "main", "resolve_key"]
@@ -250,11 +252,10 @@ def _flush_everywhere(
 @click.option(
     "--warn",
     "warn_s",
-    type=click.FloatRange(min=0),
-    default=120.0,
+    type=DURATION,
+    default="2min",
     show_default=True,
-    metavar="SECONDS",
-    help="Send the warning signal this long before the time limit (0: never).",
+    help="Send the warning signal this long before the time limit: 90s, 2min (0: never).",
 )
 @click.option(
     "--signal",
@@ -278,10 +279,13 @@ def _flush_everywhere(
 )
 @click.option(
     "--flush-timeout",
-    type=click.FloatRange(min=0),
-    default=300.0,
+    type=DURATION,
+    default="5min",
     show_default=True,
-    metavar="SECONDS",
+    help="Longest flush after the step; the epilog flushes what is left.",
+)
+@click.version_option(
+    __version__, "--version", "-V", prog_name=PROG, message="%(prog)s %(version)s"
 )
 @click.option("--srun", "srun_path", default="srun", show_default=True, help="The srun to run.")
 @click.option("--flush-local", is_flag=True, hidden=True)
@@ -302,7 +306,12 @@ def cli(
     """Run SRUN_ARGS (srun options, then the training command) as a checkpointing step.
 
     ckpt-srun's own options come first; everything from the first other argument (or
-    after "--") goes to srun unchanged.
+    after "--") goes to srun unchanged. --help and --version are ckpt-srun's own.
+
+    \b
+    Examples (last line of a batch script):
+      exec ckpt-srun --key my-run -- python train.py
+      exec ckpt-srun --key my-run --warn 5min -- -n 8 python train.py --big
     """
     from slurm_ckpt.core.config import load_config, resolve_config_path
     from slurm_ckpt.slurm.env import job_env
@@ -360,7 +369,11 @@ def cli(
         + (f" after a warning ({outcome.warned_by})" if outcome.warned else "")
         + (" after SIGTERM" if outcome.terminated else "")
     )
-    if flush and cfg is not None:
+    if flush and cfg is not None and outcome.terminated and len(jenv.nodes) > 1:
+        # Preempted or cancelled: the allocation is going away, a flush step would only
+        # fail ("Unable to confirm allocation"); the epilog flushes on every node.
+        _say("terminated: no flush step (the epilog flushes on every node)")
+    elif flush and cfg is not None:
         _flush_everywhere(cfg, cfg_file, user, key, jenv.nodes, srun, flush_timeout, child_env)
     if client is not None and outcome.warned and not outcome.terminated:
         try:
@@ -402,11 +415,12 @@ def main(argv: Optional[Sequence[str]] = None) -> NoReturn:
         _say(f"error: {' '.join(str(exc).split())}")
         code = exc.exit_code
     except click.ClickException as exc:
-        exc.show()
-        code = exc.exit_code
-    except click.exceptions.Abort:
+        hint = " (see 'ckpt-srun --help')" if isinstance(exc, click.UsageError) else ""
+        _say(f"error: {' '.join(exc.format_message().split())}{hint}")
+        code = EXIT_USAGE if isinstance(exc, click.UsageError) else exc.exit_code
+    except (click.exceptions.Abort, KeyboardInterrupt):
         _say("interrupted")
-        code = 130
+        code = EXIT_INTERRUPTED
     sys.exit(code)
 
 

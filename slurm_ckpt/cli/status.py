@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Collection, Dict, List, Optional, Union
 
 import click
 
-from slurm_ckpt.cli.output import CliState, console, pass_state, print_table
+from slurm_ckpt.cli.output import CliState, pass_state
+from slurm_ckpt.cli.params import JOB_ID, NODELIST
 from slurm_ckpt.cli.status_model import (
     SlurmQuery,
     SlurmSnapshot,
@@ -29,10 +30,13 @@ from slurm_ckpt.cli.status_model import (
     query_slurm,
     scan_catalog,
 )
+from slurm_ckpt.cli.table import Column, Listing, OutputFormat, output_options, plural
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import validate_key, validate_node, validate_user
-from slurm_ckpt.core.units import format_bytes, format_duration
+from slurm_ckpt.core.units import format_bytes, format_duration, format_rate
+from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ledger.node_status import read_node_statuses
+from slurm_ckpt.slurm.hostlist import compress
 
 __all__ = ["collect_status", "slurm_query", "status_cmd"]
 
@@ -46,21 +50,21 @@ def collect_status(
     user: Optional[str] = None,
     job: Optional[str] = None,
     key: Optional[str] = None,
-    node: Optional[str] = None,
+    node: Union[None, str, Collection[str]] = None,
     query: Optional[SlurmQuery] = None,
     now: Optional[float] = None,
 ) -> Dict[str, Any]:
     """Read the catalog(s), the node status files and SLURM; return the status document.
 
     ``query`` defaults to :data:`slurm_query`. ``--user``/``--key`` narrow the catalog
-    walk itself; ``--job``/``--node`` filter the joined rows.
+    walk itself; ``--job``/``--node`` filter the joined rows (``node``: one name or several).
     """
     if user is not None:
         validate_user(user)
     if key is not None:
         validate_key(key)
-    if node is not None:
-        validate_node(node)
+    for name in [node] if isinstance(node, str) else node or ():
+        validate_node(name)
     pfs_root = str(cfg.tiers.pfs.root)
     pfs = scan_catalog(pfs_root, user=user, key=key)
     cold = None
@@ -106,107 +110,159 @@ def write_json(doc: Dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def _step_age(entry: Optional[Dict[str, Any]]) -> str:
-    if entry is None:
+def _nodes_text(nodes: Any) -> str:
+    if not nodes:
         return "-"
-    age = entry.get("age_s")
-    return (
-        f"{entry['step']} ({format_duration(max(age, 0.0))})"
-        if age is not None
-        else str(entry["step"])
-    )
+    try:
+        return compress(nodes)
+    except CkptError:
+        return ",".join(nodes)
 
 
-def _rate(bps: Optional[float]) -> str:
-    return "-" if bps is None else format_bytes(bps) + "/s"
+def _series_text(value: Any) -> str:
+    user, keys = value
+    return f"{user}/{','.join(keys)}" if keys else f"{user}/-"
 
 
-def _eta(seconds: Optional[float]) -> str:
-    return "?" if seconds is None else format_duration(seconds)
+def _count(value: Any) -> str:
+    return "-" if value is None else str(value)
 
 
-def print_status(doc: Dict[str, Any]) -> None:
-    """The status document for people: a jobs table and a nodes table."""
-    rows: List[List[Any]] = []
+JOB_COLUMNS = [
+    Column("job", "job"),
+    Column("series", "series", fmt=_series_text, parsable=False),
+    Column("user", "user", human=False),
+    Column("key", "keys", human=False),
+    Column("state", "state"),
+    Column("nodes", "nodes", fmt=_nodes_text),
+    Column("local_step", "local", fmt=_count, right=True),
+    Column("local_age_s", "local age", fmt=format_duration, right=True, drop=3),
+    Column("pfs_step", "pfs", fmt=_count, right=True),
+    Column("pfs_age_s", "pfs age", fmt=format_duration, right=True, drop=2),
+    Column("steps_at_risk", "at risk", fmt=_count, right=True),
+    Column("bytes_at_risk", "size at risk", fmt=format_bytes, right=True),
+    Column("flush_eta_s", "flush eta", fmt=format_duration, right=True, drop=1),
+    Column("flush_rate_bps", "rate", fmt=format_rate, right=True, drop=4),
+]
+
+NODE_COLUMNS = [
+    Column("node", "node"),
+    Column("status_age_s", "status age", fmt=format_duration, right=True),
+    Column("pending_checkpoints", "pending", right=True),
+    Column("pending_bytes", "pending size", fmt=format_bytes, right=True),
+    Column("in_flight", "in flight", right=True, drop=2),
+    Column("failed", "failed", right=True, drop=1),
+    Column("state", "slurm"),
+    Column("drain_reason", "our drain", wrap=True, drop=3),
+]
+
+
+def _job_rows(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
+    rows = []
     for j in doc["jobs"]:
-        risk = "-" if j["steps_at_risk"] is None else f"{j['steps_at_risk']} steps"
+        local, pfs = j["tiers"]["local"], j["tiers"]["pfs"]
+        pending = j["bytes_at_risk"] > 0
         rows.append(
-            [
-                j["job"] or "-",
-                f"{j['user']}/{','.join(j['keys'])}",
-                j["slurm_state"],
-                ",".join(j["nodes"]) or "-",
-                _step_age(j["tiers"]["local"]),
-                _step_age(j["tiers"]["pfs"]),
-                f"{risk}, {format_bytes(j['bytes_at_risk'])}",
-                f"{_eta(j['flush_eta_s'])} @ {_rate(j['flush_rate_bps'])}",
-            ]
+            {
+                "job": j["job"],
+                "series": (j["user"], j["keys"]),
+                "user": j["user"],
+                "key": j["keys"],
+                "state": j["slurm_state"],
+                "nodes": j["nodes"],
+                "local_step": None if local is None else local["step"],
+                "local_age_s": None if local is None else local.get("age_s"),
+                "pfs_step": None if pfs is None else pfs["step"],
+                "pfs_age_s": None if pfs is None else pfs.get("age_s"),
+                "steps_at_risk": j["steps_at_risk"],
+                "checkpoints_at_risk": j["checkpoints_at_risk"],
+                "bytes_at_risk": j["bytes_at_risk"],
+                # Nothing pending: no ETA to show ("0.0s" read as "flushing, done now").
+                "flush_eta_s": j["flush_eta_s"] if pending else None,
+                "flush_rate_bps": j["flush_rate_bps"],
+            }
         )
-    headers = ["job", "series", "state", "nodes", "local", "pfs", "at risk", "flush eta"]
-    if rows:
-        print_table("jobs", rows, headers)
-    else:
-        console().print("no jobs with checkpoints", markup=False)
-    console().print()
-    nrows = [
-        [
-            n["node"],
-            "-" if n["status_age_s"] is None else format_duration(max(n["status_age_s"], 0.0)),
-            f"{n['pending_checkpoints']} ({format_bytes(n['pending_bytes'])})",
-            n["in_flight"],
-            n["failed"],
-            n["slurm_state"],
-            n["drain_reason"] or "-",
-        ]
-        for n in doc["nodes"]
-    ]
-    if nrows:
-        print_table(
-            "nodes",
-            nrows,
-            ["node", "status age", "pending", "in flight", "failed", "slurm", "our drain"],
-        )
+    return rows
+
+
+def _node_rows(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
+    return [dict(n, state=n["slurm_state"]) for n in doc["nodes"]]
+
+
+def print_status(
+    doc: Dict[str, Any], out: Optional[OutputFormat] = None, nodes_only: bool = False
+) -> None:
+    """The status document for people (jobs and nodes tables, totals) or scripts (one
+    listing: jobs, or nodes with ``nodes_only``)."""
+    out = out or OutputFormat()
+    jobs = Listing(JOB_COLUMNS, _job_rows(doc), "jobs")
+    nodes = Listing(NODE_COLUMNS, _node_rows(doc), "nodes")
+    if not out.decorated:
+        (nodes if nodes_only else jobs).print(out)
+        return
+    if not nodes_only:
+        if jobs.rows:
+            jobs.print(out)
+        else:
+            click.echo("no jobs with checkpoints")
+        click.echo()
+    if nodes.rows:
+        nodes.print(out)
+    elif nodes_only:
+        click.echo("no node reports a status")
     t = doc["totals"]
     note = "" if doc["slurm"]["available"] else f"; SLURM: {doc['slurm']['note']}"
-    console().print(
-        f"{t['jobs']} jobs, {format_bytes(t['bytes_at_risk'])} at risk in "
-        f"{t['checkpoints_at_risk']} checkpoints, {t['in_flight']} flushes in flight, "
-        f"{t['drained_by_us']} nodes drained by slurm_ckpt{note}",
-        markup=False,
+    click.echo(
+        f"{plural(t['jobs'], 'job')}, {format_bytes(t['bytes_at_risk'])} at risk in "
+        f"{plural(t['checkpoints_at_risk'], 'checkpoint')}, "
+        f"{plural(t['in_flight'], 'flush', 'flushes')} in flight, "
+        f"{plural(t['drained_by_us'], 'node')} drained by slurm_ckpt{note}"
     )
 
 
 @click.command("status")
-@click.option("--user", help="only this user's jobs")
-@click.option("--job", help="only this SLURM job id")
-@click.option("--key", help="only jobs writing this key")
-@click.option("--node", help="only jobs on, and the status of, this node")
+@click.option("-u", "--user", help="Only this user's jobs.")
+@click.option("-j", "--job", type=JOB_ID, help="Only this SLURM job id.")
+@click.option("-k", "--key", help="Only jobs writing this key.")
 @click.option(
-    "--no-slurm", "skip_slurm", is_flag=True, help="do not ask SLURM (states show 'unknown')"
+    "-w",
+    "--node",
+    "nodelist",
+    type=NODELIST,
+    help="Only jobs on, and the status of, these nodes (a SLURM node list: n[1-3],gpu7).",
 )
-@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.option("--nodes", "nodes_only", is_flag=True, help="Show the nodes listing only.")
+@click.option(
+    "--no-slurm", "skip_slurm", is_flag=True, help="Do not ask SLURM (states show 'unknown')."
+)
+@output_options
 @pass_state
 def status_cmd(
     state: CliState,
     user: Optional[str],
     job: Optional[str],
     key: Optional[str],
-    node: Optional[str],
+    nodelist: Optional[List[str]],
+    nodes_only: bool,
     skip_slurm: bool,
-    as_json: bool,
+    out: OutputFormat,
 ) -> None:
     """Checkpoints per job and flush backlog per node, as seen from the PFS and SLURM.
 
     Per job: SLURM state, newest step on each tier and its age, steps and bytes not yet
     safe on the PFS, flush rate and ETA. Per node: pending bytes, flushes in flight, and
-    drains set by slurm_ckpt. Reads no node-local storage.
+    drains set by slurm_ckpt. Reads no node-local storage. --parsable and --noheader
+    print the jobs (or, with --nodes, the nodes) one per line; --json the whole document.
     """
     query = _no_slurm if skip_slurm else None
+    node: Any = None
+    if nodelist is not None:
+        node = nodelist[0] if len(nodelist) == 1 else frozenset(nodelist)
     doc = collect_status(state.config, user=user, job=job, key=key, node=node, query=query)
-    if as_json:
+    if out.json:
         write_json(doc)
     else:
-        print_status(doc)
+        print_status(doc, out, nodes_only)
 
 
 def _no_slurm() -> SlurmSnapshot:

@@ -85,7 +85,7 @@ import re
 import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Collection, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import xxhash
 
@@ -461,12 +461,14 @@ def build_status(
     user: Optional[str] = None,
     job: Optional[str] = None,
     key: Optional[str] = None,
-    node: Optional[str] = None,
+    node: Union[None, str, Collection[str]] = None,
 ) -> Dict[str, Any]:
     """Join catalog heads, node status files and SLURM into the status document.
 
     Pure: everything it needs is passed in. See the module docstring for the fields.
+    ``node`` is one node name or several (``status -w 'n[1-3]'``): jobs on any of them.
     """
+    wanted_nodes = None if node is None else ({node} if isinstance(node, str) else set(node))
     jobs: Dict[Any, _Job] = {}
     owner: Dict[Series, Tuple[float, Any]] = {}  # series -> (last commit, job group)
 
@@ -572,7 +574,7 @@ def build_status(
             continue
         if key is not None and key not in keys:
             continue
-        if node is not None and node not in j.nodes:
+        if wanted_nodes is not None and not wanted_nodes & j.nodes:
             continue
         if not slurm.available or j.job is None:
             state = "unknown"
@@ -628,7 +630,7 @@ def build_status(
         )
     rows.sort(key=lambda r: (r["user"], r["keys"], r["job"] or ""))
 
-    nodes_out = [node_rows[n] for n in sorted(node_rows) if node is None or n == node]
+    nodes_out = [node_rows[n] for n in sorted(node_rows) if node is None or n in wanted_nodes]
     if user is not None or job is not None or key is not None:
         wanted = {n for r in rows for n in r["nodes"]}
         nodes_out = [r for r in nodes_out if r["node"] in wanted]
@@ -638,7 +640,12 @@ def build_status(
         "time": now,
         "pfs_root": pfs_root,
         "slurm": {"available": slurm.available, "note": slurm.note},
-        "filters": {"user": user, "job": job, "key": key, "node": node},
+        "filters": {
+            "user": user,
+            "job": job,
+            "key": key,
+            "node": node if node is None or isinstance(node, str) else sorted(node),
+        },
         "totals": {
             "jobs": len(rows),
             "nodes": len(nodes_out),

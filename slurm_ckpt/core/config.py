@@ -2,8 +2,11 @@
 
 The file is ``/etc/slurm-ckpt/config.toml`` unless the environment variable
 ``SLURM_CKPT_CONFIG`` or an explicit path names another one. Sizes, bandwidths and
-durations may be written the way people write them (``"64MiB"``, ``"500MB/s"``, ``"6h"``)
-or as plain numbers (bytes, bytes per second, seconds).
+durations may be written the way people write them (``"64MiB"``, ``"500MB/s"``, ``"6h"``,
+``"1-00:00:00"``; the grammar of :mod:`slurm_ckpt.core.units`) or as unquoted TOML
+numbers, which mean bytes, bytes per second and seconds. A quoted number without a unit
+(``"1000"``) is refused, except ``"0"``: a string is what people write, and there the
+unit must be said.
 
 Every problem in a file is collected and reported at once, as a single one-line
 :class:`~slurm_ckpt.errors.ConfigError` whose parts are separated by ``"; "`` and each name
@@ -81,6 +84,7 @@ _AUTO = "auto"  # the string "auto" or unset
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9._/-]*$")
 _EXAMPLES = {_SIZE: "64MiB", _DURATION: "6h", _BANDWIDTH: "500MB/s"}
+_BASE_UNITS = {_SIZE: "bytes", _DURATION: "seconds", _BANDWIDTH: "bytes per second"}
 
 
 def _f(
@@ -492,7 +496,10 @@ def _convert(kind: str, value: Any, key: str, minimum: float) -> Any:
                     return None
                 out = parse_bandwidth(value, key)
         except CkptError as exc:
-            raise ValueError(str(exc)) from None
+            hint = ""
+            if "has no unit" in str(exc):  # a quoted bare number: say what unquoted means
+                hint = f" (an unquoted TOML number is {_BASE_UNITS[kind]})"
+            raise ValueError(str(exc) + hint) from None
         if out < minimum or (minimum > 0 and out <= 0):
             if kind == _SIZE:
                 raise ValueError(f"{key}: must be at least {int(minimum)} bytes, got {value!r}")

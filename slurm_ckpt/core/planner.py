@@ -49,6 +49,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from slurm_ckpt.core.units import format_duration as _d
 from slurm_ckpt.core.units import parse_bandwidth, parse_duration, parse_size
 from slurm_ckpt.errors import CkptError
 
@@ -423,17 +424,17 @@ def make_plan(
 
     if interval < cost:
         warnings.append(
-            f"the interval ({interval:.0f}s) is shorter than one save ({cost:.0f}s): "
+            f"the interval ({_d(interval)}) is shorter than one save ({_d(cost)}): "
             "more time saving than training; raise --max-loss or make saves cheaper"
         )
     if basis == "stall" and local_write is not None and local_write > interval:
         warnings.append(
-            f"the background local write ({local_write:.0f}s) is longer than the interval "
-            f"({interval:.0f}s): saves would queue up"
+            f"the background local write ({_d(local_write)}) is longer than the interval "
+            f"({_d(interval)}): saves would queue up"
         )
     if not keeps_up:
         warnings.append(
-            f"the PFS copy ({pfs_write:.0f}s) is longer than the interval ({interval:.0f}s): "
+            f"the PFS copy ({_d(pfs_write)}) is longer than the interval ({_d(interval)}): "
             f"copy one local checkpoint in every {n_flush} to the PFS (flush_every={n_flush})"
         )
 

@@ -17,6 +17,7 @@ from slurm_ckpt.core import fsio
 from slurm_ckpt.core.chunks import PIECE, BandwidthLimiter, hash_range, run_chunks
 from slurm_ckpt.core.hashing import combine
 from slurm_ckpt.core.manifest import Manifest
+from slurm_ckpt.core.progress import ProgressFn, report
 
 
 @dataclass
@@ -46,6 +47,11 @@ def open_payload(step_fd: int, relpath: str) -> int:
         os.close(pfd)
 
 
+def _hashed(digest: str, progress: Optional[ProgressFn], nbytes: int) -> str:
+    report(progress, nbytes)
+    return digest
+
+
 def verify_files(
     step_fd: int,
     manifest: Manifest,
@@ -53,8 +59,13 @@ def verify_files(
     streams: int = 4,
     limiter: Optional[BandwidthLimiter] = None,
     piece: int = PIECE,
+    progress: Optional[ProgressFn] = None,
 ) -> VerifyReport:
-    """Check every payload file of ``manifest`` in the open step directory."""
+    """Check every payload file of ``manifest`` in the open step directory.
+
+    ``progress(nbytes)`` is called after each chunk is hashed (from the worker threads),
+    so that a command can show how far a multi-GiB verification is.
+    """
     t0 = time.monotonic()
     problems: List[str] = []
     fds: List[Optional[int]] = []
@@ -82,7 +93,11 @@ def verify_files(
         digests = run_chunks(
             sizes,
             manifest.chunk_size,
-            lambda fi, ci, off, n: hash_range(fds[fi], off, n, limiter=limiter, piece=piece),  # type: ignore[arg-type]
+            lambda fi, ci, off, n: _hashed(
+                hash_range(fds[fi], off, n, limiter=limiter, piece=piece),  # type: ignore[arg-type]
+                progress,
+                n,
+            ),
             lambda fi: None,
             streams,
         )

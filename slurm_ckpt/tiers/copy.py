@@ -33,6 +33,7 @@ from slurm_ckpt.core import fsio
 from slurm_ckpt.core.chunks import PIECE, BandwidthLimiter, io_buffer, run_chunks
 from slurm_ckpt.core.faults import crashpoint
 from slurm_ckpt.core.manifest import FileEntry
+from slurm_ckpt.core.progress import ProgressFn, report
 from slurm_ckpt.errors import CkptError, NotFound, VerifyError
 from slurm_ckpt.tiers.base import RangeSink, RangeSource, Tier, TierReader, TierWriter
 
@@ -72,6 +73,7 @@ def copy_checkpoint(
     streams: Optional[int] = None,
     reread: bool = False,
     replace_older: bool = False,
+    progress: Optional[ProgressFn] = None,
 ) -> CopyResult:
     """Copy ``user/key/step`` from ``src`` to ``dst``; verified, resumable, idempotent.
 
@@ -81,13 +83,15 @@ def copy_checkpoint(
     timeline (training went back to an older step and came here again) and is replaced;
     otherwise CkptError. ``reread`` reads the copy back from the device before the commit
     (twice the I/O; for sites that distrust their storage path). The bandwidth cap of
-    ``dst`` applies.
+    ``dst`` applies. ``progress(nbytes)`` hears of every copied (or already present)
+    byte, for progress bars.
     """
     streams = streams or dst.streams
     t0 = time.monotonic()
     with src.lock(user, key, step), src.reader(user, key, step) as reader:
         manifest = reader.manifest
         if _present(dst, reader, replace_older):
+            report(progress, manifest.total_bytes)
             return CopyResult(
                 step, manifest.total_bytes, 0, time.monotonic() - t0, already_present=True
             )
@@ -96,6 +100,7 @@ def copy_checkpoint(
             with dst.writer(user, key, step, copy_of=manifest) as writer:
                 keep = writer.resumable()
                 todo = [e for e in manifest.files if e.path not in keep]
+                report(progress, sum(e.size for e in manifest.files if e.path in keep))
                 for i in range(0, len(todo), FILES_PER_BATCH):
                     _copy_files(
                         reader,
@@ -105,6 +110,7 @@ def copy_checkpoint(
                         streams,
                         dst.limiter,
                         dst.buffer_size,
+                        progress,
                     )
                 if reread:
                     rep = writer.verify_written()
@@ -152,6 +158,7 @@ def _copy_files(
     streams: int,
     limiter: Optional[BandwidthLimiter],
     piece: int,
+    progress: Optional[ProgressFn] = None,
 ) -> None:
     sources: List[Optional[RangeSource]] = [None] * len(entries)
     sinks: List[Optional[RangeSink]] = [None] * len(entries)
@@ -171,6 +178,7 @@ def _copy_files(
                     f"source {entries[fi].path}: bytes {off}-{off + n} do not match the manifest"
                 )
             crashpoint("copy:chunk")
+            report(progress, n)
             return got
 
         def done(fi: int) -> None:

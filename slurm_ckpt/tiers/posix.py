@@ -32,6 +32,7 @@ from slurm_ckpt.core.layout import (
 )
 from slurm_ckpt.core.manifest import MANIFEST_NAME, Manifest
 from slurm_ckpt.core.names import validate_key, validate_user
+from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.core.verify import VerifyReport, open_payload, verify_files
 from slurm_ckpt.errors import InvalidName, NotFound, TierError, VerifyError
 from slurm_ckpt.tiers.base import StepInfo
@@ -250,15 +251,20 @@ class PosixTier:
         except OSError as exc:
             raise fsio.tier_error(exc, self.where(user, key, step)) from None
 
-    def verify(self, user: str, key: str, step: int) -> VerifyReport:
-        """Re-hash every byte; a bad manifest is reported the same way as bad payload."""
+    def verify(
+        self, user: str, key: str, step: int, progress: Optional[ProgressFn] = None
+    ) -> VerifyReport:
+        """Re-hash every byte; a bad manifest is reported the same way as bad payload.
+        ``progress(nbytes)`` is told about every hashed chunk (for progress bars)."""
         where = self.where(user, key, step)
         try:
             m = self.manifest(user, key, step)
         except VerifyError as exc:
             return VerifyReport(where, step, False, problems=[str(exc)])
         with self.step_fd(user, key, step) as sfd:
-            return verify_files(sfd, m, where, self.streams, self.limiter, self.buffer_size)
+            return verify_files(
+                sfd, m, where, self.streams, self.limiter, self.buffer_size, progress=progress
+            )
 
     def latest_verified(
         self, user: str, key: str, max_step: Optional[int] = None

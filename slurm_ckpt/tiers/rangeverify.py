@@ -17,6 +17,7 @@ import xxhash
 from slurm_ckpt.core.chunks import PIECE, BandwidthLimiter, io_buffer, run_chunks
 from slurm_ckpt.core.hashing import combine
 from slurm_ckpt.core.manifest import FileEntry, Manifest
+from slurm_ckpt.core.progress import ProgressFn, report
 from slurm_ckpt.core.verify import VerifyReport
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.tiers.base import RangeSource
@@ -47,6 +48,11 @@ def hash_source_range(
     return h.hexdigest()
 
 
+def _reported(digest: str, progress: Optional[ProgressFn], n: int) -> str:
+    report(progress, n)
+    return digest
+
+
 def verify_sources(
     open_source: Callable[[FileEntry], RangeSource],
     manifest: Manifest,
@@ -54,8 +60,10 @@ def verify_sources(
     streams: int = 4,
     limiter: Optional[BandwidthLimiter] = None,
     piece: int = PIECE,
+    progress: Optional[ProgressFn] = None,
 ) -> VerifyReport:
-    """Check every payload file of ``manifest`` as opened by ``open_source``."""
+    """Check every payload file of ``manifest`` as opened by ``open_source``
+    (``progress(nbytes)`` hears of every chunk hashed)."""
     t0 = time.monotonic()
     problems: List[str] = []
     sources: List[Optional[RangeSource]] = []
@@ -80,7 +88,11 @@ def verify_sources(
         digests = run_chunks(
             sizes,
             manifest.chunk_size,
-            lambda fi, ci, off, n: hash_source_range(sources[fi], off, n, limiter, piece),  # type: ignore[arg-type]
+            lambda fi, ci, off, n: _reported(
+                hash_source_range(sources[fi], off, n, limiter, piece),  # type: ignore[arg-type]
+                progress,
+                n,
+            ),
             lambda fi: None,
             streams,
         )

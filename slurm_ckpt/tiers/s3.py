@@ -28,6 +28,7 @@ from slurm_ckpt.core.hashing import DEFAULT_CHUNK_SIZE
 from slurm_ckpt.core.layout import parse_step_dirname, step_dirname
 from slurm_ckpt.core.manifest import MANIFEST_NAME, Manifest
 from slurm_ckpt.core.names import validate_key, validate_user
+from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.core.verify import VerifyReport
 from slurm_ckpt.errors import CkptError, InvalidName, NotFound, TierError, VerifyError
 from slurm_ckpt.tiers.base import StepInfo
@@ -271,7 +272,9 @@ class S3Tier:
             raise VerifyError(f"{where}: manifest belongs to {m.user}/{m.key}/step {m.step}")
         return m
 
-    def verify(self, user: str, key: str, step: int) -> VerifyReport:
+    def verify(
+        self, user: str, key: str, step: int, progress: Optional[ProgressFn] = None
+    ) -> VerifyReport:
         """Ranged GETs of every chunk, in parallel, each hashed against the manifest."""
         where = self.where(user, key, step)
         try:
@@ -285,6 +288,7 @@ class S3Tier:
             self.streams,
             None,
             self.buffer_size,
+            progress,
         )
 
     # -- locking, deleting, sweeping -----------------------------------------------------

@@ -66,6 +66,7 @@ STEP_COLUMNS = [
     Column("age_s", "age", fmt=format_duration, right=True),
     Column("job", "job", drop=1),
     Column("node", "node", drop=1),
+    Column("data_version", "data", fmt=lambda v: v or "-", drop=3),
     Column("path", "path", drop=6, wrap=True),
 ]
 
@@ -79,6 +80,14 @@ SERIES_COLUMNS = [
     Column("age_s", "age", fmt=format_duration, right=True),
     Column("path", "path", drop=1, wrap=True),
 ]
+
+
+def _series_path(t: Any, user: str, key: str) -> str:
+    """Where a series lives: a directory, or an object-store prefix as a URL."""
+    root = getattr(t, "root", None)
+    if root is not None:
+        return os.path.join(root, user, key)
+    return f"s3://{t.bucket}/{t.series_prefix(user, key)}"
 
 
 def _series_rows(tiers: Dict[str, PosixTier], users: Optional[List[str]]) -> List[Dict[str, Any]]:
@@ -112,7 +121,7 @@ def _series_rows(tiers: Dict[str, PosixTier], users: Optional[List[str]]) -> Lis
                         "step": newest.step,
                         "bytes": sum(s.manifest.total_bytes for s in steps),
                         "age_s": round(now - newest.manifest.wall_time, 3),
-                        "path": os.path.join(t.root, u, k),
+                        "path": _series_path(t, u, k),
                     }
                 )
     rows.sort(key=lambda r: (r["user"], r["key"], ORDER.index(r["tier"])))
@@ -165,6 +174,7 @@ def list_cmd(
                     "age_s": round(now - m.wall_time, 3),
                     "job": m.job,
                     "node": m.node,
+                    "data_version": m.meta.get("data_version"),
                     "path": t.step_path(user, key, s.step),
                 }
             )

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -38,6 +39,7 @@ class S3Server:
         self.key_id = env["AWS_ACCESS_KEY_ID"]
         self.secret = env["AWS_SECRET_ACCESS_KEY"]
         self._buckets: set = set()
+        self.script_env: Dict[str, str] = {}
 
     def client(self, secret: str = "") -> Any:
         return boto3.client(
@@ -70,21 +72,57 @@ class S3Server:
         """The store's disk filled to the last block for the duration (as root)."""
         filler = self.data / "filler"
         try:
-            st = os.statvfs(self.data)
-            subprocess.run(
-                ["fallocate", "-l", str(st.f_bavail * st.f_frsize), str(filler)], check=False
-            )
-            with open(self.data / "filler2", "wb") as fh:  # whatever fallocate left over
-                try:
+            fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                st = os.statvfs(self.data)
+                bulk = st.f_bavail * st.f_frsize - 16 * 2**20
+                if bulk > 0:
+                    os.posix_fallocate(fd, 0, bulk)  # no data written: fast
+                    os.lseek(fd, bulk, os.SEEK_SET)
+                for piece in (2**20, 4096):  # then the last blocks
+                    buf = b"\0" * piece
                     while True:
-                        fh.write(b"\0" * 2**20)
-                        fh.flush()
-                except OSError:
-                    pass
+                        try:
+                            os.write(fd, buf)
+                        except OSError:
+                            break
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            assert os.statvfs(self.data).f_bavail == 0, "the store's disk is not full"
             yield
         finally:
-            for f in (filler, self.data / "filler2"):
-                f.unlink(missing_ok=True)
+            filler.unlink(missing_ok=True)
+            # Volumes that ran out of space stay read-only and the server's count of free
+            # volume slots is the one it had when full: a restart (data kept) resets both.
+            self.restart()
+            self.wait_writable()
+
+    def restart(self) -> None:
+        for cmd in ("stop", "start"):
+            r = subprocess.run(
+                ["bash", str(SCRIPT), cmd],
+                env=self.script_env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert r.returncode == 0, f"s3-server {cmd}: {r.stdout}{r.stderr}"
+
+    def wait_writable(self, timeout: float = 120.0) -> float:
+        """Wait until the store takes writes again (it learns of freed space from its
+        volume server's heartbeats); returns the seconds waited."""
+        c = self.client()
+        bucket = self.bucket("probe")
+        t0 = time.monotonic()
+        while True:
+            try:
+                c.put_object(Bucket=bucket, Key="probe", Body=b"x" * 4096)
+                return time.monotonic() - t0
+            except Exception:  # noqa: BLE001 - any failure: not writable yet
+                if time.monotonic() - t0 > timeout:
+                    raise
+                time.sleep(1.0)
 
 
 def _venv() -> str:
@@ -126,7 +164,9 @@ def s3_server() -> Iterator[S3Server]:
         values = dict(line.split("=", 1) for line in Path(envfile).read_text().split())
         for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
             os.environ[k] = values[k]
-        yield S3Server(state, data, values)
+        server = S3Server(state, data, values)
+        server.script_env = env
+        yield server
     finally:
         if started:
             subprocess.run(["bash", str(SCRIPT), "stop"], env=env, capture_output=True, timeout=120)

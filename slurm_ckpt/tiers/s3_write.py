@@ -71,6 +71,7 @@ class _Upload:
         self.nparts = max(1, -(-size // self.part_len))
         self.upload_id: Optional[str] = None
         self.etags: Dict[int, str] = {}
+        self.crcs: Dict[int, str] = {}
         self._bufs: Dict[int, bytearray] = {}
         self._filled: Dict[int, int] = {}
         self._lock = threading.Lock()
@@ -123,7 +124,24 @@ class _Upload:
             )
             with self._lock:
                 self.etags[pn] = r["ETag"]
+                self.crcs[pn] = crc
         crashpoint("s3:part")
+
+    def complete(self) -> None:
+        """Complete the multipart upload: every part with its ETag and CRC32."""
+        parts = [
+            {"PartNumber": pn + 1, "ETag": self.etags[pn], "ChecksumCRC32": self.crcs[pn]}
+            for pn in range(self.nparts)
+        ]
+        self.w.call(
+            "complete_multipart_upload",
+            self.key,
+            Key=self.key,
+            UploadId=self.upload_id,
+            MultipartUpload={"Parts": parts},
+        )
+        self.w._track_object(self.key)
+        self.w._untrack_upload(self)
 
     # -- RangeSink (copy mode) ---------------------------------------------------------
     def write(self, data: memoryview, offset: int) -> None:
@@ -155,16 +173,7 @@ class _Upload:
             missing = [pn for pn in range(self.nparts) if pn not in self.etags]
             if missing:
                 raise CkptError(f"{self.w.where}/{self.relpath}: part {missing[0] + 1} never sent")
-            parts = [{"PartNumber": pn + 1, "ETag": self.etags[pn]} for pn in range(self.nparts)]
-            self.w.call(
-                "complete_multipart_upload",
-                self.key,
-                Key=self.key,
-                UploadId=self.upload_id,
-                MultipartUpload={"Parts": parts},
-            )
-            self.w._track_object(self.key)
-            self.w._untrack_upload(self)
+            self.complete()
         head = self.w.call("head_object", self.key, Key=self.key)
         if int(head["ContentLength"]) != self.size:
             raise TierError(
@@ -254,16 +263,7 @@ class _Stream:
             up.put_part(self.pn, memoryview(self.buf))
         self.buf = bytearray()
         if up.nparts > 1:
-            parts = [{"PartNumber": i + 1, "ETag": up.etags[i]} for i in range(up.nparts)]
-            up.w.call(
-                "complete_multipart_upload",
-                up.key,
-                Key=up.key,
-                UploadId=up.upload_id,
-                MultipartUpload={"Parts": parts},
-            )
-            up.w._track_object(up.key)
-            up.w._untrack_upload(up)
+            up.complete()
 
     def writable(self) -> bool:
         return True
@@ -389,16 +389,7 @@ class S3Writer:
         entries = []
         for fi, up in enumerate(ups):
             if up.nparts > 1:
-                parts = [{"PartNumber": i + 1, "ETag": up.etags[i]} for i in range(up.nparts)]
-                self.call(
-                    "complete_multipart_upload",
-                    up.key,
-                    Key=up.key,
-                    UploadId=up.upload_id,
-                    MultipartUpload={"Parts": parts},
-                )
-                self._track_object(up.key)
-                self._untrack_upload(up)
+                up.complete()
             e = FileEntry(up.relpath, up.size, combine(digests[fi]), digests[fi])
             with self._lock:
                 self._entries[up.relpath] = e

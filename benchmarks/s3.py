@@ -76,8 +76,9 @@ def main() -> int:
         total = m.total_bytes
         ups, downs = [], []
         for r in range(a.rounds):
-            obj = S3Tier("object", endpoint=creds["S3_ENDPOINT"], bucket="bench",
-                         prefix=f"ours-{r}")
+            obj = S3Tier(
+                "object", endpoint=creds["S3_ENDPOINT"], bucket="bench", prefix=f"ours-{r}"
+            )
             dst_root = mnts[1] / f"ours-{r}"
             dst_root.mkdir()
             dst = PosixTier("restore", str(dst_root))
@@ -95,8 +96,9 @@ def main() -> int:
             def theirs_down(r: int = r) -> None:
                 for f in files:
                     name = os.path.basename(f)
-                    client.download_file("bench", f"theirs-{r}/{name}",
-                                         str(mnts[1] / f"theirs-{r}-{name}"))
+                    client.download_file(
+                        "bench", f"theirs-{r}/{name}", str(mnts[1] / f"theirs-{r}-{name}")
+                    )
 
             pairs = [(ours_up, theirs_up, ups), (ours_down, theirs_down, downs)]
             for ours, theirs, out in pairs:
@@ -126,22 +128,24 @@ def main() -> int:
                 "ratios": [round(x, 2) for x in ratios],
             }
 
-        doc = {"bytes": total, "files": a.files, "upload": summary(ups),
-               "download": summary(downs)}
+        doc = {"bytes": total, "files": a.files, "upload": summary(ups), "download": summary(downs)}
         if a.json:
             print(json.dumps(doc, indent=1))
         else:
             print(f"checkpoint: {format_bytes(total)} in {a.files} files, {a.rounds} rounds")
             for what in ("upload", "download"):
                 d = doc[what]
-                print(f"{what:8s} ours {d['ours_MBps']} MB/s, boto3 {d['boto3_MBps']} MB/s, "
-                      f"throughput ratio median {d['ratio_median']} (target >= 1.0) "
-                      f"rounds {d['ratios']}")
+                print(
+                    f"{what:8s} ours {d['ours_MBps']} MB/s, boto3 {d['boto3_MBps']} MB/s, "
+                    f"throughput ratio median {d['ratio_median']} (target >= 1.0) "
+                    f"rounds {d['ratios']}"
+                )
         return 0
     finally:
         if started:
-            subprocess.run(["bash", str(REPO / "scripts/s3-server"), "stop"], env=env,
-                           capture_output=True)
+            subprocess.run(
+                ["bash", str(REPO / "scripts/s3-server"), "stop"], env=env, capture_output=True
+            )
         for m in mnts:
             subprocess.run(["umount", str(m)], capture_output=True)
         shutil.rmtree(work, ignore_errors=True)

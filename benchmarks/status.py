@@ -42,12 +42,11 @@ from typing import Callable, Dict, List, Tuple
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from slurm_ckpt.cli.status import collect_status  # noqa: E402
-from slurm_ckpt.cli.status_model import no_slurm  # noqa: E402
 from slurm_ckpt.core.config import Config  # noqa: E402
 from slurm_ckpt.core.layout import step_dirname  # noqa: E402
 from slurm_ckpt.core.manifest import MANIFEST_NAME, Manifest  # noqa: E402
 from slurm_ckpt.ledger import Ledger, State, publish_status  # noqa: E402
+from slurm_ckpt.ops.status import collect_status, no_slurm  # noqa: E402
 from slurm_ckpt.tiers.posix import PosixTier  # noqa: E402
 
 STEPS_PER_JOB = 10

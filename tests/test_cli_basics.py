@@ -118,17 +118,25 @@ def test_config_from_env(good_config):
 
 def test_explicit_config_beats_env(good_config, tmp_path):
     proc = run_cli(
-        "--config", str(good_config), "config", "check", env_config=str(tmp_path / "no.toml")
+        "--config",
+        str(good_config),
+        "config",
+        "check",
+        "--offline",
+        env_config=str(tmp_path / "no.toml"),
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == f"ok: {good_config}"
+    assert proc.stdout.strip() == f"ok: {good_config} (offline: file only)"
 
 
 def test_config_check_ok(good_config):
-    proc = run_cli("--config", str(good_config), "config", "check")
+    proc = run_cli("--config", str(good_config), "config", "check", "--offline")
     assert proc.returncode == 0
-    assert proc.stdout == f"ok: {good_config}\n"
+    assert proc.stdout == f"ok: {good_config} (offline: file only)\n"
     assert proc.stderr == ""
+    # Without --offline the roots are looked at: /pfs/ckpt does not exist here.
+    proc = run_cli("--config", str(good_config), "config", "check")
+    assert_one_line_error(proc, 2, "tiers.pfs.root /pfs/ckpt does not exist")
 
 
 def test_config_check_invalid(tmp_path):
@@ -277,8 +285,10 @@ def test_main_usage_error_in_process(capsys):
 
 
 def test_main_ok_in_process(capsys, good_config):
-    code, out, err = _main_exit(capsys, ["--config", str(good_config), "config", "check"])
-    assert (code, out, err) == (0, f"ok: {good_config}\n", "")
+    code, out, err = _main_exit(
+        capsys, ["--config", str(good_config), "config", "check", "--offline"]
+    )
+    assert (code, out, err) == (0, f"ok: {good_config} (offline: file only)\n", "")
 
 
 def _main_as_nobody(argv):

@@ -83,7 +83,7 @@ def test_verify_exit_codes(site) -> None:
         (["verify", "nosuchkey", "--user", "alice"], 1, "no committed checkpoint"),
         (["list", "../etc", "--user", "alice"], 2, "invalid"),
         (["verify", "run", "--user", "bad/user"], 2, "invalid user"),
-        (["verify", "/tmp/not-a-step"], 1, "not a checkpoint directory"),
+        (["verify", "/tmp/not-a-step"], 1, "no such file or directory"),
         (["list", "run", "--user", "alice", "--tier", "cold"], 2, "not configured"),
     ],
 )

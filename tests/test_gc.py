@@ -18,10 +18,10 @@ from typing import Dict, Iterable, List, Optional
 
 import pytest
 
-from slurm_ckpt.cli.gc import gc_series, pin_name, plan_series, policy_from_config, run_gc
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.layout import partial_dirname, step_dirname
 from slurm_ckpt.core.retention import CkptInfo, RetentionPolicy
+from slurm_ckpt.ops.gc import gc_series, pin_name, plan_series, policy_from_config, run_gc
 from slurm_ckpt.tiers.posix import PosixTier
 
 REPO = Path(__file__).resolve().parents[1]

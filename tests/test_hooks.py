@@ -24,25 +24,18 @@ from conftest import Mounts, need_root
 from slurm_ckpt.cli import hooks_cmds
 from slurm_ckpt.cli.main import cli as ckpt_cli
 from slurm_ckpt.cli.main import main as ckpt_main
-from slurm_ckpt.cli.srun import resolve_key
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.errors import CkptError, InvalidName, TierError
-from slurm_ckpt.hooks.epilog import (
-    HANDED_TO_STAGER,
-    NodeWork,
-    UserIds,
-    ensure_ledger_dir,
-    run_epilog,
-)
-from slurm_ckpt.hooks.prolog import (
-    PrologFailed,
-    check_local_tier,
-    ensure_user_dir,
-    run_prolog,
-)
+from slurm_ckpt.hooks.epilog import run_epilog
+from slurm_ckpt.hooks.prolog import PrologFailed, ensure_user_dir, run_prolog
 from slurm_ckpt.hooks.stager import stager_pass
 from slurm_ckpt.ledger import State
 from slurm_ckpt.node.asuser import AsUserError, AsUserTimeout, run_as, run_as_user
+from slurm_ckpt.node.flush import HANDED_TO_STAGER
+from slurm_ckpt.node.guard import check_local_tier, ensure_ledger_dir
+from slurm_ckpt.node.work import NodeWork, UserIds
+from slurm_ckpt.ops import install as install_mod
+from slurm_ckpt.ops.srun import resolve_key
 from slurm_ckpt.slurm.env import HookEnv
 from slurm_ckpt.slurm.requeue import requeue_reason, stop_cause
 from slurm_ckpt.tiers.registry import tiers_from_config
@@ -486,7 +479,7 @@ def test_install_hooks(
         ckpt_cli, ["install-hooks", "--dest", str(dest), "--config", str(conf)]
     )
     assert res.exit_code == 0, res.output
-    exe = hooks_cmds._ckpt_slurm_path()
+    exe = install_mod.ckpt_slurm_path()
     assert os.path.isabs(exe) and os.access(exe, os.X_OK)
     for kind in ("prolog", "epilog"):
         p = dest / kind
@@ -506,7 +499,7 @@ def test_install_hooks(
 def test_repo_hooks_are_the_rendered_defaults() -> None:
     for kind in ("prolog", "epilog"):
         p = REPO / "hooks" / kind
-        assert p.read_text() == hooks_cmds.render_hook(kind), f"regenerate hooks/{kind}"
+        assert p.read_text() == install_mod.render_hook(kind), f"regenerate hooks/{kind}"
         assert os.access(p, os.X_OK)
 
 
@@ -517,13 +510,13 @@ def test_hook_script_timeout_drains_and_logs(area: Area) -> None:
     logf = area.base / "hooks.log"
     script = area.base / "epilog"
     script.write_text(
-        hooks_cmds.render_hook("epilog", str(fake), "/nonexistent.toml", 0.2, str(logf))
+        install_mod.render_hook("epilog", str(fake), "/nonexistent.toml", 0.2, str(logf))
     )
     script.chmod(0o755)
     t0 = time.monotonic()
     proc = subprocess.run([str(script)], env={}, capture_output=True, timeout=30)
     assert proc.returncode == 0  # an epilog that timed out drains with our reason
-    assert time.monotonic() - t0 < hooks_cmds.GRACE_S + 5
+    assert time.monotonic() - t0 < install_mod.GRACE_S + 5
     log = logf.read_text()
     assert "starting" in log and "slurm_ckpt: epilog timed out after 5.2s" in log
 

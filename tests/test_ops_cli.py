@@ -23,10 +23,10 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import pytest
 
-from slurm_ckpt.cli import maint as maint_mod
 from slurm_ckpt.cli.main import main
 from slurm_ckpt.ledger import Ledger, State, publish_status
 from slurm_ckpt.node.asuser import run_as_user
+from slurm_ckpt.ops import maint as maint_mod
 from slurm_ckpt.tiers.posix import PosixTier
 
 USER = "ckptuser1"

@@ -10,22 +10,29 @@ Output goes through :mod:`slurm_ckpt.cli.table` (``--json``, ``--parsable``,
 
 from __future__ import annotations
 
-import contextlib
 import os
-import time
-from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import click
 
 from slurm_ckpt.cli.output import CliState, pass_state
 from slurm_ckpt.cli.progress import ByteProgress
-from slurm_ckpt.cli.table import Column, Listing, OutputFormat, output_options, print_json_doc
-from slurm_ckpt.core.layout import parse_step_dirname
+from slurm_ckpt.cli.table import (
+    Column,
+    Listing,
+    OutputFormat,
+    output_options,
+    plural,
+    print_json_doc,
+    warn,
+)
 from slurm_ckpt.core.names import current_user, validate_key, validate_user
 from slurm_ckpt.core.units import format_bytes, format_duration
-from slurm_ckpt.errors import CkptError, NotFound, TierError, UsageError
-from slurm_ckpt.tiers.posix import PosixTier
+from slurm_ckpt.errors import NotFound, UsageError
+from slurm_ckpt.ops.catalog import series_rows, step_rows, verify_targets
+from slurm_ckpt.ops.damage import COMMITTED, CORRUPT, UNREADABLE
+from slurm_ckpt.ops.verify_path import verify_path
+from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.registry import ORDER, tiers_from_config
 
 tier_choice = click.Choice(["all", *ORDER])
@@ -42,7 +49,7 @@ def _user(user: Optional[str]) -> str:
     return validate_user(user) if user else current_user()
 
 
-def _selected(state: CliState, tier: str) -> Dict[str, PosixTier]:
+def _selected(state: CliState, tier: str) -> Dict[str, Tier]:
     tiers = tiers_from_config(state.config)
     if tier == "all":
         return tiers
@@ -67,6 +74,8 @@ STEP_COLUMNS = [
     Column("job", "job", drop=1),
     Column("node", "node", drop=1),
     Column("data_version", "data", fmt=lambda v: v or "-", drop=3),
+    Column("state", "state"),
+    Column("reason", "reason", wrap=True),
     Column("path", "path", drop=6, wrap=True),
 ]
 
@@ -78,54 +87,9 @@ SERIES_COLUMNS = [
     Column("step", "newest", right=True),
     Column("bytes", "size", fmt=format_bytes, right=True),
     Column("age_s", "age", fmt=format_duration, right=True),
+    Column("damaged", "damaged", right=True, style=lambda t: "red" if t != "0" else None),
     Column("path", "path", drop=1, wrap=True),
 ]
-
-
-def _series_path(t: Any, user: str, key: str) -> str:
-    """Where a series lives: a directory, or an object-store prefix as a URL."""
-    root = getattr(t, "root", None)
-    if root is not None:
-        return os.path.join(root, user, key)
-    return f"s3://{t.bucket}/{t.series_prefix(user, key)}"
-
-
-def _series_rows(tiers: Dict[str, PosixTier], users: Optional[List[str]]) -> List[Dict[str, Any]]:
-    """One row per series per tier: step count, newest step, bytes, age of the newest."""
-    now = time.time()
-    rows: List[Dict[str, Any]] = []
-    for name, t in tiers.items():
-        try:
-            names = users if users is not None else t.users()
-        except (TierError, OSError):
-            continue
-        for u in names:
-            try:
-                keys = t.keys(validate_user(u))
-            except (CkptError, OSError):
-                continue  # another user's private directory, or not a user directory
-            for k in keys:
-                try:
-                    steps = t.steps(u, validate_key(k))
-                except (CkptError, OSError):
-                    continue
-                if not steps:
-                    continue
-                newest = steps[-1]
-                rows.append(
-                    {
-                        "tier": name,
-                        "user": u,
-                        "key": k,
-                        "steps": len(steps),
-                        "step": newest.step,
-                        "bytes": sum(s.manifest.total_bytes for s in steps),
-                        "age_s": round(now - newest.manifest.wall_time, 3),
-                        "path": _series_path(t, u, k),
-                    }
-                )
-    rows.sort(key=lambda r: (r["user"], r["key"], ORDER.index(r["tier"])))
-    return rows
 
 
 @click.command("list")
@@ -136,54 +100,43 @@ def _series_rows(tiers: Dict[str, PosixTier], users: Optional[List[str]]) -> Lis
 @pass_state
 def list_cmd(
     state: CliState, key: Optional[str], user: Optional[str], tier: str, out: OutputFormat
-) -> None:
+) -> int:
     """List the committed checkpoints of KEY on each tier, or (no KEY) your series.
 
     Without KEY: one line per series and tier (root: every user's series; -u: that
-    user's). Exit status 1 when KEY has no committed checkpoint.
+    user's). Damaged step directories are listed too, with their state (CORRUPT,
+    INCOMPLETE, UNREADABLE, FOREIGN) and reason. Exit status 1 when KEY has no
+    committed checkpoint, or when a damaged step is listed.
     """
     tiers = _selected(state, tier)
     if key is None:
         users = [validate_user(user)] if user else (None if os.geteuid() == 0 else [current_user()])
-        rows = _series_rows(tiers, users)
+        rows = series_rows(tiers, users)
+        bad = sum(r["damaged"] for r in rows)
         if out.json:
             print_json_doc({"series": rows})
-            return
+            return 1 if bad else 0
         title = "checkpoint series" + (f" of {users[0]}" if users else "")
         if not rows and out.decorated:
             click.echo(f"no committed checkpoints{' of ' + users[0] if users else ''}")
-            return
+            return 0
         Listing(SERIES_COLUMNS, rows, title).print(out)
-        return
+        if bad and out.decorated:
+            warn(f"{plural(bad, 'damaged step')}: see ckpt-slurm list KEY; exit status 1")
+        return 1 if bad else 0
     user = _user(user)
     validate_key(key)
-    rows = []
-    now = time.time()
-    for name, t in tiers.items():
-        for s in t.steps(user, key):
-            m = s.manifest
-            rows.append(
-                {
-                    "tier": name,
-                    "user": user,
-                    "key": key,
-                    "step": s.step,
-                    "tokens": m.tokens,
-                    "bytes": m.total_bytes,
-                    "files": len(m.files),
-                    "age_s": round(now - m.wall_time, 3),
-                    "job": m.job,
-                    "node": m.node,
-                    "data_version": m.meta.get("data_version"),
-                    "path": t.step_path(user, key, s.step),
-                }
-            )
+    rows = step_rows(tiers, user, key)
+    bad_rows = [r for r in rows if r["state"] != COMMITTED]
     if out.json:
         print_json_doc({"user": user, "key": key, "checkpoints": rows})
-        return
+        return 1 if bad_rows else 0
     if not rows:
         raise NotFound(f"no committed checkpoint for {user}/{key}")
     Listing(STEP_COLUMNS, rows, f"checkpoints of {user}/{key}").print(out)
+    if bad_rows and out.decorated:
+        warn(f"{plural(len(bad_rows), 'damaged step')} (see state and reason): exit status 1")
+    return 1 if bad_rows else 0
 
 
 VERIFY_COLUMNS = [
@@ -199,35 +152,44 @@ VERIFY_COLUMNS = [
 ]
 
 
-def _targets(
-    state: CliState, target: str, user: Optional[str], tier: str, step: Optional[int]
-) -> List[Tuple[PosixTier, str, str, int, int]]:
-    """What to verify: ``(tier, user, key, step, bytes)`` for a step directory or a KEY."""
-    checks: List[Tuple[PosixTier, str, str, int, int]] = []
-    if os.sep in target or target.startswith("."):
-        path = Path(target).absolute()
-        s = parse_step_dirname(path.name)
-        if s is None or not path.is_dir():
-            raise CkptError(f"{target}: not a checkpoint directory (expected .../step-NNNNNNNNNN)")
-        key_dir = path.parent
-        t = PosixTier("path", str(key_dir.parent.parent))
-        size = 0
-        with contextlib.suppress(CkptError):  # verify reports it
-            size = t.manifest(key_dir.parent.name, key_dir.name, s).total_bytes
-        checks.append((t, key_dir.parent.name, key_dir.name, s, size))
-        return checks
-    user = _user(user)
-    validate_key(target)
-    for t in _selected(state, tier).values():
-        for info in t.steps(user, target):
-            if step is None or info.step == step:
-                checks.append((t, user, target, info.step, info.manifest.total_bytes))
-    if not checks:
-        raise NotFound(
-            f"no committed checkpoint for {user}/{target}"
-            + (f" at step {step}" if step is not None else "")
-        )
-    return checks
+def _result_state(ok: bool, problems: List[str]) -> str:
+    """OK, or why not: a read refused for permissions is UNREADABLE, not CORRUPT."""
+    if ok:
+        return "OK"
+    if problems and all("permission denied" in p for p in problems):
+        return UNREADABLE
+    return CORRUPT
+
+
+def _is_path(target: str) -> bool:
+    return os.sep in target or target.startswith(".")
+
+
+def _verify_path(target: str, streams: int, out: OutputFormat) -> int:
+    """``verify PATH``: any checkpoint directory, wherever it is (see ops.verify_path)."""
+    size: List[int] = []
+    with ByteProgress(f"verify {target}") as bar:
+        res = verify_path(target, streams, progress=bar.advance, expected_size=size)
+    rep, m = res.report, res.manifest
+    row = {
+        "tier": "path",
+        "user": None if m is None else m.user,
+        "key": None if m is None else m.key,
+        "step": None if m is None else m.step,
+        "path": res.path,
+        "state": _result_state(rep.ok, rep.problems),
+        "ok": rep.ok,
+        "bytes": rep.nbytes,
+        "seconds": round(rep.seconds, 3),
+        "problems": rep.problems + res.notes,
+        "moved": res.moved,
+        "origin": res.origin,
+    }
+    if out.json:
+        print_json_doc({"ok": rep.ok, "checkpoints": [row]})
+    else:
+        Listing(VERIFY_COLUMNS, [row], "verify").print(out)
+    return 0 if rep.ok else 1
 
 
 @click.command("verify")
@@ -245,25 +207,30 @@ def verify_cmd(
     step: Optional[int],
     out: OutputFormat,
 ) -> int:
-    """Re-hash every byte of TARGET (a step directory, or a KEY) against its manifest.
+    """Re-hash every byte of TARGET (a KEY, or a checkpoint directory anywhere) against
+    its manifest.
 
-    Exit status 0 when everything verifies, 1 on any mismatch.
+    A KEY: every step on every tier, damaged step directories included (CORRUPT,
+    INCOMPLETE, UNREADABLE, FOREIGN, with the reason). A directory: wherever it is (a
+    copy that was moved says so); a missing path, a symlink and a permission problem
+    each get their own message. Exit status 0 when everything verifies, 1 otherwise.
     """
-    checks = _targets(state, target, user, tier, step)
+    if _is_path(target):
+        return _verify_path(target, 4, out)
+    checks, broken = verify_targets(_selected(state, tier), target, _user(user), step)
     reports = []
     with ByteProgress("verify", total=sum(c[4] for c in checks)) as bar:
         for t, u, k, s, _size in checks:
             bar.set_description(f"verify {t.name} {u}/{k} step {s}")
             reports.append((t, u, k, t.verify(u, k, s, progress=bar.advance)))
-    ok = all(r.ok for _t, _u, _k, r in reports)
     rows = [
         {
             "tier": t.name,
             "user": u,
             "key": k,
             "step": r.step,
-            "path": t.step_path(u, k, r.step),
-            "state": "OK" if r.ok else "CORRUPT",
+            "path": t.location(u, k, r.step),
+            "state": _result_state(r.ok, r.problems),
             "ok": r.ok,
             "bytes": r.nbytes,
             "seconds": round(r.seconds, 3),
@@ -271,6 +238,14 @@ def verify_cmd(
         }
         for t, u, k, r in reports
     ]
+    rows += [
+        dict(d.to_dict(), tier=name, ok=False, bytes=0, seconds=0.0, problems=[d.reason])
+        for name, d in broken
+    ]
+    rows.sort(key=lambda r: (ORDER.index(r["tier"]) if r["tier"] in ORDER else 99, r["step"] or 0))
+    for r in rows:
+        r.pop("reason", None)
+    ok = all(r["ok"] for r in rows)
     if out.json:
         print_json_doc({"ok": ok, "checkpoints": rows})
     else:

@@ -1,43 +1,10 @@
-"""``ckpt-slurm gc``: retention on the shared tiers (PFS, and cold when configured).
-
-The policy is :func:`slurm_ckpt.core.retention.plan_pfs_deletions` with the site's
-``[retention]`` values; this module decides what each checkpoint's ``verified`` flag is,
-and that is where the safety lies. A checkpoint counts as verified only if it verifies
-*now* (every byte re-hashed against its manifest): a copy that rotted since it was written
-must not be what lets retention delete the last good one.
-
-Re-hashing a whole PFS on every run would be too slow, so :func:`plan_series` verifies
-exactly the checkpoints whose verified status lets something else be deleted: the newest
-``keep_pfs`` (at least one) of those presumed good, and a window keeper of
-``keep_pfs_every`` whose window holds a checkpoint planned for deletion. Everything not
-yet verified is presumed good while planning; when a verification fails, that checkpoint
-stops counting and the plan is made again (the next one in line then gets verified). The
-result is the plan with every safety-relevant ``verified`` flag measured, so:
-
-* the newest checkpoint that verifies is never deleted (it may be the only good copy);
-* a corrupt newest checkpoint does not count towards ``keep_pfs``: one more older one is
-  kept (the corrupt one too, by the policy's rule for unverified newer copies);
-* with nothing verifying, nothing is deleted.
-
-Pins: a checkpoint is pinned when its manifest's ``meta`` has ``"pinned": true`` (set at
-save time) or when a marker ``<key>/.pin-step-NNNNNNNNNN`` exists beside it (``touch`` it
-to pin after the fact). A PFS checkpoint being archived right now (a
-``.partial-step-N`` on the cold tier) is kept until that copy is done.
-
-Deletion goes through :meth:`PosixTier.delete` (manifest first, under the step lock), the
-oldest first, so an interrupted run leaves the newer checkpoints in place. Verification
-reads every byte of the checkpoints it checks: on an HSM-backed cold tier that recalls
-them. A checkpoint that cannot be read (permissions included) counts as not verified,
-which only ever keeps more.
+"""``ckpt-slurm gc``: retention on the shared tiers. The logic is :mod:`slurm_ckpt.ops.gc`
+(its docstring says what is kept and why); this module parses options and prints.
 """
 
 from __future__ import annotations
 
-import math
-import os
-import time
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import List, Optional, Sequence
 
 import click
 
@@ -47,346 +14,16 @@ from slurm_ckpt.cli.table import (
     Column,
     Listing,
     OutputFormat,
+    echo_wrapped,
     output_options,
     plural,
     print_json_doc,
+    warn,
 )
-from slurm_ckpt.core.config import Config
-from slurm_ckpt.core.layout import PARTIAL_PREFIX, parse_step_dirname, step_dirname
-from slurm_ckpt.core.names import validate_key, validate_user
-from slurm_ckpt.core.progress import ProgressFn
-from slurm_ckpt.core.retention import CkptInfo, RetentionPolicy, plan_pfs_deletions
 from slurm_ckpt.core.units import format_bytes
-from slurm_ckpt.errors import CkptError
-from slurm_ckpt.ops.age import AgeResult, chain, gc_cold_series, owed, run_aging
-from slurm_ckpt.tiers.posix import PosixTier, StepInfo
-from slurm_ckpt.tiers.registry import tiers_from_config
-
-__all__ = [
-    "PIN_PREFIX",
-    "GcReport",
-    "SeriesResult",
-    "gc_cmd",
-    "gc_series",
-    "pin_name",
-    "plan_series",
-    "policy_from_config",
-    "run_gc",
-]
-
-#: ``<key>/.pin-step-NNNNNNNNNN`` pins that step on a shared tier.
-PIN_PREFIX = ".pin-"
-#: Warm tiers whose retention gc applies (the cold tier has its own, ops.age).
-GC_TIERS = ("pfs", "object")
-
-
-def pin_name(step: int) -> str:
-    """The marker file name that pins ``step``."""
-    return PIN_PREFIX + step_dirname(step)
-
-
-def policy_from_config(cfg: Config) -> RetentionPolicy:
-    r = cfg.retention
-    return RetentionPolicy(
-        keep_local=r.keep_local,
-        flush_every=r.flush_every,
-        keep_pfs=r.keep_pfs,
-        keep_pfs_every_s=r.keep_pfs_every,
-    )
-
-
-# --------------------------------------------------------------------------- planning
-
-
-def _window(info: CkptInfo, every_s: float) -> float:
-    """The retention window of ``info``, computed exactly as the planner does."""
-    return math.floor(info.wall_time / every_s) if math.isfinite(every_s) else 0.0
-
-
-def _must_verify(infos: List[CkptInfo], deleted: Set[int], policy: RetentionPolicy) -> List[int]:
-    """Steps whose ``verified`` flag lets another checkpoint be deleted (newest first)."""
-    ordered = sorted(infos, key=lambda i: (i.step, i.wall_time), reverse=True)
-    presumed = [i for i in ordered if i.verified]
-    must: List[int] = []
-    for info in presumed:
-        if len(must) >= max(policy.keep_pfs, 1):
-            break
-        if info.step not in must:
-            must.append(info.step)
-    every = float(policy.keep_pfs_every_s)
-    if every > 0 and deleted:
-        doomed_windows = {_window(i, every) for i in infos if i.step in deleted}
-        for info in presumed:
-            if (
-                info.step not in deleted
-                and info.step not in must
-                and _window(info, every) in doomed_windows
-            ):
-                must.append(info.step)
-    return must
-
-
-def plan_series(
-    infos: Sequence[CkptInfo],
-    now: float,
-    policy: RetentionPolicy,
-    verify: Callable[[int], bool],
-) -> Tuple[List[int], Dict[int, bool]]:
-    """Deletions for one series, verifying (through ``verify(step)``) what they rest on.
-
-    ``infos`` carry everything but ``verified`` (ignored). Returns the steps to delete
-    (ascending) and the verification results, ``{step: ok}``, of the steps it checked.
-    """
-    results: Dict[int, bool] = {}
-    while True:
-        current = [replace(i, verified=results.get(i.step, True)) for i in infos]
-        deletions = plan_pfs_deletions(current, now, policy)
-        todo = [s for s in _must_verify(current, set(deletions), policy) if s not in results]
-        if not todo:
-            return deletions, results
-        for step in todo:
-            results[step] = bool(verify(step))
-            if not results[step]:
-                break  # a failure changes who is kept: plan again before verifying more
-
-
-# --------------------------------------------------------------------------- doing
-
-
-@dataclass
-class SeriesResult:
-    """What gc did (or would do) to one series on one tier."""
-
-    tier: str
-    user: str
-    key: str
-    steps: List[int] = field(default_factory=list)
-    keep: List[int] = field(default_factory=list)
-    delete: List[int] = field(default_factory=list)
-    deleted: List[int] = field(default_factory=list)
-    verified: List[int] = field(default_factory=list)
-    corrupt: List[int] = field(default_factory=list)
-    pinned: List[int] = field(default_factory=list)
-    bytes: int = 0
-    problems: List[str] = field(default_factory=list)
-    errors: List[str] = field(default_factory=list)
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {
-            "tier": self.tier,
-            "user": self.user,
-            "key": self.key,
-            "checkpoints": len(self.steps),
-            "keep": self.keep,
-            "delete": self.delete,
-            "deleted": self.deleted,
-            "verified": self.verified,
-            "corrupt": self.corrupt,
-            "pinned": self.pinned,
-            "bytes": self.bytes,
-            "problems": self.problems,
-            "errors": self.errors,
-        }
-
-
-@dataclass
-class GcReport:
-    """One gc run over the selected series."""
-
-    dry_run: bool
-    time: float
-    series: List[SeriesResult] = field(default_factory=list)
-    aged: List[AgeResult] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not any(s.errors for s in self.series) and not any(a.errors for a in self.aged)
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {
-            "aged": [a.to_dict() for a in self.aged],
-            "dry_run": self.dry_run,
-            "time": self.time,
-            "ok": self.ok,
-            "totals": {
-                "series": len(self.series),
-                "checkpoints": sum(len(s.steps) for s in self.series),
-                "delete": sum(len(s.delete) for s in self.series),
-                "deleted": sum(len(s.deleted) for s in self.series),
-                "bytes": sum(s.bytes for s in self.series),
-                "verified": sum(len(s.verified) for s in self.series),
-                "corrupt": sum(len(s.corrupt) for s in self.series),
-                "errors": sum(len(s.errors) for s in self.series),
-            },
-            "series": [s.to_dict() for s in self.series],
-        }
-
-
-def _names(tier: Any, user: str, key: str) -> Set[str]:
-    if not hasattr(tier, "key_fd"):
-        return set()  # an object store: pins are in the manifest's meta only
-    try:
-        with tier.key_fd(user, key) as kfd:
-            return set(os.listdir(kfd))
-    except (CkptError, OSError):
-        return set()
-
-
-def gc_series(
-    tier: PosixTier,
-    user: str,
-    key: str,
-    policy: RetentionPolicy,
-    now: float,
-    *,
-    dry_run: bool = False,
-    next_tier: Optional[PosixTier] = None,
-    progress: Optional[ProgressFn] = None,
-    owed: Optional[Set[int]] = None,
-) -> SeriesResult:
-    """Apply retention to ``user/key`` on ``tier``; see the module docstring.
-    ``progress(nbytes)`` hears of every byte verified."""
-    res = SeriesResult(tier.name, user, key)
-    steps: Dict[int, StepInfo] = {s.step: s for s in tier.steps(user, key)}
-    res.steps = sorted(steps)
-    if not steps:
-        return res
-    names = _names(tier, user, key)
-    archiving: Set[int] = set()
-    if next_tier is not None:
-        for name in _names(next_tier, user, key):
-            if name.startswith(PARTIAL_PREFIX):
-                step = parse_step_dirname(name[len(PARTIAL_PREFIX) :])
-                if step is not None:
-                    archiving.add(step)
-    infos = []
-    for step, s in sorted(steps.items()):
-        pinned = s.manifest.meta.get("pinned") is True or pin_name(step) in names
-        if pinned:
-            res.pinned.append(step)
-        infos.append(
-            CkptInfo(
-                step=step,
-                wall_time=s.manifest.wall_time,
-                nbytes=s.nbytes,
-                pinned=pinned,
-                next_tier_verified=False if step in archiving or step in (owed or ()) else None,
-            )
-        )
-
-    def verify(step: int) -> bool:
-        try:
-            rep = tier.verify(user, key, step, progress=progress)
-        except CkptError as exc:
-            res.problems.append(f"{tier.where(user, key, step)}: {exc}")
-            return False
-        if not rep.ok:
-            res.problems.extend(rep.problems[:3])
-        return rep.ok
-
-    deletions, results = plan_series(infos, now, policy, verify)
-    res.verified = sorted(s for s, ok in results.items() if ok)
-    res.corrupt = sorted(s for s, ok in results.items() if not ok)
-    res.delete = list(deletions)
-    res.keep = sorted(set(steps) - set(deletions))
-    res.bytes = sum(steps[s].nbytes for s in deletions)
-    if dry_run:
-        return res
-    for step in deletions:  # oldest first
-        try:
-            tier.delete(user, key, step)
-        except (CkptError, OSError) as exc:
-            res.errors.append(f"{tier.where(user, key, step)}: not deleted: {exc}")
-            continue
-        res.deleted.append(step)
-    res.bytes = sum(steps[s].nbytes for s in res.deleted)
-    return res
-
-
-def _series(tier: PosixTier, user: Optional[str], key: Optional[str]) -> List[Tuple[str, str]]:
-    out = []
-    try:
-        users = [user] if user is not None else tier.users()
-    except CkptError:
-        return out
-    for u in users:
-        try:
-            validate_user(u)
-            keys = [key] if key is not None else tier.keys(u)
-        except CkptError:
-            continue
-        for k in keys:
-            try:
-                out.append((u, validate_key(k)))
-            except CkptError:
-                continue
-    return out
-
-
-def run_gc(
-    cfg: Config,
-    *,
-    user: Optional[str] = None,
-    key: Optional[str] = None,
-    dry_run: bool = False,
-    now: Optional[float] = None,
-    progress: Optional[ProgressFn] = None,
-    as_owner: Optional[bool] = None,
-) -> GcReport:
-    """Aging along the tier chain, then retention on the warm tiers (PFS, object store)
-    and the cold tier's (``keep_for``, pins forever). ``as_owner``: copies as the
-    series' user (default: when running as root)."""
-    if user is not None:
-        validate_user(user)
-    if key is not None:
-        validate_key(key)
-    policy = policy_from_config(cfg)
-    when = time.time() if now is None else now
-    tiers = tiers_from_config(cfg)
-    report = GcReport(dry_run, when)
-    # Aging first (pfs -> object -> cold, each copy verified on the next tier), so that
-    # retention below sees what has arrived; what is still owed is kept.
-    report.aged = run_aging(cfg, user=user, key=key, dry_run=dry_run, as_owner=as_owner)
-    links = {src.name: (dst, every) for src, dst, every in chain(cfg, tiers)}
-    for name in GC_TIERS:
-        tier = tiers.get(name)
-        if tier is None:
-            continue
-        following = links.get(name)
-        for u, k in _series(tier, user, key):
-            keep: Set[int] = set()
-            if following is not None:
-                try:
-                    keep = owed(tier, following[0], u, k, following[1])
-                except CkptError:
-                    keep = {s.step for s in tier.steps(u, k)}  # next tier unknown: keep all
-            nxt = None if following is None else following[0]
-            res = gc_series(
-                tier,
-                u,
-                k,
-                policy,
-                when,
-                dry_run=dry_run,
-                next_tier=nxt,
-                progress=progress,
-                owed=keep,
-            )
-            if res.steps:
-                report.series.append(res)
-    cold = tiers.get("cold")
-    if cold is not None and cfg.tiers.cold is not None:
-        for u, k in _series(cold, user, key):
-            res = SeriesResult("cold", u, k, steps=[s.step for s in cold.steps(u, k)])
-            done, errors = gc_cold_series(cold, u, k, when, cfg.tiers.cold.keep_for, dry_run)
-            res.delete = done
-            res.deleted = [] if dry_run else done
-            res.keep = sorted(set(res.steps) - set(done))
-            res.errors = errors
-            if res.steps:
-                report.series.append(res)
-    return report
-
+from slurm_ckpt.ops.gc import (
+    run_gc,
+)
 
 # --------------------------------------------------------------------------- command
 
@@ -418,6 +55,20 @@ def _gc_columns(dry_run: bool) -> List[Column]:
         Column("bytes", "size", fmt=format_bytes, right=True),
         Column("corrupt", "corrupt", fmt=step_ranges),
         Column("pinned", "pinned", fmt=step_ranges, drop=1),
+        Column(
+            "damaged",
+            "damaged",
+            fmt=lambda v: (
+                step_ranges([d["step"] for d in v if d["step"] is not None]) if v else "-"
+            ),
+            parsable=False,
+        ),
+        Column("damaged_steps", "damaged", human=False),
+        Column(
+            "reclaim" if dry_run else "reclaimed",
+            "would reclaim" if dry_run else "reclaimed",
+            fmt=step_ranges,
+        ),
     ]
 
 
@@ -433,8 +84,10 @@ def gc_cmd(
     """Apply retention on the PFS (and cold) tiers: keep the newest retention.keep_pfs
     checkpoints that verify now, one per retention.keep_pfs_every, and pinned ones.
 
-    Exit status 1 if a deletion failed. The size column is what was (or would be)
-    deleted; steps are shown as ranges (1-3,5).
+    Damaged step directories (CORRUPT, INCOMPLETE, UNREADABLE, FOREIGN) are reported;
+    CORRUPT and INCOMPLETE ones older than a checkpoint that verifies now are reclaimed.
+    Exit status 1 if a deletion failed or damaged ones are left. The size column is what
+    was (or would be) deleted; steps are shown as ranges (1-3,5).
     """
     with ByteProgress("gc: verify") as bar:
         report = run_gc(state.config, user=user, key=key, dry_run=dry_run, progress=bar.advance)
@@ -444,13 +97,19 @@ def gc_cmd(
     for a in report.aged:
         for line in a.errors:
             print_error(line)
+    left = sum(s.damaged_left for s in report.series)
+    code = 0 if report.ok and not left else 1
     if out.json:
         print_json_doc(report.to_dict())
-        return 0 if report.ok else 1
+        return code
     doc = report.to_dict()
-    busy = [s for s in report.series if s.delete or s.corrupt or s.errors]
+    busy = [s for s in report.series if s.delete or s.corrupt or s.errors or s.damaged]
     rows = [
-        dict(s.to_dict(), series=f"{s.user}/{s.key}")
+        dict(
+            s.to_dict(),
+            series=f"{s.user}/{s.key}",
+            damaged_steps=[d["step"] for d in s.damaged],
+        )
         for s in (report.series if not out.decorated else busy)
     ]
     if rows or not out.decorated:
@@ -461,8 +120,14 @@ def gc_cmd(
         t = doc["totals"]
         verb = "would delete" if dry_run else "deleted"
         count = t["delete"] if dry_run else t["deleted"]
-        click.echo(
+        echo_wrapped(
             f"{t['series']} series, {plural(t['checkpoints'], 'checkpoint')}: {verb} {count} "
             f"({format_bytes(t['bytes'])}); verified {t['verified']}, corrupt {t['corrupt']}"
+            + (f"; damaged {t['damaged']}, reclaimed {t['reclaimed']}" if t["damaged"] else "")
         )
-    return 0 if report.ok else 1
+    if left:
+        for s in report.series:
+            for d in s.damaged:
+                if d["step"] not in s.reclaimed and d["step"] not in (s.reclaim if dry_run else ()):
+                    warn(f"{d['path']}: {d['state']}: {d['reason']} (left in place)")
+    return code

@@ -23,7 +23,10 @@ ADMIN_COMMANDS = ("prolog", "epilog", "stager", "install-hooks", "maint", "guard
 EXAMPLES: Dict[str, List[str]] = {
     "config": ["ckpt-slurm config check", "ckpt-slurm config show --json"],
     "config show": ["ckpt-slurm config show", "ckpt-slurm --config ./site.toml config show --json"],
-    "config check": ["ckpt-slurm config check", "ckpt-slurm config check --config ./site.toml"],
+    "config check": [
+        "ckpt-slurm config check",
+        "ckpt-slurm config check --offline --config ./site.toml",
+    ],
     "status": [
         "ckpt-slurm status",
         "ckpt-slurm status -u alice",

@@ -61,6 +61,7 @@ COMMANDS: List[Tuple[str, str]] = [
     ("slurm_ckpt.cli.maint", "guard_cmd"),
     ("slurm_ckpt.cli.flush", "flush_cmd"),
     ("slurm_ckpt.cli.drill", "drill_cmd"),
+    ("slurm_ckpt.cli.doctor", "doctor_cmd"),
     ("slurm_ckpt.cli.restore_cmd", "restore_cmd"),
 ]
 
@@ -142,11 +143,31 @@ def config_show(state: CliState, as_json: bool) -> None:
 
 
 @config_group.command("check")
+@click.option(
+    "--offline", is_flag=True, help="Check the file alone (syntax, values), not this node."
+)
 @pass_state
-def config_check(state: CliState) -> None:
-    """Validate the configuration: exit 0 if valid, 2 (one line per file) if not."""
+def config_check(state: CliState, offline: bool) -> None:
+    """Validate the configuration and, unless --offline, the tier roots on this node.
+
+    The roots must exist, be directories (not symlinks), be owned by root and not be
+    writable by others (unless sticky); the local root must be a mount of its own when
+    required and have min_free free. A missing local root and low free space are
+    warnings (stderr); anything else exits 2 with one line.
+    """
+    from slurm_ckpt.cli.table import warn
+    from slurm_ckpt.errors import ConfigError
+    from slurm_ckpt.ops.config_check import ERROR, check_roots
+
     cfg = state.config
-    click.echo(f"ok: {cfg.source}")
+    if not offline:
+        findings = check_roots(cfg)
+        errors = [f.text for f in findings if f.level == ERROR]
+        if errors:
+            raise ConfigError(f"{cfg.source}: " + "; ".join(errors))
+        for f in findings:
+            warn(f.text)
+    click.echo(f"ok: {cfg.source}" + (" (offline: file only)" if offline else ""))
 
 
 # --------------------------------------------------------------------------- wiring

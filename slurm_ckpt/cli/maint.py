@@ -1,263 +1,23 @@
 """``ckpt-slurm maint`` and ``ckpt-slurm guard``: take nodes out of service without losing a
-checkpoint.
-
-``maint NODELIST --reason TEXT (--reboot | --reservation NAME | -- CMD ...)``:
-
-1. drains the nodes with reason ``slurm_ckpt: maint: TEXT`` (a node an admin drained
-   already keeps the admin's reason);
-2. with ``--signal-jobs``, asks the running jobs to checkpoint now
-   (``scancel --signal=USR1 --full``);
-3. waits until no job is left on the nodes **and** every node's status file on the PFS,
-   published *after* the drain began, reports no checkpoint waiting for a flush (an older
-   status says nothing about what the last job left behind: keep waiting; the stager
-   daemon republishes it every pass);
-4. runs the action: ``scontrol reboot ASAP nextstate=resume NODES``, a MAINT reservation,
-   or the given command (no shell; ``$SLURM_CKPT_MAINT_NODES`` holds the node list).
-
-When that does not happen within ``--timeout`` it refuses (exit 4) and leaves the nodes
-drained with the maint reason. While it waits, it re-asserts the maint reason whenever a
-hook (the epilog's ``flushing ...`` drain) replaced it or the stager resumed the node after
-its flush: both only touch ``slurm_ckpt:`` reasons, as ours is.
-
-``guard [--node N] [--wait DURATION]`` is for SLURM's ``RebootProgram`` (or a wrapper
-around it): exit 0 when the node has no checkpoint waiting for the PFS (the node's ledger,
-else its status file on the PFS), else wait up to ``--wait`` and exit 4 with one line.
+checkpoint. The logic, and why it is safe, is :mod:`slurm_ckpt.ops.maint`; this module
+parses options and shows progress.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
 import click
 
 from slurm_ckpt.cli.output import CliState, console, pass_state
 from slurm_ckpt.cli.params import DURATION, NODE, NODELIST, Duration
 from slurm_ckpt.cli.progress import progress_enabled
-from slurm_ckpt.core.units import format_bytes, format_duration
-from slurm_ckpt.errors import EXIT_NOT_READY, CkptError, NotReady, SlurmError
-from slurm_ckpt.slurm.records import MAINT_PREFIX
+from slurm_ckpt.core.names import validate_node
+from slurm_ckpt.ops.maint import NodeWait, action_argv, guard, run_maint
 
-__all__ = [
-    "EXIT_NOT_READY",
-    "NodeWait",
-    "NotReady",
-    "guard_cmd",
-    "local_backlog",
-    "maint_cmd",
-    "maint_reason",
-    "node_readiness",
-]
-
-ENV_NODES = "SLURM_CKPT_MAINT_NODES"
-
-
-def maint_reason(text: str) -> str:
-    return f"{MAINT_PREFIX} {' '.join(text.split())}"
-
-
-#: Builds the SLURM client (tests replace it).
-def _default_client() -> Any:
-    from slurm_ckpt.slurm.client import SlurmClient
-
-    return SlurmClient(backend="cli", timeout=30.0)
-
-
-client_factory: Callable[[], Any] = _default_client
-
-
-# --------------------------------------------------------------------------- readiness
-
-
-@dataclass
-class NodeWait:
-    """Why one node is (not yet) ready."""
-
-    node: str
-    jobs: List[str] = field(default_factory=list)
-    status_time: Optional[float] = None
-    pending: int = 0
-    pending_bytes: int = 0
-    fresh: bool = False
-    note: Optional[str] = None
-
-    @property
-    def ready(self) -> bool:
-        return not self.jobs and self.fresh and self.pending == 0
-
-    def line(self) -> str:
-        if self.ready:
-            return f"{self.node}: ready"
-        parts = []
-        if self.jobs:
-            noun = "job" if len(self.jobs) == 1 else "jobs"
-            parts.append(f"{len(self.jobs)} {noun} running ({','.join(self.jobs)})")
-        if self.status_time is None:
-            parts.append("no node status on the PFS yet")
-        elif not self.fresh:
-            parts.append("waiting for a node status newer than the drain")
-        if self.pending:
-            noun = "checkpoint" if self.pending == 1 else "checkpoints"
-            parts.append(
-                f"{self.pending} {noun} ({format_bytes(self.pending_bytes)}) waiting for a flush"
-            )
-        if self.note:
-            parts.append(self.note)
-        return f"{self.node}: " + "; ".join(parts)
-
-
-def node_readiness(
-    nodes: Sequence[str],
-    since: float,
-    statuses: Sequence[Dict[str, Any]],
-    jobs: Dict[str, List[str]],
-) -> List[NodeWait]:
-    """Combine SLURM's jobs per node with the node status files (``pending`` counts only
-    from a status published at or after ``since``)."""
-    by_node = {d.get("node"): d for d in statuses}
-    out = []
-    for node in nodes:
-        w = NodeWait(node, jobs=list(jobs.get(node, [])))
-        doc = by_node.get(node)
-        if doc is not None:
-            try:
-                w.status_time = float(doc.get("time"))
-            except (TypeError, ValueError):
-                w.status_time = None
-            pend = doc.get("pending") or {}
-            w.pending = int(pend.get("count", 0) or 0)
-            w.pending_bytes = int(pend.get("bytes", 0) or 0)
-            w.fresh = w.status_time is not None and w.status_time >= since
-        out.append(w)
-    return out
-
-
-def _expand(nodelist: str) -> List[str]:
-    from slurm_ckpt.core.names import validate_node
-    from slurm_ckpt.slurm import hostlist
-
-    nodes = hostlist.expand(nodelist)
-    if not nodes:
-        raise CkptError(f"empty node list {nodelist!r}")
-    for n in nodes:
-        validate_node(n)
-    return nodes
-
-
-def _jobs(client: Any, nodes: Sequence[str]) -> Dict[str, List[str]]:
-    return {n: [job for job, _user, _state in client.jobs_on_node(n)] for n in nodes}
-
-
-def _keep_drained(client: Any, node: str, reason: str) -> Optional[str]:
-    """Re-assert the maint drain if a slurm_ckpt hook replaced it or the stager resumed
-    the node; an admin's own drain is left alone. Returns a note for the display."""
-    try:
-        info = client.node(node)
-    except SlurmError as exc:
-        return f"node state unknown ({exc})"
-    if info.drained and (info.reason == reason or not info.reason_is_ours):
-        return None
-    client.drain(node, reason)
-    return None
-
-
-# --------------------------------------------------------------------------- actions
-
-
-def _action_argv(
-    nodes: Sequence[str], reboot: bool, reservation: Optional[str], command: Sequence[str]
-) -> Tuple[str, List[str]]:
-    from slurm_ckpt.slurm import hostlist
-
-    names = hostlist.compress(nodes)
-    if reboot:
-        return "slurm", ["scontrol", "reboot", "ASAP", "nextstate=resume", names]
-    if reservation is not None:
-        return "slurm", [
-            "scontrol",
-            "create",
-            "reservation",
-            f"ReservationName={reservation}",
-            f"Nodes={names}",
-            "StartTime=now",
-            "Duration=infinite",
-            "Users=root",
-            "Flags=MAINT,IGNORE_JOBS",
-        ]
-    return "command", list(command)
-
-
-def _run_action(client: Any, kind: str, argv: List[str], nodes: Sequence[str]) -> None:
-    if kind == "slurm":
-        client.cli.run(argv)
-        return
-    from slurm_ckpt.slurm import hostlist
-
-    env = dict(os.environ)
-    env[ENV_NODES] = hostlist.compress(nodes)
-    try:
-        proc = subprocess.run(argv, env=env, check=False)
-    except OSError as exc:
-        raise CkptError(f"maint command {argv[0]!r}: {exc.strerror or exc}") from None
-    if proc.returncode != 0:
-        raise CkptError(f"maint command {argv[0]!r} failed with exit status {proc.returncode}")
-
-
-# --------------------------------------------------------------------------- maint
-
-
-def wait_ready(
-    client: Any,
-    pfs_root: Any,
-    nodes: Sequence[str],
-    reason: str,
-    since: float,
-    timeout: float,
-    poll: float,
-    show: bool = True,
-) -> List[NodeWait]:
-    """Poll until every node is ready (returned) or ``timeout`` (NotReady raised)."""
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    from slurm_ckpt.ledger.node_status import read_node_statuses
-
-    deadline = time.monotonic() + timeout
-    progress = Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TimeElapsedColumn(),
-        console=console(stderr=True),
-        transient=True,
-        disable=not (show and progress_enabled()),
-    )
-    with progress:
-        tasks = {n: progress.add_task(n, total=None) for n in nodes}
-        while True:
-            for n in nodes:
-                _keep_drained(client, n, reason)
-            waits = node_readiness(nodes, since, read_node_statuses(pfs_root), _jobs(client, nodes))
-            for w in waits:
-                progress.update(
-                    tasks[w.node],
-                    description=w.line(),
-                    total=1 if w.ready else None,
-                    completed=1 if w.ready else 0,
-                )
-            if all(w.ready for w in waits):
-                return waits
-            left = deadline - time.monotonic()
-            if left <= 0:
-                busy = "; ".join(w.line() for w in waits if not w.ready)
-                raise NotReady(
-                    f"maint: not safe after {format_duration(timeout)} ({busy}); "
-                    f"nothing done, nodes left drained ({reason})"
-                )
-            time.sleep(min(poll, max(left, 0.05)))
+__all__ = ["guard_cmd", "maint_cmd"]
 
 
 @click.command("maint")
@@ -304,75 +64,57 @@ def maint_cmd(
     if not reason.strip():
         raise click.UsageError("--reason must not be empty")
     nodes = list(nodelist)
-    kind, argv = _action_argv(nodes, reboot, reservation, command)
-    cfg = state.config
-    client = client_factory()
-    text = maint_reason(reason)
+    action = action_argv(nodes, reboot, reservation, command)
     out = console(stderr=True)
-    since = time.time()
-    for n in nodes:
-        if client.drain(n, text) is None:
-            info = client.node(n)
-            out.print(f"{n}: already drained by someone else ({info.reason}); kept", markup=False)
-    out.print(f"drained {','.join(nodes)}: {text}", markup=False)
-    if signal_jobs:
-        seen = set()
-        for jobs in _jobs(client, nodes).values():
-            for job in jobs:
-                if job in seen:
-                    continue
-                seen.add(job)
-                try:
-                    client.signal(job, "USR1", full=True)
-                    out.print(f"asked job {job} to checkpoint (USR1)", markup=False)
-                except SlurmError as exc:
-                    out.print(f"job {job}: signal failed: {exc}", markup=False)
-    t0 = time.monotonic()
-    wait_ready(client, cfg.tiers.pfs.root, nodes, text, since, timeout, poll)
-    out.print(
-        f"{','.join(nodes)}: no jobs, nothing left to flush "
-        f"(after {format_duration(time.monotonic() - t0)}); running: {' '.join(argv)}",
-        markup=False,
-    )
-    _run_action(client, kind, argv, nodes)
-    if kind == "command" or reservation is not None:
-        out.print(
-            f"done; nodes stay drained - return them with: scontrol update "
-            f"nodename={','.join(nodes)} state=resume",
-            markup=False,
+    with _NodeProgress(nodes) as show:
+        run_maint(
+            state.config,
+            nodes,
+            reason,
+            action,
+            signal_jobs=signal_jobs,
+            timeout=timeout,
+            poll=poll,
+            say=lambda line: out.print(line, markup=False),
+            on_poll=show,
         )
     click.echo(f"maint {','.join(nodes)}: done")
 
 
-# --------------------------------------------------------------------------- guard
+class _NodeProgress:
+    """One spinner line per node while maint waits (stderr, only on a TTY)."""
 
+    def __init__(self, nodes: List[str]) -> None:
+        from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-def local_backlog(cfg: Any, node: str) -> Optional[Tuple[int, int]]:
-    """``(count, bytes)`` owed to the PFS per the node's ledger; None without a ledger."""
-    from slurm_ckpt.ledger.ledger import LEDGER_NAME, Ledger
+        self.progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TimeElapsedColumn(),
+            console=console(stderr=True),
+            transient=True,
+            disable=not progress_enabled(),
+        )
+        self.nodes = nodes
+        self.tasks: dict = {}
 
-    directory = cfg.ledger.dir
-    if not os.path.exists(os.path.join(str(directory), LEDGER_NAME)):
-        return None
-    recs = Ledger(directory, node).pending_flush()
-    return len(recs), sum(r.nbytes for r in recs)
+    def __enter__(self) -> _NodeProgress:
+        self.progress.__enter__()
+        self.tasks = {n: self.progress.add_task(n, total=None) for n in self.nodes}
+        return self
 
+    def __exit__(self, *exc: Any) -> None:
+        self.progress.__exit__(*exc)
 
-def _pfs_backlog(cfg: Any, node: str) -> Optional[Tuple[int, int]]:
-    from slurm_ckpt.ledger.node_status import read_node_statuses
-
-    for doc in read_node_statuses(cfg.tiers.pfs.root):
-        if doc.get("node") == node:
-            pend = doc.get("pending") or {}
-            return int(pend.get("count", 0) or 0), int(pend.get("bytes", 0) or 0)
-    return None
-
-
-def _backlog(cfg: Any, node: str) -> Tuple[Optional[Tuple[int, int]], str]:
-    got = local_backlog(cfg, node)
-    if got is not None:
-        return got, "ledger"
-    return _pfs_backlog(cfg, node), "PFS status"
+    def __call__(self, waits: List[NodeWait]) -> None:
+        for w in waits:
+            self.progress.update(
+                self.tasks[w.node],
+                description=w.line(),
+                total=1 if w.ready else None,
+                completed=1 if w.ready else 0,
+            )
 
 
 @click.command("guard")
@@ -399,26 +141,6 @@ def guard_cmd(state: CliState, node: Optional[str], wait_s: float, poll: float) 
     For SLURM's RebootProgram (or a wrapper around it): a reboot must not lose a
     checkpoint that exists only on this node's local tier.
     """
-    from slurm_ckpt.core.names import validate_node
-
     name = node or os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
     validate_node(name)
-    cfg = state.config
-    deadline = time.monotonic() + wait_s
-    while True:
-        got, source = _backlog(cfg, name)
-        if got is None:
-            click.echo(f"guard {name}: no ledger and no node status: nothing known to flush")
-            return
-        count, nbytes = got
-        if count == 0:
-            click.echo(f"guard {name}: nothing waiting for a flush ({source})")
-            return
-        left = deadline - time.monotonic()
-        if left <= 0:
-            noun = "checkpoint" if count == 1 else "checkpoints"
-            raise NotReady(
-                f"guard {name}: {count} {noun} ({format_bytes(nbytes)}) not yet flushed to "
-                f"the PFS ({source}); refusing"
-            )
-        time.sleep(min(poll, left))
+    click.echo(guard(state.config, name, wait_s, poll))

@@ -15,6 +15,7 @@ from typing import Any, List, Optional, Tuple
 import click
 
 from slurm_ckpt.cli.output import print_error
+from slurm_ckpt.cli.plan_cluster import run_cluster_plan
 from slurm_ckpt.cli.table import Column, Listing, OutputFormat, output_options, print_json_doc, warn
 from slurm_ckpt.core.planner import (
     Plan,
@@ -305,6 +306,24 @@ def _nodes(value: str) -> int:
     "--stall", metavar="DURATION", help="Training stall per save when saving asynchronously: 20s."
 )
 @click.option("--plot", "plot_path", metavar="FILE.png", help="Draw loss and overhead vs interval.")
+@click.option(
+    "--cluster",
+    is_flag=True,
+    help="Plan the whole site's flushes against the PFS (--jobs/--job, --pfs-bw, --node-bw).",
+)
+@click.option("--jobs", "jobs_file", metavar="FILE", help="--cluster: the jobs, TOML or JSON.")
+@click.option(
+    "--job",
+    "job_flags",
+    multiple=True,
+    metavar="SPEC",
+    help="--cluster: one job, nodes=64,size=20GB,interval=30min[,count=N] (repeatable).",
+)
+@click.option("--node-bw", metavar="RATE", help="--cluster: one node's flush rate: 5GB/s.")
+@click.option("--share", metavar="PCT", help="--cluster: PFS share for checkpoints [70%].")
+@click.option("--tenants", metavar="RATE", help="--cluster: other tenants' PFS demand.")
+@click.option("--cap", metavar="N", help="--cluster: evaluate this max_nodes cap.")
+@click.option("--jitter", metavar="DURATION", help="--cluster: evaluate this jitter.")
 @output_options
 @click.pass_context
 def plan(
@@ -324,13 +343,42 @@ def plan(
     restart_cost: Optional[str],
     stall: Optional[str],
     plot_path: Optional[str],
+    cluster: bool,
+    jobs_file: Optional[str],
+    job_flags: Tuple[str, ...],
+    node_bw: Optional[str],
+    share: Optional[str],
+    tenants: Optional[str],
+    cap: Optional[str],
+    jitter: Optional[str],
     out: OutputFormat,
 ) -> None:
     """Size the checkpoint, time each tier and choose how often to save.
 
     Sizes take a unit (350GB, 1.2TiB), rates too (500MB/s), durations as well (6h,
     1h30m, 1-00:00:00): a bare number is refused. Warnings go to stderr.
+
+    With --cluster: do all the site's checkpoint flushes fit the PFS, and which
+    [admission] cap and jitter keep them within a share of it. Example:
+    ckpt-slurm plan --cluster --jobs site.toml --pfs-bw 1TB/s --node-bw 5GB/s --share 70%
     """
+    if cluster:
+        try:
+            run_cluster_plan(
+                jobs_file=jobs_file,
+                job_flags=job_flags,
+                pfs_bw=pfs_bw,
+                node_bw=node_bw,
+                share=share,
+                tenants=tenants,
+                cap=cap,
+                jitter=jitter,
+                as_json=out.json,
+            )
+        except CkptError as e:
+            print_error(e)
+            ctx.exit(e.exit_code)
+        return
     try:
         if pfs_bw is None:
             raise PlanInputError("--pfs-bw is required (PFS bandwidth, e.g. 500MB/s)")

@@ -1,60 +1,29 @@
-"""``ckpt-srun``: the ``srun`` wrapper for checkpointing training jobs.
+"""``ckpt-srun``: the ``srun`` wrapper for checkpointing training jobs (options and error
+reporting; the wrapper itself is :mod:`slurm_ckpt.ops.srun`, whose docstring says what it
+does and why).
 
 Use it as the last line of a batch script, with ``exec`` so that it *is* the batch shell::
 
     #SBATCH --signal=B:USR1@120        # optional: ckpt-srun sends the warning itself too
     exec ckpt-srun --key my-run -- python train.py --config big.yaml
 
-What it does, and why:
-
-* **Settings reach every task**: ``SLURM_CKPT_CONFIG`` (absolute path of the site config),
-  ``SLURM_CKPT_KEY`` (the checkpoint series; default ``$SLURM_CKPT_KEY``, else the job
-  name if it is a valid key, else the job id - all stable across requeues) and
-  ``SLURM_CKPT_SIGNAL`` (the warning signal) are exported to ``srun``.
-* **The warning signal reaches the training processes.** ``#SBATCH --signal=B:USR1@T``
-  signals only the batch shell, never the tasks of a step; and without ``exec`` a plain
-  bash batch shell is killed by SIGUSR1. ckpt-srun traps USR1/USR2/TERM/CONT and forwards
-  them to its ``srun``, which (tested on 22.05) relays them to every task of the step. It
-  also keeps a timer: ``--warn`` seconds before the job's end time (asked from the
-  controller, so extended limits count) it sends the warning itself if none came, so a
-  forgotten ``--signal`` does not cost the last interval of work.
-* **After the step exits** it flushes what is left on the node-local tier to the PFS (as
-  the user - no root needed; on every node of a multi-node job through one more ``srun``
-  step), bounded by ``--flush-timeout``. The epilog flushes anything still left.
-* **Requeue**: after a time-limit warning, if the job is still ``RUNNING`` (not being
-  preempted or cancelled), ckpt-srun requeues it once (``scontrol requeue``): SLURM never
-  requeues a job that hit its time limit. After SIGTERM (preemption, scancel) it does
-  nothing: with ``PreemptMode=REQUEUE`` SLURM requeues preempted jobs itself, and a
-  second requeue would only confuse the restart count. ``--max-requeues`` bounds the
-  restarts.
-
 Exit status: the step's (so SLURM's accounting shows the training's result).
 """
 
 from __future__ import annotations
 
-import contextlib
-import getpass
 import logging
-import os
-import pwd
-import shutil
-import signal
-import subprocess
 import sys
-import time
-from dataclasses import dataclass
-from typing import Any, Dict, List, NoReturn, Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 import click
 
 from slurm_ckpt import __version__
 from slurm_ckpt.cli.params import DURATION
-from slurm_ckpt.core.names import validate_key
-from slurm_ckpt.errors import EXIT_INTERRUPTED, EXIT_USAGE, CkptError, InvalidName
-from slurm_ckpt.slurm.requeue import requeue_job, requeue_reason, stop_cause
+from slurm_ckpt.errors import EXIT_INTERRUPTED, EXIT_USAGE, CkptError
+from slurm_ckpt.ops.srun import SrunOptions, run_wrapper
 
-__all__ = ["flush_local", "main", "resolve_key"]
+__all__ = ["main"]
 
 PROG = "ckpt-srun"
 log = logging.getLogger("slurm_ckpt.srun")
@@ -66,168 +35,6 @@ END_TIME_REFRESH_S = 300.0
 def _say(msg: str) -> None:
     sys.stderr.write(f"{PROG}: {msg}\n")
     sys.stderr.flush()
-
-
-def resolve_key(explicit: Optional[str], env: Dict[str, str]) -> str:
-    """The checkpoint series: ``--key``, ``$SLURM_CKPT_KEY``, the job name, the job id."""
-    for value in (explicit, env.get("SLURM_CKPT_KEY")):
-        if value:
-            return validate_key(value)
-    name = env.get("SLURM_JOB_NAME", "")
-    if name:
-        try:
-            return validate_key(name)
-        except InvalidName:
-            pass
-    job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
-    if job:
-        return validate_key(f"job-{job}")
-    raise InvalidName("no checkpoint key: pass --key or set $SLURM_CKPT_KEY")
-
-
-def flush_local(cfg: Any, user: str, key: str, timeout: Optional[float] = None) -> List[str]:
-    """Copy every committed local checkpoint of ``user/key`` not yet on the PFS; returns
-    one line per checkpoint (copied, already there, or why not). Newest first: if time
-    runs out, the newest is what a restart wants."""
-    from slurm_ckpt.hooks.epilog import check_user_dir
-    from slurm_ckpt.tiers.copy import copy_checkpoint
-    from slurm_ckpt.tiers.registry import tiers_from_config
-
-    tiers = tiers_from_config(cfg)
-    local, pfs = tiers["local"], tiers["pfs"]
-    check_user_dir(pfs, user, os.getuid())
-    deadline = None if timeout is None else time.monotonic() + timeout
-    lines = []
-    for info in reversed(local.steps(user, key)):
-        if deadline is not None and time.monotonic() > deadline:
-            lines.append(f"step {info.step}: not flushed (flush timeout; the epilog will)")
-            continue
-        try:
-            res = copy_checkpoint(local, pfs, user, key, info.step)
-        except CkptError as exc:
-            lines.append(f"step {info.step}: flush failed: {exc}")
-            continue
-        state = "already on the PFS" if res.already_present else f"flushed in {res.seconds:.1f}s"
-        lines.append(f"step {info.step}: {state}")
-    return lines
-
-
-@dataclass
-class StepOutcome:
-    rc: int
-    warned: bool = False
-    warned_by: Optional[str] = None
-    terminated: bool = False
-
-
-class _Runner:
-    """Runs the step, forwards signals, fires the time-limit warning."""
-
-    def __init__(self, argv: Sequence[str], env: Dict[str, str], warn_sig: signal.Signals):
-        self.argv = list(argv)
-        self.env = env
-        self.warn_sig = warn_sig
-        self.proc: Optional[subprocess.Popen] = None
-        self.outcome = StepOutcome(rc=0)
-        self.pending: List[int] = []
-
-    def _on_signal(self, signum: int, _frame: Any) -> None:
-        if signum == self.warn_sig:
-            if not self.outcome.warned:
-                self.outcome.warned, self.outcome.warned_by = True, "SLURM signal"
-        elif signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            self.outcome.terminated = True
-        # srun treats SIGINT specially (status report, kill on the second): send TERM.
-        fwd = signal.SIGTERM if signum == signal.SIGINT else signum
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, fwd)
-        else:
-            self.pending.append(fwd)
-
-    def warn_now(self, why: str) -> None:
-        if self.outcome.warned:
-            return
-        self.outcome.warned, self.outcome.warned_by = True, why
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, self.warn_sig)
-
-    def run(self, end_time: Any, warn_s: float) -> StepOutcome:
-        for name in _FORWARDED:
-            signal.signal(getattr(signal, name), self._on_signal)
-        signal.signal(self.warn_sig, self._on_signal)
-        self.proc = subprocess.Popen(self.argv, env=self.env)
-        for sig in self.pending:
-            os.kill(self.proc.pid, sig)
-        end = end_time()
-        refreshed = time.monotonic()
-        while True:
-            wait = 1.0
-            if warn_s > 0 and end is not None and not self.outcome.warned:
-                left = end - warn_s - time.time()
-                if left <= 0:
-                    _say(
-                        f"time limit in {max(0, end - time.time()):.0f}s: sending "
-                        f"{self.warn_sig.name} to the step"
-                    )
-                    self.warn_now("ckpt-srun timer")
-                else:
-                    wait = min(wait, left)
-            try:
-                self.outcome.rc = self.proc.wait(timeout=max(0.05, wait))
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            if time.monotonic() - refreshed > END_TIME_REFRESH_S:
-                end, refreshed = end_time() or end, time.monotonic()
-        return self.outcome
-
-
-def _end_time_source(client: Any, job_id: str, env: Dict[str, str]) -> Any:
-    def get() -> Optional[float]:
-        if client is not None:
-            try:
-                return client.end_time(job_id)
-            except CkptError as exc:
-                log.debug("end time from the controller failed: %s", exc)
-        value = env.get("SLURM_JOB_END_TIME", "")
-        return float(value) if value.isdigit() and int(value) > 0 else None
-
-    return get
-
-
-def _flush_everywhere(
-    cfg: Any,
-    config_path: Optional[str],
-    user: str,
-    key: str,
-    nodes: List[str],
-    srun: str,
-    timeout: float,
-    env: Dict[str, str],
-) -> None:
-    if len(nodes) <= 1:
-        for line in flush_local(cfg, user, key, timeout):
-            _say(f"flush {key} {line}")
-        return
-    argv = [
-        srun,
-        f"--nodes={len(nodes)}",
-        "--ntasks-per-node=1",
-        "--kill-on-bad-exit=0",
-        sys.executable,
-        "-m",
-        "slurm_ckpt.cli.srun",
-        "--flush-local",
-        "--key",
-        key,
-    ]
-    if config_path:
-        argv += ["--config", config_path]
-    try:
-        subprocess.run(argv, env=env, timeout=timeout + 30, check=False)
-    except subprocess.TimeoutExpired:
-        _say("flush step timed out; the epilog flushes what is left")
 
 
 @click.command(
@@ -313,95 +120,19 @@ def cli(
       exec ckpt-srun --key my-run -- python train.py
       exec ckpt-srun --key my-run --warn 5min -- -n 8 python train.py --big
     """
-    from slurm_ckpt.core.config import load_config, resolve_config_path
-    from slurm_ckpt.slurm.env import job_env
-
-    env = dict(os.environ)
-    user = pwd.getpwuid(os.getuid()).pw_name if os.getuid() else getpass.getuser()
-    name = sig_name.upper()
-    warn_sig = getattr(signal, name if name.startswith("SIG") else f"SIG{name}", None)
-    if not isinstance(warn_sig, signal.Signals) or warn_sig in (signal.SIGKILL, signal.SIGSTOP):
-        raise click.BadParameter(
-            f"unknown or uncatchable signal {sig_name!r}", param_hint="--signal"
-        )
-    key = resolve_key(key, env)
-    cfg = None
-    cfg_file: Optional[str] = None
-    try:
-        path, _ = resolve_config_path(config_path)
-        cfg = load_config(path)
-        cfg_file = str(path.absolute())
-    except CkptError as exc:
-        if flush_local or config_path:
-            raise
-        _say(f"no checkpoint config ({exc}); running without flush")
-
-    if flush_local:  # internal: one task per node of a multi-node job
-        for line in flush_local_fn(cfg, user, key, flush_timeout):
-            _say(f"{env.get('SLURMD_NODENAME', '?')}: flush {key} {line}")
-        return 0
-
-    jenv = job_env(env)  # must run inside a job
-    if not srun_args:
-        raise click.UsageError("nothing to run: give srun options and the training command")
-    srun = shutil.which(srun_path) or srun_path
-    child_env = dict(env)
-    child_env["SLURM_CKPT_KEY"] = key
-    child_env["SLURM_CKPT_SIGNAL"] = warn_sig.name
-    if cfg_file:
-        child_env["SLURM_CKPT_CONFIG"] = cfg_file
-
-    client = None
-    try:
-        from slurm_ckpt.slurm.client import SlurmClient
-
-        client = SlurmClient(timeout=20.0)
-    except CkptError as exc:
-        _say(f"SLURM client unavailable ({exc}); no end-time timer or requeue")
-    args = list(srun_args)
-    if args and args[0] == "--":
-        args = args[1:]
-    _say(f"job {jenv.job_id} key {key} restart {jenv.restart_count}: {srun} {' '.join(args)}")
-    runner = _Runner([srun, *args], child_env, warn_sig)
-    outcome = runner.run(_end_time_source(client, jenv.job_id, env), warn_s)
-    _say(
-        f"step exited with status {outcome.rc}"
-        + (f" after a warning ({outcome.warned_by})" if outcome.warned else "")
-        + (" after SIGTERM" if outcome.terminated else "")
+    opts = SrunOptions(
+        config_path=config_path,
+        key=key,
+        warn_s=warn_s,
+        sig_name=sig_name,
+        requeue=requeue,
+        max_requeues=max_requeues,
+        flush=flush,
+        flush_timeout=flush_timeout,
+        srun_path=srun_path,
+        flush_local=flush_local,
     )
-    if flush and cfg is not None and outcome.terminated and len(jenv.nodes) > 1:
-        # Preempted or cancelled: the allocation is going away, a flush step would only
-        # fail ("Unable to confirm allocation"); the epilog flushes on every node.
-        _say("terminated: no flush step (the epilog flushes on every node)")
-    elif flush and cfg is not None:
-        _flush_everywhere(cfg, cfg_file, user, key, jenv.nodes, srun, flush_timeout, child_env)
-    if client is not None and outcome.warned and not outcome.terminated:
-        try:
-            info = client.job(jenv.job_id)
-            cause = stop_cause(
-                info.state, info.reason, warned=outcome.warned, terminated=outcome.terminated
-            )
-            why = requeue_reason(
-                cause,
-                restarts=info.restarts,
-                max_requeues=max_requeues,
-                enabled=requeue,
-                detail=f"warning from {outcome.warned_by}",
-            )
-            if why:
-                _say(why)
-                requeue_job(jenv.job_id, why, client)
-                # SLURM now ends this batch script; nothing after this matters.
-            else:
-                _say(f"not requeued (state {info.state}, restarts {info.restarts})")
-        except CkptError as exc:
-            _say(f"requeue failed: {exc}")
-    elif outcome.terminated:
-        _say("terminated by a signal (preemption or cancel): SLURM decides about requeue")
-    return outcome.rc
-
-
-flush_local_fn = flush_local
+    return run_wrapper(opts, srun_args, _say)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> NoReturn:

@@ -2,9 +2,10 @@
 login node.
 
 Nothing here reads a node's NVMe: the PFS catalog, the node status files on the PFS and
-SLURM are enough (see :mod:`slurm_ckpt.cli.status_model` for what is computed and for
-the ``--json`` fields). SLURM is reached through :data:`slurm_query`, a function that
-tests (or sites with their own scheduler view) can replace; ``--no-slurm`` skips it.
+SLURM are enough (see :mod:`slurm_ckpt.ops.status` for what is computed and for the
+``--json`` fields). SLURM is reached through
+:data:`slurm_ckpt.ops.status.slurm_query`, a function that tests (or sites with their
+own scheduler view) can replace; ``--no-slurm`` skips it.
 
 Key directories are created private to their owner, so a plain user sees their own
 series; run it as root (or an account that can read the PFS tree) for the whole cluster.
@@ -15,75 +16,27 @@ from __future__ import annotations
 
 import json
 import sys
-import time
-from typing import Any, Collection, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional
 
 import click
 
 from slurm_ckpt.cli.output import CliState, pass_state
 from slurm_ckpt.cli.params import JOB_ID, NODELIST
-from slurm_ckpt.cli.status_model import (
-    SlurmQuery,
-    SlurmSnapshot,
-    build_status,
-    no_slurm,
-    query_slurm,
-    scan_catalog,
+from slurm_ckpt.cli.table import (
+    Column,
+    Listing,
+    OutputFormat,
+    echo_wrapped,
+    output_options,
+    plural,
+    warn,
 )
-from slurm_ckpt.cli.table import Column, Listing, OutputFormat, output_options, plural
-from slurm_ckpt.core.config import Config
-from slurm_ckpt.core.names import validate_key, validate_node, validate_user
 from slurm_ckpt.core.units import format_bytes, format_duration, format_rate
 from slurm_ckpt.errors import CkptError
-from slurm_ckpt.ledger.node_status import read_node_statuses
+from slurm_ckpt.ops.status import SlurmSnapshot, collect_status, no_slurm
 from slurm_ckpt.slurm.hostlist import compress
 
-__all__ = ["collect_status", "slurm_query", "status_cmd"]
-
-#: The SLURM view ``status`` uses; replace it to run without (or with another) SLURM.
-slurm_query: SlurmQuery = query_slurm
-
-
-def collect_status(
-    cfg: Config,
-    *,
-    user: Optional[str] = None,
-    job: Optional[str] = None,
-    key: Optional[str] = None,
-    node: Union[None, str, Collection[str]] = None,
-    query: Optional[SlurmQuery] = None,
-    now: Optional[float] = None,
-) -> Dict[str, Any]:
-    """Read the catalog(s), the node status files and SLURM; return the status document.
-
-    ``query`` defaults to :data:`slurm_query`. ``--user``/``--key`` narrow the catalog
-    walk itself; ``--job``/``--node`` filter the joined rows (``node``: one name or several).
-    """
-    if user is not None:
-        validate_user(user)
-    if key is not None:
-        validate_key(key)
-    for name in [node] if isinstance(node, str) else node or ():
-        validate_node(name)
-    pfs_root = str(cfg.tiers.pfs.root)
-    pfs = scan_catalog(pfs_root, user=user, key=key)
-    cold = None
-    if cfg.tiers.cold is not None:
-        cold = scan_catalog(str(cfg.tiers.cold.root), user=user, key=key)
-    statuses = read_node_statuses(cfg.tiers.pfs.root)
-    snapshot = (query or slurm_query)()
-    return build_status(
-        now=time.time() if now is None else now,
-        pfs_root=pfs_root,
-        pfs=pfs,
-        cold=cold,
-        node_statuses=statuses,
-        slurm=snapshot,
-        user=user,
-        job=job,
-        key=key,
-        node=node,
-    )
+__all__ = ["status_cmd"]
 
 
 def write_json(doc: Dict[str, Any]) -> None:
@@ -134,15 +87,19 @@ JOB_COLUMNS = [
     Column("user", "user", human=False),
     Column("key", "keys", human=False),
     Column("state", "state"),
-    Column("nodes", "nodes", fmt=_nodes_text),
+    # Optional columns go in this order when the width is short: rate, local age, pfs
+    # age, nodes (the nodes table below names them too), flush eta.
+    Column("nodes", "nodes", fmt=_nodes_text, drop=2),
     Column("local_step", "local", fmt=_count, right=True),
-    Column("local_age_s", "local age", fmt=format_duration, right=True, drop=3),
+    Column("local_age_s", "local age", fmt=format_duration, right=True, drop=5),
     Column("pfs_step", "pfs", fmt=_count, right=True),
-    Column("pfs_age_s", "pfs age", fmt=format_duration, right=True, drop=2),
+    Column("pfs_age_s", "pfs age", fmt=format_duration, right=True, drop=4),
     Column("steps_at_risk", "at risk", fmt=_count, right=True),
+    Column("checkpoints_at_risk", "checkpoints at risk", human=False),
     Column("bytes_at_risk", "size at risk", fmt=format_bytes, right=True),
     Column("flush_eta_s", "flush eta", fmt=format_duration, right=True, drop=1),
-    Column("flush_rate_bps", "rate", fmt=format_rate, right=True, drop=4),
+    Column("flush_rate_bps", "rate", fmt=format_rate, right=True, drop=6),
+    Column("damaged", "damaged", human=False),
 ]
 
 NODE_COLUMNS = [
@@ -153,7 +110,7 @@ NODE_COLUMNS = [
     Column("in_flight", "in flight", right=True, drop=2),
     Column("failed", "failed", right=True, drop=1),
     Column("state", "slurm"),
-    Column("drain_reason", "our drain", wrap=True, drop=3),
+    Column("drain_reason", "our drain", wrap=True),
 ]
 
 
@@ -180,6 +137,9 @@ def _job_rows(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
                 # Nothing pending: no ETA to show ("0.0s" read as "flushing, done now").
                 "flush_eta_s": j["flush_eta_s"] if pending else None,
                 "flush_rate_bps": j["flush_rate_bps"],
+                "damaged": sum(
+                    (t or {}).get("damaged", 0) for n, t in j["tiers"].items() if n != "local"
+                ),
             }
         )
     return rows
@@ -212,12 +172,17 @@ def print_status(
         click.echo("no node reports a status")
     t = doc["totals"]
     note = "" if doc["slurm"]["available"] else f"; SLURM: {doc['slurm']['note']}"
-    click.echo(
+    echo_wrapped(
         f"{plural(t['jobs'], 'job')}, {format_bytes(t['bytes_at_risk'])} at risk in "
         f"{plural(t['checkpoints_at_risk'], 'checkpoint')}, "
         f"{plural(t['in_flight'], 'flush', 'flushes')} in flight, "
         f"{plural(t['drained_by_us'], 'node')} drained by slurm_ckpt{note}"
     )
+    if t.get("damaged"):
+        warn(
+            f"{plural(t['damaged'], 'damaged step directory', 'damaged step directories')} "
+            "on the shared tiers (ckpt-slurm verify KEY says which and why)"
+        )
 
 
 @click.command("status")

@@ -45,6 +45,7 @@ __all__ = [
     "Listing",
     "OutputFormat",
     "cell_style",
+    "echo_wrapped",
     "output_options",
     "parsable_value",
     "plural",
@@ -113,6 +114,15 @@ def _paint(text: str, style: Optional[str], colour: bool) -> str:
     if not colour or not style or not text.strip():
         return text
     return f"{_ANSI[style]}{text}{_RESET}"
+
+
+def echo_wrapped(text: str, stream: Optional[TextIO] = None) -> None:
+    """A summary line for people, wrapped at spaces to the width (never inside a token)."""
+    stream = stream or sys.stdout
+    width = terminal_width(stream)
+    lines = [text] if width is None else _wrap(text, width)
+    stream.write("\n".join(lines) + "\n")
+    stream.flush()
 
 
 def warn(message: str) -> None:
@@ -222,8 +232,8 @@ def render_table(
         # 1. drop optional columns (highest drop first) while even the minimum is too wide
         #    or the natural width is too wide and dropping avoids any wrapping.
         for i in sorted((i for i in cols if columns[i].drop), key=lambda i: -columns[i].drop):
-            if total(widths) <= width:
-                break
+            if total(widths) <= width or len(widths) == 1:
+                break  # fits, or nothing would be left
             del widths[i]
             del mins[i]
         # 2. shrink wrappable columns, widest first, down to their longest token - only

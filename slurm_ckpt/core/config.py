@@ -44,6 +44,7 @@ else:  # pragma: no cover
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",
+    "AdmissionConfig",
     "ENV_CONFIG",
     "ColdTierConfig",
     "Config",
@@ -245,6 +246,36 @@ class MetricsConfig:
     events_dir: Optional[Path] = _f(_PATH, None, optional=True)
 
 
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """``[admission]``: how many nodes may flush to the shared tier at once, cluster-wide.
+
+    The slots live on the PFS itself (``dir``, default ``<tiers.pfs.root>/.slurm_ckpt/
+    slots``), root-owned; see :mod:`slurm_ckpt.core.admission`. With neither cap set
+    there is no cap, and only the jitter applies.
+    """
+
+    #: At most this many nodes flush at once; unset = no cap on the count.
+    max_nodes: Optional[int] = _f(_INT, None, minimum=1, optional=True)
+    #: At most this much flush bandwidth in total (sum of the holders' rates); 0 = none.
+    max_bandwidth: Optional[float] = _f(_BANDWIDTH, None, optional=True)
+    #: Each flush starts after a random delay in [0, jitter): aligned saves spread out.
+    jitter: float = _f(_DURATION, 0.0)
+    #: A slot whose holder stops renewing it is free again this long after the last renewal.
+    lease: float = _f(_DURATION, 60.0, minimum=1e-3)
+    #: How often a waiting flusher looks at the queue again.
+    poll: float = _f(_DURATION, 1.0, minimum=1e-3)
+    #: Longest wait for a slot of a flusher that has no budget of its own (stager, CLI).
+    max_wait: float = _f(_DURATION, 300.0, minimum=1e-3)
+    #: Where the slots live; unset = ``<tiers.pfs.root>/.slurm_ckpt/slots``.
+    dir: Optional[Path] = _f(_PATH, None, optional=True)
+
+    @property
+    def enabled(self) -> bool:
+        """True when a cap is set (slots are taken); jitter applies either way."""
+        return self.max_nodes is not None or self.max_bandwidth is not None
+
+
 _TIER_CLASSES = {
     "local": LocalTierConfig,
     "pfs": PfsTierConfig,
@@ -258,6 +289,7 @@ _SECTION_CLASSES = {
     "hooks": HooksConfig,
     "ledger": LedgerConfig,
     "metrics": MetricsConfig,
+    "admission": AdmissionConfig,
 }
 _TOP_KEYS = ["tiers", *_SECTION_CLASSES]
 
@@ -277,6 +309,7 @@ class Config:
     job: JobConfig = field(default_factory=JobConfig)
     hooks: HooksConfig = field(default_factory=HooksConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     #: The file this came from, or "<standalone>"/"<dict>"; not part of equality.
     source: str = field(default="<dict>", compare=False)
 
@@ -666,6 +699,16 @@ def _build(data: Mapping[str, Any], src: str) -> Config:
                 problems.append(
                     f"{src}: {kb}: {rb} and {ka} {ra} are nested; tiers must not overlap"
                 )
+    adm = sections.get("admission")
+    if adm is not None and adm.lease <= adm.poll:
+        problems.append(
+            f"{src}: admission.lease: must be longer than admission.poll "
+            f"({adm.lease:g}s <= {adm.poll:g}s); a holder renews its slot while it flushes"
+        )
+    if adm is not None and adm.dir is not None:
+        for key, root in roots:
+            if key != "tiers.pfs.root" and _overlap(adm.dir, root):
+                problems.append(f"{src}: admission.dir: {adm.dir} overlaps {key} {root}")
     job = sections.get("job")
     if job is not None and job.interval == "auto" and job.interval_seconds is not None:
         problems.append(f'{src}: job.interval: "auto" and job.interval_seconds exclude each other')

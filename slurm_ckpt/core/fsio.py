@@ -101,7 +101,14 @@ def write_all(fd: int, data: object, offset: Optional[int] = None) -> None:
 
 def read_small(dfd: int, name: str, limit: int = 64 * 2**20) -> bytes:
     """Read a whole regular file (manifests, status files) without following symlinks."""
-    fd = os.open(name, O_READ, dir_fd=dfd)
+    return read_regular(dfd, name, limit)[0]
+
+
+def read_regular(dfd: int, name: str, limit: int = 64 * 2**20) -> Tuple[bytes, os.stat_result]:
+    """A whole regular file and its stat, without following symlinks or blocking: opened
+    ``O_NONBLOCK`` and checked with fstat *before* any read, so a FIFO, socket or device
+    planted in its place is refused at once instead of hanging the reader."""
+    fd = os.open(name, O_READ | os.O_NONBLOCK, dir_fd=dfd)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -110,10 +117,12 @@ def read_small(dfd: int, name: str, limit: int = 64 * 2**20) -> bytes:
             raise OSError(errno.EFBIG, f"{name} is larger than {limit} bytes")
         chunks = []
         while True:
-            b = os.read(fd, 1 << 20)
+            b = os.read(fd, max(st.st_size + 1, 1 << 16) if not chunks else 1 << 20)
             if not b:
-                return b"".join(chunks)
+                return b"".join(chunks), st
             chunks.append(b)
+            if sum(len(c) for c in chunks) > limit:
+                raise OSError(errno.EFBIG, f"{name} is larger than {limit} bytes")
     finally:
         os.close(fd)
 

@@ -13,6 +13,7 @@ single changed byte in the manifest - a digit of a size, a hash character, even 
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -155,3 +156,61 @@ def _serialise(doc: Dict[str, Any]) -> bytes:
 
 def _checksum(body: Dict[str, Any]) -> str:
     return xxhash.xxh3_128_hexdigest(_serialise(body))
+
+
+_CHECKSUM_LINE = re.compile(rb'\A\{\n "checksum": "([0-9a-f]{32})",\n')
+
+
+@dataclass(frozen=True)
+class ManifestFacts:
+    """The few manifest fields status needs."""
+
+    user: str
+    key: str
+    step: int
+    wall_time: float
+    nbytes: int
+    job: Optional[str]
+    node: Optional[str]
+
+
+def manifest_facts(data: bytes) -> ManifestFacts:
+    """Check a manifest's integrity and pull out what status needs; VerifyError if bad.
+
+    The fast path relies on the canonical form :class:`Manifest` writes (sorted keys, so
+    the checksum is the first line): the checksum is recomputed over the file's own bytes
+    minus that line, which is exactly the serialisation it was computed over, so any
+    changed byte is still caught, and only C-speed ``json.loads`` remains (the full
+    :meth:`Manifest.from_bytes` re-serialises twice in pure Python, about 3x the cost).
+    Anything the fast path cannot settle goes through the full parse, which decides.
+    """
+    m = _CHECKSUM_LINE.match(data)
+    if m is not None and xxhash.xxh3_128_hexdigest(b"{\n" + data[m.end() :]) == m.group(1).decode():
+        try:
+            doc = json.loads(data)
+            files = doc["files"]
+            nbytes = sum(int(f["size"]) for f in files)
+            if (
+                doc["format_version"] == FORMAT_VERSION
+                and type(doc["step"]) is int
+                and isinstance(doc["wall_time"], (int, float))
+                and isinstance(doc["user"], str)
+                and isinstance(doc["key"], str)
+                and all(int(f["size"]) >= 0 for f in files)
+            ):
+                job, node = doc["job"], doc["node"]
+                return ManifestFacts(
+                    doc["user"],
+                    doc["key"],
+                    doc["step"],
+                    float(doc["wall_time"]),
+                    nbytes,
+                    None if job is None else str(job),
+                    None if node is None else str(node),
+                )
+        except (ValueError, TypeError, KeyError, AttributeError):
+            pass
+    full = Manifest.from_bytes(data)
+    return ManifestFacts(
+        full.user, full.key, full.step, full.wall_time, full.total_bytes, full.job, full.node
+    )

@@ -28,7 +28,7 @@ minutes (SLURM) or hours. Only zero needs no unit. Typed numbers (a Python ``int
 ``float``, or a TOML number in the config file) are the base unit - bytes, seconds,
 bytes per second - as the config documents; that is where a bare number is still fine.
 
-**Limits.** Every value must be finite and not negative; sizes stop at 8 EiB (2**63-1
+**Limits.** Every value must be finite and not negative; sizes stop at 8 EiB (2**63
 bytes) and durations at 1000 years, so ``1e400``, ``"1e400GB"`` or a TOML ``1e400`` are
 one-line errors rather than an ``inf`` or an ``OverflowError`` later.
 
@@ -60,8 +60,9 @@ __all__ = [
     "size_resolution",
 ]
 
-#: Largest size accepted: what a signed 64-bit byte count holds (8 EiB).
-MAX_BYTES = 2**63 - 1
+#: Largest size accepted: 8 EiB (2**63 bytes, about what a 64-bit byte count holds; the
+#: printed "8.0EiB" must parse back).
+MAX_BYTES = 2**63
 #: Longest duration accepted (1000 years): anything longer is a typo or an overflow.
 MAX_SECONDS = 1000 * 365.25 * 86400.0
 
@@ -311,8 +312,10 @@ def parse_duration(value: object, what: str = "duration", *, minutes: bool = Fal
 # --------------------------------------------------------------------------- output
 
 
-def format_bytes(n: float) -> str:
-    """``1536 -> '1.5KiB'``: IEC units, one decimal, rounded, no space."""
+def format_bytes(n: Optional[float]) -> str:
+    """``1536 -> '1.5KiB'``: IEC units, one decimal, rounded, no space; ``None -> '-'``."""
+    if n is None:
+        return "-"
     x = float(n)
     if not math.isfinite(x):
         return "-"

@@ -11,7 +11,7 @@ Steps (all idempotent, so a retried prolog is harmless):
 
 1. the local tier root exists and - unless ``tiers.local.require_mount = false`` - is
    not on the root filesystem (filling ``/`` takes the node down);
-2. the ledger directory is root's alone (see :func:`~slurm_ckpt.hooks.epilog.ensure_ledger_dir`);
+2. the ledger directory is root's alone (see :func:`~slurm_ckpt.node.guard.ensure_ledger_dir`);
 3. ``<local root>/<user>/`` exists as a real directory owned by the job's uid/gid, mode
    0700. Something else at that name - a symlink, a file, a directory of another owner -
    is moved aside (renamed, never followed or deleted) and logged;
@@ -42,14 +42,15 @@ from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import validate_key
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import CkptError, InvalidName, SlurmError, TierError
-from slurm_ckpt.hooks.epilog import (
-    FlushOutcome,
-    NodeWork,
-    UserIds,
+from slurm_ckpt.node.asuser import run_as
+from slurm_ckpt.node.flush import FlushOutcome
+from slurm_ckpt.node.guard import (
+    NodeCheckFailed,
+    check_local_tier,
     check_step_files,
     check_user_dir,
 )
-from slurm_ckpt.node.asuser import run_as
+from slurm_ckpt.node.work import NodeWork, UserIds
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.env import HookEnv
 from slurm_ckpt.tiers.copy import SourceCorrupt, copy_checkpoint
@@ -60,9 +61,7 @@ log = logging.getLogger("slurm_ckpt.hooks")
 __all__ = [
     "PrologFailed",
     "PrologReport",
-    "check_local_tier",
     "ensure_user_dir",
-    "required_free",
     "run_prolog",
 ]
 
@@ -72,63 +71,11 @@ QUARANTINE_PREFIX = ".slurm_ckpt-quarantine-"
 RESCUE_SHARE = 0.5
 
 
-class PrologFailed(CkptError):
-    """A node check failed: the job must not start here."""
-
-    exit_code = 1
+#: A failed prolog check (the job must not start here).
+PrologFailed = NodeCheckFailed
 
 
 # --------------------------------------------------------------------------- checks
-
-
-def required_free(cfg: Config) -> int:
-    """Bytes that must be free on the local tier for a job to start."""
-    need = cfg.tiers.local.min_free
-    if cfg.hooks.expected_checkpoint_size:
-        need += cfg.hooks.expected_checkpoint_size * (cfg.retention.keep_local + 1)
-    return need
-
-
-def _explain_need(cfg: Config) -> str:
-    parts = []
-    if cfg.hooks.expected_checkpoint_size:
-        parts.append(
-            f"hooks.expected_checkpoint_size {format_bytes(cfg.hooks.expected_checkpoint_size)}"
-            f" x (retention.keep_local {cfg.retention.keep_local} + 1)"
-        )
-    parts.append(f"tiers.local.min_free {format_bytes(cfg.tiers.local.min_free)}")
-    return " + ".join(parts)
-
-
-def check_local_tier(cfg: Config, check_space: bool = True) -> int:
-    """Root exists, is a mount of its own (unless allowed otherwise), has room.
-
-    Returns the free bytes. Raises :class:`PrologFailed` with the reason.
-    """
-    root = str(cfg.tiers.local.root)
-    try:
-        st = os.stat(root)
-    except FileNotFoundError:
-        raise PrologFailed(f"local tier root {root} does not exist") from None
-    except OSError as exc:
-        raise PrologFailed(str(fsio.tier_error(exc, f"local tier root {root}"))) from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise PrologFailed(f"local tier root {root} is not a directory")
-    if cfg.tiers.local.require_mount and st.st_dev == os.stat("/").st_dev:
-        raise PrologFailed(
-            f"local tier root {root} is on the root filesystem, not a mount of its own "
-            "(set tiers.local.require_mount = false to allow)"
-        )
-    sv = os.statvfs(root)
-    free = sv.f_bavail * sv.f_frsize
-    if check_space:
-        need = required_free(cfg)
-        if free < need:
-            raise PrologFailed(
-                f"local tier {root}: {format_bytes(free)} free, need {format_bytes(need)} "
-                f"({_explain_need(cfg)})"
-            )
-    return free
 
 
 def ensure_user_dir(root: str, ids: UserIds) -> str:

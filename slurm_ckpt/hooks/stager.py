@@ -30,8 +30,9 @@ from typing import Any, Callable, Optional
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import CkptError, SlurmError
-from slurm_ckpt.hooks.epilog import FlushOutcome, NodeWork, drain_reason
-from slurm_ckpt.hooks.prolog import check_local_tier
+from slurm_ckpt.node.flush import FlushOutcome
+from slurm_ckpt.node.guard import check_local_tier
+from slurm_ckpt.node.work import NodeWork, drain_reason
 from slurm_ckpt.slurm.client import SlurmClient
 
 log = logging.getLogger("slurm_ckpt.hooks")

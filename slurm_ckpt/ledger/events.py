@@ -27,6 +27,8 @@ the fields the metrics read from them:
 * ``flush``: ``user``, ``key``, ``step``, ``flush_s``, ``nbytes``, ``tier``
 * ``failure``: ``reason`` (a short code such as ``flush_failed``), ``error`` (one line)
 * ``hook``: ``hook`` (``prolog``/``epilog``/``stager``), ``seconds``, ``ok``
+* ``admission`` / ``admission_refused``: a PFS slot granted / not granted within the
+  flusher's budget: ``wait_s``, ``queue_depth``, ``holders``, ``priority``
 
 Other names (lower-case, ``[a-z][a-z0-9_]*``) are accepted, so a newer caller never
 breaks an older reader.
@@ -94,7 +96,11 @@ __all__ = [
 ]
 
 #: The event types slurm_ckpt itself emits (others are accepted too).
-EVENT_TYPES = ("save", "local_write", "flush", "failure", "hook")
+EVENT_TYPES = ("save", "local_write", "flush", "failure", "hook", "admission", "admission_refused")
+#: A slot for a flush to the PFS granted / not granted within the budget
+#: (:func:`slurm_ckpt.core.admission.decision_event`): ``wait_s``, ``queue_depth``,
+#: ``holders``, ``priority``.
+ADMISSION_TYPES = ("admission", "admission_refused")
 DEFAULT_MAX_BYTES = 16 * 2**20
 DEFAULT_BACKUPS = 3
 #: One line is written with one write(2); keep it well below any sane pipe/page limits.
@@ -282,6 +288,11 @@ class EventLog:
             nbytes = event.get("nbytes")
             if isinstance(nbytes, int) and not isinstance(nbytes, bool) and nbytes > 0:
                 doc["flushed_bytes"] = int(doc.get("flushed_bytes", 0)) + nbytes
+        if etype in ADMISSION_TYPES:
+            # Summed, so that rate(sum)/rate(count) is the mean wait for a PFS slot.
+            wait = event.get("wait_s")
+            if isinstance(wait, (int, float)) and not isinstance(wait, bool) and wait >= 0:
+                doc["admission_wait_s"] = float(doc.get("admission_wait_s", 0.0)) + wait
         label = _label(event)
         if label is not None:
             last = doc["last"].setdefault(etype, {})
@@ -322,7 +333,10 @@ def _encode(event: Dict[str, Any]) -> bytes:
 
 
 def _label(event: Dict[str, Any]) -> Optional[str]:
-    """The series a summary entry belongs to: a hook's name, or ``user/key``."""
+    """The series a summary entry belongs to: a hook's name, ``pool`` for the admission
+    decisions (one queue, cluster-wide), or ``user/key``."""
+    if event["type"] in ADMISSION_TYPES:
+        return "pool"
     if event["type"] == "hook":
         hook = event.get("hook")
         return str(hook) if hook else None

@@ -38,6 +38,13 @@ Metrics (all gauges unless noted; every series has a ``node`` label)
 ``slurm_ckpt_hook_seconds{hook}``                 duration of the last run of each hook
 ``slurm_ckpt_hook_success{hook}``                 1 if that run succeeded, else 0
 ``slurm_ckpt_hook_last_run_timestamp_seconds{hook}``  when it ran (epoch seconds)
+``slurm_ckpt_admission_queue_depth``              flushes queued for a PFS slot,
+                                                  cluster-wide, at this node's last ask
+``slurm_ckpt_admission_slots_in_use``             slots held then (the "PFS queue
+                                                  watermark" beside it)
+``slurm_ckpt_admission_wait_seconds``             this node's last wait for a slot
+``slurm_ckpt_admission_wait_seconds_sum_total``   counter: all those waits summed
+``slurm_ckpt_admission_requests_total{outcome}``  counter: admitted / not_admitted
 """
 
 from __future__ import annotations
@@ -98,6 +105,31 @@ METRICS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
         "When a hook last ran (epoch seconds).",
         ("hook",),
     ),
+    _P + "admission_queue_depth": (
+        "gauge",
+        "Flushes queued for a PFS slot, cluster-wide, at this node's last request.",
+        (),
+    ),
+    _P + "admission_slots_in_use": (
+        "gauge",
+        "PFS slots held, cluster-wide, at this node's last request.",
+        (),
+    ),
+    _P + "admission_wait_seconds": (
+        "gauge",
+        "Seconds this node's last flush waited for a PFS slot (jitter included).",
+        (),
+    ),
+    _P + "admission_wait_seconds_sum": (
+        "counter",
+        "Seconds waited for PFS slots, summed (divide by the requests for the mean).",
+        (),
+    ),
+    _P + "admission_requests": (
+        "counter",
+        "Requests for a PFS slot by outcome (admitted, not_admitted within the budget).",
+        ("outcome",),
+    ),
 }
 
 Series = Tuple[str, str]
@@ -136,6 +168,10 @@ class NodeMetrics:
     events: Dict[str, int] = field(default_factory=dict)
     flushed_bytes: int = 0
     hooks: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    #: Last admission decision: queue_depth, holders, wait_s (absent until one was made).
+    admission: Dict[str, float] = field(default_factory=dict)
+    admission_wait_sum: float = 0.0
+    admission_requests: Dict[str, int] = field(default_factory=dict)
 
 
 def _series_of(label: str) -> Optional[Series]:
@@ -197,6 +233,7 @@ def _merge_summary(m: NodeMetrics, doc: Dict[str, Any]) -> None:
             series = _series_of(str(label))
             if series is not None and isinstance(entry, dict):
                 target.offer(series, entry.get("ts"), entry.get(name))
+    _merge_admission(m, doc)
     for hook, entry in (last.get("hook") or {}).items():
         if not isinstance(entry, dict):
             continue
@@ -209,6 +246,29 @@ def _merge_summary(m: NodeMetrics, doc: Dict[str, Any]) -> None:
         if "ok" in entry:
             out["ok"] = 1.0 if entry["ok"] else 0.0
         m.hooks[str(hook)] = out
+
+
+def _merge_admission(m: NodeMetrics, doc: Dict[str, Any]) -> None:
+    """Counters and the newest decision of the ``admission``/``admission_refused`` events."""
+    counts = doc.get("counts", {})
+    for etype, outcome in (("admission", "admitted"), ("admission_refused", "not_admitted")):
+        n = counts.get(etype, 0)
+        if isinstance(n, int) and not isinstance(n, bool):
+            m.admission_requests[outcome] = n
+    total = doc.get("admission_wait_s", 0.0)
+    if isinstance(total, (int, float)) and not isinstance(total, bool):
+        m.admission_wait_sum = float(total)
+    newest: Optional[Dict[str, Any]] = None
+    for etype in ("admission", "admission_refused"):
+        entry = ((doc.get("last") or {}).get(etype) or {}).get("pool")
+        if isinstance(entry, dict) and (
+            newest is None or float(entry.get("ts", 0)) >= float(newest.get("ts", 0))
+        ):
+            newest = entry
+    for name in ("queue_depth", "holders", "wait_s"):
+        value = None if newest is None else newest.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            m.admission[name] = float(value)
 
 
 class _Collector:
@@ -272,6 +332,27 @@ class _Collector:
                 if field_name in values:
                     f.add_metric([node, hook], values[field_name])
             yield f
+        yield from _admission_families(m, family)
+
+
+def _admission_families(m: NodeMetrics, family: Any) -> Iterator[Any]:
+    node = m.node
+    for name, field_name in (
+        (_P + "admission_queue_depth", "queue_depth"),
+        (_P + "admission_slots_in_use", "holders"),
+        (_P + "admission_wait_seconds", "wait_s"),
+    ):
+        f = family(name)
+        if field_name in m.admission:
+            f.add_metric([node], m.admission[field_name])
+        yield f
+    f = family(_P + "admission_wait_seconds_sum")
+    f.add_metric([node], m.admission_wait_sum)
+    yield f
+    f = family(_P + "admission_requests")
+    for outcome in ("admitted", "not_admitted"):
+        f.add_metric([node, outcome], m.admission_requests.get(outcome, 0))
+    yield f
 
 
 def build_registry(m: NodeMetrics) -> Any:

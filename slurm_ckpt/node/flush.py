@@ -38,7 +38,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
-from slurm_ckpt.errors import CkptError, NotFound, TimedOut, VerifyError
+from slurm_ckpt.core.progress import ProgressFn
+from slurm_ckpt.errors import CkptError, NotFound, TierError, TimedOut
 from slurm_ckpt.ledger import Ident, Ledger, State
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.copy import SourceCorrupt, copy_checkpoint
@@ -67,9 +68,10 @@ MIN_SLICE_S = 0.5
 CopyFn = Callable[[Ident, Optional[float]], Dict[str, Any]]
 
 
-class Unflushable(VerifyError):
-    """The checkpoint can never be flushed as it is (it does not match its own manifest,
-    or holds something root-run code must not touch). Marked ``BAD`` on its tier."""
+class Unflushable(TierError):
+    """The checkpoint can never be flushed as it is (it holds something root-run code must
+    not touch, or belongs to no one it claims to). Marked ``BAD`` on its tier; it must
+    not keep a node drained."""
 
 
 @dataclass
@@ -121,13 +123,14 @@ class FlushOutcome:
         return [r.ident for r in self._with("gone")]
 
 
-def copy_in_process(src: Tier, dst: Tier) -> CopyFn:
+def copy_in_process(src: Tier, dst: Tier, progress: Optional[ProgressFn] = None) -> CopyFn:
     """A :data:`CopyFn` that copies in this process, with its own permissions (the
     training job, ckpt-srun, a user's ``ckpt-slurm flush``). ``left_s`` is not enforced
-    mid-copy here: the engine only starts a copy that fits."""
+    mid-copy here: the engine only starts a copy that fits. ``progress(nbytes)`` hears of
+    every byte copied."""
 
     def copy(ident: Ident, _left: Optional[float]) -> Dict[str, Any]:
-        res = copy_checkpoint(src, dst, *ident, replace_older=True)
+        res = copy_checkpoint(src, dst, *ident, replace_older=True, progress=progress)
         return {
             "nbytes": res.nbytes,
             "copied": res.copied_bytes,
@@ -145,7 +148,9 @@ class Flusher:
 
     ``hand_off_note`` says who finishes what this process cannot (``"left to epilog"``
     in a job, ``"handed to stager"`` on the root side). ``clock`` is the clock deadlines
-    are given in.
+    are given in. ``slots`` (a :class:`~slurm_ckpt.node.slots.SlotGate`, optional):
+    every copy first waits for a cluster-wide PFS slot, never past what its deadline
+    leaves after the copy's own ``min_s``; not admitted in time, it is handed off.
     """
 
     def __init__(
@@ -157,8 +162,10 @@ class Flusher:
         dst: str = "pfs",
         hand_off_note: str = HANDED_TO_STAGER,
         clock: Callable[[], float] = time.monotonic,
+        slots: Optional[Any] = None,
     ) -> None:
         self.copy = copy
+        self.slots = slots
         self.ledger = ledger
         self.src, self.dst = src, dst
         self.hand_off_note = hand_off_note
@@ -209,6 +216,21 @@ class Flusher:
         if left is not None and left < max(min_s, MIN_SLICE_S):
             self.hand_off([ident])
             return FlushResult(ident, "handed", nbytes=nbytes)
+        if self.slots is None:
+            return self._copy_one(ident, left, nbytes)
+        # Admission control: wait for a PFS slot with what the deadline leaves beyond the
+        # copy's own need; no slot in time -> hand off, like any flush without time.
+        budget = None if left is None else max(0.0, left - max(min_s, MIN_SLICE_S))
+        t_ask = self.clock()
+        with self.slots.slot(budget) as admitted:
+            if not admitted:
+                self.hand_off([ident])
+                return FlushResult(ident, "handed", nbytes=nbytes, error="no PFS slot in time")
+            if left is not None:
+                left -= self.clock() - t_ask
+            return self._copy_one(ident, left, nbytes)
+
+    def _copy_one(self, ident: Ident, left: Optional[float], nbytes: int) -> FlushResult:
         self._mark([ident], self.dst, State.FLUSHING)
         t0 = self.clock()
         try:
@@ -225,7 +247,7 @@ class Flusher:
             self._clear_in_flight(ident)
             return FlushResult(ident, "bad", nbytes=nbytes, error=str(exc))
         except CkptError as exc:
-            self._mark([ident], self.dst, State.FAILED, str(exc), code="flush")
+            self._mark([ident], self.dst, State.FAILED, str(exc), code="flush_failed")
             return FlushResult(
                 ident, "failed", nbytes=nbytes, error=str(exc), seconds=self.clock() - t0
             )

@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import subprocess
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from slurm_ckpt.core.names import validate_node
@@ -34,7 +35,13 @@ from slurm_ckpt.slurm.backends import (
     load_pyslurm,
 )
 from slurm_ckpt.slurm.env import parse_job_id
-from slurm_ckpt.slurm.records import MAINT_PREFIX, REASON_PREFIX, JobInfo, NodeInfo
+from slurm_ckpt.slurm.records import (
+    MAINT_PREFIX,
+    REASON_PREFIX,
+    JobInfo,
+    NodeInfo,
+    parse_oneliner,
+)
 
 log = logging.getLogger(__name__)
 
@@ -266,6 +273,12 @@ class SlurmClient:
         """``scontrol show config`` as a dict (``"PrologEpilogTimeout": "120"``...)."""
         return self.cli.config()
 
+    def partitions(self) -> List[Dict[str, str]]:
+        """``scontrol show partition -o``: one dict per partition (``PartitionName``,
+        ``GraceTime``, ``PreemptMode``, ``Default``...), for ``ckpt-slurm doctor``."""
+        out = self.cli.run(["scontrol", "show", "partition", "-o"])
+        return [parse_oneliner(ln) for ln in out.splitlines() if ln.startswith("PartitionName=")]
+
     def prolog_epilog_timeout(self) -> Optional[float]:
         """slurm.conf PrologEpilogTimeout in seconds (None: unset or unlimited)."""
         value = self.config().get("PrologEpilogTimeout", "")
@@ -273,6 +286,51 @@ class SlurmClient:
         if not m or int(m.group(1)) in (0, 65534, 4294967294):
             return None
         return float(m.group(1))
+
+
+#: How long an end time asked of the controller is reused (should_save runs every step).
+END_TIME_CACHE_S = 60.0
+
+
+def job_end_time_provider(
+    job_id: Optional[object],
+    environ: Optional[Dict[str, str]] = None,
+    client: Optional[SlurmClient] = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> Callable[[], Optional[float]]:
+    """The job's end time (epoch seconds), for the Checkpointer's deadline.
+
+    ``SLURM_JOB_END_TIME`` where SLURM sets it (>= 21.08); otherwise the controller,
+    ``squeue -h -o %e -j JOB``, asked at most once per :data:`END_TIME_CACHE_S` (a time
+    limit an admin extends is followed within that), failures included (a controller that
+    does not answer costs one query a minute, not one per training step). None without a
+    job id or an answer.
+    """
+    from slurm_ckpt.slurm.env import job_end_time
+    from slurm_ckpt.slurm.records import parse_time
+
+    env = os.environ if environ is None else environ
+    cache: Dict[str, Any] = {"at": None, "value": None}
+
+    def end_time() -> Optional[float]:
+        value = job_end_time(env)
+        if value is not None or job_id is None:
+            return value
+        now = clock()
+        if cache["at"] is not None and now - cache["at"] < END_TIME_CACHE_S:
+            return cache["value"]
+        cache["at"] = now
+        try:
+            jid = parse_job_id(job_id)
+            cli = (client or SlurmClient(backend="cli", timeout=10.0)).cli
+            out = cli.run(["squeue", "-h", "-o", "%e", "-j", jid]).strip().splitlines()
+            cache["value"] = parse_time(out[0]) if out else None
+        except (CkptError, IndexError) as exc:
+            log.debug("end time of job %s not known: %s", job_id, exc)
+            cache["value"] = None
+        return cache["value"]
+
+    return end_time
 
 
 _default: Optional[SlurmClient] = None

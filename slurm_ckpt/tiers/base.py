@@ -183,6 +183,11 @@ class Tier(Protocol):
         """A one-line location for messages (``pfs:/pfs/ckpt/alice/run/step-...``)."""
         ...
 
+    def location(self, user: str, key: str, step: Optional[int] = None) -> str:
+        """Where a series or checkpoint lives, as a path or URL (``/pfs/ckpt/alice/run/
+        step-...``, ``s3://bucket/prefix/alice/run/step-.../``), for listings."""
+        ...
+
     def check(self, write: bool = False) -> None:
         """Raise a one-line TierError unless the tier is reachable (and writable)."""
         ...

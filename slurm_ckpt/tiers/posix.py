@@ -71,6 +71,10 @@ class PosixTier:
     def step_path(self, user: str, key: str, step: int) -> str:
         return os.path.join(self.root, user, key, step_dirname(step))
 
+    def location(self, user: str, key: str, step: Optional[int] = None) -> str:
+        tail = [step_dirname(step)] if step is not None else []
+        return os.path.join(self.root, user, key, *tail)
+
     def _root_fd(self) -> int:
         try:
             return fsio.open_dir(self.root)

@@ -94,6 +94,12 @@ class S3Tier:
         tail = f"/{step_dirname(step)}" if step is not None else ""
         return f"{self.name}:s3://{self.bucket}/{self.base}{user}/{key}{tail}"
 
+    def location(self, user: str, key: str, step: Optional[int] = None) -> str:
+        """The series or step as a URL (for listings)."""
+        if step is None:
+            return f"s3://{self.bucket}/{self.series_prefix(user, key)}"
+        return f"s3://{self.bucket}/{self.step_prefix(user, key, step)}"
+
     def step_path(self, user: str, key: str, step: int) -> str:
         """The step's location as a URL (what ``list`` prints as its path)."""
         return f"s3://{self.bucket}/{self.step_prefix(user, key, step)}"

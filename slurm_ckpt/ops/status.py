@@ -28,7 +28,7 @@ Top level::
     slurm         {"available": bool, "note": str}
     filters       {"user", "job", "key", "node"}: null when not given
     totals        {"jobs", "nodes", "steps_at_risk", "checkpoints_at_risk",
-                   "bytes_at_risk", "in_flight", "drained_by_us"}
+                   "bytes_at_risk", "in_flight", "drained_by_us", "damaged"}
     jobs          list of job entries (below), sorted by user, key, job
     nodes         list of node entries (below), sorted by name
 
@@ -44,9 +44,10 @@ to the job recorded in its newest PFS manifest; a series with neither has ``job:
     nodes                nodes that report the job (status files) or that SLURM lists
     tiers                {"local": T|null, "pfs": T|null[, "cold": T|null]} where T is
                          {"step", "age_s"} for local (from the node status files) and
-                         {"step", "age_s", "bytes", "checkpoints"} for pfs/cold: the newest
-                         committed step, its age (now minus the checkpoint's commit time),
-                         its size, and the number of step directories up to it
+                         {"step", "age_s", "bytes", "checkpoints", "damaged"} for pfs/cold:
+                         the newest committed step, its age (now minus the checkpoint's
+                         commit time), its size, the number of step directories up to it,
+                         and the damaged step directories newer than it
     steps_at_risk        newest local step minus the newest step safe on the PFS
                          (committed there, or verified per the node status); null when no
                          node reports the job
@@ -78,47 +79,34 @@ A **node entry**::
 
 from __future__ import annotations
 
-import errno
-import json
-import os
-import re
-import stat
-from concurrent.futures import ThreadPoolExecutor
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Dict, Iterable, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Collection, Dict, List, Optional, Set, Tuple, Union
 
-import xxhash
-
-from slurm_ckpt.core import fsio
-from slurm_ckpt.core.layout import parse_step_dirname, step_dirname
-from slurm_ckpt.core.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
-from slurm_ckpt.core.names import validate_key, validate_user
+from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.names import validate_key, validate_node, validate_user
 from slurm_ckpt.errors import CkptError
+from slurm_ckpt.ledger.node_status import read_node_statuses
+from slurm_ckpt.ops.catalog import Series, SeriesHead, scan_catalog
+from slurm_ckpt.slurm.client import SlurmClient
+from slurm_ckpt.slurm.records import REASON_PREFIX
 
 __all__ = [
-    "REASON_PREFIX",
     "STATUS_FORMAT",
-    "SeriesHead",
     "SlurmJob",
     "SlurmNode",
+    "SlurmQuery",
     "SlurmSnapshot",
     "build_status",
+    "collect_status",
     "no_slurm",
     "query_slurm",
-    "scan_catalog",
+    "slurm_query",
 ]
 
 STATUS_FORMAT = "slurm_ckpt.status"
 STATUS_VERSION = 1
-#: Drain reasons slurm_ckpt sets start with this (same value as the SLURM client's).
-REASON_PREFIX = "slurm_ckpt:"
 _NO_JOB = ("", "None", "null")
-_MAX_MANIFEST = 64 * 2**20
-
-Series = Tuple[str, str]
-
-
-# --------------------------------------------------------------------------- SLURM view
 
 
 @dataclass(frozen=True)
@@ -173,10 +161,6 @@ def query_slurm(timeout: float = 10.0, env: Optional[Dict[str, str]] = None) -> 
     commands (default: this process's, e.g. ``SLURM_CONF``).
     """
     try:
-        from slurm_ckpt.slurm.client import SlurmClient
-    except ImportError as exc:  # pragma: no cover - the slurm layer is part of the package
-        return no_slurm(f"SLURM client not available ({exc})")
-    try:
         client = SlurmClient(backend="cli", timeout=timeout, env=env)
         jobs = client.jobs()
         nodes = client.nodes()
@@ -188,194 +172,6 @@ def query_slurm(timeout: float = 10.0, env: Optional[Dict[str, str]] = None) -> 
     for n in nodes:  # sinfo lists a node once per partition: keep one
         snap.nodes.setdefault(n.name, SlurmNode(n.name, n.state_string, n.drained, n.reason))
     return snap
-
-
-# --------------------------------------------------------------------------- catalog scan
-
-
-@dataclass(frozen=True)
-class SeriesHead:
-    """The newest committed checkpoint of one series on one tier, plus a step count."""
-
-    user: str
-    key: str
-    step: int
-    wall_time: float
-    nbytes: int
-    job: Optional[str]
-    node: Optional[str]
-    #: When the manifest was committed on this tier (its mtime).
-    committed_at: float
-    #: Step directories up to and including the newest committed one (counted by name).
-    checkpoints: int
-
-
-def _read_manifest(step_fd: int) -> Tuple[bytes, float]:
-    """The manifest's bytes and mtime (its commit time on this tier); no symlinks."""
-    fd = os.open(MANIFEST_NAME, fsio.O_READ, dir_fd=step_fd)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_MANIFEST:
-            raise OSError(errno.EINVAL, "not a plausible manifest")
-        chunks = []
-        while True:
-            b = os.read(fd, max(st.st_size + 1, 4096))
-            if not b:
-                return b"".join(chunks), st.st_mtime
-            chunks.append(b)
-    finally:
-        os.close(fd)
-
-
-_CHECKSUM_LINE = re.compile(rb'\A\{\n "checksum": "([0-9a-f]{32})",\n')
-
-
-@dataclass(frozen=True)
-class _Facts:
-    """The few manifest fields status needs."""
-
-    user: str
-    key: str
-    step: int
-    wall_time: float
-    nbytes: int
-    job: Optional[str]
-    node: Optional[str]
-
-
-def _facts(data: bytes) -> _Facts:
-    """Check a manifest's integrity and pull out what status needs; VerifyError if bad.
-
-    The fast path relies on the canonical form :class:`Manifest` writes (sorted keys, so
-    the checksum is the first line): the checksum is recomputed over the file's own bytes
-    minus that line, which is exactly the serialisation it was computed over, so any
-    changed byte is still caught, and only C-speed ``json.loads`` remains (the full
-    :meth:`Manifest.from_bytes` re-serialises twice in pure Python, about 3x the cost).
-    Anything the fast path cannot settle goes through the full parse, which decides.
-    """
-    m = _CHECKSUM_LINE.match(data)
-    if m is not None and xxhash.xxh3_128_hexdigest(b"{\n" + data[m.end() :]) == m.group(1).decode():
-        try:
-            doc = json.loads(data)
-            files = doc["files"]
-            nbytes = sum(int(f["size"]) for f in files)
-            if (
-                doc["format_version"] == FORMAT_VERSION
-                and type(doc["step"]) is int
-                and isinstance(doc["wall_time"], (int, float))
-                and isinstance(doc["user"], str)
-                and isinstance(doc["key"], str)
-                and all(int(f["size"]) >= 0 for f in files)
-            ):
-                job, node = doc["job"], doc["node"]
-                return _Facts(
-                    doc["user"],
-                    doc["key"],
-                    doc["step"],
-                    float(doc["wall_time"]),
-                    nbytes,
-                    None if job is None else str(job),
-                    None if node is None else str(node),
-                )
-        except (ValueError, TypeError, KeyError, AttributeError):
-            pass
-    full = Manifest.from_bytes(data)
-    return _Facts(
-        full.user, full.key, full.step, full.wall_time, full.total_bytes, full.job, full.node
-    )
-
-
-def _read_head(kfd: int, user: str, key: str, names: Iterable[str]) -> Optional[SeriesHead]:
-    steps = sorted((s for s in map(parse_step_dirname, names) if s is not None), reverse=True)
-    for i, step in enumerate(steps):
-        try:
-            sfd = os.open(step_dirname(step), fsio.O_DIR, dir_fd=kfd)
-        except OSError:
-            continue
-        try:
-            data, mtime = _read_manifest(sfd)
-            f = _facts(data)
-        except (OSError, CkptError):
-            continue  # not committed (yet), or damaged: the next older one may be newest
-        finally:
-            os.close(sfd)
-        if (f.user, f.key, f.step) != (user, key, step):
-            continue
-        return SeriesHead(
-            user, key, step, f.wall_time, f.nbytes, f.job, f.node, mtime, len(steps) - i
-        )
-    return None
-
-
-def _scan_user(root_fd: int, user: str, key: Optional[str]) -> List[Tuple[Series, SeriesHead]]:
-    out: List[Tuple[Series, SeriesHead]] = []
-    try:
-        ufd = os.open(user, fsio.O_DIR, dir_fd=root_fd)
-    except OSError:
-        return out
-    try:
-        if key is not None:
-            keys = [key]
-        else:
-            try:
-                keys = sorted(n for n in os.listdir(ufd) if not n.startswith("."))
-            except OSError:
-                return out
-        for k in keys:
-            try:
-                validate_key(k)
-                kfd = os.open(k, fsio.O_DIR, dir_fd=ufd)
-            except (OSError, CkptError):
-                continue
-            try:
-                head = _read_head(kfd, user, k, os.listdir(kfd))
-            except OSError:
-                head = None
-            finally:
-                os.close(kfd)
-            if head is not None:
-                out.append(((user, k), head))
-    finally:
-        os.close(ufd)
-    return out
-
-
-def scan_catalog(
-    root: str, user: Optional[str] = None, key: Optional[str] = None, workers: int = 8
-) -> Dict[Series, SeriesHead]:
-    """The newest committed checkpoint of every series under a shared tier ``root``.
-
-    Symlinks below the root are never followed. Unreadable users or keys are skipped
-    (a login-node user may not read everyone's directories). ``workers`` threads walk
-    users in parallel: on a parallel filesystem each open is a metadata round trip, and
-    those overlap; the GIL is released during the system calls.
-    """
-    try:
-        root_fd = fsio.open_dir(root)
-    except OSError:
-        return {}
-    try:
-        if user is not None:
-            users = [user]
-        else:
-            users = sorted(n for n in os.listdir(root_fd) if not n.startswith("."))
-        valid = []
-        for u in users:
-            try:
-                valid.append(validate_user(u))
-            except CkptError:
-                continue
-        out: Dict[Series, SeriesHead] = {}
-        if workers > 1 and len(valid) > 1:
-            with ThreadPoolExecutor(max_workers=min(workers, len(valid))) as pool:
-                parts = list(pool.map(lambda u: _scan_user(root_fd, u, key), valid))
-        else:
-            parts = [_scan_user(root_fd, u, key) for u in valid]
-        for part in parts:
-            out.update(part)
-        return out
-    finally:
-        os.close(root_fd)
 
 
 # --------------------------------------------------------------------------- the join
@@ -435,6 +231,7 @@ def _tier_entry(heads: List[SeriesHead], now: float) -> Optional[Dict[str, Any]]
         "age_s": round(now - newest.wall_time, 3),
         "bytes": newest.nbytes,
         "checkpoints": sum(h.checkpoints for h in heads),
+        "damaged": sum(h.damaged for h in heads),
     }
 
 
@@ -654,7 +451,59 @@ def build_status(
             "bytes_at_risk": sum(r["bytes_at_risk"] for r in rows),
             "in_flight": sum(r["in_flight"] for r in nodes_out),
             "drained_by_us": sum(1 for r in nodes_out if r["drained_by_us"]),
+            "damaged": sum(
+                (t or {}).get("damaged", 0)
+                for r in rows
+                for n, t in r["tiers"].items()
+                if n != "local"
+            ),
         },
         "jobs": rows,
         "nodes": nodes_out,
     }
+
+
+#: The SLURM view ``status`` uses; replace it to run without (or with another) SLURM.
+slurm_query: SlurmQuery = query_slurm
+
+
+def collect_status(
+    cfg: Config,
+    *,
+    user: Optional[str] = None,
+    job: Optional[str] = None,
+    key: Optional[str] = None,
+    node: Union[None, str, Collection[str]] = None,
+    query: Optional[SlurmQuery] = None,
+    now: Optional[float] = None,
+) -> Dict[str, Any]:
+    """Read the catalog(s), the node status files and SLURM; return the status document.
+
+    ``query`` defaults to :data:`slurm_query`. ``--user``/``--key`` narrow the catalog
+    walk itself; ``--job``/``--node`` filter the joined rows (``node``: one name or several).
+    """
+    if user is not None:
+        validate_user(user)
+    if key is not None:
+        validate_key(key)
+    for name in [node] if isinstance(node, str) else node or ():
+        validate_node(name)
+    pfs_root = str(cfg.tiers.pfs.root)
+    pfs = scan_catalog(pfs_root, user=user, key=key)
+    cold = None
+    if cfg.tiers.cold is not None:
+        cold = scan_catalog(str(cfg.tiers.cold.root), user=user, key=key)
+    statuses = read_node_statuses(cfg.tiers.pfs.root)
+    snapshot = (query or slurm_query)()
+    return build_status(
+        now=time.time() if now is None else now,
+        pfs_root=pfs_root,
+        pfs=pfs,
+        cold=cold,
+        node_statuses=statuses,
+        slurm=snapshot,
+        user=user,
+        job=job,
+        key=key,
+        node=node,
+    )

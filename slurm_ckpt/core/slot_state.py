@@ -1,0 +1,402 @@
+"""The shared state of admission control: who holds a slot, who waits, and the stores
+that keep it (in memory here; on the PFS in :mod:`slurm_ckpt.tiers.admission`).
+
+The decisions made on this state are :mod:`slurm_ckpt.core.admission`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import math
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, TypeVar
+
+from slurm_ckpt.errors import CkptError
+
+__all__ = [
+    "MAX_ENTRIES",
+    "STATE_FORMAT",
+    "AdmissionError",
+    "AdmissionPolicy",
+    "Entry",
+    "MemoryStore",
+    "Priority",
+    "SimClock",
+    "SlotState",
+    "SlotStore",
+]
+
+T = TypeVar("T")
+
+#: Format tag of a serialised :class:`SlotState`.
+STATE_FORMAT = "slurm_ckpt.admission/1"
+#: Entries kept at most (a store that grew past this is refused, not loaded).
+MAX_ENTRIES = 1_000_000
+NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,80}$")
+
+
+class AdmissionError(CkptError):
+    """The slot store cannot be used (missing, unsafe, unreadable, or locked too long)."""
+
+    exit_code = 1
+
+
+class Priority(enum.IntEnum):
+    """Queue order: higher goes first. Values leave room for site-defined levels."""
+
+    ROUTINE = 0
+    #: The job was preempted or is at its end: this flush is its last chance.
+    PREEMPTED = 10
+    #: The node is draining for maintenance: an admin (``ckpt-slurm maint``) waits on it.
+    MAINTENANCE = 20
+
+
+# --------------------------------------------------------------------------- policy
+
+
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    """The caps, the jitter and the timings; see the module docstring.
+
+    ``max_nodes``/``max_bandwidth`` None = no such cap (both None: no slots at all, only
+    jitter). ``lease`` is how long a holder's slot outlives its last renewal; ``poll`` how
+    often a waiter looks again; ``max_wait`` the budget of a caller that has none.
+    """
+
+    max_nodes: Optional[int] = None
+    max_bandwidth: Optional[float] = None
+    jitter: float = 0.0
+    lease: float = 60.0
+    poll: float = 1.0
+    max_wait: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.max_nodes is not None and (
+            isinstance(self.max_nodes, bool) or int(self.max_nodes) != self.max_nodes
+        ):
+            raise ValueError(f"max_nodes must be a whole number, got {self.max_nodes!r}")
+        if self.max_nodes is not None and self.max_nodes < 1:
+            raise ValueError(f"max_nodes must be at least 1, got {self.max_nodes!r}")
+        for name in ("max_bandwidth",):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be positive, got {v!r}")
+        for name in ("jitter",):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must not be negative, got {v!r}")
+        for name in ("lease", "poll", "max_wait"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be positive, got {v!r}")
+
+    @property
+    def enabled(self) -> bool:
+        """True when a cap is set, i.e. slots are taken at all."""
+        return self.max_nodes is not None or self.max_bandwidth is not None
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> AdmissionPolicy:
+        """From a :class:`~slurm_ckpt.core.config.Config` (its ``[admission]`` section)."""
+        a = cfg.admission
+        return cls(
+            max_nodes=a.max_nodes,
+            max_bandwidth=a.max_bandwidth,
+            jitter=a.jitter,
+            lease=a.lease,
+            poll=a.poll,
+            max_wait=a.max_wait,
+        )
+
+    def rate_of(self, requested: Optional[float]) -> float:
+        """The rate a request counts with against ``max_bandwidth``.
+
+        A flusher that knows its own cap (``tiers.pfs.bandwidth_limit``) asks with it; one
+        that does not is counted as an equal share of the bandwidth cap
+        (``max_bandwidth / max_nodes``, or all of it when there is no node cap: such a
+        flusher then flushes alone), and is told to keep to that rate.
+        """
+        if requested is not None and requested > 0:
+            if self.max_bandwidth is not None:
+                return min(float(requested), self.max_bandwidth)
+            return float(requested)
+        if self.max_bandwidth is None:
+            return 0.0
+        return self.max_bandwidth / (self.max_nodes or 1)
+
+
+# --------------------------------------------------------------------------- state
+
+
+@dataclass
+class Entry:
+    """One holder or waiter. ``since``: when it queued (the order within a priority);
+    ``until``: when it lapses (a holder: last renewal + lease; a waiter: its deadline)."""
+
+    id: str
+    node: str
+    priority: int
+    rate: float
+    since: float
+    until: float
+    granted: Optional[float] = None
+
+    def order(self) -> Tuple[int, float, str]:
+        """Queue order: priority first (higher first), then arrival, then id."""
+        return (-int(self.priority), float(self.since), self.id)
+
+    def to_list(self) -> List[Any]:
+        return [self.id, self.node, int(self.priority), self.rate, self.since, self.until]
+
+    @classmethod
+    def from_list(cls, raw: Any) -> Entry:
+        """Validated: a store file that fails this is refused as a whole."""
+        if not isinstance(raw, list) or len(raw) != 6:
+            raise ValueError("entry: expected a list of 6")
+        eid, node, prio, rate, since, until = raw
+        if not isinstance(eid, str) or not _ID_RE.match(eid):
+            raise ValueError("entry: bad id")
+        if not isinstance(node, str) or not NODE_RE.match(node):
+            raise ValueError("entry: bad node")
+        if isinstance(prio, bool) or not isinstance(prio, int) or abs(prio) > 10**6:
+            raise ValueError("entry: bad priority")
+        nums = []
+        for v in (rate, since, until):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError("entry: bad number")
+            nums.append(float(v))
+        if nums[0] < 0:
+            raise ValueError("entry: negative rate")
+        return cls(eid, node, prio, nums[0], nums[1], nums[2])
+
+
+@dataclass
+class SlotState:
+    """Holders and the ordered queue of waiters; every decision is a method here.
+
+    ``examined`` counts the entries that decisions looked at (the work per node that the
+    fleet simulation reports); ``dirty`` tells a store whether to write the state back.
+    """
+
+    holders: Dict[str, Entry] = field(default_factory=dict)
+    waiters: Dict[str, Entry] = field(default_factory=dict)
+    _queue: List[Tuple[Tuple[int, float, str], str]] = field(default_factory=list)
+    examined: int = 0
+    dirty: bool = False
+    #: No holder's lease ends before this (a lower bound: renewals only push leases out,
+    #: releases only remove them), so most decisions need not look at the holders at all.
+    _next_expiry: float = -math.inf
+    _rate: float = 0.0
+
+    # -- reading ----------------------------------------------------------------------
+    def used(self) -> Tuple[int, float]:
+        """``(holders, summed rate)``, kept up to date: no walk over the holders."""
+        return len(self.holders), max(0.0, self._rate)
+
+    def queue_depth(self) -> int:
+        return len(self.waiters)
+
+    def position(self, eid: str) -> Optional[int]:
+        """0-based place of a waiter in the queue (None when not queued)."""
+        w = self.waiters.get(eid)
+        if w is None:
+            return None
+        return bisect.bisect_left(self._queue, (w.order(), eid))
+
+    # -- changes ----------------------------------------------------------------------
+    def expire(self, now: float) -> List[Entry]:
+        """Drop holders whose lease lapsed; returns them.
+
+        The holders are looked at only once the earliest lease may have ended (about once
+        per lease period when flushes are shorter than the lease), so a decision costs the
+        same whatever the cap.
+        """
+        self.examined += 1
+        if now < self._next_expiry:
+            return []
+        gone = [h for h in self.holders.values() if h.until <= now]
+        self.examined += len(self.holders)
+        for h in gone:
+            del self.holders[h.id]
+            self.dirty = True
+        self._next_expiry = min((h.until for h in self.holders.values()), default=math.inf)
+        self._rate = sum(h.rate for h in self.holders.values())  # no drift
+        return gone
+
+    def enqueue(self, entry: Entry) -> None:
+        if entry.id in self.waiters or entry.id in self.holders:
+            raise ValueError(f"entry {entry.id} is already in the store")
+        self.waiters[entry.id] = entry
+        bisect.insort(self._queue, (entry.order(), entry.id))
+        self.examined += 1
+        self.dirty = True
+
+    def leave(self, eid: str) -> bool:
+        """Remove a waiter (given up, or admitted elsewhere). True if it was queued."""
+        w = self.waiters.pop(eid, None)
+        if w is None:
+            return False
+        i = bisect.bisect_left(self._queue, (w.order(), eid))
+        if i < len(self._queue) and self._queue[i][1] == eid:
+            del self._queue[i]
+        self.examined += 1
+        self.dirty = True
+        return True
+
+    def admissible(self, policy: AdmissionPolicy, now: float) -> List[Entry]:
+        """The waiters that the free capacity admits now, in queue order.
+
+        Walks the queue from its head: a waiter past its deadline is dropped; the next
+        live one is admissible if it fits in what is left (count and bandwidth). The walk
+        stops at the first one that does not fit: nobody overtakes the head.
+        """
+        count, rate = self.used()
+        out: List[Entry] = []
+        i = 0
+        while i < len(self._queue):
+            self.examined += 1
+            eid = self._queue[i][1]
+            w = self.waiters[eid]
+            if w.until <= now:
+                del self._queue[i]
+                del self.waiters[eid]
+                self.dirty = True
+                continue
+            if policy.max_nodes is not None and count + 1 > policy.max_nodes:
+                break
+            if (
+                policy.max_bandwidth is not None
+                and rate + w.rate > policy.max_bandwidth * (1 + 1e-9)
+                and count > 0
+            ):
+                break
+            out.append(w)
+            count += 1
+            rate += w.rate
+            i += 1
+        return out
+
+    def admit(self, eid: str, now: float, lease: float) -> Entry:
+        """Move a waiter to the holders, its lease starting now."""
+        w = self.waiters[eid]
+        self.leave(eid)
+        w.until = now + lease
+        w.granted = now
+        self.holders[eid] = w
+        self._next_expiry = min(self._next_expiry, w.until)
+        self._rate += w.rate
+        self.dirty = True
+        return w
+
+    def renew(self, eid: str, now: float, lease: float) -> bool:
+        """Extend a holder's lease. False when its slot lapsed (or was never held)."""
+        h = self.holders.get(eid)
+        self.examined += 1
+        if h is None or h.until <= now:
+            return False
+        h.until = now + lease
+        self.dirty = True
+        return True
+
+    def release(self, eid: str) -> bool:
+        """Give a slot back (or leave the queue). True if it was there."""
+        h = self.holders.pop(eid, None)
+        if h is not None:
+            self._rate -= h.rate
+            self.dirty = True
+            self.examined += 1
+            return True
+        return self.leave(eid)
+
+    # -- (de)serialisation --------------------------------------------------------------
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "format": STATE_FORMAT,
+            "holders": [h.to_list() for h in self.holders.values()],
+            "waiters": [self.waiters[eid].to_list() for _, eid in self._queue],
+        }
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> SlotState:
+        """Validated; raises ValueError for anything that is not a state we wrote."""
+        if not isinstance(doc, dict) or doc.get("format") != STATE_FORMAT:
+            raise ValueError("not a slot state")
+        holders, waiters = doc.get("holders"), doc.get("waiters")
+        if not isinstance(holders, list) or not isinstance(waiters, list):
+            raise ValueError("slot state: holders/waiters must be lists")
+        if len(holders) + len(waiters) > MAX_ENTRIES:
+            raise ValueError("slot state: too many entries")
+        st = cls()
+        for raw in holders:
+            e = Entry.from_list(raw)
+            st.holders[e.id] = e
+            st._rate += e.rate
+        for raw in waiters:
+            e = Entry.from_list(raw)
+            if e.id in st.holders or e.id in st.waiters:
+                raise ValueError("slot state: duplicate id")
+            st.waiters[e.id] = e
+            st._queue.append((e.order(), e.id))
+        st._queue.sort()
+        return st
+
+
+# --------------------------------------------------------------------------- stores
+
+
+class SlotStore(Protocol):
+    """Where the :class:`SlotState` lives. ``transact`` runs ``fn`` on the state under
+    the store's mutual exclusion and writes it back if ``fn`` changed it; it raises
+    :class:`AdmissionError` when it cannot get the state before ``deadline`` (a
+    ``clock()`` value; None = no limit). ``peek`` is a lock-free read of the last state
+    written (may be stale, never torn), for deciding whether a transaction is worth it.
+    ``ops`` counts transactions, ``peeks`` reads."""
+
+    ops: int
+    peeks: int
+
+    def transact(self, fn: Callable[[SlotState], T], deadline: Optional[float] = None) -> T: ...
+
+    def peek(self) -> SlotState: ...
+
+
+class MemoryStore:
+    """The state in this process's memory: for tests and the fleet simulation. Threads of
+    one process may share it (a lock serialises the transactions)."""
+
+    def __init__(self) -> None:
+        self.state = SlotState()
+        self.ops = 0
+        self.peeks = 0
+        self._lock = threading.Lock()
+
+    def transact(self, fn: Callable[[SlotState], T], deadline: Optional[float] = None) -> T:
+        with self._lock:
+            self.ops += 1
+            result = fn(self.state)
+            self.state.dirty = False
+            return result
+
+    def peek(self) -> SlotState:
+        self.peeks += 1
+        return self.state
+
+
+class SimClock:
+    """A clock that moves only when told: ``now()`` and ``sleep()`` for simulations."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.t = float(start)
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.t += max(0.0, float(seconds))
+
+    def advance_to(self, t: float) -> None:
+        self.t = max(self.t, float(t))

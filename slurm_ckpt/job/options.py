@@ -1,0 +1,137 @@
+"""The Checkpointer's keyword options, in one typed place, and the Config they become.
+
+``Checkpointer(local=..., pfs=..., key=..., interval_tokens=..., ...)`` takes a site
+config (or the two tier paths) plus keyword options. Options that are site settings
+(intervals, retention, staging memory, bandwidth, ledger directory) are folded into a
+:class:`~slurm_ckpt.core.config.Config` through :meth:`Config.from_dict`, so they are
+checked with the same one-line errors as the config file; the rest (identity, providers,
+callbacks) stay here. An unknown keyword is a one-line error that names the nearest one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Dict, Optional, Sequence, Union
+
+from slurm_ckpt.core.config import Config
+from slurm_ckpt.errors import CkptError
+
+__all__ = ["FLUSH_POLICIES", "UNSET", "Options", "build_config"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+FLUSH_POLICIES = ("skip", "wait")
+#: "Not given" where None means something (``end_time_fn=None``: no deadline at all).
+UNSET: Any = object()
+_INTERVALS = ("interval_tokens", "interval_steps", "interval_seconds", "interval")
+
+
+@dataclass
+class Options:
+    """Every keyword option of :class:`~slurm_ckpt.job.checkpointer.Checkpointer`.
+
+    Site settings (override the config): ``interval_tokens``, ``interval_steps``,
+    ``interval_seconds``, ``interval`` (``"auto"``: Young/Daly), ``mtbi``,
+    ``keep_local``, ``flush_every``, ``signals``, ``max_consecutive_failures``,
+    ``staging_memory_limit``, ``pfs_bandwidth``, ``ledger_dir``.
+
+    The job: ``rank``/``world_size`` (default: ``RANK``/``WORLD_SIZE``, else SLURM's),
+    ``user``, ``node``, ``job``; ``flush_policy`` ("skip"/"wait"); ``install_signals``.
+
+    Providers and callbacks: ``requeue`` (requeue after a time-limit save) and
+    ``requeue_fn(reason)``, ``job_state_fn() -> state``, ``end_time_fn() -> epoch``
+    (default ``SLURM_JOB_END_TIME``), ``kill_wait_s``, ``signal_lead_s``,
+    ``agree(value) -> min over ranks``, ``on_event(name, info)``.
+    """
+
+    interval_tokens: Optional[int] = None
+    interval_steps: Optional[int] = None
+    interval_seconds: Optional[Union[float, str]] = None
+    interval: Optional[str] = None
+    mtbi: Optional[Union[float, str]] = None
+    keep_local: Optional[int] = None
+    flush_every: Optional[int] = None
+    signals: Optional[Sequence[Union[str, int]]] = None
+    max_consecutive_failures: Optional[int] = None
+    staging_memory_limit: Optional[Union[int, str]] = None
+    pfs_bandwidth: Optional[Union[float, str]] = None
+    ledger_dir: Optional[PathLike] = None
+    flush_policy: str = "skip"
+    install_signals: bool = True
+    rank: Optional[int] = None
+    world_size: Optional[int] = None
+    user: Optional[str] = None
+    node: Optional[str] = None
+    job: Optional[Union[str, int]] = None
+    requeue: bool = False
+    requeue_fn: Optional[Callable[[str], None]] = None
+    job_state_fn: Optional[Callable[[], Optional[str]]] = None
+    end_time_fn: Optional[Callable[[], Optional[float]]] = UNSET
+    kill_wait_s: float = 30.0
+    signal_lead_s: Optional[float] = None
+    agree: Optional[Callable[[int], int]] = None
+    on_event: Optional[Callable[[str, Dict[str, Any]], None]] = None
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Dict[str, Any]) -> Options:
+        """Options from keyword arguments; an unknown one is a one-line error."""
+        known = {f.name for f in fields(cls)}
+        for name in kwargs:
+            if name not in known:
+                close = difflib.get_close_matches(name, sorted(known), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise CkptError(f"Checkpointer: unknown option {name!r}{hint}")
+        opts = cls(**kwargs)
+        if opts.flush_policy not in FLUSH_POLICIES:
+            raise CkptError(
+                f"flush_policy must be one of {FLUSH_POLICIES}, got {opts.flush_policy!r}"
+            )
+        return opts
+
+
+def build_config(
+    config: Optional[Config], local: Optional[PathLike], pfs: Optional[PathLike], opts: Options
+) -> Config:
+    """One validated Config from a config (or the tier paths) plus the option overrides.
+
+    Going through :meth:`Config.from_dict` means keyword arguments are checked with the
+    same one-line errors as the site config file. An interval given here replaces all the
+    config's interval settings (the config's "every 50M tokens" must not linger beside a
+    job's "every 500 steps").
+    """
+    if config is None:
+        if local is None or pfs is None:
+            raise CkptError("Checkpointer: give local= and pfs= (or config=)")
+        base = Config.standalone(local, pfs).to_dict()
+        source = "<standalone>"
+    else:
+        base = config.to_dict()
+        source = config.source
+        if local is not None:
+            base["tiers"]["local"]["root"] = os.path.abspath(os.fspath(local))
+        if pfs is not None:
+            base["tiers"]["pfs"]["root"] = os.path.abspath(os.fspath(pfs))
+    if opts.ledger_dir is not None:
+        base["ledger"]["dir"] = os.path.abspath(os.fspath(opts.ledger_dir))
+    if opts.pfs_bandwidth is not None:
+        base["tiers"]["pfs"]["bandwidth_limit"] = opts.pfs_bandwidth
+    job = {
+        "interval_tokens": opts.interval_tokens,
+        "interval_steps": opts.interval_steps,
+        "interval_seconds": opts.interval_seconds,
+        "interval": opts.interval,
+        "mtbi": opts.mtbi,
+        "signals": None if opts.signals is None else list(opts.signals),
+        "max_consecutive_failures": opts.max_consecutive_failures,
+        "staging_memory_limit": opts.staging_memory_limit,
+    }
+    if any(job.get(k) is not None for k in _INTERVALS):
+        for k in _INTERVALS:
+            base["job"][k] = None
+    retention = {"keep_local": opts.keep_local, "flush_every": opts.flush_every}
+    for section, values in (("job", job), ("retention", retention)):
+        for k, v in values.items():
+            if v is not None:
+                base[section][k] = v
+    return Config.from_dict(base, source)

@@ -1,0 +1,517 @@
+"""The background half of a save: the local writer and the flusher.
+
+After ``save()`` has snapshotted the state into staging buffers, two daemon threads take
+over:
+
+* **local write**: the staging buffers are written to the local tier and committed
+  atomically; the ledger records it; local retention runs;
+* **flush**: selected checkpoints (``retention.flush_every``; always the preemption save
+  and, at ``close()``, the newest) go to the warm tier through the one flush engine
+  (:class:`~slurm_ckpt.node.flush.Flusher`), in this process.
+
+Backpressure: a save never starts while the previous one is still being written locally
+(the staging buffers are in use). A flush that would start while the previous one still
+runs is, with ``flush_policy="skip"``, queued in a single slot that a newer checkpoint
+takes over (the displaced one is not flushed: the ledger says why); with ``"wait"`` the
+caller waits for the flush before snapshotting (:meth:`Pipeline.wait_flushes`).
+
+Failures never kill training: a failed local write or flush is logged, recorded
+(``FAILED`` with the reason) and counted; only ``max_consecutive_failures`` failed local
+writes in a row set :attr:`Pipeline.fatal`, which the caller raises on its own thread.
+
+A script that ends without ``close()`` must not lose the checkpoint being written:
+:meth:`Pipeline.finish_at_exit` (registered with threading's exit hooks) finishes the
+local write and leaves open flushes to the epilog.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Deque, List, Optional
+
+from slurm_ckpt.core.commit import AlreadyCommitted
+from slurm_ckpt.core.retention import CkptInfo, RetentionPolicy, plan_local_deletions
+from slurm_ckpt.core.units import format_bytes
+from slurm_ckpt.errors import CkptError, TierError
+from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord, reason_of
+from slurm_ckpt.job.signals import Deadline
+from slurm_ckpt.job.staging import write_direct
+from slurm_ckpt.ledger.record import State
+from slurm_ckpt.node.flush import LEFT_TO_EPILOG, Flusher, FlushResult, copy_in_process
+from slurm_ckpt.tiers.base import Tier
+
+log = logging.getLogger("slurm_ckpt")
+
+__all__ = ["DEADLINE_MARGIN_S", "CheckpointFailed", "CheckpointStats", "Pipeline", "Shard"]
+
+#: Work planned to end this long before the deadline (clock skew, process teardown).
+DEADLINE_MARGIN_S = 5.0
+
+
+class CheckpointFailed(CkptError):
+    """``max_consecutive_failures`` saves in a row failed: stop rather than train on
+    with nothing saved."""
+
+
+@dataclass
+class CheckpointStats:
+    """Counters and last durations, for logs, metrics and tests (a copy: a snapshot)."""
+
+    saves: int = 0
+    committed: int = 0
+    failures: int = 0
+    consecutive_failures: int = 0
+    sync_writes: int = 0
+    flushes: int = 0
+    flush_failures: int = 0
+    flush_skipped: int = 0
+    left_to_epilog: int = 0
+    stall_s: float = 0.0
+    wait_s: float = 0.0
+    bytes_written: int = 0
+    bytes_flushed: int = 0
+    last_snapshot_s: Optional[float] = None
+    last_stall_s: Optional[float] = None
+    last_local_s: Optional[float] = None
+    last_flush_s: Optional[float] = None
+    last_step: Optional[int] = None
+    last_flushed_step: Optional[int] = None
+    last_error: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Who writes: one rank's series (``key`` is the shard key) and its manifest fields."""
+
+    user: str
+    key: str
+    base_key: str
+    prefix: str
+    rank: int
+    world_size: int
+    job: Optional[str]
+    node: str
+
+
+class Pipeline:
+    """The local writer and the flusher of one Checkpointer (see the module docstring)."""
+
+    def __init__(
+        self,
+        local: Tier,
+        warm: Tier,
+        shard: Shard,
+        books: Bookkeeper,
+        policy: RetentionPolicy,
+        deadline: Deadline,
+        *,
+        flush_policy: str = "skip",
+        min_free: int = 0,
+        max_consecutive_failures: int = 3,
+    ) -> None:
+        self.local, self.warm = local, warm
+        self.shard = shard
+        self.books = books
+        self.policy = policy
+        self.deadline = deadline
+        self.flush_policy = flush_policy
+        self.min_free = min_free
+        self.max_consecutive_failures = max_consecutive_failures
+        self.flusher = Flusher(
+            copy_in_process(local, warm),
+            books.ledger,
+            src=local.name,
+            dst=warm.name,
+            hand_off_note=LEFT_TO_EPILOG,
+        )
+        self.cv = threading.Condition()
+        self._stats = CheckpointStats()
+        self.fatal: Optional[CheckpointFailed] = None
+        self.local_job: Optional[SaveRecord] = None
+        self.flush_queue: Deque[SaveRecord] = collections.deque()
+        self.flush_current: Optional[SaveRecord] = None
+        self.newest: Optional[SaveRecord] = None
+        self._threads: List[threading.Thread] = []
+        self._stop = False
+        self._retention_lock = threading.Lock()
+        self._flush_rate: Optional[float] = None
+
+    # -- state -------------------------------------------------------------------------
+    @property
+    def stats(self) -> CheckpointStats:
+        with self.cv:
+            return dataclasses.replace(self._stats)
+
+    def count(self, **add: float) -> None:
+        """Add to counters / set last values of the stats (from the caller's thread)."""
+        with self.cv:
+            for name, value in add.items():
+                if name.startswith("last_"):
+                    setattr(self._stats, name, value)
+                else:
+                    setattr(self._stats, name, getattr(self._stats, name) + value)
+
+    def flushes_busy(self) -> bool:
+        with self.cv:
+            return self.flush_current is not None or bool(self.flush_queue)
+
+    def _log(self, rec: SaveRecord) -> None:
+        self.books.log_save(rec, self.cv)
+
+    # -- threads -----------------------------------------------------------------------
+    def start(self) -> None:
+        if self._threads:
+            return
+        for name, target in (("ckpt-local", self._local_loop), ("ckpt-flush", self._flush_loop)):
+            t = threading.Thread(target=target, name=f"{name}-{self.shard.key}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def wait_for(self, pred: Callable[[], bool], until: Optional[float]) -> bool:
+        """Wait (epoch ``until``, None: forever) until ``pred()`` holds under the lock."""
+        with self.cv:
+            while not pred():
+                if until is None:
+                    self.cv.wait()
+                else:
+                    left = until - time.time()
+                    if left <= 0:
+                        return False
+                    self.cv.wait(min(left, 1.0))
+            return True
+
+    def idle(self, flush: bool = True) -> bool:
+        if self.local_job is not None:
+            return False
+        return not flush or (self.flush_current is None and not self.flush_queue)
+
+    def wait_local_free(self) -> None:
+        """Backpressure: the staging buffers are busy until the previous write ends."""
+        with self.cv:
+            while self.local_job is not None:
+                self.cv.wait()
+
+    def wait_flushes(self) -> None:
+        with self.cv:
+            while self.flush_current is not None or self.flush_queue:
+                self.cv.wait()
+
+    def submit(self, rec: SaveRecord) -> None:
+        """Hand a snapshotted save to the local writer thread."""
+        with self.cv:
+            self.local_job = rec
+            self.cv.notify_all()
+
+    def write_now(self, rec: SaveRecord) -> None:
+        """Write a save on the caller's thread (its state did not fit the staging memory)."""
+        with self.cv:
+            self._stats.sync_writes += 1
+            self.local_job = rec
+        try:
+            self._run_local(rec)
+        finally:
+            with self.cv:
+                self.local_job = None
+                self.cv.notify_all()
+        self.apply_retention()
+
+    def _local_loop(self) -> None:
+        while True:
+            with self.cv:
+                while not self._stop and (
+                    self.local_job is None
+                    or self.local_job.local_status != "pending"
+                    or self.local_job.synchronous
+                ):
+                    self.cv.wait()
+                if self._stop:
+                    return
+                rec = self.local_job
+            try:
+                self._run_local(rec)
+            finally:
+                with self.cv:
+                    self.local_job = None
+                    self.cv.notify_all()
+            self.apply_retention()
+
+    # -- local write ---------------------------------------------------------------------
+    def _check_space(self, nbytes: int) -> None:
+        free = self.local.free_bytes()
+        if free is not None and free < nbytes + self.min_free:
+            raise TierError(
+                f"{self.local.where(self.shard.user, self.shard.key)}: not enough space: "
+                f"{format_bytes(nbytes)} to write, {format_bytes(free)} free, "
+                f"{format_bytes(self.min_free)} to keep free"
+            )
+
+    def _write_local(self, rec: SaveRecord) -> None:
+        sh = self.shard
+        meta = dict(rec.meta)
+        meta.update(
+            rank=sh.rank,
+            world_size=sh.world_size,
+            base_key=sh.base_key,
+            reason=rec.reason,
+            state_format="slurm_ckpt.state/1",
+        )
+        kw = dict(tokens=rec.tokens, job=sh.job, node=sh.node, meta=meta)
+        try:
+            w = self.local.writer(sh.user, sh.key, rec.step, **kw)
+        except AlreadyCommitted:
+            # A step of an abandoned timeline (we restored from an older step and came
+            # back to this one): the current state supersedes it.
+            log.warning(
+                "[ckpt] step=%d already committed on the local tier (older run): replacing it",
+                rec.step,
+            )
+            self.local.delete(sh.user, sh.key, rec.step)
+            w = self.local.writer(sh.user, sh.key, rec.step, **kw)
+        with w:
+            if rec.direct is not None:
+                index, tensors = rec.direct
+                write_direct(w, sh.prefix, index, tensors)
+            else:
+                items = {f"{sh.prefix}/{n}": v for n, v in rec.buffers.items()}
+                items[f"{sh.prefix}/index.json"] = rec.index_data
+                w.write_buffers(items)
+            w.commit()
+
+    def _run_local(self, rec: SaveRecord) -> None:
+        """Phase two of a save (background thread, or the caller's for a sync write)."""
+        t0 = time.monotonic()
+        try:
+            self._check_space(rec.nbytes)
+            self.books.emit("local_start", step=rec.step)
+            self._write_local(rec)
+        except Exception as exc:  # noqa: BLE001 - a failed save must never kill training
+            if not isinstance(exc, (CkptError, OSError)):
+                log.exception("[ckpt] step=%d: unexpected error in the local write", rec.step)
+            self._local_failed(rec, exc, time.monotonic() - t0)
+            return
+        finally:
+            rec.buffers = None
+            rec.direct = None
+        rec.local_s = time.monotonic() - t0
+        rec.local_status = "committed"
+        with self.cv:
+            s = self._stats
+            s.committed += 1
+            s.consecutive_failures = 0
+            s.bytes_written += rec.nbytes
+            s.last_local_s = rec.local_s
+            s.last_step = rec.step
+            self.newest = rec
+        self.books.commit_local(rec)
+        self.books.emit("local_done", step=rec.step, local_s=rec.local_s)
+        if rec.selected:
+            self.queue_flush(rec)
+        else:
+            rec.flush_status = "not selected"
+            self._log(rec)
+
+    def _local_failed(self, rec: SaveRecord, exc: BaseException, seconds: float) -> None:
+        reason = reason_of(exc)
+        rec.local_status = "failed"
+        rec.local_s = seconds
+        rec.error = reason
+        with self.cv:
+            s = self._stats
+            s.failures += 1
+            s.consecutive_failures += 1
+            s.last_error = reason
+            if s.consecutive_failures >= self.max_consecutive_failures:
+                self.fatal = CheckpointFailed(
+                    f"{s.consecutive_failures} checkpoints failed in a row "
+                    f"(job.max_consecutive_failures={self.max_consecutive_failures}); "
+                    f"last: {reason}"
+                )
+        self.books.set_state(rec.step, "local", State.FAILED, reason, code="local_write_failed")
+        self.books.emit("local_failed", step=rec.step, error=reason)
+        self._log(rec)
+
+    # -- flush ---------------------------------------------------------------------------
+    def queue_flush(self, rec: SaveRecord) -> None:
+        skipped: List[SaveRecord] = []
+        with self.cv:
+            if self.flush_policy == "skip" and (self.flush_current or self.flush_queue):
+                keep: Deque[SaveRecord] = collections.deque()
+                for old in self.flush_queue:
+                    (keep if old.forced else skipped).append(old)
+                self.flush_queue = keep
+            rec.flush_status = "queued"
+            self.flush_queue.append(rec)
+            for old in skipped:
+                old.flush_status = "skipped"
+                self._stats.flush_skipped += 1
+            self.cv.notify_all()
+        for old in skipped:
+            self.books.deselect(old.step, f"flush skipped: step {rec.step} is newer")
+            self.books.emit("flush_skipped", step=old.step, newer=rec.step)
+            self._log(old)
+        self.books.emit("flush_queued", step=rec.step)
+
+    def _flush_loop(self) -> None:
+        while True:
+            with self.cv:
+                while not self.flush_queue and not self._stop:
+                    self.cv.wait()
+                if not self.flush_queue:
+                    return
+                rec = self.flush_queue.popleft()
+                self.flush_current = rec
+                rec.flush_status = "flushing"
+            try:
+                self._run_flush(rec)
+            except Exception:  # noqa: BLE001 - keep the flusher alive whatever happens
+                log.exception("[ckpt] step=%d: unexpected error in the flush", rec.step)
+            finally:
+                with self.cv:
+                    self.flush_current = None
+                    self.cv.notify_all()
+            self.apply_retention()
+
+    def estimate_flush_s(self, nbytes: int) -> float:
+        if self._flush_rate:
+            return nbytes / self._flush_rate
+        if self.warm.limiter is not None:
+            return nbytes / self.warm.limiter.rate
+        return 0.0
+
+    def _run_flush(self, rec: SaveRecord) -> None:
+        left = self.deadline.time_left()
+        if left is not None and left - DEADLINE_MARGIN_S < self.estimate_flush_s(rec.nbytes):
+            self.leave_to_epilog(rec, left)
+            return
+        self.books.emit("flush_start", step=rec.step)
+        res = self.flusher.flush_one((self.shard.user, self.shard.key, rec.step), nbytes=rec.nbytes)
+        rec.flush_s = res.seconds
+        if not res.ok:
+            self._flush_failed(rec, res)
+            return
+        if res.copied and res.seconds > 0:
+            self._flush_rate = res.copied / res.seconds
+        with self.cv:
+            rec.flush_status = "done"
+            s = self._stats
+            s.flushes += 1
+            s.bytes_flushed += res.copied
+            s.last_flush_s = rec.flush_s
+            s.last_flushed_step = rec.step
+        self.books.emit("flush_done", step=rec.step, flush_s=rec.flush_s)
+        self._log(rec)
+
+    def _flush_failed(self, rec: SaveRecord, res: FlushResult) -> None:
+        reason = res.error or res.status
+        rec.error = reason
+        with self.cv:
+            rec.flush_status = "failed"
+            self._stats.flush_failures += 1
+            self._stats.last_error = reason
+        self.books.emit("flush_failed", step=rec.step, error=reason)
+        self._log(rec)
+
+    def leave_to_epilog(self, rec: SaveRecord, left: Optional[float]) -> None:
+        with self.cv:
+            rec.flush_status = "left to epilog"
+            self._stats.left_to_epilog += 1
+        self.flusher.hand_off([(self.shard.user, self.shard.key, rec.step)])
+        log.warning(
+            "[ckpt] step=%d: %s left before the job ends, flush needs ~%.1fs: left to the epilog",
+            rec.step,
+            "unknown time" if left is None else f"{left:.1f}s",
+            self.estimate_flush_s(rec.nbytes),
+        )
+        self.books.emit("flush_left_to_epilog", step=rec.step)
+        self._log(rec)
+
+    # -- retention -----------------------------------------------------------------------
+    def apply_retention(self) -> None:
+        """Delete local checkpoints the retention policy no longer needs; never one that
+        still waits for (or is in) its flush."""
+        if self.books.ledger is None:
+            return
+        sh = self.shard
+        with self._retention_lock:
+            try:
+                records = self.books.records()
+                with self.cv:
+                    busy = {r.step for r in self.flush_queue}
+                    if self.flush_current is not None:
+                        busy.add(self.flush_current.step)
+                    if self.local_job is not None:
+                        busy.add(self.local_job.step)
+                infos = []
+                for info in self.local.steps(sh.user, sh.key):
+                    r = records.get(info.step)
+                    if r is not None:
+                        ci = r.to_local_info()
+                    else:
+                        ci = CkptInfo(info.step, wall_time=info.manifest.wall_time, seq=-1)
+                    ci.pinned = ci.pinned or info.step in busy
+                    infos.append(ci)
+                for step in plan_local_deletions(infos, self.policy):
+                    self.local.delete(sh.user, sh.key, step)
+                    if step in records:
+                        self.books.set_state(step, "local", State.DELETED)
+                    self.books.emit("local_deleted", step=step)
+            except (CkptError, OSError) as exc:
+                log.warning("[ckpt] local retention failed: %s", exc)
+
+    # -- the end -----------------------------------------------------------------------
+    def finish(self, until: Optional[float]) -> bool:
+        """``close()``'s part: the local write is always awaited (it is the checkpoint that
+        survives a kill); the newest checkpoint is flushed if it was not; flushes are
+        awaited until ``until`` (epoch; None: no limit) and what is still open then is
+        left to the epilog. Stops the threads; returns whether every flush finished."""
+        self.wait_for(lambda: self.local_job is None, None)
+        newest = self.newest
+        if newest is not None and newest.flush_status in ("not selected", "skipped"):
+            newest.forced = newest.selected = True
+            self.books.set_state(newest.step, "pfs", State.FLUSH_PENDING, forced=True)
+            self.queue_flush(newest)
+        done = self.wait_for(lambda: self.flush_current is None and not self.flush_queue, until)
+        if not done:
+            with self.cv:
+                open_jobs = list(self.flush_queue)
+                self.flush_queue.clear()
+                if self.flush_current is not None:
+                    open_jobs.append(self.flush_current)
+            for rec in open_jobs:
+                if rec.flush_status in ("queued", "flushing"):
+                    self.leave_to_epilog(rec, self.deadline.time_left())
+        with self.cv:
+            self._stop = True
+            self.cv.notify_all()
+        for t in self._threads:
+            t.join(timeout=None if done else 0.1)
+        return done
+
+    def finish_at_exit(self) -> None:
+        """At interpreter exit without close(): finish the local write (the background
+        threads are daemons and die with the interpreter); flushes are left to the
+        epilog/stager, which find them in the ledger as FLUSH_PENDING."""
+        with self.cv:
+            writing = self.local_job is not None
+        if writing:
+            log.warning("[ckpt] exiting without close(): finishing the local write")
+        self.wait_for(lambda: self.idle(flush=False), None)
+        with self.cv:
+            owed = list(self.flush_queue)
+            self.flush_queue.clear()
+            current = self.flush_current
+            self._stop = True
+            self.cv.notify_all()
+        self.flusher.hand_off([(self.shard.user, self.shard.key, r.step) for r in owed])
+        steps = [r.step for r in owed]
+        if current is not None:
+            steps.append(current.step)  # in flight: killed with the interpreter (FLUSHING)
+        if steps:
+            log.warning(
+                "[ckpt] exiting without close(): flush of step(s) %s left to the epilog", steps
+            )

@@ -1,0 +1,264 @@
+"""What is committed where: the listings behind ``ckpt-slurm list``, ``verify`` and
+``status``.
+
+The catalog of a shared tier is read fast (:func:`scan_catalog`): the newest committed
+checkpoint of every series.
+
+Used by ``ckpt-slurm status`` on login nodes, where a tier may hold thousands of series:
+step directories are listed by name, and only the newest one whose manifest is present
+and valid is opened (:func:`~slurm_ckpt.core.manifest.manifest_facts`, the fast fact
+reader); older steps are counted by name. Symlinks are never followed and every open is
+non-blocking with a type check, so a planted FIFO cannot hang root's ``status``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+from slurm_ckpt.core import fsio
+from slurm_ckpt.core.layout import parse_step_dirname, step_dirname
+from slurm_ckpt.core.manifest import MANIFEST_NAME, manifest_facts
+from slurm_ckpt.core.names import validate_key, validate_user
+from slurm_ckpt.errors import CkptError, NotFound, TierError
+from slurm_ckpt.ops.damage import COMMIT_GRACE_S, COMMITTED, Damaged, scan_series
+from slurm_ckpt.tiers.base import Tier
+from slurm_ckpt.tiers.registry import ORDER
+
+__all__ = [
+    "Series",
+    "SeriesHead",
+    "scan_catalog",
+    "series_rows",
+    "step_rows",
+    "verify_targets",
+]
+
+Series = Tuple[str, str]
+
+
+@dataclass(frozen=True)
+class SeriesHead:
+    """The newest committed checkpoint of one series on one tier, plus a step count."""
+
+    user: str
+    key: str
+    step: int
+    wall_time: float
+    nbytes: int
+    job: Optional[str]
+    node: Optional[str]
+    #: When the manifest was committed on this tier (its mtime).
+    committed_at: float
+    #: Step directories up to and including the newest committed one (counted by name).
+    checkpoints: int
+    #: Step directories newer than that one which are damaged (no manifest after the
+    #: commit grace time, a manifest that does not check, or of another series); older
+    #: steps are not read here (``list KEY``/``verify KEY`` report those).
+    damaged: int = 0
+
+
+def _read_head(kfd: int, user: str, key: str, names: Iterable[str]) -> Optional[SeriesHead]:
+    steps = sorted((s for s in map(parse_step_dirname, names) if s is not None), reverse=True)
+    damaged = 0
+    for i, step in enumerate(steps):
+        try:
+            sfd = os.open(step_dirname(step), fsio.O_DIR, dir_fd=kfd)
+        except OSError:
+            damaged += 1  # unreadable, or not a directory
+            continue
+        try:
+            data, st = fsio.read_regular(sfd, MANIFEST_NAME)
+            f = manifest_facts(data)
+            mtime = st.st_mtime
+        except FileNotFoundError:
+            # No manifest: a commit in progress (young), or one that never finished.
+            with contextlib.suppress(OSError):
+                if time.time() - os.fstat(sfd).st_mtime >= COMMIT_GRACE_S:
+                    damaged += 1
+            continue
+        except (OSError, CkptError):
+            damaged += 1  # damaged: the next older one may be the newest
+            continue
+        finally:
+            os.close(sfd)
+        if (f.user, f.key, f.step) != (user, key, step):
+            damaged += 1
+            continue
+        return SeriesHead(
+            user, key, step, f.wall_time, f.nbytes, f.job, f.node, mtime, len(steps) - i, damaged
+        )
+    return None
+
+
+def _scan_user(root_fd: int, user: str, key: Optional[str]) -> List[Tuple[Series, SeriesHead]]:
+    out: List[Tuple[Series, SeriesHead]] = []
+    try:
+        ufd = os.open(user, fsio.O_DIR, dir_fd=root_fd)
+    except OSError:
+        return out
+    try:
+        if key is not None:
+            keys = [key]
+        else:
+            try:
+                keys = sorted(n for n in os.listdir(ufd) if not n.startswith("."))
+            except OSError:
+                return out
+        for k in keys:
+            try:
+                validate_key(k)
+                kfd = os.open(k, fsio.O_DIR, dir_fd=ufd)
+            except (OSError, CkptError):
+                continue
+            try:
+                head = _read_head(kfd, user, k, os.listdir(kfd))
+            except OSError:
+                head = None
+            finally:
+                os.close(kfd)
+            if head is not None:
+                out.append(((user, k), head))
+    finally:
+        os.close(ufd)
+    return out
+
+
+def scan_catalog(
+    root: str, user: Optional[str] = None, key: Optional[str] = None, workers: int = 8
+) -> Dict[Series, SeriesHead]:
+    """The newest committed checkpoint of every series under a shared tier ``root``.
+
+    Symlinks below the root are never followed. Unreadable users or keys are skipped
+    (a login-node user may not read everyone's directories). ``workers`` threads walk
+    users in parallel: on a parallel filesystem each open is a metadata round trip, and
+    those overlap; the GIL is released during the system calls.
+    """
+    try:
+        root_fd = fsio.open_dir(root)
+    except OSError:
+        return {}
+    try:
+        if user is not None:
+            users = [user]
+        else:
+            users = sorted(n for n in os.listdir(root_fd) if not n.startswith("."))
+        valid = []
+        for u in users:
+            try:
+                valid.append(validate_user(u))
+            except CkptError:
+                continue
+        out: Dict[Series, SeriesHead] = {}
+        if workers > 1 and len(valid) > 1:
+            with ThreadPoolExecutor(max_workers=min(workers, len(valid))) as pool:
+                parts = list(pool.map(lambda u: _scan_user(root_fd, u, key), valid))
+        else:
+            parts = [_scan_user(root_fd, u, key) for u in valid]
+        for part in parts:
+            out.update(part)
+        return out
+    finally:
+        os.close(root_fd)
+
+
+def series_rows(tiers: Dict[str, Tier], users: Optional[List[str]]) -> List[Dict[str, Any]]:
+    """One row per series per tier: step count, newest step, bytes, age of the newest,
+    and the number of damaged step directories (:mod:`slurm_ckpt.ops.damage`)."""
+    now = time.time()
+    rows: List[Dict[str, Any]] = []
+    for name, t in tiers.items():
+        try:
+            names = users if users is not None else t.users()
+        except (TierError, OSError):
+            continue
+        for u in names:
+            try:
+                keys = t.keys(validate_user(u))
+            except (CkptError, OSError):
+                continue  # another user's private directory, or not a user directory
+            for k in keys:
+                try:
+                    steps, damaged = scan_series(t, u, validate_key(k), now)  # type: ignore[arg-type]
+                except (CkptError, OSError):
+                    continue
+                if not steps and not damaged:
+                    continue
+                newest = steps[-1] if steps else None
+                rows.append(
+                    {
+                        "tier": name,
+                        "user": u,
+                        "key": k,
+                        "steps": len(steps),
+                        "step": None if newest is None else newest.step,
+                        "bytes": sum(s.manifest.total_bytes for s in steps),
+                        "age_s": None
+                        if newest is None
+                        else round(now - newest.manifest.wall_time, 3),
+                        "damaged": len(damaged),
+                        "path": t.location(u, k),
+                    }
+                )
+    rows.sort(key=lambda r: (r["user"], r["key"], ORDER.index(r["tier"])))
+    return rows
+
+
+def step_rows(tiers: Dict[str, Tier], user: str, key: str) -> List[Dict[str, Any]]:
+    """One row per step directory of ``user/key`` per tier: committed checkpoints
+    (``state`` "committed") and damaged ones (their state and ``reason``)."""
+    rows: List[Dict[str, Any]] = []
+    now = time.time()
+    for name, t in tiers.items():
+        steps, damaged = scan_series(t, user, key, now)  # type: ignore[arg-type]
+        for s in steps:
+            m = s.manifest
+            rows.append(
+                {
+                    "tier": name,
+                    "user": user,
+                    "key": key,
+                    "step": s.step,
+                    "tokens": m.tokens,
+                    "bytes": m.total_bytes,
+                    "files": len(m.files),
+                    "age_s": round(now - m.wall_time, 3),
+                    "job": m.job,
+                    "node": m.node,
+                    "data_version": m.meta.get("data_version"),
+                    "state": COMMITTED,
+                    "reason": None,
+                    "path": t.location(user, key, s.step),
+                }
+            )
+        rows += [dict(d.to_dict(), tier=name) for d in damaged]
+    rows.sort(key=lambda r: (ORDER.index(r["tier"]) if r["tier"] in ORDER else 99, r["step"] or 0))
+    return rows
+
+
+def verify_targets(
+    tiers: Dict[str, Tier], target: str, user: str, step: Optional[int]
+) -> Tuple[List[Tuple[Tier, str, str, int, int]], List[Tuple[str, Damaged]]]:
+    """What to verify for KEY ``target`` of ``user``: ``(tier, user, key, step, bytes)``
+    of every committed step, and the damaged step directories (reported as they are).
+    A checkpoint directory given by path is :func:`slurm_ckpt.ops.verify_path.verify_path`'s.
+    """
+    checks: List[Tuple[Tier, str, str, int, int]] = []
+    broken: List[Tuple[str, Damaged]] = []
+    validate_key(target)
+    for name, t in tiers.items():
+        good, damaged = scan_series(t, user, target)  # type: ignore[arg-type]
+        for info in good:
+            if step is None or info.step == step:
+                checks.append((t, user, target, info.step, info.manifest.total_bytes))
+        broken += [(name, d) for d in damaged if step is None or d.step in (None, step)]
+    if not checks and not broken:
+        raise NotFound(
+            f"no committed checkpoint for {user}/{target}"
+            + (f" at step {step}" if step is not None else "")
+        )
+    return checks, broken

@@ -1,0 +1,136 @@
+"""``config check``: what can be checked from the node it runs on (issue 11, item 3).
+
+A config whose syntax and values are valid can still point at nothing: a tier root
+that does not exist, is a regular file or a symlink, belongs to a user who could then
+replace anyone's checkpoint directories, or a local tier that is a plain directory on the
+root filesystem. Every later command would answer "nothing found" with exit 0; so
+:func:`check_roots` looks:
+
+* every tier root (local, pfs, cold) exists, is a directory and not a symlink (roots are
+  opened with ``O_NOFOLLOW``: a symlinked root fails everything later);
+* it is owned by root and not writable by group or others unless sticky (mode 1777):
+  otherwise whoever can write it can rename a user's directory away;
+* the local root is a mount of its own when ``tiers.local.require_mount`` (as the prolog
+  demands), and has ``min_free`` (+ ``hooks.expected_checkpoint_size``) free;
+* the ledger directory's parent exists (it is made on first use).
+
+A missing *local* root is a warning, not an error: on a login node there is none, and
+that is fine. Everything else that is wrong is an error (``config check`` exits 2).
+Free space is a warning (it changes by the minute). ``--offline`` skips all of this.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from typing import List, Optional
+
+from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.units import format_bytes
+
+__all__ = ["ERROR", "WARNING", "Finding", "check_roots"]
+
+ERROR = "error"
+WARNING = "warning"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem: ``level`` is :data:`ERROR` or :data:`WARNING`; ``text`` one line."""
+
+    level: str
+    text: str
+
+
+def _root(
+    name: str, key: str, root: str, local: bool, out: List[Finding]
+) -> Optional[os.stat_result]:
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        if local:
+            out.append(
+                Finding(
+                    WARNING,
+                    f"{key} {root} does not exist on this node (fine on a login node; the "
+                    "prolog refuses jobs on a compute node without it)",
+                )
+            )
+        else:
+            out.append(Finding(ERROR, f"{key} {root} does not exist"))
+        return None
+    except PermissionError:
+        out.append(Finding(ERROR, f"{key} {root}: permission denied (a directory on the way)"))
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        real = os.path.realpath(root)
+        out.append(
+            Finding(
+                ERROR,
+                f"{key} {root} is a symlink (to {real}); tier roots are opened without "
+                f"following symlinks: set {key} = {real!r}",
+            )
+        )
+        return None
+    if not stat.S_ISDIR(st.st_mode):
+        out.append(Finding(ERROR, f"{key} {root} is not a directory"))
+        return None
+    if st.st_uid != 0:
+        out.append(
+            Finding(
+                ERROR,
+                f"{key} {root} is owned by uid {st.st_uid}, not root: its owner could replace "
+                f"any user's checkpoint directory (chown root {root})",
+            )
+        )
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        out.append(
+            Finding(
+                ERROR,
+                f"{key} {root} has mode {stat.S_IMODE(st.st_mode):04o}: writable by others "
+                f"without the sticky bit, anyone can rename a user's directory away "
+                f"(chmod 0755, or 1777 for a shared scratch root)",
+            )
+        )
+    return st
+
+
+def check_roots(cfg: Config) -> List[Finding]:
+    """Check the configured roots on this node (see the module docstring)."""
+    out: List[Finding] = []
+    local = cfg.tiers.local
+    lroot = str(local.root)
+    st = _root("local", "tiers.local.root", lroot, True, out)
+    if st is not None:
+        if local.require_mount and st.st_dev == os.stat("/").st_dev:
+            out.append(
+                Finding(
+                    ERROR,
+                    f"tiers.local.root {lroot} is on the root filesystem, not a mount of its "
+                    "own (mount the local disk there, or set tiers.local.require_mount = false)",
+                )
+            )
+        sv = os.statvfs(lroot)
+        free = sv.f_bavail * sv.f_frsize
+        need = local.min_free + (cfg.hooks.expected_checkpoint_size or 0)
+        if free < need:
+            out.append(
+                Finding(
+                    WARNING,
+                    f"tiers.local.root {lroot}: {format_bytes(free)} free, below the "
+                    f"{format_bytes(need)} the prolog requires (tiers.local.min_free"
+                    + (
+                        " + hooks.expected_checkpoint_size)"
+                        if cfg.hooks.expected_checkpoint_size
+                        else ")"
+                    ),
+                )
+            )
+    _root("pfs", "tiers.pfs.root", str(cfg.tiers.pfs.root), False, out)
+    if cfg.tiers.cold is not None:
+        _root("cold", "tiers.cold.root", str(cfg.tiers.cold.root), False, out)
+    ledger_parent = os.path.dirname(str(cfg.ledger.dir).rstrip("/")) or "/"
+    if st is not None and not os.path.isdir(ledger_parent):
+        out.append(Finding(ERROR, f"ledger.dir {cfg.ledger.dir}: {ledger_parent} does not exist"))
+    return out

@@ -1,0 +1,145 @@
+"""``verify PATH``: any checkpoint directory, wherever it is (issue 11, item 2).
+
+A checkpoint directory is self-describing: its manifest names the user, key and step and
+holds every file's size and hashes. So a byte-identical copy made elsewhere (``cp -a`` to
+scratch, a restore from tape) verifies exactly like the original; where it lives is only
+worth a note: when its place (``.../<user>/<key>/step-NNNNNNNNNN``) does not match what
+the manifest says, the report says it was *moved* and where it came from.
+
+What cannot be verified gets its own message (:class:`PathProblem`, exit 1):
+
+* the path does not exist;
+* the path is a symlink (never followed: give the directory itself);
+* permission denied (on the path, the directory or its manifest);
+* not a directory, or a directory without a manifest (not a committed checkpoint);
+* a manifest that does not parse or check (reported as a CORRUPT result instead).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from slurm_ckpt.core import fsio
+from slurm_ckpt.core.layout import step_dirname
+from slurm_ckpt.core.manifest import Manifest
+from slurm_ckpt.core.progress import ProgressFn
+from slurm_ckpt.core.verify import VerifyReport, verify_files
+from slurm_ckpt.errors import CkptError, VerifyError
+from slurm_ckpt.ops.damage import _read_manifest
+
+__all__ = ["PathProblem", "PathVerify", "manifest_at", "verify_path"]
+
+
+class PathProblem(CkptError):
+    """PATH is not something that can be verified (missing, symlink, no permission...)."""
+
+
+@dataclass
+class PathVerify:
+    """The outcome of verifying one directory by path."""
+
+    path: str
+    report: VerifyReport
+    manifest: Optional[Manifest] = None
+    moved: bool = False
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def origin(self) -> Optional[str]:
+        m = self.manifest
+        return None if m is None else f"{m.user}/{m.key}/{step_dirname(m.step)}"
+
+
+def _check_path(path: str) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        parent = os.path.dirname(path) or "."
+        if not os.path.isdir(parent):
+            raise PathProblem(f"{path}: no such file or directory (nor its parent)") from None
+        raise PathProblem(f"{path}: no such file or directory") from None
+    except PermissionError:
+        raise PathProblem(
+            f"{path}: permission denied (a directory on the way is not searchable; run as "
+            "the owner or root)"
+        ) from None
+    if stat.S_ISLNK(st.st_mode):
+        target = os.readlink(path)
+        raise PathProblem(
+            f"{path}: is a symlink (to {target}); symlinks are never followed: give the "
+            "checkpoint directory itself"
+        )
+    if not stat.S_ISDIR(st.st_mode):
+        raise PathProblem(f"{path}: not a directory (a checkpoint is a step-NNNNNNNNNN directory)")
+
+
+def _open(path: str) -> int:
+    try:
+        return os.open(path, fsio.O_DIR)
+    except PermissionError:
+        raise PathProblem(f"{path}: permission denied (run as the owner or root)") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # replaced by a symlink since the check
+            raise PathProblem(f"{path}: is a symlink; symlinks are never followed") from None
+        raise PathProblem(f"{path}: {exc.strerror or exc}") from None
+
+
+def manifest_at(sfd: int, path: str) -> Manifest:
+    """The manifest of the open directory ``sfd`` (PathProblem, or VerifyError if bad)."""
+    try:
+        data = _read_manifest(sfd)
+    except FileNotFoundError:
+        raise PathProblem(
+            f"{path}: no manifest.json: not a committed checkpoint (a commit that never "
+            "finished, or not a checkpoint directory)"
+        ) from None
+    except PermissionError:
+        raise PathProblem(
+            f"{path}/manifest.json: permission denied (run as the owner or root)"
+        ) from None
+    except OSError as exc:
+        raise VerifyError(f"{path}: manifest: {exc.strerror or exc}") from None
+    return Manifest.from_bytes(data, path)
+
+
+def verify_path(
+    target: str,
+    streams: int = 4,
+    progress: Optional[ProgressFn] = None,
+    expected_size: Optional[List[int]] = None,
+) -> PathVerify:
+    """Re-hash every byte of the checkpoint directory ``target`` against its manifest.
+
+    ``expected_size``, when given, receives the manifest's byte count before hashing
+    starts (so a caller can size its progress bar).
+    """
+    path = os.path.abspath(target)
+    _check_path(path)
+    sfd = _open(path)
+    try:
+        try:
+            m = manifest_at(sfd, path)
+        except VerifyError as exc:
+            rep = VerifyReport(f"path:{path}", -1, False, problems=[str(exc)])
+            return PathVerify(path, rep)
+        if expected_size is not None:
+            expected_size.append(m.total_bytes)
+        try:
+            rep = verify_files(sfd, m, f"path:{path}", streams, progress=progress)
+        except PermissionError:
+            raise PathProblem(f"{path}: permission denied reading its files") from None
+    finally:
+        os.close(sfd)
+    out = PathVerify(path, rep, m)
+    parts = path.rstrip("/").split("/")
+    here = tuple(parts[-3:]) if len(parts) >= 3 else tuple(parts)
+    if here != (m.user, m.key, step_dirname(m.step)):
+        out.moved = True
+        origin = f"{m.user}/{m.key} step {m.step}"
+        where = f" (written on {m.node}" + (f" by job {m.job})" if m.job else ")") if m.node else ""
+        out.notes.append(f"moved: this is {origin}{where}")
+    return out

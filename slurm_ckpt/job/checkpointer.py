@@ -432,8 +432,8 @@ class Checkpointer:
         self._maybe_requeue()
         self._flag.uninstall()
         self._staging.close()
-        if self._cfg.tiers.pfs is not None:  # node status lives on the PFS (none: skipped)
-            self._books.publish(self._cfg.tiers.pfs.root)
+        if self.config.tiers.pfs is not None:  # node status lives on the PFS (none: skipped)
+            self._books.publish(self.config.tiers.pfs.root)
         return self.stats
 
     def _maybe_requeue(self) -> None:

@@ -234,13 +234,15 @@ def test_a_full_object_store_leaves_the_pfs_copy_alone(site, s3_server) -> None:
     errors = [e for a in report.aged for e in a.errors]
     assert errors and all("HTTP 500" in e and "\n" not in e for e in errors), errors
     # keep_pfs=1, but both are still owed to the object store: neither is dropped.
-    assert steps(cfg)["pfs"] == [1, 2] and steps(cfg)["object"] == []
+    assert steps(cfg)["pfs"] == [1, 2] and steps(cfg)["object"] == [], report.to_dict()
     tiers = tiers_from_config(cfg)
     assert all(tiers["pfs"].verify(USER, KEY, s).ok for s in (1, 2))
     # Space is back: the next run copies them on, and only then may the PFS drop one.
     report = run_gc(cfg, as_owner=False)
     assert report.ok, report.to_dict()
-    assert steps(cfg)["object"] == [1, 2] and steps(cfg)["pfs"] == [2]
+    assert report.aged[0].copied == [1, 2]
+    # Both arrived (verified there); then retention (keep_pfs=1) applies to each tier.
+    assert steps(cfg)["pfs"] == [2] and steps(cfg)["object"] == [2]
 
 
 def test_a_full_store_fails_the_flush_and_keeps_the_local_copy(site, s3_server) -> None:

@@ -167,6 +167,15 @@ def in_child_as(uid: int, gid: int, fn: Callable[[], object]) -> object:
     return val
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    """Every test that uses the dev cluster carries the ``cluster`` marker, so that
+    ``-m "not cluster"`` selects the rest (deselected tests are not skips: they were not
+    asked for)."""
+    for item in items:
+        if "slurm_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cluster)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """A skipped test is not a passed one: the run fails if anything was skipped (set

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from slurm_ckpt.errors import CkptError
+from slurm_ckpt.job.dataversion import fingerprint_files, fingerprint_manifest
 from slurm_ckpt.job.dist import all_reduce_ints, process_group
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "apply_rng",
     "capture",
     "capture_rng",
+    "data_version",
     "decode",
     "encode",
     "restore",
@@ -479,6 +481,49 @@ def _flat_items(sd: Mapping[str, Any], prefix: str = "") -> Iterable[Any]:
 
 
 # ---------------------------------------------------------------------------------------
+# data version
+# ---------------------------------------------------------------------------------------
+_SOURCE_ATTRS = ("files", "paths", "file_paths", "data_files", "filenames", "root", "data_dir")
+
+
+def data_version(source: Any = None, *, manifest: Any = None) -> str:
+    """A fingerprint of the data a job trains on, for ``save(..., data_version=...)`` and
+    ``restore(expect_data_version=...)`` (see :mod:`slurm_ckpt.job.dataversion`).
+
+    ``source``: a path or a list of paths (files, directories), or a
+    ``torch.utils.data.DataLoader``/``Dataset``: its dataset's ``data_version`` (a string,
+    or a method returning one) if it has one, else the paths named by
+    ``data_sources()`` or one of the attributes ``files``, ``paths``, ``file_paths``,
+    ``data_files``, ``filenames``, ``root``, ``data_dir``. ``manifest``: a data manifest
+    the pipeline already has (JSON-able, or its text) instead of the files."""
+    if manifest is not None:
+        return fingerprint_manifest(manifest)
+    if source is None:
+        raise CkptError("data_version(): give the data paths, a data loader or manifest=")
+    if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
+        return fingerprint_files([source])  # type: ignore[list-item]
+    dataset = getattr(source, "dataset", source)
+    given = getattr(dataset, "data_version", None)
+    if given is not None:
+        value = given() if callable(given) else given
+        if not isinstance(value, str):
+            raise CkptError(f"data_version(): the dataset's data_version is {value!r}")
+        return value
+    if callable(getattr(dataset, "data_sources", None)):
+        return fingerprint_files(list(dataset.data_sources()))
+    for attr in _SOURCE_ATTRS:
+        paths = getattr(dataset, attr, None)
+        if paths:
+            return fingerprint_files([paths] if isinstance(paths, (str, bytes)) else paths)
+    if isinstance(source, (list, tuple)):
+        return fingerprint_files(source)
+    raise CkptError(
+        f"data_version(): cannot find the data sources of {type(dataset).__name__}: pass "
+        "the paths, or give the dataset a data_sources() method or a data_version"
+    )
+
+
+# ---------------------------------------------------------------------------------------
 # with a Checkpointer (the job layer)
 # ---------------------------------------------------------------------------------------
 @dataclass
@@ -495,6 +540,8 @@ class Resumed:
     #: seconds for the whole restore (read + verify + apply)
     seconds: float = 0.0
     meta: Dict[str, Any] = field(default_factory=dict)
+    #: The data version the checkpoint was trained on (None when it recorded none).
+    data_version: Optional[str] = None
 
 
 def save(
@@ -509,11 +556,15 @@ def save(
     data_position: Optional[Mapping[str, Any]] = None,
     extra: Optional[Mapping[str, Any]] = None,
     rng: bool = True,
+    data_version: Optional[str] = None,
 ) -> Any:
     """``ckpt.save(capture(...), step=, tokens=)``: returns once the snapshot is taken (the
-    job layer copies every tensor before returning), so training may go on at once."""
+    job layer copies every tensor before returning), so training may go on at once.
+    ``data_version`` (see :func:`data_version`) is recorded in the manifest."""
     state = capture(model, optimizer, scheduler, scaler, data_position, extra, rng=rng)
-    return ckpt.save(state, step=step, tokens=tokens)
+    if data_version is None:
+        return ckpt.save(state, step=step, tokens=tokens)
+    return ckpt.save(state, step=step, tokens=tokens, data_version=data_version)
 
 
 def restore(
@@ -526,6 +577,8 @@ def restore(
     weights_first: bool = False,
     rng: bool = True,
     strict: bool = True,
+    expect_data_version: Optional[str] = None,
+    on_data_change: str = "warn",
 ) -> Optional[Resumed]:
     """Restore the newest complete, verified checkpoint into the given objects.
 
@@ -538,7 +591,10 @@ def restore(
     (every rank then starts fresh).
     """
     t0 = time.monotonic()
-    got = ckpt.restore(weights_only=bool(weights_first and model is not None))
+    kw: Dict[str, Any] = {}
+    if expect_data_version is not None:  # warn, or refuse before anything is read
+        kw = {"expect_data_version": expect_data_version, "on_data_change": on_data_change}
+    got = ckpt.restore(weights_only=bool(weights_first and model is not None), **kw)
     if got is None:
         return None
     weights_s = 0.0
@@ -569,6 +625,7 @@ def restore(
         weights_s=weights_s,
         seconds=time.monotonic() - t0,
         meta=dict(getattr(got, "meta", {}) or {}),
+        data_version=(getattr(got, "meta", {}) or {}).get("data_version"),
     )
 
 
@@ -604,7 +661,13 @@ class TorchCheckpointer:
         self._saved_after_signal = False
         self.last_save: Any = None
 
-    def restore(self, weights_first: bool = False, strict: bool = True) -> Optional[Resumed]:
+    def restore(
+        self,
+        weights_first: bool = False,
+        strict: bool = True,
+        expect_data_version: Optional[str] = None,
+        on_data_change: str = "warn",
+    ) -> Optional[Resumed]:
         return restore(
             self.ckpt,
             self.model,
@@ -614,6 +677,8 @@ class TorchCheckpointer:
             weights_first=weights_first,
             rng=self.rng,
             strict=strict,
+            expect_data_version=expect_data_version,
+            on_data_change=on_data_change,
         )
 
     def should_save(self, step: Optional[int] = None, tokens: Optional[int] = None) -> bool:
@@ -632,6 +697,7 @@ class TorchCheckpointer:
         tokens: Optional[int] = None,
         data_position: Optional[Mapping[str, Any]] = None,
         extra: Optional[Mapping[str, Any]] = None,
+        data_version: Optional[str] = None,
     ) -> Any:
         self.last_save = save(
             self.ckpt,
@@ -644,6 +710,7 @@ class TorchCheckpointer:
             data_position=data_position,
             extra=extra,
             rng=self.rng,
+            data_version=data_version,
         )
         if self._peer_signal:
             self._saved_after_signal = True

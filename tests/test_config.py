@@ -252,7 +252,9 @@ def test_unknown_key_without_suggestion(tmp_path):
 
 def test_missing_tiers(tmp_path):
     path = write(tmp_path, "[tiers.local]\nroot = '/l'\n")
-    assert error_of(path) == f"{path}: [tiers.pfs] is missing (required)"
+    assert error_of(path) == (
+        f"{path}: [tiers.pfs] is missing (required) (or [tiers.object] for a site without one)"
+    )
     msg = error_of("[copy]\nstreams = 2\n", tmp_path)
     assert "[tiers.local] is missing (required)" in msg
     assert "[tiers.pfs] is missing (required)" in msg

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -78,8 +79,11 @@ _BANDWIDTH = "bandwidth"  # bytes/s (float), "500MB/s" or a number; 0 = no limit
 _STR = "str"
 _URL = "url"  # http:// or https://
 _PREFIX = "prefix"  # relative object-key prefix
+_BUCKET = "bucket"  # an S3 bucket name
 _SIGNALS = "signals"  # list of signal names -> tuple of "SIGxxx"
 _AUTO = "auto"  # the string "auto" or unset
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9._/-]*$")
 _EXAMPLES = {_SIZE: "64MiB", _DURATION: "6h", _BANDWIDTH: "500MB/s"}
 _BASE_UNITS = {_SIZE: "bytes", _DURATION: "seconds", _BANDWIDTH: "bytes per second"}
 
@@ -119,28 +123,58 @@ class PfsTierConfig:
 
 @dataclass(frozen=True)
 class ObjectTierConfig:
-    """``[tiers.object]``: an S3-compatible object store (validated and carried only)."""
+    """``[tiers.object]``: an S3-compatible object store (:mod:`slurm_ckpt.tiers.s3`).
+
+    Without ``[tiers.pfs]`` it is the warm tier (every flush goes there); with one,
+    verified PFS checkpoints go on to it (one per ``every``; 0 = each of them).
+    Credentials come from the standard AWS environment variables or ``profile``.
+    """
 
     endpoint: str = _f(_URL)
-    bucket: str = _f(_STR)
+    bucket: str = _f(_BUCKET)
     prefix: str = _f(_PREFIX, "")
+    region: str = _f(_STR, "us-east-1")
+    #: A named profile of ~/.aws/credentials; None = the environment (or default chain).
+    profile: Optional[str] = _f(_STR, None, optional=True)
+    #: Multipart part size (rounded to whole hash chunks; S3 needs >= 5 MiB).
+    part_size: int = _f(_SIZE, 64 * 2**20, minimum=5 * 2**20)
+    #: Parts uploaded / ranges downloaded in parallel.
+    concurrency: int = _f(_INT, 8, minimum=1)
+    #: Cap on the bandwidth into the store in bytes per second; None = unlimited.
+    bandwidth_limit: Optional[float] = _f(_BANDWIDTH, None, optional=True)
+    #: With a PFS: copy one verified PFS checkpoint per this many seconds on (0 = all).
+    every: float = _f(_DURATION, 0.0)
 
 
 @dataclass(frozen=True)
 class ColdTierConfig:
-    """``[tiers.cold]``: archive storage (tape-backed HSM, cold filesystem)."""
+    """``[tiers.cold]``: the archive (an HDD array, a tape-backed HSM): history.
+
+    Checkpoints age into it from the warm tier: one per ``every`` (the oldest verified
+    of each window), each verified there before the warm tier may drop it; kept for
+    ``keep_for``, pinned ones forever.
+    """
 
     root: Path = _f(_PATH)
+    bandwidth_limit: Optional[float] = _f(_BANDWIDTH, None, optional=True)
+    every: float = _f(_DURATION, 86400.0, minimum=1e-9)
+    keep_for: float = _f(_DURATION, 30 * 86400.0, minimum=1e-9)
 
 
 @dataclass(frozen=True)
 class TiersConfig:
-    """``[tiers]``: local and pfs are required; object and cold are optional."""
+    """``[tiers]``: local is required, and a warm tier: pfs, or object (a site without
+    a parallel filesystem), or both; cold is optional."""
 
     local: LocalTierConfig
-    pfs: PfsTierConfig
+    pfs: Optional[PfsTierConfig] = None
     object: Optional[ObjectTierConfig] = None
     cold: Optional[ColdTierConfig] = None
+
+    @property
+    def warm(self) -> str:
+        """The tier every flush goes to: ``pfs`` when there is one, else ``object``."""
+        return "pfs" if self.pfs is not None else "object"
 
 
 @dataclass(frozen=True)
@@ -292,10 +326,13 @@ class Config:
         return _build(data, source)
 
     @classmethod
-    def standalone(cls, local: PathLike, pfs: PathLike, **overrides: Any) -> Config:
+    def standalone(
+        cls, local: PathLike, pfs: Optional[PathLike] = None, **overrides: Any
+    ) -> Config:
         """A configuration without any file, for library use on plain directories.
 
-        ``local`` and ``pfs`` may be relative (they are made absolute). The local tier
+        ``local`` and ``pfs`` may be relative (they are made absolute); without ``pfs``
+        give ``tiers={"object": {...}}`` (a site without a parallel filesystem). The local tier
         defaults to ``require_mount=False`` and ``min_free=0``, since a plain directory is
         expected. ``overrides`` are TOML-shaped sections, each a dict or the section's
         dataclass, e.g. ``retention={"keep_local": 3}``, ``copy=CopyConfig(streams=8)``,
@@ -308,9 +345,10 @@ class Config:
                     "require_mount": False,
                     "min_free": 0,
                 },
-                "pfs": {"root": os.path.abspath(os.fspath(pfs))},
             }
         }
+        if pfs is not None:
+            data["tiers"]["pfs"] = {"root": os.path.abspath(os.fspath(pfs))}
         problems: List[str] = []
         for name, value in overrides.items():
             if name not in _TOP_KEYS:
@@ -512,10 +550,18 @@ def _convert(kind: str, value: Any, key: str, minimum: float) -> Any:
         if not value.startswith(("http://", "https://")) or len(value.split("://", 1)[1]) == 0:
             raise ValueError(f"{key}: expected an http:// or https:// URL, got {value!r}")
         return value
+    if kind == _BUCKET:
+        if not isinstance(value, str):
+            raise ValueError(f"{key}: expected a string, got {_type_name(value)}")
+        if not _BUCKET_RE.match(value) or ".." in value:
+            raise ValueError(
+                f"{key}: not a bucket name (3-63 of a-z, 0-9, '.', '-'), got {value!r}"
+            )
+        return value
     if kind == _PREFIX:
         if not isinstance(value, str):
             raise ValueError(f"{key}: expected a string, got {_type_name(value)}")
-        if value.startswith("/") or ".." in value.split("/") or "\x00" in value:
+        if value.startswith("/") or ".." in value.split("/") or not _PREFIX_RE.match(value):
             raise ValueError(f"{key}: must be a relative key prefix without '..', got {value!r}")
         return value
     if kind == _SIGNALS:
@@ -616,8 +662,9 @@ def _build(data: Mapping[str, Any], src: str) -> Config:
         for name, cls in _TIER_CLASSES.items():
             raw = tiers_raw.get(name)
             if raw is None:
-                if name in ("local", "pfs"):
-                    problems.append(f"{src}: [tiers.{name}] is missing (required)")
+                if name == "local" or (name == "pfs" and tiers_raw.get("object") is None):
+                    hint = " (or [tiers.object] for a site without one)" if name == "pfs" else ""
+                    problems.append(f"{src}: [tiers.{name}] is missing (required){hint}")
                 continue
             tiers_objs[name] = _parse_section(cls, raw, src, f"tiers.{name}", problems)
 
@@ -670,7 +717,7 @@ def _build(data: Mapping[str, Any], src: str) -> Config:
         raise ConfigError("; ".join(problems))
     tiers = TiersConfig(
         local=tiers_objs["local"],
-        pfs=tiers_objs["pfs"],
+        pfs=tiers_objs.get("pfs"),
         object=tiers_objs.get("object"),
         cold=tiers_objs.get("cold"),
     )

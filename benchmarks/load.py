@@ -176,7 +176,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for path in (REPO, REPO / "tests", REPO / "benchmarks"):
         if str(path) not in sys.path:
             sys.path.insert(0, str(path))
-    from cluster_fixture import start_cluster
+    from helpers.cluster import start_cluster
     from test_cluster_e2e import E2E, hooked_site
 
     cluster = start_cluster()

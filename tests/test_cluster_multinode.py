@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import pytest
-from cluster_fixture import DevCluster
+from helpers.cluster import DevCluster
 from test_cluster_e2e import CKPT_SRUN, PY, hooked_site
 from test_cluster_train import USER, TrainSite
 from test_torch_distributed import free_port

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterator, List
 
 import pytest
-from cluster_fixture import DevCluster
+from helpers.cluster import DevCluster
 
 from tests.faults.__main__ import campaign
 from tests.faults.invariants import Tracker

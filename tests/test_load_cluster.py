@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
 import pytest
-from cluster_fixture import DevCluster
+from helpers.cluster import DevCluster
 from test_cluster_e2e import CKPT_SLURM, E2E, hooked_site
 
 from benchmarks.load import Load

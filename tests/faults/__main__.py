@@ -44,7 +44,7 @@ def campaign(
 ) -> Dict[str, Any]:
     """Run ``runs`` runs of each scenario in ``names``; returns the figures. ``nodes``:
     the two dev-cluster nodes whose names (drains) the runs use (default: the last two)."""
-    from cluster_fixture import start_cluster
+    from helpers.cluster import start_cluster
 
     if os.geteuid() != 0:
         raise SystemExit("tests.faults: run as root (mounts, FUSE, users, SLURM drains)")

@@ -333,11 +333,12 @@ def damage(run: Run) -> None:
         if not steps:
             continue
         step = run.rng.choice(steps[-2:])
-        where = [t for t, v in tiers.items() if step in v]
-        if run.rng.random() < 0.6:
-            where = [run.rng.choice(where)]
+        holders = [t for t, v in tiers.items() if step in v]
+        where = [run.rng.choice(holders)] if run.rng.random() < 0.6 else holders
         for tid in where:
             _damage_one(run, tid, step)
+        if step == steps[-1] and set(where) == set(holders):
+            run.graceful = False  # every copy of the newest step is damaged: work is lost
     run.finish(node)
 
 

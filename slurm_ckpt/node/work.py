@@ -22,13 +22,13 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 from slurm_ckpt.core import fsio
 from slurm_ckpt.core.admission import Priority
 from slurm_ckpt.core.config import Config
-from slurm_ckpt.core.manifest import MANIFEST_NAME
 from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.core.retention import RetentionPolicy, plan_local_deletions
 from slurm_ckpt.core.units import format_bytes
-from slurm_ckpt.errors import CkptError, InvalidName, NotFound, SlurmError, TierError
-from slurm_ckpt.ledger import Ident, Ledger, Record, State, publish_status
+from slurm_ckpt.errors import CkptError, InvalidName, NotFound, SlurmError
+from slurm_ckpt.ledger import Ident, Ledger, Record, State
 from slurm_ckpt.ledger.events import EventLog
+from slurm_ckpt.ledger.status_store import status_store
 from slurm_ckpt.node.asuser import run_as
 from slurm_ckpt.node.flush import (
     HANDED_TO_STAGER,
@@ -39,10 +39,16 @@ from slurm_ckpt.node.flush import (
 )
 from slurm_ckpt.node.guard import check_step_files, check_user_dir, ensure_ledger_dir
 from slurm_ckpt.node.slots import SlotGate
+from slurm_ckpt.node.warm import (
+    committed_manifest,
+    guard_user_dir,
+    lend_credentials,
+    owner_tiers,
+    warm_of,
+)
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.tiers.copy import copy_checkpoint
 from slurm_ckpt.tiers.posix import PosixTier
-from slurm_ckpt.tiers.registry import tiers_from_config
 
 log = logging.getLogger("slurm_ckpt.hooks")
 
@@ -106,11 +112,12 @@ def _scan_local(root: str, user: str) -> List[List[Any]]:
 
 
 def _flush_as_user(cfg: Config, user: str, key: str, step: int, uid: int) -> Dict[str, Any]:
-    tiers = tiers_from_config(cfg)
+    tiers = owner_tiers(cfg)
+    warm = warm_of(cfg, tiers)  # the PFS, or the object store on a site without one
     check_user_dir(tiers["local"], user, uid)
-    check_user_dir(tiers["pfs"], user, uid)
+    guard_user_dir(warm, user, uid)
     check_step_files(tiers["local"], user, key, step, uid)
-    res = copy_checkpoint(tiers["local"], tiers["pfs"], user, key, step, replace_older=True)
+    res = copy_checkpoint(tiers["local"], warm, user, key, step, replace_older=True)
     return {
         "nbytes": res.nbytes,
         "copied": res.copied_bytes,
@@ -119,27 +126,20 @@ def _flush_as_user(cfg: Config, user: str, key: str, step: int, uid: int) -> Dic
     }
 
 
-def _manifest_bytes(tier: PosixTier, user: str, key: str, step: int) -> Optional[bytes]:
-    try:
-        with tier.step_fd(user, key, step) as sfd:
-            return fsio.read_small(sfd, MANIFEST_NAME)
-    except (NotFound, TierError, OSError):
-        return None
-
-
 def _delete_as_user(cfg: Config, user: str, key: str, step: int, uid: int, need_pfs: bool) -> bool:
     """Delete a local checkpoint; with ``need_pfs`` only if the PFS holds the very same
     committed checkpoint (identical manifest bytes) - the ledger is a cache, this is the
     last word before bytes disappear."""
-    tiers = tiers_from_config(cfg)
-    local, pfs = tiers["local"], tiers["pfs"]
+    tiers = owner_tiers(cfg)
+    local, warm = tiers["local"], warm_of(cfg, tiers)
     check_step_files(local, user, key, step, uid)
     if need_pfs:
-        mine = _manifest_bytes(local, user, key, step)
-        theirs = _manifest_bytes(pfs, user, key, step)
+        mine = committed_manifest(local, user, key, step)
+        theirs = committed_manifest(warm, user, key, step)
         if mine is None or mine != theirs:
             raise CkptError(
-                f"{local.where(user, key, step)}: no identical committed copy on the PFS; kept"
+                f"{local.where(user, key, step)}: no identical committed copy on the "
+                f"{warm.name} tier; kept"
             )
     local.delete(user, key, step)
     return True
@@ -182,6 +182,7 @@ class NodeWork:
         self._gate: Any = _NO_GATE  # the PFS slot gate, made at the first flush
         ensure_ledger_dir(cfg.ledger.dir)
         self.ledger = Ledger(cfg.ledger.dir, node)
+        lend_credentials(cfg)  # object tier: root's credentials for the owner children
 
     # -- scan -------------------------------------------------------------------------
     def local_users(self) -> List[UserIds]:
@@ -418,8 +419,9 @@ class NodeWork:
 
     # -- status -----------------------------------------------------------------------
     def publish(self, extra: Optional[Dict[str, Any]] = None) -> None:
-        """Node status on the PFS; a failure here is logged, never fatal."""
+        """Node status on the PFS (or in the object store on a site without one); a
+        failure here is logged, never fatal."""
         try:
-            publish_status(self.ledger, self.cfg.tiers.pfs.root, extra)
+            status_store(self.cfg).publish(self.ledger, extra)
         except CkptError as exc:
             log.warning("node status not published: %s", exc)

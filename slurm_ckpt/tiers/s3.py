@@ -117,6 +117,10 @@ class S3Tier:
         except (bexc.ClientError, bexc.BotoCoreError, OSError) as exc:
             raise s3_error(exc, where, self.endpoint) from None
 
+    #: One request about the bucket (boto3's ``op``), any failure one line; for the few
+    #: objects that are not checkpoints (:mod:`slurm_ckpt.ledger.status_store`).
+    request = _call
+
     def list_objects(
         self, prefix: str, delimiter: Optional[str] = None
     ) -> Iterator[Dict[str, Any]]:

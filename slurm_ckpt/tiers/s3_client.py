@@ -26,7 +26,7 @@ from botocore.config import Config as BotoConfig
 
 from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
 
-__all__ = ["ClientFactory", "FULL_HINT", "s3_error", "step_lock"]
+__all__ = ["ClientFactory", "FULL_HINT", "resolve_credentials", "s3_error", "step_lock"]
 
 #: What SeaweedFS (and other stores) answer a write with when their disks are full: a
 #: plain HTTP 500 ("failed to find writable volumes" is only in the server's log).
@@ -153,6 +153,23 @@ class ClientFactory:
         )
         kw = dict(self.credentials or {})
         return session.client("s3", endpoint_url=self.endpoint, config=cfg, **kw)
+
+
+def resolve_credentials(profile: Optional[str] = None) -> Optional[Dict[str, str]]:
+    """This process's S3 credentials (environment, ``profile``, boto3's default chain),
+    frozen into the keyword arguments of :meth:`boto3.session.Session.client`; None when
+    there are none (or the profile is missing: the client reports it when used)."""
+    try:
+        creds = boto3.session.Session(profile_name=profile).get_credentials()
+    except bexc.BotoCoreError:
+        return None
+    if creds is None:
+        return None
+    frozen = creds.get_frozen_credentials()
+    out = {"aws_access_key_id": frozen.access_key, "aws_secret_access_key": frozen.secret_key}
+    if frozen.token:
+        out["aws_session_token"] = frozen.token
+    return out
 
 
 def _lock_dir() -> str:

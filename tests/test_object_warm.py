@@ -185,6 +185,27 @@ def test_epilog_flushes_to_the_object_store_as_each_owner_with_roots_credentials
     assert [s.step for s in local.steps("ckptuser1", "run")] == [2]
 
 
+def test_roots_credentials_file_is_lent_to_the_owner_children_only(
+    site: Site, root_only_credentials: Path, monkeypatch
+) -> None:
+    """``tiers.object.credentials_file``: root's keys in a root-only file named by the
+    config. The epilog's owner children flush with them; the user's own process cannot
+    read them (and has no others here), so its flush fails with one line."""
+    monkeypatch.delenv("AWS_SHARED_CREDENTIALS_FILE")
+    obj = site.s3.object_config(
+        site.bucket, site.prefix, part_size="5MiB", credentials_file=str(root_only_credentials)
+    )
+    cfg = Config.from_dict(
+        {**site.cfg().to_dict(), "tiers": {**site.cfg().to_dict()["tiers"], "object": obj}}
+    )
+    save(cfg, "ckptuser1", "run", 1)
+    lines = run_as_user("ckptuser1", lambda: flush_series(cfg, "ckptuser1", "run", 60))
+    assert len(lines) == 1 and "flush failed" in lines[0] and "credentials" in lines[0], lines
+    report = run_epilog(cfg, site.env("ckptuser1"))
+    assert report.flush.flushed == [("ckptuser1", "run", 1)], report.flush.failed
+    assert object_steps(cfg, "ckptuser1", "run") == [1]
+
+
 def test_a_user_cannot_make_roots_child_write_under_another_prefix(site: Site) -> None:
     cfg = site.cfg()
     tier = tiers_from_config(cfg)["object"]

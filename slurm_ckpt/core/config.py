@@ -136,6 +136,10 @@ class ObjectTierConfig:
     region: str = _f(_STR, "us-east-1")
     #: A named profile of ~/.aws/credentials; None = the environment (or default chain).
     profile: Optional[str] = _f(_STR, None, optional=True)
+    #: Root's keys for the hooks: a root-only file in the ~/.aws/credentials format
+    #: (section ``profile``, else ``default``). Whoever cannot read it (a job) uses the
+    #: environment or ``profile`` instead.
+    credentials_file: Optional[Path] = _f(_PATH, None, optional=True)
     #: Multipart part size (rounded to whole hash chunks; S3 needs >= 5 MiB).
     part_size: int = _f(_SIZE, 64 * 2**20, minimum=5 * 2**20)
     #: Parts uploaded / ranges downloaded in parallel.

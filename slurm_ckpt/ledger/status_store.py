@@ -111,10 +111,7 @@ class ObjectStatusStore:
 
     def secret(self) -> Optional[str]:
         if self._secret is None:
-            from slurm_ckpt.tiers.s3_client import resolve_credentials
-
-            factory = self.tier.client
-            creds = factory.credentials or resolve_credentials(factory.profile) or {}
+            creds = self.tier.client.resolved() or {}
             self._secret = creds.get("aws_secret_access_key") or ""
         return self._secret or None
 

@@ -70,7 +70,10 @@ def lend_credentials(cfg: Config) -> None:
     global _LENT, _LENT_SET
     if cfg.tiers.object is None or os.geteuid() != 0 or _LENT_SET:
         return
-    _LENT = resolve_credentials(cfg.tiers.object.profile)
+    o = cfg.tiers.object
+    _LENT = resolve_credentials(
+        o.profile, None if o.credentials_file is None else str(o.credentials_file)
+    )
     _LENT_SET = True
 
 

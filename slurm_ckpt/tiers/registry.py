@@ -46,6 +46,7 @@ def tiers_from_config(cfg: Config, credentials: Optional[Dict[str, str]] = None)
             bandwidth=o.bandwidth_limit,
             buffer_size=cfg.copy.buffer_size,
             credentials=credentials,
+            credentials_file=None if o.credentials_file is None else str(o.credentials_file),
         )
     c = cfg.tiers.cold
     if c is not None:

@@ -63,6 +63,7 @@ class S3Tier:
         buffer_size: int = PIECE,
         credentials: Optional[Dict[str, str]] = None,
         min_part: int = MIN_PART,
+        credentials_file: Optional[str] = None,
     ) -> None:
         self.name = name
         self.endpoint = endpoint
@@ -75,7 +76,9 @@ class S3Tier:
         self.chunk_size = chunk_size
         self.buffer_size = buffer_size
         self.limiter = BandwidthLimiter(bandwidth) if bandwidth else None
-        self.client = ClientFactory(endpoint, region, profile, concurrency * 2 + 4, credentials)
+        self.client = ClientFactory(
+            endpoint, region, profile, concurrency * 2 + 4, credentials, credentials_file
+        )
 
     def __repr__(self) -> str:
         return f"S3Tier({self.name!r}, {self.endpoint!r}, {self.bucket!r}, {self.prefix!r})"

@@ -372,3 +372,35 @@ def test_status_list_verify_and_drill_know_the_object_tier(site: Site) -> None:
     got = json.loads(r.stdout)
     assert got["ok"] and got["tier"] == "object" and got["step"] == 2
     assert got["path"].startswith(f"s3://{site.bucket}/")
+
+
+def test_parts_of_one_chunk_carry_a_crc_computed_on_the_way_in(site: Site) -> None:
+    """A part of exactly one hash chunk is filled front to back by one thread: its CRC32
+    is computed as the bytes are read (straight into the part buffer), not in a second
+    pass. The store checks every part's CRC32 (a wrong one is refused), and the copy
+    verifies."""
+    from slurm_ckpt.tiers.copy import copy_checkpoint
+    from slurm_ckpt.tiers.posix import PosixTier
+    from slurm_ckpt.tiers.s3 import S3Tier
+
+    chunk = 5 * 2**20
+    local = PosixTier("local", str(site.local), chunk_size=chunk, buffer_size=2**20)
+    obj = S3Tier(
+        "object",
+        endpoint=site.s3.endpoint,
+        bucket=site.bucket,
+        prefix=site.prefix,
+        part_size=chunk,
+        chunk_size=chunk,
+        concurrency=3,
+    )
+    data = os.urandom(2 * chunk + 12345)  # two full parts and a short last one
+    with local.writer("u", "k", 1) as w:
+        w.write_buffers({"a.bin": data, "b.bin": data[:100]})
+    res = copy_checkpoint(local, obj, "u", "k", 1)
+    assert res.copied_bytes == len(data) + 100
+    assert obj.verify("u", "k", 1).ok
+    head = site.s3.client().head_object(
+        Bucket=site.bucket, Key=f"{site.prefix}/u/k/step-0000000001/a.bin", ChecksumMode="ENABLED"
+    )
+    assert head["ContentLength"] == len(data)

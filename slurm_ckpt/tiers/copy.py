@@ -204,9 +204,26 @@ def _hash_copy(
     to the same offset of ``dst``: one pass through memory. A short read (the file
     shrank under us) is an I/O error."""
     h = xxhash.xxh3_128()
-    buf = io_buffer(piece)
     end = offset + length
     pos = offset
+    into = getattr(dst, "buffer_for", None)
+    if into is not None:
+        # The sink offers its own memory (an object-store part): read straight into it,
+        # hash it there, hand it over - no copy between two buffers.
+        while pos < end:
+            n = min(piece, end - pos)
+            if limiter is not None:
+                limiter.acquire(n)
+            view = into(pos, n)
+            got = src.readinto(view, pos)
+            if got <= 0:
+                raise OSError(errno.EIO, f"unexpected end of file at offset {pos}")
+            view = view[:got]
+            h.update(view)
+            dst.wrote(view, pos)  # type: ignore[attr-defined]
+            pos += got
+        return h.hexdigest()
+    buf = io_buffer(piece)
     while pos < end:
         n = min(piece, end - pos)
         if limiter is not None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import base64
 import io
 import threading
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Set
@@ -53,9 +52,22 @@ META_HASH = "ckpt-hash"
 META_SIZE = "ckpt-size"
 
 
-def crc32_b64(data: Any) -> str:
-    """The CRC32 of a buffer as S3's ``x-amz-checksum-crc32`` header wants it."""
-    return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+try:  # zlib-ng's CRC32 uses the CPU's carry-less multiply: 3-4x the stdlib's speed
+    from zlib_ng.zlib_ng import crc32 as _crc32
+except ImportError:  # pragma: no cover - zlib-ng is a dependency; the stdlib is correct
+    from zlib import crc32 as _crc32
+
+
+def crc32_of(data: Any, value: int = 0) -> int:
+    """CRC32 (zlib's) of a buffer, continuing from ``value``."""
+    return _crc32(data, value)
+
+
+def crc32_b64(data: Any = None, crc: Optional[int] = None) -> str:
+    """The CRC32 of a buffer (or an already computed ``crc``) as S3's
+    ``x-amz-checksum-crc32`` header wants it."""
+    value = crc if crc is not None else crc32_of(data)
+    return base64.b64encode(value.to_bytes(4, "big")).decode()
 
 
 class _Upload:
@@ -74,6 +86,11 @@ class _Upload:
         self.crcs: Dict[int, str] = {}
         self._bufs: Dict[int, bytearray] = {}
         self._filled: Dict[int, int] = {}
+        #: Running CRC32 of each part being filled, when its bytes arrive in order (a
+        #: part of one hash chunk: one thread fills it front to back): computed on the
+        #: way in, while the bytes are fresh, instead of a pass over the part at the end.
+        self._crc: Dict[int, int] = {}
+        self._in_order = self.part_len == w.chunk_size
         self._lock = threading.Lock()
         self.meta: Dict[str, str] = {}
         if entry is not None:
@@ -97,9 +114,10 @@ class _Upload:
                 self.w._track_upload(self)
             return self.upload_id
 
-    def put_part(self, pn: int, data: Any) -> None:
-        """Upload part ``pn`` (0-based) from ``data``, its CRC32 checked by the store."""
-        crc = crc32_b64(data)
+    def put_part(self, pn: int, data: Any, crc_value: Optional[int] = None) -> None:
+        """Upload part ``pn`` (0-based) from ``data``, its CRC32 (``crc_value``, else
+        computed here) checked by the store."""
+        crc = crc32_b64(data, crc_value)
         view = data if isinstance(data, (bytes, bytearray)) else _ViewBody(data)
         if self.nparts == 1:
             self.w.call(
@@ -144,26 +162,48 @@ class _Upload:
         self.w._untrack_upload(self)
 
     # -- RangeSink (copy mode) ---------------------------------------------------------
-    def write(self, data: memoryview, offset: int) -> None:
+    def buffer_for(self, offset: int, n: int) -> memoryview:
+        """The part buffer's memory for bytes ``offset .. offset + n`` (within one part,
+        as a hash chunk always is): the copy engine reads the source straight into it,
+        so the bytes are never copied in memory on their way to the socket. Hand the
+        bytes over with :meth:`wrote`."""
         pn = offset // self.part_len
-        psize = self._part_size(pn)
+        start = offset - pn * self.part_len
+        if start + n > self._part_size(pn):
+            raise CkptError(f"{self.w.where}/{self.relpath}: range {offset}+{n} spans parts")
         with self._lock:
             buf = self._bufs.get(pn)
             if buf is None:
                 buf = self._bufs[pn] = self.w._buffer()
                 self._filled[pn] = 0
-        start = offset - pn * self.part_len
-        buf[start : start + len(data)] = data
+                self._crc[pn] = 0
+        return memoryview(buf)[start : start + n]
+
+    def wrote(self, view: memoryview, offset: int) -> None:
+        """Bytes ``offset .. offset + len(view)`` are in the buffer :meth:`buffer_for`
+        gave; a part that is complete goes up now."""
+        pn = offset // self.part_len
+        psize = self._part_size(pn)
+        crc = crc32_of(view, self._crc.get(pn, 0)) if self._in_order else None
         with self._lock:
-            self._filled[pn] += len(data)
+            self._filled[pn] += len(view)
+            if crc is not None:
+                self._crc[pn] = crc
             full = self._filled[pn] >= psize
+            buf = self._bufs[pn]
         if full:
             try:
-                self.put_part(pn, buf if psize == len(buf) else memoryview(buf)[:psize])
+                body = buf if psize == len(buf) else memoryview(buf)[:psize]
+                self.put_part(pn, body, self._crc.get(pn) if self._in_order else None)
             finally:
                 with self._lock:
                     self._bufs.pop(pn, None)
+                    self._crc.pop(pn, None)
                 self.w._release(buf)
+
+    def write(self, data: memoryview, offset: int) -> None:
+        self.buffer_for(offset, len(data))[:] = data
+        self.wrote(data, offset)
 
     def finish(self) -> None:
         """Every byte is in: complete the upload and check the object's size."""

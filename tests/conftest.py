@@ -20,7 +20,7 @@ import pytest
 
 #: The dev-cluster fixture (``slurm_cluster``) and the S3 server (``s3_server``),
 #: registered once for every test module.
-pytest_plugins = ("cluster_fixture", "s3_fixture")
+pytest_plugins = ("helpers.cluster", "helpers.s3")
 
 REPO = Path(__file__).resolve().parents[1]
 #: cgroup v1 block-I/O throttling (caps a loop device's bandwidth, see Mounts.loopfs).

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
 import pytest
-from cluster_fixture import DevCluster
+from helpers.cluster import DevCluster
 
 from slurm_ckpt.core.config import Config, load_config
 from slurm_ckpt.errors import NotFound

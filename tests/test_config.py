@@ -203,7 +203,7 @@ def test_example_config_is_valid_and_shows_defaults():
 
 def test_example_config_mentions_every_key():
     text = EXAMPLE.read_text()
-    classes = [*config_mod._TIER_CLASSES.values(), *config_mod._SECTION_CLASSES.values()]
+    classes = [*config_mod.TIER_CLASSES.values(), *config_mod.SECTION_CLASSES.values()]
     for cls in classes:
         for f in dataclasses.fields(cls):
             assert re.search(rf"^#? ?{f.name} = ", text, re.M), f"{cls.__name__}.{f.name}"

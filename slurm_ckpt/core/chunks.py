@@ -109,6 +109,50 @@ def io_buffer(size: int) -> memoryview:
     return buf
 
 
+#: ``read(buf, offset) -> bytes read``; ``write(view, offset)``.
+ReadAt = Callable[[memoryview, int], int]
+WriteAt = Callable[[memoryview, int], None]
+
+
+def hash_pieces(
+    read: ReadAt,
+    offset: int,
+    length: int,
+    write: Optional[WriteAt] = None,
+    limiter: Optional[BandwidthLimiter] = None,
+    piece: int = PIECE,
+    into: Optional[Callable[[int, int], memoryview]] = None,
+) -> str:
+    """Read ``length`` bytes at ``offset`` in pieces into this thread's reusable buffer,
+    hash them, and optionally write each piece to the same offset elsewhere: one pass
+    through memory, for copy and verify alike, on any tier (``read``/``write`` are a
+    file's ``preadv``/``pwrite``, or an object store's ranged GET and part upload).
+    With ``into(pos, n)`` (the destination's own memory for those bytes, e.g. an object
+    part's buffer) pieces are read straight there and ``write`` only hears that they
+    are: no copy between two buffers.
+
+    A short read (the file shrank under us) raises EIO-like ``OSError``.
+    """
+    h = xxhash.xxh3_128()
+    buf = io_buffer(piece) if into is None else None
+    end = offset + length
+    pos = offset
+    while pos < end:
+        n = min(piece, end - pos)
+        if limiter is not None:
+            limiter.acquire(n)
+        target = buf[:n] if buf is not None else into(pos, n)  # type: ignore[misc]
+        got = read(target, pos)
+        if got <= 0:
+            raise OSError(errno.EIO, f"unexpected end of file at offset {pos}")
+        view = target[:got]
+        h.update(view)
+        if write is not None:
+            write(view, pos)
+        pos += got
+    return h.hexdigest()
+
+
 def hash_range(
     fd: int,
     offset: int,
@@ -117,25 +161,8 @@ def hash_range(
     limiter: Optional[BandwidthLimiter] = None,
     piece: int = PIECE,
 ) -> str:
-    """Read ``length`` bytes at ``offset`` of ``fd``, hash them, and optionally write them
-    to the same offset of ``out_fd`` - one pass through memory for copy and verify alike.
-
-    A short read (the file shrank under us) raises EIO-like ``OSError``.
-    """
-    h = xxhash.xxh3_128()
-    buf = io_buffer(piece)
-    end = offset + length
-    pos = offset
-    while pos < end:
-        n = min(piece, end - pos)
-        if limiter is not None:
-            limiter.acquire(n)
-        got = os.preadv(fd, [buf[:n]], pos)
-        if got <= 0:
-            raise OSError(errno.EIO, f"unexpected end of file at offset {pos}")
-        view = buf[:got]
-        h.update(view)
-        if out_fd is not None:
-            write_all(out_fd, view, pos)
-        pos += got
-    return h.hexdigest()
+    """:func:`hash_pieces` over file descriptors (``out_fd``: also copy there)."""
+    write = None if out_fd is None else (lambda view, pos: write_all(out_fd, view, pos))
+    return hash_pieces(
+        lambda buf, pos: os.preadv(fd, [buf], pos), offset, length, write, limiter, piece
+    )

@@ -12,13 +12,10 @@ from __future__ import annotations
 import time
 from typing import Callable, List, Optional
 
-import xxhash
-
-from slurm_ckpt.core.chunks import PIECE, BandwidthLimiter, io_buffer, run_chunks
-from slurm_ckpt.core.hashing import combine
+from slurm_ckpt.core.chunks import PIECE, BandwidthLimiter, hash_pieces, run_chunks
 from slurm_ckpt.core.manifest import FileEntry, Manifest
 from slurm_ckpt.core.progress import ProgressFn, report
-from slurm_ckpt.core.verify import VerifyReport
+from slurm_ckpt.core.verify import VerifyReport, verdict
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.tiers.base import RangeSource
 
@@ -33,19 +30,7 @@ def hash_source_range(
     piece: int = PIECE,
 ) -> str:
     """xxh3-128 of ``length`` bytes at ``offset`` of ``src`` (a short read is an error)."""
-    h = xxhash.xxh3_128()
-    buf = io_buffer(piece)
-    pos, end = offset, offset + length
-    while pos < end:
-        n = min(piece, end - pos)
-        if limiter is not None:
-            limiter.acquire(n)
-        got = src.readinto(buf[:n], pos)
-        if got <= 0:
-            raise OSError(f"unexpected end of object at offset {pos}")
-        h.update(buf[:got])
-        pos += got
-    return h.hexdigest()
+    return hash_pieces(src.readinto, offset, length, None, limiter, piece)
 
 
 def _reported(digest: str, progress: Optional[ProgressFn], n: int) -> str:
@@ -103,19 +88,4 @@ def verify_sources(
         for s in sources:
             if s is not None:
                 s.close()
-    for entry, src, got in zip(manifest.files, sources, digests):
-        if src is None:
-            continue
-        bad = [i for i, (a, b) in enumerate(zip(got, entry.chunks)) if a != b]
-        if bad or combine(got) != entry.hash:
-            cs = manifest.chunk_size
-            at = ", ".join(f"bytes {i * cs}-{min((i + 1) * cs, entry.size)}" for i in bad[:3])
-            problems.append(f"{entry.path}: content hash mismatch ({at or 'file hash'})")
-    return VerifyReport(
-        where=where,
-        step=manifest.step,
-        ok=not problems,
-        nbytes=manifest.total_bytes,
-        seconds=time.monotonic() - t0,
-        problems=problems,
-    )
+    return verdict(manifest, where, [s is not None for s in sources], digests, problems, t0)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, 
 
 import botocore.exceptions as bexc
 
-from slurm_ckpt.core.commit import AlreadyCommitted
+from slurm_ckpt.core.commit import AlreadyCommitted, manifest_to_commit
 from slurm_ckpt.core.faults import crashpoint
 from slurm_ckpt.core.hashing import ChunkedHasher, chunk_count, chunk_digest, combine
 from slurm_ckpt.core.manifest import MANIFEST_NAME, FileEntry, Manifest
@@ -517,26 +517,7 @@ class S3Writer:
         """PUT the manifest, last and only if no manifest is there (If-None-Match)."""
         if self._done:
             raise CkptError(f"{self.where}: writer already finished")
-        if self.copy_of is not None:
-            manifest = self.copy_of
-            missing = sorted({e.path for e in manifest.files} - set(self._entries))
-            if missing:
-                raise CkptError(
-                    f"{self.where}: copy incomplete ({len(missing)} files missing, "
-                    f"first {missing[0]})"
-                )
-        else:
-            manifest = Manifest(
-                user=self.user,
-                key=self.key,
-                step=self.step,
-                files=sorted(self._entries.values(), key=lambda e: e.path),
-                tokens=self.tokens,
-                job=self.job,
-                node=self.node,
-                meta=self.meta,
-                chunk_size=self.chunk_size,
-            )
+        manifest = manifest_to_commit(self)
         data = manifest.to_bytes()
         mkey = self.tier.object_key(self.user, self.key, self.step, MANIFEST_NAME)
         crashpoint("s3:before-manifest")

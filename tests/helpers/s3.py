@@ -25,7 +25,7 @@ import boto3
 import pytest
 from botocore.config import Config as BotoConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "s3-server"
 DISK_MB = int(os.environ.get("S3_TEST_DISK_MB", "1536"))
 

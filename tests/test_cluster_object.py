@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
-from cluster_fixture import DevCluster
+from helpers.cluster import DevCluster
 from test_cluster_e2e import CKPT_SLURM, hooked_site
 from test_cluster_train import STEPS, USER, TrainSite
 

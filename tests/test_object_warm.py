@@ -12,13 +12,13 @@ import os
 import pwd
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, Iterator
 
 import pytest
 from conftest import Mounts, need_root
+from helpers.cli import ckpt_slurm
 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.errors import ConfigError
@@ -312,14 +312,7 @@ def test_admission_without_a_pfs_needs_a_shared_directory(site: Site, tmp_path: 
 
 
 def cli(*args: str, config: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), SLURM_CKPT_CONFIG=str(config), COLUMNS="200")
-    return subprocess.run(
-        [sys.executable, "-m", "slurm_ckpt.cli.main", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    return ckpt_slurm(*args, config=config, timeout=180)
 
 
 def test_status_list_verify_and_drill_know_the_object_tier(site: Site) -> None:

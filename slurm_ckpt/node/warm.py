@@ -66,9 +66,10 @@ def warm_of(cfg: Config, tiers: Dict[str, Tier]) -> Tier:
 def lend_credentials(cfg: Config) -> None:
     """Root, before it forks children that become a checkpoint's owner: resolve the object
     tier's credentials (root's environment or profile) once, for :func:`owner_tiers` in
-    those children. Nothing to do without an object tier or when not root."""
+    those children. Nothing to do without an object tier or when not root. Resolved
+    again by every NodeWork, so a long-running stager picks up rotated keys."""
     global _LENT, _LENT_SET
-    if cfg.tiers.object is None or os.geteuid() != 0 or _LENT_SET:
+    if cfg.tiers.object is None or os.geteuid() != 0:
         return
     o = cfg.tiers.object
     _LENT = resolve_credentials(

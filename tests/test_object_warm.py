@@ -367,27 +367,32 @@ def test_status_list_verify_and_drill_know_the_object_tier(site: Site) -> None:
     assert got["path"].startswith(f"s3://{site.bucket}/")
 
 
-def test_parts_of_one_chunk_carry_a_crc_computed_on_the_way_in(site: Site) -> None:
-    """A part of exactly one hash chunk is filled front to back by one thread: its CRC32
-    is computed as the bytes are read (straight into the part buffer), not in a second
-    pass. The store checks every part's CRC32 (a wrong one is refused), and the copy
-    verifies."""
+@pytest.mark.parametrize("chunk_mib", [5, 10])
+def test_parts_within_one_chunk_carry_a_crc_computed_on_the_way_in(
+    site: Site, chunk_mib: int
+) -> None:
+    """A part of one hash chunk (5 MiB), or a whole fraction of one (10 MiB chunks in
+    5 MiB parts), is filled front to back by one thread: its CRC32 is computed as the
+    bytes are read (straight into the part buffer), not in a second pass. The store
+    checks every part's CRC32 (a wrong one is refused), and the copy verifies."""
     from slurm_ckpt.tiers.copy import copy_checkpoint
     from slurm_ckpt.tiers.posix import PosixTier
     from slurm_ckpt.tiers.s3 import S3Tier
 
-    chunk = 5 * 2**20
-    local = PosixTier("local", str(site.local), chunk_size=chunk, buffer_size=2**20)
+    chunk = chunk_mib * 2**20
+    # 3 MiB pieces: they do not divide a part, so reads stop at part ends.
+    local = PosixTier("local", str(site.local), chunk_size=chunk, buffer_size=3 * 2**20)
     obj = S3Tier(
         "object",
         endpoint=site.s3.endpoint,
         bucket=site.bucket,
         prefix=site.prefix,
-        part_size=chunk,
+        part_size=5 * 2**20,
         chunk_size=chunk,
         concurrency=3,
     )
-    data = os.urandom(2 * chunk + 12345)  # two full parts and a short last one
+    assert obj.part_len(chunk, split=True) == 5 * 2**20
+    data = os.urandom(2 * chunk + 12345)  # full parts and a short last one
     with local.writer("u", "k", 1) as w:
         w.write_buffers({"a.bin": data, "b.bin": data[:100]})
     res = copy_checkpoint(local, obj, "u", "k", 1)

@@ -107,9 +107,17 @@ class S3Tier:
         """The step's location as a URL (what ``list`` prints as its path)."""
         return f"s3://{self.bucket}/{self.step_prefix(user, key, step)}"
 
-    def part_len(self, chunk_size: int) -> int:
-        """The part size for a manifest chunk size: a whole number of chunks, at least
-        ``min_part`` (S3's minimum) and about ``part_size``."""
+    def part_len(self, chunk_size: int, split: bool = False) -> int:
+        """The part size for a manifest chunk size: about ``part_size`` and at least
+        ``min_part`` (S3's minimum). A whole number of chunks; or, with ``split`` (a copy,
+        where each chunk arrives front to back from one thread) and chunks of at least
+        twice ``part_size``, a whole fraction of one chunk: smaller parts keep more
+        requests in flight and leave a shorter tail at the end of an upload."""
+        if split and chunk_size >= 2 * self.part_size:
+            d = max(1, round(chunk_size / self.part_size))
+            while d > 1 and (chunk_size % d or chunk_size // d < self.min_part):
+                d -= 1
+            return chunk_size // d
         k = max(1, round(self.part_size / chunk_size), -(-self.min_part // chunk_size))
         return k * chunk_size
 

@@ -10,10 +10,11 @@ Commit protocol on S3 (the same promise as :mod:`slurm_ckpt.core.commit`):
 3. ``manifest.json`` is PUT last, with ``If-None-Match: *`` so that a committed step is
    never overwritten. A listing shows a step only once that object exists.
 
-A part is always a whole number of hash chunks (the chunk size of the manifest), so the
-bytes of a part are exactly the chunks the copy engine has hashed; within a chunk they
-arrive in order from one thread (the Tier protocol's promise), so one buffer per part in
-flight is all the memory a copy needs.
+A part is a whole number of hash chunks (the chunk size of the manifest), or, in a copy
+of large chunks, a whole fraction of one (:meth:`S3Tier.part_len`); within a chunk the
+bytes arrive in order from one thread (the Tier protocol's promise), so one buffer per
+part in flight is all the memory a copy needs, and a part inside one chunk is filled
+front to back (its CRC32 is computed on the way in).
 
 A copy killed midway leaves completed objects (each tagged with its manifest hash and
 size) and interrupted multipart uploads. The next copy of the same step keeps the
@@ -90,7 +91,7 @@ class _Upload:
         #: part of one hash chunk: one thread fills it front to back): computed on the
         #: way in, while the bytes are fresh, instead of a pass over the part at the end.
         self._crc: Dict[int, int] = {}
-        self._in_order = self.part_len == w.chunk_size
+        self._in_order = w.chunk_size % self.part_len == 0
         self._lock = threading.Lock()
         self.meta: Dict[str, str] = {}
         if entry is not None:
@@ -163,14 +164,13 @@ class _Upload:
 
     # -- RangeSink (copy mode) ---------------------------------------------------------
     def buffer_for(self, offset: int, n: int) -> memoryview:
-        """The part buffer's memory for bytes ``offset .. offset + n`` (within one part,
-        as a hash chunk always is): the copy engine reads the source straight into it,
-        so the bytes are never copied in memory on their way to the socket. Hand the
-        bytes over with :meth:`wrote`."""
+        """The part buffer's memory for bytes ``offset .. offset + n``, or fewer: up to
+        the end of that part. The copy engine reads the source straight into it, so the
+        bytes are never copied in memory on their way to the socket. Hand the bytes over
+        with :meth:`wrote`."""
         pn = offset // self.part_len
         start = offset - pn * self.part_len
-        if start + n > self._part_size(pn):
-            raise CkptError(f"{self.w.where}/{self.relpath}: range {offset}+{n} spans parts")
+        n = min(n, self._part_size(pn) - start)  # up to the end of this part
         with self._lock:
             buf = self._bufs.get(pn)
             if buf is None:
@@ -202,8 +202,12 @@ class _Upload:
                 self.w._release(buf)
 
     def write(self, data: memoryview, offset: int) -> None:
-        self.buffer_for(offset, len(data))[:] = data
-        self.wrote(data, offset)
+        done = 0
+        while done < len(data):  # part by part
+            into = self.buffer_for(offset + done, len(data) - done)
+            into[:] = data[done : done + len(into)]
+            self.wrote(into, offset + done)
+            done += len(into)
 
     def finish(self) -> None:
         """Every byte is in: complete the upload and check the object's size."""
@@ -341,7 +345,7 @@ class S3Writer:
             copy_of.chunk_size if copy_of is not None else (chunk_size or tier.chunk_size)
         )
         self.streams = streams or tier.streams
-        self.part_len = tier.part_len(self.chunk_size)
+        self.part_len = tier.part_len(self.chunk_size, split=copy_of is not None)
         if copy_of is not None and (copy_of.user, copy_of.key, copy_of.step) != (user, key, step):
             raise CkptError(f"{self.where}: manifest names another checkpoint")
         self._lock = threading.Lock()

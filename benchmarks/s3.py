@@ -49,7 +49,7 @@ def main() -> int:
     ap.add_argument("--size", default="1GiB")
     ap.add_argument("--files", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--part-size", default="64MiB", help="tiers.object.part_size")
+    ap.add_argument("--part-size", default="16MiB", help="tiers.object.part_size")
     ap.add_argument("--concurrency", type=int, default=8, help="tiers.object.concurrency")
     ap.add_argument("--chunk-size", default="64MiB", help="copy.chunk_size (hash chunks)")
     ap.add_argument("--quick", action="store_true", help="256 MiB, 3 rounds")

@@ -21,7 +21,7 @@ def test_object_without_pfs_is_the_warm_tier() -> None:
     assert list(tiers) == ["local", "object"] and isinstance(tiers["object"], S3Tier)
     assert warm_tiers(cfg) == ["object"]
     o = cfg.tiers.object
-    assert (o.part_size, o.concurrency, o.region, o.every) == (64 * 2**20, 8, "us-east-1", 0.0)
+    assert (o.part_size, o.concurrency, o.region, o.every) == (16 * 2**20, 8, "us-east-1", 0.0)
     assert Config.from_dict(cfg.to_dict()) == cfg
 
 

@@ -110,8 +110,9 @@ class ObjectTierConfig:
     #: (section ``profile``, else ``default``). Whoever cannot read it (a job) uses the
     #: environment or ``profile`` instead.
     credentials_file: Optional[Path] = field_of(KIND_PATH, None, optional=True)
-    #: Multipart part size (rounded to whole hash chunks; S3 needs >= 5 MiB).
-    part_size: int = field_of(KIND_SIZE, 64 * 2**20, minimum=5 * 2**20)
+    #: Multipart part size (S3 needs >= 5 MiB): a copy splits larger hash chunks into
+    #: whole fractions of about this size, else rounds it to whole chunks.
+    part_size: int = field_of(KIND_SIZE, 16 * 2**20, minimum=5 * 2**20)
     #: Parts uploaded / ranges downloaded in parallel.
     concurrency: int = field_of(KIND_INT, 8, minimum=1)
     #: Cap on the bandwidth into the store in bytes per second; None = unlimited.

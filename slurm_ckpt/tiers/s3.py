@@ -56,7 +56,7 @@ class S3Tier:
         prefix: str = "",
         region: str = "us-east-1",
         profile: Optional[str] = None,
-        part_size: int = 64 * 2**20,
+        part_size: int = 16 * 2**20,
         concurrency: int = 8,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         bandwidth: Optional[float] = None,

@@ -83,6 +83,7 @@ def main() -> int:
         files = [str(mnts[0] / "bench/k/step-0000000001" / e.path) for e in m.files]
         total = m.total_bytes
         ups: list = []
+        cpu: dict = {(u, n): [] for u in (True, False) for n in ("ours", "theirs")}
         downs: list = []
         load_before = os.getloadavg()[0]
         for r in range(a.rounds):
@@ -124,9 +125,12 @@ def main() -> int:
                 t = {}
                 for name, fn in order:
                     subprocess.run(["sync"], check=True)
+                    c0 = os.times()
                     t0 = time.perf_counter()
                     fn()
                     t[name] = time.perf_counter() - t0
+                    c1 = os.times()
+                    cpu[(out is ups, name)].append(c1.user + c1.system - c0.user - c0.system)
                 out.append((t["ours"], t["theirs"]))
                 print(
                     f"round {r + 1} {'upload' if out is ups else 'download'}: ours "
@@ -143,7 +147,16 @@ def main() -> int:
 
         def summary(rows: list) -> dict:
             ratios = [th / ou for ou, th in rows]  # throughput ours / theirs
+            up = rows is ups
             return {
+                # This process's CPU (all threads) per GiB moved: the client's share of
+                # the machine, which the server (on the same cores here) does not get.
+                "ours_cpu_s_per_GiB": round(
+                    statistics.median(cpu[(up, "ours")]) * 2**30 / total, 2
+                ),
+                "boto3_cpu_s_per_GiB": round(
+                    statistics.median(cpu[(up, "theirs")]) * 2**30 / total, 2
+                ),
                 "ours_MBps": [round(total / ou / 1e6) for ou, _ in rows],
                 "boto3_MBps": [round(total / th / 1e6) for _, th in rows],
                 "ratio_median": round(statistics.median(ratios), 2),
@@ -190,7 +203,8 @@ def main() -> int:
             print(
                 f"{what:8s} ours {d['ours_MBps']} MB/s, boto3 {d['boto3_MBps']} MB/s, "
                 f"throughput ratio median {d['ratio_median']} (target >= 1.0) "
-                f"rounds {d['ratios']}"
+                f"rounds {d['ratios']}; client CPU {d['ours_cpu_s_per_GiB']} vs "
+                f"{d['boto3_cpu_s_per_GiB']} s/GiB"
             )
         print(f"load average (1 min): {load_before:.2f} before, {doc['load_after']:.2f} after")
         return 0 if all(c["verdict"] == "PASS" for c in doc["claims"]) else 1

@@ -30,7 +30,7 @@ from slurm_ckpt.ledger.status_store import ObjectStatusStore, sign, status_store
 from slurm_ckpt.node import warm
 from slurm_ckpt.node.asuser import run_as_user
 from slurm_ckpt.node.work import UserIds
-from slurm_ckpt.ops.flush import flush_node, flush_series
+from slurm_ckpt.ops.flush import flush_node, flush_own, flush_series
 from slurm_ckpt.ops.maint import guard
 from slurm_ckpt.ops.status import collect_status, no_slurm
 from slurm_ckpt.slurm.env import HookEnv
@@ -258,6 +258,11 @@ def test_ckpt_srun_and_a_users_own_flush_go_to_the_object_store(site: Site) -> N
     assert object_steps(cfg, "ckptuser1", "run") == [1, 2]
     again = run_as_user("ckptuser1", lambda: flush_series(cfg, "ckptuser1", "run", 60))
     assert again == ["step 2: already on the object tier", "step 1: already on the object tier"]
+    # A user's own `ckpt-slurm flush` (no ledger on this node: every local step).
+    save(cfg, "ckptuser1", "run", 3)
+    summary = run_as_user("ckptuser1", lambda: flush_own(cfg, "ckptuser1", "n1").to_dict())
+    assert [(f["step"], f["bytes"] > 0) for f in summary["flushed"]] == [(3, True)], summary
+    assert object_steps(cfg, "ckptuser1", "run") == [1, 2, 3]
 
 
 # --------------------------------------------------------------------------- node statuses

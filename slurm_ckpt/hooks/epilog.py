@@ -11,8 +11,11 @@ of an ending job, with the node work of :class:`~slurm_ckpt.node.work.NodeWork`:
    node's backlog - *as the owning user*, within ``hooks.budget`` (which must stay below
    SLURM's PrologEpilogTimeout, or SLURM itself drains the node);
 3. hands whatever cannot finish in time to the stager daemon (ledger ``FLUSH_PENDING``,
-   reason ``"handed to stager"``) and drains the node with a ``slurm_ckpt:`` reason, so
-   SLURM gives it to no one until the stager is done and resumes it;
+   reason ``"handed to stager"``) and drains the node with a ``slurm_ckpt:`` reason
+   (counts and sizes only), so SLURM gives it to no one until the stager is done and
+   resumes it. Checkpoints whose failure was their owner's doing (unsafe files, a
+   squatted or world-writable PFS directory, a flush child they stopped) are held and
+   reported instead: they never keep a node drained (:mod:`slurm_ckpt.node.retry`);
 4. applies local retention (never deleting a checkpoint whose PFS copy is not verified);
 5. publishes the node's status file on the PFS.
 """
@@ -90,8 +93,8 @@ def run_epilog(
     count, nbytes = work.backlog(running)
     report.backlog = (count, nbytes)
     if count and client is not None:
-        err = outcome.failed[-1][1] if outcome.failed else None
-        reason = drain_reason(count, nbytes, len(outcome.failed), err)
+        failing = sum(1 for r in outcome.results if r.status in ("failed", "bad") and not r.hold)
+        reason = drain_reason(count, nbytes, failing)
         try:
             report.drained = client.drain(env.node, reason)
         except SlurmError as exc:

@@ -39,6 +39,7 @@ which only ever keeps more.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -54,6 +55,8 @@ from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ops.damage import reclaimable, scan_series
 from slurm_ckpt.tiers.posix import PosixTier, StepInfo
 from slurm_ckpt.tiers.registry import tiers_from_config
+
+log = logging.getLogger("slurm_ckpt.gc")
 
 __all__ = [
     "PIN_PREFIX",
@@ -358,9 +361,26 @@ def run_gc(
             continue
         following = tiers.get(GC_TIERS[i + 1]) if i + 1 < len(GC_TIERS) else None
         for u, k in _series(tier, user, key):
-            res = gc_series(
-                tier, u, k, policy, when, dry_run=dry_run, next_tier=following, progress=progress
-            )
-            if res.steps or res.damaged:
+            try:
+                res = gc_series(
+                    tier,
+                    u,
+                    k,
+                    policy,
+                    when,
+                    dry_run=dry_run,
+                    next_tier=following,
+                    progress=progress,
+                )
+            except Exception as exc:  # noqa: BLE001 - one user's series never stops the rest
+                if not isinstance(exc, (CkptError, OSError)):
+                    log.exception("gc of %s/%s on %s failed", u, k, name)
+                res = SeriesResult(tier.name, u, k)
+                res.errors.append(f"{tier.where(u, k)}: skipped: {_one_line(exc)}")
+            if res.steps or res.damaged or res.errors:
                 report.series.append(res)
     return report
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300] or type(exc).__name__

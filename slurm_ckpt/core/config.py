@@ -196,7 +196,7 @@ class HooksConfig:
     #: A child running as a user (scan, flush, delete) that shows no progress for this
     #: long is killed and its work retried later (a user can SIGSTOP their own processes).
     child_timeout: float = _f(_DURATION, 60.0, minimum=1e-3)
-    #: A flush child gets at most child_timeout + size / min_flush_rate in all.
+    #: A flush child gets at most 10 x child_timeout + size / min_flush_rate in all.
     min_flush_rate: float = _f(_BANDWIDTH, 10e6, minimum=1.0)
     #: First wait before a failed flush is tried again (doubling, at most 1 hour).
     retry_backoff: float = _f(_DURATION, 60.0, minimum=1e-3)

@@ -138,8 +138,9 @@ def _parent_ok(parent: os.stat_result, child_uid: Optional[int]) -> Optional[str
     if not group_w and not other_w:
         return None
     sticky = parent.st_mode & stat.S_ISVTX
-    if sticky and child_uid in (ROOT_UID, None):
+    if sticky and child_uid == ROOT_UID:
         return None  # no one else may rename or remove root's entry here
+    # (a missing entry is no better: anyone could create it first - a symlink, say)
     return f"writable by {'others' if other_w else 'its group'} (mode {mode_of(parent)})"
 
 

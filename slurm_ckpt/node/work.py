@@ -70,6 +70,8 @@ SCAN_TIMEOUT_S = 60.0
 #: root process that holds a large ledger costs tens of milliseconds): at most this
 #: many, and this many bytes, per child.
 BATCH_MAX = 256
+#: A child's total time limit, in ``child_timeout``s (plus its bytes at min_flush_rate).
+CHILD_LIMIT_FACTOR = 10
 BATCH_BYTES = 64 * 2**20
 _NO_GATE = object()
 
@@ -353,11 +355,13 @@ class NodeWork:
         return self._gate  # type: ignore[return-value]
 
     def child_limit(self, nbytes: int) -> float:
-        """The most a child copying ``nbytes`` may take in all (``child_timeout`` +
-        size / ``min_flush_rate``): a user who slows their child down to a trickle
-        still cannot hold root's loop for longer."""
+        """The most a child copying ``nbytes`` may take in all (10 x ``child_timeout`` +
+        size / ``min_flush_rate``; a checkpoint of many small files costs per file, not
+        per byte): a user who keeps their child alive but slows it to a trickle still
+        cannot hold root's loop for longer. A stopped child is caught much sooner, by
+        its silence (``child_timeout``)."""
         h = self.cfg.hooks
-        return h.child_timeout + max(0, nbytes) / h.min_flush_rate
+        return CHILD_LIMIT_FACTOR * h.child_timeout + max(0, nbytes) / h.min_flush_rate
 
     def _copy_as_owner(self, ident: Ident, left: Optional[float]) -> Dict[str, Any]:
         done = self._prefetched.pop(ident, None)

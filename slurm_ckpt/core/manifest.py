@@ -204,6 +204,14 @@ def _label(value: Any, name: str) -> Optional[str]:
     return text
 
 
+def _is_relpath(path: Any) -> bool:
+    try:
+        validate_relpath(path)
+    except InvalidName:
+        return False
+    return True
+
+
 def _meta(value: Any, depth: int = 0) -> Any:
     """``meta`` (a dict): every key, at any depth, printable text."""
     if depth == 0 and not isinstance(value, dict):
@@ -269,6 +277,8 @@ def manifest_facts(data: bytes) -> ManifestFacts:
                 and isinstance(doc["user"], str)
                 and isinstance(doc["key"], str)
                 and all(int(f["size"]) >= 0 for f in files)
+                and all(_is_relpath(f["path"]) for f in files)
+                and _meta(doc["meta"]) is not None
             ):
                 return ManifestFacts(
                     doc["user"],

@@ -37,6 +37,9 @@ from slurm_ckpt.slurm.env import HookEnv
 
 log = logging.getLogger("slurm_ckpt.hooks")
 
+#: Share of the budget the scan of the local tier may take at most.
+SCAN_SHARE = 0.5
+
 __all__ = ["EpilogReport", "run_epilog"]
 
 
@@ -83,14 +86,19 @@ def run_epilog(
     t0 = clock()
     total = cfg.hooks.budget if budget is None else float(budget)
     reserve = min(RESERVE_MAX_S, total * RESERVE_FRACTION)
-    deadline = t0 + total - reserve
     work = NodeWork(cfg, env.node, client, clock)
-    work.reconcile(deadline)
+    # The scan gets at most half the budget (it stops with what it has).
+    work.reconcile(t0 + min(total - reserve, total * SCAN_SHARE))
     running = work.running_jobs(exclude=env.job_id)
-    todo = work.candidates(running, first_job=env.job_id)
+    t1 = clock()
+    owed = work.owed(running)
+    todo = work.candidates(running, first_job=env.job_id, owed=owed)
+    # What is left after the flushes (drain, status) costs about one more pass over the
+    # ledger, as long as the one just made: keep that back too, at any backlog size.
+    deadline = t0 + total - reserve - 2 * (clock() - t1)
     outcome = work.flush(todo, deadline)
     report = EpilogReport(env.job_id, env.node, outcome)
-    count, nbytes = work.backlog(running)
+    count, nbytes = work.backlog(running, owed, outcome)
     report.backlog = (count, nbytes)
     if count and client is not None:
         failing = sum(1 for r in outcome.results if r.status in ("failed", "bad") and not r.hold)
@@ -99,7 +107,8 @@ def run_epilog(
             report.drained = client.drain(env.node, reason)
         except SlurmError as exc:
             log.error("could not drain %s (%s); the stager will still flush", env.node, exc)
-    report.deleted = work.retention(running, t0 + total - min(2.0, reserve / 2))
+    if not outcome.handed:  # out of time already: retention is the stager's
+        report.deleted = work.retention(running, t0 + total - min(2.0, reserve / 2))
     report.seconds = clock() - t0
     work.publish(
         {

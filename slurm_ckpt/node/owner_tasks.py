@@ -28,6 +28,7 @@ from slurm_ckpt.tiers.registry import tiers_from_config
 
 __all__ = [
     "delete_as_user",
+    "delete_many_as_user",
     "flush_as_user",
     "flush_many_as_user",
     "reclaim_as_user",
@@ -150,6 +151,24 @@ def delete_as_user(cfg: Config, user: str, key: str, step: int, uid: int, need_p
             )
     local.delete(user, key, step)
     return True
+
+
+def delete_many_as_user(
+    cfg: Config, user: str, uid: int, items: List[List[Any]], budget_s: float
+) -> List[Dict[str, Any]]:
+    """:func:`delete_as_user` for several checkpoints (``[key, step, need_pfs]``): one
+    result per item done, in order (``{"ok": true}`` or ``{"err": ...}``), stopping when
+    ``budget_s`` is spent."""
+    end = time.monotonic() + budget_s
+    out: List[Dict[str, Any]] = []
+    for key, step, need_pfs in items:
+        if out and time.monotonic() >= end:
+            break
+        try:
+            out.append({"ok": delete_as_user(cfg, user, str(key), int(step), uid, bool(need_pfs))})
+        except Exception as exc:  # noqa: BLE001 - each item's own outcome, to the parent
+            out.append({"err": describe(exc)})
+    return out
 
 
 def _free(root: str) -> int:

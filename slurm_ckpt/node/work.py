@@ -23,9 +23,8 @@ from slurm_ckpt.core import fsio
 from slurm_ckpt.core.admission import Priority
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import validate_key, validate_user
-from slurm_ckpt.core.retention import RetentionPolicy, plan_local_deletions
 from slurm_ckpt.core.units import format_bytes
-from slurm_ckpt.errors import CkptError, InvalidName, NotFound, SlurmError, TimedOut
+from slurm_ckpt.errors import CkptError, InvalidName, SlurmError
 from slurm_ckpt.ledger import Ident, Ledger, Record, State, publish_status
 from slurm_ckpt.ledger.events import EventLog
 from slurm_ckpt.node.asuser import AsUserTimeout, error_from, run_as
@@ -37,9 +36,8 @@ from slurm_ckpt.node.flush import (
     FlushResult,
 )
 from slurm_ckpt.node.guard import ensure_ledger_dir
-from slurm_ckpt.node.marks import MarkBuffer, set_state
+from slurm_ckpt.node.local_retention import run_retention
 from slurm_ckpt.node.owner_tasks import (
-    delete_as_user,
     flush_as_user,
     flush_many_as_user,
     scan_local,
@@ -86,6 +84,10 @@ class UserIds:
     name: str
     uid: int
     gid: int
+
+
+def _pfs_verified(raw: Dict[str, Any]) -> bool:
+    return (raw.get("tiers") or {}).get("pfs") == State.VERIFIED.value
 
 
 def user_ids(name: str) -> UserIds:
@@ -269,9 +271,8 @@ class NodeWork:
                 local.append((ids.name, key, step, nbytes))
                 self.scan_jobs[(ids.name, key, step)] = None if job is None else str(job)
         verified = [
-            (r.user, r.key, r.step, r.nbytes)
-            for r in self.ledger.records()
-            if r.state("pfs") is State.VERIFIED
+            (raw["user"], raw["key"], raw["step"], int(raw.get("nbytes", 0)))
+            for raw in Ledger.select(self.ledger.snapshot(), None, None, None, _pfs_verified)
         ]
         return self.ledger.reconcile(local, verified, prune=complete, jobs=self.scan_jobs)
 
@@ -290,9 +291,11 @@ class NodeWork:
             return None
         return {job for job, _user, _state in rows if job != exclude}
 
-    def _owed(self, running: Optional[Set[str]]) -> List[Record]:
+    def owed(self, running: Optional[Set[str]]) -> List[Record]:
         """Checkpoints owed to the PFS of users whose directory was scanned, jobs still
-        running here excluded (their own job flushes them)."""
+        running here excluded (their own job flushes them). One pass over the ledger:
+        a hook computes it once and derives :meth:`candidates` and :meth:`backlog`
+        from it."""
         out = []
         for rec in self.ledger.pending_flush():
             if rec.user not in self.users:
@@ -309,6 +312,7 @@ class NodeWork:
         first_job: Optional[str] = None,
         *,
         retry_now: bool = False,
+        owed: Optional[List[Record]] = None,
     ) -> List[Record]:
         """Checkpoints owed to the PFS that this process should flush: all of them but
         those of jobs still running here (their own job flushes them) and those waiting
@@ -318,7 +322,7 @@ class NodeWork:
         now = self.ledger.clock()
         out = [
             rec
-            for rec in self._owed(running)
+            for rec in (self.owed(running) if owed is None else owed)
             if retry_now
             or retry_due(rec.extra, now)
             or (first_job is not None and self.job_of(rec) == first_job)
@@ -463,79 +467,35 @@ class NodeWork:
         """Leave these to the stager: ``FLUSH_PENDING`` with reason "handed to stager"."""
         self.flusher().hand_off(idents)
 
-    def backlog(self, running: Optional[Set[str]]) -> Tuple[int, int]:
+    def backlog(
+        self,
+        running: Optional[Set[str]],
+        owed: Optional[List[Record]] = None,
+        outcome: Optional[FlushOutcome] = None,
+    ) -> Tuple[int, int]:
         """``(count, bytes)`` owed to the PFS that keep this node drained: jobs running
         here excluded, and so are checkpoints held because of their owner's doing or
         given up after ``max_retries`` (still owed, still reported, no longer a reason
-        to keep the node out of service)."""
-        recs = [r for r in self._owed(running) if not held(r.extra)]
+        to keep the node out of service). With ``owed`` (:meth:`owed` before a flush)
+        and that flush's ``outcome`` it is derived without another pass over the
+        ledger (a hook near the end of its budget)."""
+        if owed is None or outcome is None:
+            recs = [r for r in self.owed(running) if not held(r.extra)]
+            return len(recs), sum(r.nbytes for r in recs)
+        gone = {r.ident for r in outcome.results if r.status in ("flushed", "already", "gone")}
+        held_now = {r.ident for r in outcome.results if r.hold}
+        recs = [
+            r
+            for r in owed
+            if r.ident not in gone and r.ident not in held_now and not held(r.extra)
+        ]
         return len(recs), sum(r.nbytes for r in recs)
 
     # -- retention --------------------------------------------------------------------
     def retention(self, running: Optional[Set[str]], deadline: Optional[float] = None) -> int:
         """Delete local checkpoints retention allows (never one whose PFS copy is not
-        verified); series of jobs still running here are left to those jobs. A user
-        whose delete child hangs or is stopped is skipped for the rest of the pass."""
-        r = self.cfg.retention
-        policy = RetentionPolicy(
-            keep_local=r.keep_local,
-            flush_every=r.flush_every,
-            keep_pfs=r.keep_pfs,
-            keep_pfs_every_s=r.keep_pfs_every,
-        )
-        series: Dict[Tuple[str, str], List[Record]] = {}
-        for rec in self.ledger.records():
-            if rec.user in self.users and rec.state("local") in (State.COMMITTED, State.VERIFIED):
-                series.setdefault((rec.user, rec.key), []).append(rec)
-        deleted = 0
-        stuck: Set[str] = set()
-        marks = MarkBuffer(self.ledger, 1.0, self.clock)
-        try:
-            for (user, key), recs in sorted(series.items()):
-                if user in stuck:
-                    continue
-                if running and any(self.job_of(rec) in running for rec in recs):
-                    continue
-                by_step = {rec.step: rec for rec in recs}
-                for step in plan_local_deletions([rec.to_local_info() for rec in recs], policy):
-                    left = self._left(deadline)
-                    if left is not None and left < MIN_SLICE_S:
-                        return deleted
-                    rec = by_step[step]
-                    ids = self.users[user]
-                    cap = self.child_limit(rec.nbytes)
-                    try:
-                        run_as(
-                            ids.uid,
-                            ids.gid,
-                            delete_as_user,
-                            self.cfg,
-                            user,
-                            key,
-                            step,
-                            ids.uid,
-                            rec.needs_flush,
-                            user=ids.name,
-                            timeout=cap if left is None else min(left, cap),
-                            stall_timeout=self.cfg.hooks.child_timeout,
-                            what="delete",
-                        )
-                    except NotFound:
-                        pass  # gone already (the job's own retention): record it
-                    except TimedOut as exc:
-                        log.warning("retention: %s skipped for now: %s", user, exc)
-                        stuck.add(user)
-                        break
-                    except CkptError as exc:
-                        log.warning("retention: kept %s/%s step %d: %s", user, key, step, exc)
-                        continue
-                    ident = (user, key, step)
-                    marks.add(ident, set_state(ident, "local", State.DELETED, "retention"))
-                    marks.write_if_due()
-                    deleted += 1
-        finally:
-            marks.write()
-        return deleted
+        verified; :mod:`slurm_ckpt.node.local_retention`). Returns the count."""
+        return run_retention(self, running, deadline)
 
     # -- status -----------------------------------------------------------------------
     def publish(self, extra: Optional[Dict[str, Any]] = None) -> None:

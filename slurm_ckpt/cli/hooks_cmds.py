@@ -29,7 +29,7 @@ from slurm_ckpt.core import trust
 from slurm_ckpt.core.config import load_config
 from slurm_ckpt.core.names import validate_node
 from slurm_ckpt.core.units import format_duration
-from slurm_ckpt.errors import CkptError, SlurmError, UsageError
+from slurm_ckpt.errors import CkptError, ConfigError, SlurmError, UsageError
 from slurm_ckpt.ops.install import GRACE_S, install_hooks, render_hook
 
 __all__ = [
@@ -151,8 +151,8 @@ def prolog_cmd(state: CliState, budget: Optional[float]) -> None:
         report = run_prolog(cfg, env, client, _budget(cfg.hooks.budget, budget))
     except CkptError as exc:
         _drain_quietly(client, os.environ.get("SLURMD_NODENAME"), _drain_text("prolog", exc))
-        if isinstance(exc, PrologFailed):
-            raise
+        if isinstance(exc, (PrologFailed, ConfigError)):
+            raise  # a bad or untrusted config keeps its exit status (2)
         raise PrologFailed(str(exc)) from None
     click.echo(report.line())
 

@@ -9,6 +9,8 @@ stopped it) and goes on with other users. Results go back as JSON.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import stat
 import time
@@ -97,8 +99,14 @@ def flush_as_user(cfg: Config, user: str, key: str, step: int, uid: int) -> Dict
             progress=lambda _n: alive(),
         )
     except fsio.RefusedPath as exc:
-        # A symlink at the step's lock or at its PFS step directory: the owner's doing.
+        # A symlink at its PFS step directory (or anything else refused): the owner's doing.
         raise UnsafeCheckpoint(str(exc)) from None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EINVAL, errno.EMFILE):
+            # A symlink (or FIFO...) at the step's lock file, too many files: theirs too.
+            where = tiers["local"].where(user, key, step)
+            raise UnsafeCheckpoint(str(fsio.tier_error(exc, where))) from None
+        raise
     return {
         "nbytes": res.nbytes,
         "copied": res.copied_bytes,
@@ -229,8 +237,12 @@ def reclaim_as_user(
                         _remove(kfd, entry)
                         fsio.unlink_quiet(kfd, LOCK_PREFIX + entry)
                         out["checkpoints" if (name, step) in drop else "entries"] += 1
+                left = os.listdir(kfd)
             finally:
                 os.close(kfd)
+            if not left:
+                with contextlib.suppress(OSError):
+                    os.rmdir(name, dir_fd=ufd)  # a series with nothing left
     finally:
         os.close(ufd)
     for key, step in safe:

@@ -485,9 +485,7 @@ class NodeWork:
         gone = {r.ident for r in outcome.results if r.status in ("flushed", "already", "gone")}
         held_now = {r.ident for r in outcome.results if r.hold}
         recs = [
-            r
-            for r in owed
-            if r.ident not in gone and r.ident not in held_now and not held(r.extra)
+            r for r in owed if r.ident not in gone and r.ident not in held_now and not held(r.extra)
         ]
         return len(recs), sum(r.nbytes for r in recs)
 

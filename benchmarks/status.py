@@ -49,6 +49,9 @@ from slurm_ckpt.ledger import Ledger, State, publish_status  # noqa: E402
 from slurm_ckpt.ops.status import collect_status, no_slurm  # noqa: E402
 from slurm_ckpt.tiers.posix import PosixTier  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from claims import claim  # noqa: E402
+
 STEPS_PER_JOB = 10
 JOBS_PER_NODE = 10
 JOBS_PER_USER = 10
@@ -133,6 +136,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--cold", action="store_true", help="drop the page cache before each run")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
+    ap.add_argument("--out", help="also write the JSON figures to this file")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
     work = Path(tempfile.mkdtemp(prefix="bench-status-", dir=args.dir))
@@ -206,8 +210,28 @@ def main() -> int:
         timed(lambda: subprocess.run(version, env=env, check=True, capture_output=True), False)[0]
         for _ in range(3)
     )
-    if args.json:
-        print(json.dumps({"startup_s": startup, "results": results}, indent=2))
+    if args.json or args.out:
+        biggest = max(results, key=lambda r: r["jobs"])
+        claims = [
+            claim(
+                "status_1000_jobs_s",
+                [r["status_s"] for r in results if r["jobs"] == biggest["jobs"]],
+                what=f"ckpt-slurm status --json, {biggest['jobs']} jobs x 10 checkpoints (s)",
+                baseline="an absolute time (seconds), not a ratio",
+                target=1.0,
+            ),
+            claim(
+                "status_vs_find",
+                [r["ratio"] for r in results],
+                what="ckpt-slurm status --json (parses the newest manifest of every series)",
+                baseline="find -name manifest.json | wc -l (lists them only)",
+            ),
+        ]
+        doc = {"startup_s": startup, "results": results, "claims": claims}
+        if args.json:
+            print(json.dumps(doc, indent=2))
+        if args.out:
+            Path(args.out).write_text(json.dumps(doc, indent=1))
     print(
         f"ckpt-slurm status --json vs `find -name manifest.json | wc -l`: medians of "
         f"{args.rounds} rounds, {'cold' if args.cold else 'warm'} cache, "

@@ -30,14 +30,13 @@ dicts, lists holding tensors) so the round trip is lossless; anything that could
 saved by pickling (a lambda, a bound method, an arbitrary object) is refused with a
 one-line :class:`UnsupportedState` naming where it was found.
 
-This is the only module of the package that imports torch; nothing below the job layer
-may import it.
+Only this module and :mod:`slurm_ckpt.torch_codec` (the value encoding it uses) import
+torch; nothing below them may.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 import random
 import time
 import warnings
@@ -49,7 +48,15 @@ import numpy as np
 import torch
 
 from slurm_ckpt.errors import CkptError
+from slurm_ckpt.job.dataversion import fingerprint_files, fingerprint_manifest
 from slurm_ckpt.job.dist import all_reduce_ints, process_group
+from slurm_ckpt.torch_codec import (
+    UnsupportedState,
+    as_tensor,
+    decode,
+    encode,
+    tensors_in,
+)
 
 __all__ = [
     "FORMAT_NAME",
@@ -62,6 +69,7 @@ __all__ = [
     "apply_rng",
     "capture",
     "capture_rng",
+    "data_version",
     "decode",
     "encode",
     "restore",
@@ -71,168 +79,6 @@ __all__ = [
 
 FORMAT_NAME = "slurm_ckpt.torch"
 FORMAT_VERSION = 1
-TAG = "__sc__"
-
-_JSON_SCALARS = (str, int, float, bool, type(None))
-
-
-class UnsupportedState(CkptError):
-    """A value in the training state cannot be stored without pickle (lambda, object...)."""
-
-    exit_code = 2
-
-
-# ---------------------------------------------------------------------------------------
-# generic lossless encoding of state_dict-like values
-# ---------------------------------------------------------------------------------------
-def _is_leaf_blob(x: Any) -> bool:
-    """Leaves the job layer stores as raw bytes (not JSON)."""
-    return isinstance(x, (torch.Tensor, np.ndarray, bytes))
-
-
-def _has_blob(x: Any) -> bool:
-    """Does an encoded value contain a tensor/array/bytes anywhere? (Such values must sit
-    in dicts, not lists: the job layer's index only nests tensors inside dicts.)"""
-    if _is_leaf_blob(x):
-        return True
-    if isinstance(x, dict):
-        return any(_has_blob(v) for v in x.values())
-    if isinstance(x, list):
-        return any(_has_blob(v) for v in x)
-    return False
-
-
-def _enc_tensor(t: torch.Tensor, path: str) -> torch.Tensor:
-    if t.layout != torch.strided:
-        raise UnsupportedState(f"{path}: {t.layout} tensors are not supported (use dense)")
-    if t.is_quantized:
-        raise UnsupportedState(f"{path}: quantized tensors are not supported")
-    if t.device.type == "meta":
-        raise UnsupportedState(f"{path}: a meta tensor has no data to save")
-    t = t.detach()
-    if type(t) is not torch.Tensor:  # nn.Parameter, DTensor, ... -> plain tensor view
-        if not isinstance(t, torch.nn.Parameter) and hasattr(t, "__torch_dispatch__"):
-            raise UnsupportedState(
-                f"{path}: tensor subclass {type(t).__name__} is not supported; "
-                "pass a plain (local or gathered) tensor"
-            )
-        t = t.as_subclass(torch.Tensor)
-    return t
-
-
-def encode(obj: Any, path: str = "state") -> Any:
-    """Encode one value losslessly into tensors/arrays/bytes/JSON nested in dicts.
-
-    Tensors are returned as detached references, not copies: the job layer's ``save()``
-    takes the snapshot, so copying here would only double the memory of a checkpoint.
-    ``path`` names the value in error messages.
-    """
-    if isinstance(obj, torch.Tensor):
-        return _enc_tensor(obj, path)
-    if isinstance(obj, np.ndarray):
-        if obj.dtype.hasobject:
-            raise UnsupportedState(f"{path}: numpy object arrays would need pickle")
-        return obj
-    if isinstance(obj, (bytes, bytearray, memoryview)):
-        return bytes(obj)
-    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
-        return obj
-    if isinstance(obj, np.generic):  # before int/float: np.float64 subclasses float
-        if obj.dtype.hasobject or obj.dtype.kind not in "biufc":
-            raise UnsupportedState(f"{path}: numpy scalar of dtype {obj.dtype} not supported")
-        if obj.dtype.kind == "c":
-            return {
-                TAG: "npscalar",
-                "dtype": obj.dtype.str,
-                "v": [obj.real.item(), obj.imag.item()],
-            }
-        v = obj.item()
-        return {TAG: "npscalar", "dtype": obj.dtype.str, "v": encode(v, path)}
-    if isinstance(obj, int):
-        return int(obj)
-    if isinstance(obj, float):
-        if math.isfinite(obj):
-            return float(obj)
-        return {TAG: "float", "v": repr(float(obj))}  # 'inf', '-inf', 'nan'
-    if isinstance(obj, torch.dtype):
-        return {TAG: "dtype", "v": str(obj).replace("torch.", "")}
-    if isinstance(obj, torch.device):
-        return {TAG: "device", "v": str(obj)}
-    if isinstance(obj, Mapping):
-        keys = list(obj.keys())
-        if all(isinstance(k, str) for k in keys):
-            if TAG in keys:
-                raise UnsupportedState(f"{path}: the key {TAG!r} is reserved")
-            return {k: encode(obj[k], f"{path}.{k}") for k in keys}
-        for k in keys:
-            if not isinstance(k, _JSON_SCALARS) or (isinstance(k, float) and not math.isfinite(k)):
-                raise UnsupportedState(f"{path}: dict key {k!r} ({type(k).__name__}) not supported")
-        return {
-            TAG: "dict",
-            "k": keys,
-            "v": {str(i): encode(obj[k], f"{path}[{k!r}]") for i, k in enumerate(keys)},
-        }
-    if isinstance(obj, (list, tuple)):
-        kind = "tuple" if isinstance(obj, tuple) else "list"
-        if isinstance(obj, tuple) and type(obj) is not tuple and not isinstance(obj, torch.Size):
-            raise UnsupportedState(f"{path}: named tuple {type(obj).__name__} would need pickle")
-        items = [encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]
-        if any(_has_blob(v) for v in items):
-            return {TAG: kind + "_d", "v": {str(i): v for i, v in enumerate(items)}}
-        return items if kind == "list" else {TAG: "tuple", "v": items}
-    what = "a function or lambda" if callable(obj) else f"an object of type {type(obj).__name__}"
-    raise UnsupportedState(
-        f"{path}: {what} cannot be saved without pickle; keep it in code (e.g. pass the same "
-        "lambda when rebuilding the scheduler) or reduce it to tensors/JSON values"
-    )
-
-
-def decode(obj: Any) -> Any:
-    """Inverse of :func:`encode` (tensors and arrays are returned as they come)."""
-    if isinstance(obj, dict):
-        tag = obj.get(TAG)
-        if tag is None:
-            return {k: decode(v) for k, v in obj.items()}
-        v = obj["v"]
-        if tag == "float":
-            return float(v)
-        if tag == "tuple":
-            return tuple(decode(x) for x in v)
-        if tag in ("list_d", "tuple_d"):
-            items = [decode(v[str(i)]) for i in range(len(v))]
-            return items if tag == "list_d" else tuple(items)
-        if tag == "dict":
-            return {k: decode(v[str(i)]) for i, k in enumerate(obj["k"])}
-        if tag == "npscalar":
-            dt = np.dtype(obj["dtype"])
-            if dt.kind == "c":
-                return dt.type(complex(v[0], v[1]))
-            return dt.type(decode(v))
-        if tag == "dtype":
-            return getattr(torch, v)
-        if tag == "device":
-            return torch.device(v)
-        raise UnsupportedState(f"unknown tag {tag!r} in saved state (written by a newer version?)")
-    if isinstance(obj, list):
-        return [decode(x) for x in obj]
-    return obj
-
-
-def _as_tensor(x: Any) -> Any:
-    """Tensors may come back from storage as numpy arrays; the optimizer wants tensors."""
-    if isinstance(x, np.ndarray):
-        return torch.from_numpy(x)
-    return x
-
-
-def _tensors_in(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: _tensors_in(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_tensors_in(v) for v in x]
-    if isinstance(x, tuple):
-        return tuple(_tensors_in(v) for v in x)
-    return _as_tensor(x)
 
 
 # ---------------------------------------------------------------------------------------
@@ -266,13 +112,13 @@ def _optimizer_state(opt: torch.optim.Optimizer) -> Dict[str, Any]:
 
 def _optimizer_load(opt: torch.optim.Optimizer, saved: Dict[str, Any]) -> None:
     int_keys = bool(saved.get("int_keys", True))
-    state = {(int(k) if int_keys else k): _tensors_in(decode(v)) for k, v in saved["state"].items()}
+    state = {(int(k) if int_keys else k): tensors_in(decode(v)) for k, v in saved["state"].items()}
     sd: Dict[str, Any] = {
         "state": state,
-        "param_groups": _tensors_in(decode(saved["param_groups"])),
+        "param_groups": tensors_in(decode(saved["param_groups"])),
     }
     if "rest" in saved:
-        sd.update(_tensors_in(decode(saved["rest"])))
+        sd.update(tensors_in(decode(saved["rest"])))
     opt.load_state_dict(sd)
 
 
@@ -324,7 +170,7 @@ def apply_rng(saved: Dict[str, Any]) -> None:
         )
     ts = saved.get("torch")
     if ts is not None:
-        torch.set_rng_state(_as_tensor(ts).to(torch.uint8).cpu().clone())
+        torch.set_rng_state(as_tensor(ts).to(torch.uint8).cpu().clone())
     cuda = saved.get("cuda")
     if cuda:
         if not torch.cuda.is_available():
@@ -333,7 +179,7 @@ def apply_rng(saved: Dict[str, Any]) -> None:
                 stacklevel=3,
             )
         else:
-            states = [_as_tensor(cuda[str(i)]).to(torch.uint8).cpu() for i in range(len(cuda))]
+            states = [as_tensor(cuda[str(i)]).to(torch.uint8).cpu() for i in range(len(cuda))]
             n = torch.cuda.device_count()
             if n != len(states):
                 warnings.warn(
@@ -406,7 +252,7 @@ def apply_model(state: Mapping[str, Any], model: torch.nn.Module, strict: bool =
     _check_format(state)
     if "model" not in state:
         raise UnsupportedState("checkpoint holds no model weights ('model' key missing)")
-    sd = {k: _tensors_in(decode(v)) for k, v in state["model"].items()}
+    sd = {k: tensors_in(decode(v)) for k, v in state["model"].items()}
     model.load_state_dict(sd, strict=strict)
 
 
@@ -441,11 +287,11 @@ def apply(
     if scheduler is not None:
         if "scheduler" not in state:
             raise UnsupportedState("checkpoint holds no LR scheduler state ('scheduler' missing)")
-        scheduler.load_state_dict(_tensors_in(decode(state["scheduler"])))
+        scheduler.load_state_dict(tensors_in(decode(state["scheduler"])))
     if scaler is not None:
         if "scaler" not in state:
             raise UnsupportedState("checkpoint holds no GradScaler state ('scaler' missing)")
-        scaler.load_state_dict(_tensors_in(decode(state["scaler"])))
+        scaler.load_state_dict(tensors_in(decode(state["scaler"])))
     if rng and "rng" in state:
         apply_rng(state["rng"])
     pos = state.get("data_position")
@@ -479,6 +325,49 @@ def _flat_items(sd: Mapping[str, Any], prefix: str = "") -> Iterable[Any]:
 
 
 # ---------------------------------------------------------------------------------------
+# data version
+# ---------------------------------------------------------------------------------------
+_SOURCE_ATTRS = ("files", "paths", "file_paths", "data_files", "filenames", "root", "data_dir")
+
+
+def data_version(source: Any = None, *, manifest: Any = None) -> str:
+    """A fingerprint of the data a job trains on, for ``save(..., data_version=...)`` and
+    ``restore(expect_data_version=...)`` (see :mod:`slurm_ckpt.job.dataversion`).
+
+    ``source``: a path or a list of paths (files, directories), or a
+    ``torch.utils.data.DataLoader``/``Dataset``: its dataset's ``data_version`` (a string,
+    or a method returning one) if it has one, else the paths named by
+    ``data_sources()`` or one of the attributes ``files``, ``paths``, ``file_paths``,
+    ``data_files``, ``filenames``, ``root``, ``data_dir``. ``manifest``: a data manifest
+    the pipeline already has (JSON-able, or its text) instead of the files."""
+    if manifest is not None:
+        return fingerprint_manifest(manifest)
+    if source is None:
+        raise CkptError("data_version(): give the data paths, a data loader or manifest=")
+    if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
+        return fingerprint_files([source])  # type: ignore[list-item]
+    dataset = getattr(source, "dataset", source)
+    given = getattr(dataset, "data_version", None)
+    if given is not None:
+        value = given() if callable(given) else given
+        if not isinstance(value, str):
+            raise CkptError(f"data_version(): the dataset's data_version is {value!r}")
+        return value
+    if callable(getattr(dataset, "data_sources", None)):
+        return fingerprint_files(list(dataset.data_sources()))
+    for attr in _SOURCE_ATTRS:
+        paths = getattr(dataset, attr, None)
+        if paths:
+            return fingerprint_files([paths] if isinstance(paths, (str, bytes)) else paths)
+    if isinstance(source, (list, tuple)):
+        return fingerprint_files(source)
+    raise CkptError(
+        f"data_version(): cannot find the data sources of {type(dataset).__name__}: pass "
+        "the paths, or give the dataset a data_sources() method or a data_version"
+    )
+
+
+# ---------------------------------------------------------------------------------------
 # with a Checkpointer (the job layer)
 # ---------------------------------------------------------------------------------------
 @dataclass
@@ -495,6 +384,8 @@ class Resumed:
     #: seconds for the whole restore (read + verify + apply)
     seconds: float = 0.0
     meta: Dict[str, Any] = field(default_factory=dict)
+    #: The data version the checkpoint was trained on (None when it recorded none).
+    data_version: Optional[str] = None
 
 
 def save(
@@ -509,11 +400,15 @@ def save(
     data_position: Optional[Mapping[str, Any]] = None,
     extra: Optional[Mapping[str, Any]] = None,
     rng: bool = True,
+    data_version: Optional[str] = None,
 ) -> Any:
     """``ckpt.save(capture(...), step=, tokens=)``: returns once the snapshot is taken (the
-    job layer copies every tensor before returning), so training may go on at once."""
+    job layer copies every tensor before returning), so training may go on at once.
+    ``data_version`` (see :func:`data_version`) is recorded in the manifest."""
     state = capture(model, optimizer, scheduler, scaler, data_position, extra, rng=rng)
-    return ckpt.save(state, step=step, tokens=tokens)
+    if data_version is None:
+        return ckpt.save(state, step=step, tokens=tokens)
+    return ckpt.save(state, step=step, tokens=tokens, data_version=data_version)
 
 
 def restore(
@@ -526,6 +421,8 @@ def restore(
     weights_first: bool = False,
     rng: bool = True,
     strict: bool = True,
+    expect_data_version: Optional[str] = None,
+    on_data_change: str = "warn",
 ) -> Optional[Resumed]:
     """Restore the newest complete, verified checkpoint into the given objects.
 
@@ -538,7 +435,10 @@ def restore(
     (every rank then starts fresh).
     """
     t0 = time.monotonic()
-    got = ckpt.restore(weights_only=bool(weights_first and model is not None))
+    kw: Dict[str, Any] = {}
+    if expect_data_version is not None:  # warn, or refuse before anything is read
+        kw = {"expect_data_version": expect_data_version, "on_data_change": on_data_change}
+    got = ckpt.restore(weights_only=bool(weights_first and model is not None), **kw)
     if got is None:
         return None
     weights_s = 0.0
@@ -569,6 +469,7 @@ def restore(
         weights_s=weights_s,
         seconds=time.monotonic() - t0,
         meta=dict(getattr(got, "meta", {}) or {}),
+        data_version=(getattr(got, "meta", {}) or {}).get("data_version"),
     )
 
 
@@ -604,7 +505,13 @@ class TorchCheckpointer:
         self._saved_after_signal = False
         self.last_save: Any = None
 
-    def restore(self, weights_first: bool = False, strict: bool = True) -> Optional[Resumed]:
+    def restore(
+        self,
+        weights_first: bool = False,
+        strict: bool = True,
+        expect_data_version: Optional[str] = None,
+        on_data_change: str = "warn",
+    ) -> Optional[Resumed]:
         return restore(
             self.ckpt,
             self.model,
@@ -614,6 +521,8 @@ class TorchCheckpointer:
             weights_first=weights_first,
             rng=self.rng,
             strict=strict,
+            expect_data_version=expect_data_version,
+            on_data_change=on_data_change,
         )
 
     def should_save(self, step: Optional[int] = None, tokens: Optional[int] = None) -> bool:
@@ -632,6 +541,7 @@ class TorchCheckpointer:
         tokens: Optional[int] = None,
         data_position: Optional[Mapping[str, Any]] = None,
         extra: Optional[Mapping[str, Any]] = None,
+        data_version: Optional[str] = None,
     ) -> Any:
         self.last_save = save(
             self.ckpt,
@@ -644,6 +554,7 @@ class TorchCheckpointer:
             data_position=data_position,
             extra=extra,
             rng=self.rng,
+            data_version=data_version,
         )
         if self._peer_signal:
             self._saved_after_signal = True

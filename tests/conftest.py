@@ -7,20 +7,24 @@ that the rule it checks was never exercised.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterator, List
+from typing import Callable, Iterator, List, Tuple
 
 import pytest
 
-#: The dev-cluster fixture (``slurm_cluster``), registered once for every test module.
-pytest_plugins = ("cluster_fixture",)
+#: The dev-cluster fixture (``slurm_cluster``) and the S3 server (``s3_server``),
+#: registered once for every test module.
+pytest_plugins = ("helpers.cluster", "helpers.s3")
 
 REPO = Path(__file__).resolve().parents[1]
+#: cgroup v1 block-I/O throttling (caps a loop device's bandwidth, see Mounts.loopfs).
+BLKIO = Path("/sys/fs/cgroup/blkio")
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
@@ -37,6 +41,7 @@ class Mounts:
         self.base = base
         self.mounted: List[Path] = []
         self.images: List[Path] = []
+        self.throttled: List[Tuple[Path, str]] = []
 
     def tmpfs(self, size: str = "4m", name: str = "tmpfs") -> Path:
         need_root()
@@ -47,7 +52,11 @@ class Mounts:
         self.mounted.append(mnt)
         return mnt
 
-    def loopfs(self, size_mb: int = 64, fstype: str = "ext4", name: str = "loop") -> Path:
+    def loopfs(
+        self, size_mb: int = 64, fstype: str = "ext4", name: str = "loop", bps: int = 0
+    ) -> Path:
+        """A fresh loop-mounted filesystem; with ``bps`` its device reads and writes at
+        most that many bytes per second (the kernel's blkio throttle: an HDD-like disk)."""
         need_root()
         img = Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".img", dir="/var/tmp")[1])
         self.images.append(img)
@@ -58,9 +67,28 @@ class Mounts:
         mnt = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.base))
         subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], check=True)
         self.mounted.append(mnt)
+        if bps:
+            self._throttle(mnt, bps)
         return mnt
 
+    def _throttle(self, mnt: Path, bps: int) -> None:
+        dev = subprocess.run(
+            ["findmnt", "-no", "SOURCE", str(mnt)], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        rdev = os.stat(dev).st_rdev
+        majmin = f"{os.major(rdev)}:{os.minor(rdev)}"
+        for op in ("read", "write"):
+            knob = BLKIO / f"blkio.throttle.{op}_bps_device"
+            if not knob.exists():
+                pytest.fail(f"no {knob}: cannot cap the bandwidth of {dev}")
+            knob.write_text(f"{majmin} {bps}")
+            self.throttled.append((knob, majmin))
+
     def close(self) -> None:
+        for knob, majmin in self.throttled:  # before the loop device is given back
+            with contextlib.suppress(OSError):
+                knob.write_text(f"{majmin} 0")
+        self.throttled.clear()
         for mnt in reversed(self.mounted):
             if subprocess.run(["umount", str(mnt)], capture_output=True).returncode:
                 subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

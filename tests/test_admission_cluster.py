@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Dict, Iterator, List
 
 import pytest
-from cluster_fixture import DevCluster
+from helpers.cluster import DevCluster
 from test_cluster_e2e import E2E, PY, hooked_site
 
 from slurm_ckpt.core.units import parse_duration

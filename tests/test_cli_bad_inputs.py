@@ -9,13 +9,13 @@ against a real (small) site: directories for the tiers and a config file.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 from pathlib import Path
-from typing import Callable, List, Tuple
+from typing import List, Tuple
 
 import pytest
+from helpers.cli import run_here
+from helpers.site import Site
 
 from slurm_ckpt.cli import main as main_mod
 from slurm_ckpt.cli import srun as srun_mod
@@ -25,28 +25,10 @@ PLAN = ["plan", "--params", "70e9", "--pfs-bw", "500MB/s", "--mtbi", "6h"]
 SIZED = ["plan", "--pfs-bw", "500MB/s", "--mtbi", "6h", "--size"]
 
 
-def run(entry: Callable[[List[str]], None], argv: List[str]) -> Tuple[int, str, str]:
-    """Run a console-script ``main`` in this process: (exit status, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            entry(argv)
-        except SystemExit as exc:
-            code = int(exc.code or 0)
-    return code, out.getvalue(), err.getvalue()
-
-
 @pytest.fixture
 def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Tier directories, a valid config (via $SLURM_CKPT_CONFIG), no SLURM in reach."""
-    for name in ("local", "pfs"):
-        (tmp_path / name).mkdir()
-    cfg = tmp_path / "config.toml"
-    cfg.write_text(
-        f'[tiers.local]\nroot = "{tmp_path / "local"}"\nrequire_mount = false\nmin_free = 0\n'
-        f'[tiers.pfs]\nroot = "{tmp_path / "pfs"}"\n'
-    )
+    cfg = Site(tmp_path, config_name="config.toml").cfg_path
     monkeypatch.setenv("SLURM_CKPT_CONFIG", str(cfg))
     for var in list(os.environ):
         if var.startswith("SLURM_") and var != "SLURM_CKPT_CONFIG":
@@ -162,7 +144,7 @@ CASES: List[Tuple[List[str], int, str]] = [
 
 @pytest.mark.parametrize(("argv", "code", "fragment"), CASES, ids=[" ".join(c[0]) for c in CASES])
 def test_bad_input_exit_code_and_one_line(site: Path, argv, code, fragment) -> None:
-    got, out, err = run(main_mod.main, argv)
+    got, out, err = run_here(entry=main_mod.main, argv=argv)
     assert got == code, (got, out, err)
     assert "Traceback" not in err and out == ""
     lines = err.splitlines()
@@ -193,7 +175,7 @@ def test_bad_config_is_exit_2_one_line(site: Path, line: str, fragment: str, whe
     argv = ["--config", str(path), "config", "check"]
     if where == "after":  # --config is accepted after the subcommand too
         argv = ["config", "check", "--config", str(path)]
-    got, out, err = run(main_mod.main, argv)
+    got, out, err = run_here(entry=main_mod.main, argv=argv)
     assert got == EXIT_USAGE, (got, out, err)
     (only,) = err.splitlines()
     assert only.startswith(f"ckpt-slurm: error: {path}") and fragment in only, only
@@ -205,7 +187,7 @@ def test_missing_config_in_any_position(site: Path) -> None:
         ["status", "--config", "/nonexistent.toml"],
         ["list", "run", "--config", "/nonexistent.toml"],
     ):
-        got, out, err = run(main_mod.main, argv)
+        got, out, err = run_here(entry=main_mod.main, argv=argv)
         assert got == EXIT_USAGE and out == ""
         assert err.splitlines() == ["ckpt-slurm: error: no config: /nonexistent.toml not found"], (
             argv
@@ -225,7 +207,7 @@ SRUN_CASES: List[Tuple[List[str], int, str]] = [
 
 @pytest.mark.parametrize(("argv", "code", "fragment"), SRUN_CASES)
 def test_ckpt_srun_bad_input(site: Path, argv, code, fragment) -> None:
-    got, out, err = run(srun_mod.main, argv)
+    got, out, err = run_here(entry=srun_mod.main, argv=argv)
     assert got == code, (got, out, err)
     assert "Traceback" not in err and out == ""
     assert len(err.splitlines()) == 1 and err.startswith("ckpt-srun: error: "), err
@@ -242,10 +224,10 @@ def test_the_table_is_big_and_covers_the_codes() -> None:
 def test_good_inputs_take_units(site: Path) -> None:
     """The other side: the forms the tool prints, SLURM's forms, and units on every flag."""
     for mtbi in ("6h", "1h30m", "1d00h", "6:00:00", "1-00:00:00", "1-06", "90min", "2.5h"):
-        got, out, err = run(
-            main_mod.main,
-            ["plan", "--size", "1GB", "--pfs-bw", "1GB/s", "--mtbi", mtbi, "--parsable"],
+        got, out, err = run_here(
+            entry=main_mod.main,
+            argv=["plan", "--size", "1GB", "--pfs-bw", "1GB/s", "--mtbi", mtbi, "--parsable"],
         )
         assert got == 0 and err == "", (mtbi, err)
-    got, out, err = run(main_mod.main, ["guard", "-w", "n1", "--wait", "5min"])
+    got, out, err = run_here(entry=main_mod.main, argv=["guard", "-w", "n1", "--wait", "5min"])
     assert got == 0 and "nothing known" in out, err

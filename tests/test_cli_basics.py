@@ -7,13 +7,13 @@ import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import click
 import pytest
+from helpers.cli import ckpt_slurm
 
 from slurm_ckpt import __version__
 from slurm_ckpt.cli import main as main_mod
@@ -32,23 +32,6 @@ bandwidth_limit = "1GB/s"
 [copy]
 streams = 6
 """
-
-
-def run_cli(*args: str, env_config: str | None = None, cwd: Path | None = None):
-    """Run ``python -m slurm_ckpt.cli.main ARGS`` in a fresh interpreter."""
-    env = dict(os.environ)
-    env.pop("SLURM_CKPT_CONFIG", None)
-    if env_config is not None:
-        env["SLURM_CKPT_CONFIG"] = env_config
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return subprocess.run(
-        [sys.executable, "-m", "slurm_ckpt.cli.main", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=str(cwd or REPO),
-        timeout=120,
-    )
 
 
 def assert_one_line_error(proc, code: int, *fragments: str) -> str:
@@ -75,13 +58,13 @@ def good_config(tmp_path) -> Path:
 
 
 def test_version():
-    proc = run_cli("--version")
+    proc = ckpt_slurm("--version")
     assert proc.returncode == 0
     assert proc.stdout.strip() == f"ckpt-slurm {__version__}"
 
 
 def test_help_lists_config():
-    proc = run_cli("--help")
+    proc = ckpt_slurm("--help")
     assert proc.returncode == 0
     assert "Usage: ckpt-slurm" in proc.stdout
     assert "--config PATH" in proc.stdout
@@ -89,7 +72,7 @@ def test_help_lists_config():
 
 
 def test_config_show_json(good_config):
-    proc = run_cli("--config", str(good_config), "config", "show", "--json")
+    proc = ckpt_slurm("--config", str(good_config), "config", "show", "--json")
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
     data = json.loads(proc.stdout)
@@ -102,7 +85,7 @@ def test_config_show_json(good_config):
 
 
 def test_config_show_human(good_config):
-    proc = run_cli("--config", str(good_config), "config", "show")
+    proc = ckpt_slurm("--config", str(good_config), "config", "show")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert str(good_config) in out
@@ -111,38 +94,38 @@ def test_config_show_human(good_config):
 
 
 def test_config_from_env(good_config):
-    proc = run_cli("config", "show", "--json", env_config=str(good_config))
+    proc = ckpt_slurm("config", "show", "--json", config=str(good_config))
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["copy"]["streams"] == 6
 
 
 def test_explicit_config_beats_env(good_config, tmp_path):
-    proc = run_cli(
+    proc = ckpt_slurm(
         "--config",
         str(good_config),
         "config",
         "check",
         "--offline",
-        env_config=str(tmp_path / "no.toml"),
+        config=str(tmp_path / "no.toml"),
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"ok: {good_config} (offline: file only)"
 
 
 def test_config_check_ok(good_config):
-    proc = run_cli("--config", str(good_config), "config", "check", "--offline")
+    proc = ckpt_slurm("--config", str(good_config), "config", "check", "--offline")
     assert proc.returncode == 0
     assert proc.stdout == f"ok: {good_config} (offline: file only)\n"
     assert proc.stderr == ""
     # Without --offline the roots are looked at: /pfs/ckpt does not exist here.
-    proc = run_cli("--config", str(good_config), "config", "check")
+    proc = ckpt_slurm("--config", str(good_config), "config", "check")
     assert_one_line_error(proc, 2, "tiers.pfs.root /pfs/ckpt does not exist")
 
 
 def test_config_check_invalid(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text('[tiers.local]\nroot = "rel"\n[copy]\nstreems = 2\n')
-    proc = run_cli("--config", str(path), "config", "check")
+    proc = ckpt_slurm("--config", str(path), "config", "check")
     line = assert_one_line_error(
         proc,
         2,
@@ -156,24 +139,24 @@ def test_config_check_invalid(tmp_path):
 def test_config_show_invalid(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text(GOOD + "[job]\nsignals = 'TERM'\n")
-    proc = run_cli("--config", str(path), "config", "show", "--json")
+    proc = ckpt_slurm("--config", str(path), "config", "show", "--json")
     assert_one_line_error(proc, 2, "job.signals")
 
 
 def test_toml_syntax_error(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[tiers.local]\nroot = /no/quotes\n")
-    proc = run_cli("--config", str(path), "config", "check")
+    proc = ckpt_slurm("--config", str(path), "config", "check")
     assert_one_line_error(proc, 2, "TOML syntax error", "line 2")
 
 
 def test_missing_config_file(tmp_path):
-    proc = run_cli("--config", str(tmp_path / "nope.toml"), "config", "show")
+    proc = ckpt_slurm("--config", str(tmp_path / "nope.toml"), "config", "show")
     assert_one_line_error(proc, 2, f"no config: {tmp_path / 'nope.toml'} not found")
 
 
 def test_missing_env_config_file(tmp_path):
-    proc = run_cli("config", "check", env_config=str(tmp_path / "nope.toml"))
+    proc = ckpt_slurm("config", "check", config=str(tmp_path / "nope.toml"))
     assert_one_line_error(proc, 2, "not found (from SLURM_CKPT_CONFIG)")
 
 
@@ -181,7 +164,7 @@ def test_missing_env_config_file(tmp_path):
     os.path.exists("/etc/slurm-ckpt/config.toml"), reason="a real site config is installed"
 )
 def test_missing_default_config():
-    proc = run_cli("config", "check")
+    proc = ckpt_slurm("config", "check")
     line = assert_one_line_error(proc, 2)
     assert line == (
         "ckpt-slurm: error: no config: /etc/slurm-ckpt/config.toml not found "
@@ -192,19 +175,19 @@ def test_missing_default_config():
 def test_config_is_loaded_lazily(tmp_path):
     # --help of a config-using command and --version never read the (missing) config.
     for args in (["config", "show", "--help"], ["--version"], ["--help"]):
-        proc = run_cli("--config", str(tmp_path / "nope.toml"), *args)
+        proc = ckpt_slurm("--config", str(tmp_path / "nope.toml"), *args)
         assert proc.returncode == 0, (args, proc.stderr)
 
 
 @pytest.mark.parametrize("args", [["no-such-command"], ["config", "show", "--nope"], ["--config"]])
 def test_usage_errors_are_one_line_exit_2(args):
-    proc = run_cli(*args)
+    proc = ckpt_slurm(*args)
     line = assert_one_line_error(proc, 2)
     assert line.endswith("--help')"), line  # points at the help
 
 
 def test_group_without_subcommand_shows_help():
-    proc = run_cli("config")
+    proc = ckpt_slurm("config")
     assert "Traceback" not in proc.stderr
     assert "show" in proc.stdout + proc.stderr
     assert "check" in proc.stdout + proc.stderr

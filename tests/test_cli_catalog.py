@@ -4,51 +4,27 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-from slurm_ckpt.tiers.copy import copy_checkpoint
-from slurm_ckpt.tiers.posix import PosixTier
+from helpers.cli import ckpt_slurm
+from helpers.site import Site
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def cli(*args: str, config: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), SLURM_CKPT_CONFIG=str(config))
-    return subprocess.run(
-        [sys.executable, "-m", "slurm_ckpt.cli.main", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
 @pytest.fixture
 def site(tmp_path: Path):
-    local, pfs = tmp_path / "local", tmp_path / "pfs"
-    local.mkdir()
-    pfs.mkdir()
-    cfg = tmp_path / "c.toml"
-    cfg.write_text(
-        f'[tiers.local]\nroot = "{local}"\nrequire_mount = false\nmin_free = 0\n'
-        f'[tiers.pfs]\nroot = "{pfs}"\n'
-    )
-    lt, pt = PosixTier("local", str(local)), PosixTier("pfs", str(pfs))
+    s = Site(tmp_path)
     for step in (1, 2):
-        with lt.writer("alice", "run", step, tokens=step * 10) as w:
-            w.write_buffers({"w.bin": os.urandom(1000)})
-            w.commit()
-    copy_checkpoint(lt, pt, "alice", "run", 1)
-    return cfg, lt, pt
+        s.write(step, tokens=step * 10, files={"w.bin": os.urandom(1000)})
+    s.copy(1)
+    return s.cfg_path, s.local, s.pfs
 
 
 def test_list_json(site) -> None:
     cfg, lt, pt = site
-    r = cli("list", "run", "--user", "alice", "--json", config=cfg)
+    r = ckpt_slurm("list", "run", "--user", "alice", "--json", config=cfg)
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)["checkpoints"]
     assert sorted((x["tier"], x["step"], x["tokens"]) for x in rows) == [
@@ -60,10 +36,10 @@ def test_list_json(site) -> None:
 
 def test_verify_exit_codes(site) -> None:
     cfg, lt, pt = site
-    assert cli("verify", "run", "--user", "alice", config=cfg).returncode == 0
+    assert ckpt_slurm("verify", "run", "--user", "alice", config=cfg).returncode == 0
     with open(lt.step_path("alice", "run", 2) + "/w.bin", "r+b") as fh:
         fh.write(b"\xff")
-    r = cli("verify", "run", "--user", "alice", "--json", config=cfg)
+    r = ckpt_slurm("verify", "run", "--user", "alice", "--json", config=cfg)
     assert r.returncode == 1
     doc = json.loads(r.stdout)
     assert not doc["ok"]
@@ -72,9 +48,11 @@ def test_verify_exit_codes(site) -> None:
     assert bad[0]["path"] == lt.step_path("alice", "run", 2)
     assert "content hash mismatch" in bad[0]["problems"][0]
     # By path, and restricted to the PFS tier: the PFS copy is fine.
-    assert cli("verify", lt.step_path("alice", "run", 1), config=cfg).returncode == 0
-    assert cli("verify", lt.step_path("alice", "run", 2), config=cfg).returncode == 1
-    assert cli("verify", "run", "--user", "alice", "--tier", "pfs", config=cfg).returncode == 0
+    assert ckpt_slurm("verify", lt.step_path("alice", "run", 1), config=cfg).returncode == 0
+    assert ckpt_slurm("verify", lt.step_path("alice", "run", 2), config=cfg).returncode == 1
+    assert (
+        ckpt_slurm("verify", "run", "--user", "alice", "--tier", "pfs", config=cfg).returncode == 0
+    )
 
 
 @pytest.mark.parametrize(
@@ -89,13 +67,13 @@ def test_verify_exit_codes(site) -> None:
 )
 def test_bad_input_one_line(site, args, code, needle) -> None:
     cfg, _, _ = site
-    r = cli(*args, config=cfg)
+    r = ckpt_slurm(*args, config=cfg)
     assert r.returncode == code, (r.stdout, r.stderr)
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
     assert needle in r.stderr
 
 
 def test_missing_config_is_one_line(tmp_path: Path) -> None:
-    r = cli("list", "run", config=tmp_path / "absent.toml")
+    r = ckpt_slurm("list", "run", config=tmp_path / "absent.toml")
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and "absent.toml" in r.stderr

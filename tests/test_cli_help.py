@@ -4,31 +4,19 @@ own, ``list`` without a KEY."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 from pathlib import Path
-from typing import Callable, List, Tuple
+from typing import List, Tuple
 
 import click
 import pytest
+from helpers.cli import run_here
 
 from slurm_ckpt import __version__
 from slurm_ckpt.cli import main as main_mod
 from slurm_ckpt.cli import srun as srun_mod
 from slurm_ckpt.cli.help import ADMIN_COMMANDS, EXAMPLES, short_help
 from slurm_ckpt.tiers.posix import PosixTier
-
-
-def run(entry: Callable[[List[str]], None], argv: List[str]) -> Tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            entry(argv)
-        except SystemExit as exc:
-            code = int(exc.code or 0)
-    return code, out.getvalue(), err.getvalue()
 
 
 def all_commands() -> List[Tuple[str, click.Command]]:
@@ -41,7 +29,7 @@ def all_commands() -> List[Tuple[str, click.Command]]:
 
 
 def test_top_level_help_groups_admin_commands_and_cuts_nothing() -> None:
-    code, out, err = run(main_mod.main, ["--help"])
+    code, out, err = run_here(entry=main_mod.main, argv=["--help"])
     assert code == 0 and err == ""
     user_part, _, admin_part = out.partition("Admin commands")
     assert admin_part, out
@@ -60,7 +48,7 @@ def test_top_level_help_groups_admin_commands_and_cuts_nothing() -> None:
 @pytest.mark.parametrize(("path", "cmd"), all_commands(), ids=[p for p, _ in all_commands()])
 def test_every_command_has_an_example_and_takes_config(path: str, cmd: click.Command) -> None:
     assert EXAMPLES.get(path), f"no example for {path}"
-    code, out, err = run(main_mod.main, [*path.split(), "--help"])
+    code, out, err = run_here(entry=main_mod.main, argv=[*path.split(), "--help"])
     assert code == 0, err
     assert "Examples:" in out and EXAMPLES[path][0] in out
     if not isinstance(cmd, click.Group):
@@ -70,11 +58,13 @@ def test_every_command_has_an_example_and_takes_config(path: str, cmd: click.Com
 def test_config_after_the_subcommand_wins(tmp_path: Path) -> None:
     good = tmp_path / "good.toml"
     good.write_text('[tiers.local]\nroot = "/l"\n[tiers.pfs]\nroot = "/p"\n')
-    code, out, err = run(main_mod.main, ["config", "check", "--offline", "--config", str(good)])
+    code, out, err = run_here(
+        entry=main_mod.main, argv=["config", "check", "--offline", "--config", str(good)]
+    )
     assert (code, out, err) == (0, f"ok: {good} (offline: file only)\n", "")
-    code, out, err = run(
-        main_mod.main,
-        [
+    code, out, err = run_here(
+        entry=main_mod.main,
+        argv=[
             "--config",
             str(tmp_path / "nope.toml"),
             "config",
@@ -88,9 +78,9 @@ def test_config_after_the_subcommand_wins(tmp_path: Path) -> None:
 
 
 def test_ckpt_srun_answers_version_and_help_itself() -> None:
-    code, out, err = run(srun_mod.main, ["--version"])
+    code, out, err = run_here(entry=srun_mod.main, argv=["--version"])
     assert (code, out.strip()) == (0, f"ckpt-srun {__version__}"), err
-    code, out, err = run(srun_mod.main, ["--help"])
+    code, out, err = run_here(entry=srun_mod.main, argv=["--help"])
     assert code == 0 and out.startswith("Usage: ckpt-srun") and "exec ckpt-srun" in out
 
 
@@ -109,7 +99,7 @@ def test_list_without_key_lists_series(tmp_path: Path, monkeypatch: pytest.Monke
             with local.writer(user, key, step) as w:
                 w.write_buffers({"x.bin": b"x" * 100})
                 w.commit()
-    code, out, err = run(main_mod.main, ["list", "--parsable"])
+    code, out, err = run_here(entry=main_mod.main, argv=["list", "--parsable"])
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0] == "tier|user|key|steps|step|bytes|age_s|damaged|path"
@@ -117,9 +107,11 @@ def test_list_without_key_lists_series(tmp_path: Path, monkeypatch: pytest.Monke
     if os.geteuid() == 0:  # root: every user's series
         got = {(r["user"], r["key"], r["steps"], r["step"]) for r in rows}
         assert got == {("alice", "run-a", "2", "2"), ("bob", "run-b", "1", "7")}
-    code, out, err = run(main_mod.main, ["list", "-u", "bob", "--parsable", "--noheader"])
+    code, out, err = run_here(
+        entry=main_mod.main, argv=["list", "-u", "bob", "--parsable", "--noheader"]
+    )
     assert code == 0 and [line.split("|")[:5] for line in out.splitlines()] == [
         ["local", "bob", "run-b", "1", "7"]
     ]
-    code, out, err = run(main_mod.main, ["list", "-u", "carol"])
+    code, out, err = run_here(entry=main_mod.main, argv=["list", "-u", "carol"])
     assert code == 0 and out == "no committed checkpoints of carol\n", err

@@ -14,18 +14,17 @@ published by real ledgers; SLURM is the injectable snapshot of ``status``.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
+from helpers import site as helper_site
+from helpers.cli import run_here
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slurm_ckpt.cli import main as main_mod
 from slurm_ckpt.cli.progress import ByteProgress
 from slurm_ckpt.cli.table import Column, Listing, OutputFormat, parsable_value, render_table
 from slurm_ckpt.core.units import format_bytes
@@ -41,37 +40,18 @@ NODE = "gpu-node-017"
 JOB = "4242424"
 
 
-def run(argv: List[str]) -> Tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main_mod.main(argv)
-        except SystemExit as exc:
-            code = int(exc.code or 0)
-    return code, out.getvalue(), err.getvalue()
-
-
-class Site:
+class Site(helper_site.Site):
     def __init__(self, tmp: Path) -> None:
+        super().__init__(tmp)
         self.tmp = tmp
-        for d in ("local", "pfs"):
-            (tmp / d).mkdir()
-        self.cfg = tmp / "c.toml"
-        self.cfg.write_text(
-            f'[tiers.local]\nroot = "{tmp / "local"}"\nrequire_mount = false\nmin_free = 0\n'
-            f'[tiers.pfs]\nroot = "{tmp / "pfs"}"\n'
-        )
-        self.local = PosixTier("local", str(tmp / "local"))
-        self.pfs = PosixTier("pfs", str(tmp / "pfs"))
+        self.cfg = self.cfg_path
         for step in (1000, 2000, 3000):
-            with self.local.writer(
-                USER, KEY, step, tokens=step * 4_000_000, job=JOB, node=NODE
-            ) as w:
-                w.write_buffers({"model.bin": os.urandom(9000 * step // 1000), "opt.bin": b"x"})
-                w.commit()
-        copy_checkpoint(self.local, self.pfs, USER, KEY, 1000)
-        copy_checkpoint(self.local, self.pfs, USER, KEY, 2000)
+            files = {"model.bin": os.urandom(9000 * step // 1000), "opt.bin": b"x"}
+            self.write(
+                step, user=USER, key=KEY, files=files, tokens=step * 4_000_000, job=JOB, node=NODE
+            )
+        self.copy(1000, user=USER, key=KEY)
+        self.copy(2000, user=USER, key=KEY)
         led = Ledger(tmp / "ledger", NODE)
         led.record_local_commit(USER, KEY, 3000, 27001, 0, int(JOB), True)
         led.record_local_commit(USER, KEY, 2000, 18001, 0, int(JOB), True)
@@ -122,7 +102,7 @@ def _assert_fits(text: str, width: int = 80) -> None:
 
 def test_status_at_80_columns_splits_no_token(site: Site, monkeypatch) -> None:
     monkeypatch.setenv("COLUMNS", "80")
-    code, out, err = run(["status"])
+    code, out, err = run_here(["status"])
     assert code == 0, err
     _assert_fits(out)
     words = _words(out)
@@ -147,15 +127,15 @@ def test_status_at_80_columns_splits_no_token(site: Site, monkeypatch) -> None:
 
 def test_list_at_80_columns_splits_no_token(site: Site, monkeypatch) -> None:
     monkeypatch.setenv("COLUMNS", "80")
-    code, out, err = run(["list", KEY, "-u", USER])
+    code, out, err = run_here(["list", KEY, "-u", USER])
     assert code == 0, err
     _assert_fits(out)
     words = _words(out)
-    doc = json.loads(run(["list", KEY, "-u", USER, "--json"])[1])
+    doc = json.loads(run_here(["list", KEY, "-u", USER, "--json"])[1])
     for row in doc["checkpoints"]:
         for token in (row["tier"], str(row["step"]), format_bytes(row["bytes"]), JOB, NODE):
             assert token in words, (token, out)
-    code, out, err = run(["list", "-u", USER])  # the series listing
+    code, out, err = run_here(["list", "-u", USER])  # the series listing
     assert code == 0, err
     _assert_fits(out)
     assert {KEY, USER, "local", "pfs", "3000", "2000"} <= _words(out)
@@ -164,11 +144,11 @@ def test_list_at_80_columns_splits_no_token(site: Site, monkeypatch) -> None:
 def test_verify_at_80_columns_splits_no_token(site: Site, monkeypatch) -> None:
     monkeypatch.setenv("COLUMNS", "80")
     site.corrupt(3000)
-    code, out, err = run(["verify", KEY, "-u", USER])
+    code, out, err = run_here(["verify", KEY, "-u", USER])
     assert code == 1, err
     _assert_fits(out)
     words = _words(out)
-    doc = json.loads(run(["verify", KEY, "-u", USER, "--json"])[1])
+    doc = json.loads(run_here(["verify", KEY, "-u", USER, "--json"])[1])
     for row in doc["checkpoints"]:
         for token in (row["tier"], str(row["step"]), format_bytes(row["bytes"]), row["state"]):
             assert token in words, (token, out)
@@ -181,7 +161,7 @@ def test_verify_at_80_columns_splits_no_token(site: Site, monkeypatch) -> None:
 def test_pipes_get_whole_rows(site: Site, monkeypatch) -> None:
     """No $COLUMNS and not a terminal: one line per record, however long."""
     monkeypatch.delenv("COLUMNS", raising=False)
-    code, out, _ = run(["list", KEY, "-u", USER, "--noheader"])
+    code, out, _ = run_here(["list", KEY, "-u", USER, "--noheader"])
     assert code == 0
     lines = out.splitlines()
     assert len(lines) == 5  # 3 local + 2 pfs, no title, no header
@@ -193,7 +173,7 @@ def test_pipes_get_whole_rows(site: Site, monkeypatch) -> None:
 
 
 def _parsable(argv: List[str]) -> Tuple[List[str], List[Dict[str, str]]]:
-    code, out, err = run([*argv, "--parsable"])
+    code, out, err = run_here([*argv, "--parsable"])
     assert code in (0, 1), err
     lines = out.splitlines()
     header = lines[0].split("|")
@@ -208,7 +188,7 @@ def _parsable(argv: List[str]) -> Tuple[List[str], List[Dict[str, str]]]:
 def test_parsable_list_and_verify_match_json(site: Site) -> None:
     header, rows = _parsable(["list", KEY, "-u", USER])
     assert header[:4] == ["tier", "user", "key", "step"] and "bytes" in header
-    doc = json.loads(run(["list", KEY, "-u", USER, "--json"])[1])
+    doc = json.loads(run_here(["list", KEY, "-u", USER, "--json"])[1])
     assert len(rows) == len(doc["checkpoints"]) == 5
     for got, want in zip(rows, doc["checkpoints"]):
         assert int(got["bytes"]) == want["bytes"]  # raw bytes, not "26.4KiB"
@@ -270,7 +250,7 @@ def test_parsable_gc_and_noheader(site: Site) -> None:
             "reclaim": "",
         }
     ]
-    code, out, _ = run(["gc", "--dry-run", "--parsable", "--noheader"])
+    code, out, _ = run_here(["gc", "--dry-run", "--parsable", "--noheader"])
     assert out.splitlines() == [f"pfs|{USER}|{KEY}|2|1000,2000||0||||"]
 
 
@@ -357,7 +337,7 @@ def test_progress_callbacks_count_every_byte(site: Site, tmp_path: Path) -> None
 def test_progress_bar_on_stderr_when_forced(site: Site, monkeypatch) -> None:
     """A bar (forced: tests have no terminal) goes to stderr; stdout stays the table."""
     monkeypatch.setenv("SLURM_CKPT_PROGRESS", "1")
-    code, out, err = run(["verify", KEY, "-u", USER, "--parsable"])
+    code, out, err = run_here(["verify", KEY, "-u", USER, "--parsable"])
     assert code == 0
     assert out.splitlines()[0].startswith("tier|")
     assert all("|" in line for line in out.splitlines())

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
 import pytest
-from cluster_fixture import FINAL_JOB_STATES, DevCluster
+from helpers.cluster import FINAL_JOB_STATES, DevCluster
 from test_cluster_e2e import CKPT_SRUN, E2E, PY, hooked_site
 
 from slurm_ckpt.tiers.posix import PosixTier

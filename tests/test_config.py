@@ -203,7 +203,7 @@ def test_example_config_is_valid_and_shows_defaults():
 
 def test_example_config_mentions_every_key():
     text = EXAMPLE.read_text()
-    classes = [*config_mod._TIER_CLASSES.values(), *config_mod._SECTION_CLASSES.values()]
+    classes = [*config_mod.TIER_CLASSES.values(), *config_mod.SECTION_CLASSES.values()]
     for cls in classes:
         for f in dataclasses.fields(cls):
             assert re.search(rf"^#? ?{f.name} = ", text, re.M), f"{cls.__name__}.{f.name}"
@@ -252,7 +252,9 @@ def test_unknown_key_without_suggestion(tmp_path):
 
 def test_missing_tiers(tmp_path):
     path = write(tmp_path, "[tiers.local]\nroot = '/l'\n")
-    assert error_of(path) == f"{path}: [tiers.pfs] is missing (required)"
+    assert error_of(path) == (
+        f"{path}: [tiers.pfs] is missing (required) (or [tiers.object] for a site without one)"
+    )
     msg = error_of("[copy]\nstreams = 2\n", tmp_path)
     assert "[tiers.local] is missing (required)" in msg
     assert "[tiers.pfs] is missing (required)" in msg

@@ -14,7 +14,6 @@ root (root reads everything).
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
@@ -25,8 +24,9 @@ from pathlib import Path
 from typing import List, Tuple
 
 import pytest
+from helpers import site as helper_site
+from helpers.cli import run_here
 
-from slurm_ckpt.cli import main as main_mod
 from slurm_ckpt.core.layout import step_dirname
 from slurm_ckpt.ops.damage import COMMIT_GRACE_S, scan_series
 from slurm_ckpt.tiers.copy import copy_checkpoint
@@ -34,17 +34,6 @@ from slurm_ckpt.tiers.posix import PosixTier
 
 NOBODY = 65534
 USER, KEY = "alice", "run"
-
-
-def run(argv: List[str]) -> Tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main_mod.main(argv)
-        except SystemExit as exc:
-            code = int(exc.code or 0)
-    return code, out.getvalue(), err.getvalue()
 
 
 def as_nobody(argv: List[str]) -> Tuple[int, str, str]:
@@ -58,7 +47,7 @@ def as_nobody(argv: List[str]) -> Tuple[int, str, str]:
             os.setgroups([])
             os.setgid(NOBODY)
             os.setuid(NOBODY)
-            code, out, err = run(argv)
+            code, out, err = run_here(argv)
             result = {"code": code, "out": out, "err": err}
         except BaseException as exc:  # noqa: BLE001 - report anything to the parent
             result["err"] = f"{type(exc).__name__}: {exc}"
@@ -72,37 +61,29 @@ def as_nobody(argv: List[str]) -> Tuple[int, str, str]:
     return data["code"], data["out"], data["err"]
 
 
-class Site:
+class Site(helper_site.Site):
     """alice/run on the local and PFS tiers: steps 1-3 good; 4..8 damaged on the PFS."""
 
     def __init__(self, base: Path) -> None:
-        self.base = base
-        for d in ("local", "pfs"):
-            (base / d).mkdir()
-        self.cfg = base / "c.toml"
-        self.cfg.write_text(
-            f'[tiers.local]\nroot = "{base / "local"}"\nrequire_mount = false\nmin_free = 0\n'
-            f'[tiers.pfs]\nroot = "{base / "pfs"}"\n'
-        )
-        self.local = PosixTier("local", str(base / "local"))
-        self.pfs = PosixTier("pfs", str(base / "pfs"))
+        super().__init__(base)
+        self.cfg = self.cfg_path
         for step in (1, 2, 3):
-            self.write(self.local, USER, KEY, step)
-            copy_checkpoint(self.local, self.pfs, USER, KEY, step)
+            self.put(self.local, USER, KEY, step)
+            self.copy(step, user=USER, key=KEY)
 
-    def write(self, tier: PosixTier, user: str, key: str, step: int) -> None:
-        with tier.writer(user, key, step, tokens=step) as w:
-            w.write_buffers({"w.bin": os.urandom(3000)})
-            w.commit()
+    def put(self, tier: PosixTier, user: str, key: str, step: int) -> None:
+        self.write(
+            step, user=user, key=key, tier=tier.name, files={"w.bin": os.urandom(3000)}, tokens=step
+        )
 
-    def step_dir(self, step: int, tier: str = "pfs") -> Path:
-        return self.base / tier / USER / KEY / step_dirname(step)
+    def step_dir(self, step: int, tier: str = "pfs") -> Path:  # type: ignore[override]
+        return super().step_dir(step, user=USER, key=KEY, tier=tier)
 
     def damage(self) -> None:
         """The four kinds (and a symlink) next to the good steps on the PFS."""
         # 4: truncated manifest, 5: tampered manifest (a size changed).
         for step in (4, 5):
-            self.write(self.pfs, USER, KEY, step)
+            self.put(self.pfs, USER, KEY, step)
         m4 = self.step_dir(4) / "manifest.json"
         m4.write_bytes(m4.read_bytes()[:100])
         m5 = self.step_dir(5) / "manifest.json"
@@ -113,7 +94,7 @@ class Site:
         old = os.stat(self.step_dir(6)).st_mtime - 2 * COMMIT_GRACE_S
         os.utime(self.step_dir(6), (old, old))
         # 7: another series' checkpoint moved here (FOREIGN).
-        self.write(self.pfs, USER, "other", 7)
+        self.put(self.pfs, USER, "other", 7)
         os.rename(self.base / "pfs" / USER / "other" / step_dirname(7), self.step_dir(7))
         # 8: a symlink where a step directory belongs (never followed).
         os.symlink(self.step_dir(1), self.step_dir(8))
@@ -152,9 +133,9 @@ def test_scan_sorts_every_step_directory(site: Site) -> None:
 
 
 def test_verify_key_reports_each_damaged_step_and_exits_1(site: Site) -> None:
-    assert run(["verify", KEY, "-u", USER])[0] == 0
+    assert run_here(["verify", KEY, "-u", USER])[0] == 0
     site.damage()
-    code, out, err = run(["verify", KEY, "-u", USER, "--json"])
+    code, out, err = run_here(["verify", KEY, "-u", USER, "--json"])
     assert code == 1, err
     doc = json.loads(out)
     assert doc["ok"] is False
@@ -172,18 +153,18 @@ def test_verify_key_reports_each_damaged_step_and_exits_1(site: Site) -> None:
     bad = [r for r in doc["checkpoints"] if not r["ok"]]
     assert all(r["problems"] and r["path"] for r in bad)
     # --step narrows to one, damaged or not; the local tier alone is fine.
-    assert run(["verify", KEY, "-u", USER, "--step", "7"])[0] == 1
-    assert run(["verify", KEY, "-u", USER, "--tier", "local"])[0] == 0
+    assert run_here(["verify", KEY, "-u", USER, "--step", "7"])[0] == 1
+    assert run_here(["verify", KEY, "-u", USER, "--tier", "local"])[0] == 0
     # Human output: the state and the reason, one line per step.
-    code, out, _ = run(["verify", KEY, "-u", USER, "--tier", "pfs"])
+    code, out, _ = run_here(["verify", KEY, "-u", USER, "--tier", "pfs"])
     assert code == 1 and "FOREIGN" in out and "INCOMPLETE" in out and "symlink" in out
 
 
 def test_verify_key_with_only_damage_is_not_not_found(site: Site) -> None:
-    site.write(site.pfs, USER, "broken", 1)
+    site.put(site.pfs, USER, "broken", 1)
     m = site.base / "pfs" / USER / "broken" / step_dirname(1) / "manifest.json"
     m.write_bytes(b"{")
-    code, out, err = run(["verify", "broken", "-u", USER, "--parsable"])
+    code, out, err = run_here(["verify", "broken", "-u", USER, "--parsable"])
     assert code == 1, err
     assert out.splitlines()[1].split("|")[:4] == ["pfs", USER, "broken", "1"]
     assert "CORRUPT" in out.splitlines()[1]
@@ -192,7 +173,7 @@ def test_verify_key_with_only_damage_is_not_not_found(site: Site) -> None:
 def test_payload_corruption_and_unreadable_payload(site: Site) -> None:
     with open(site.step_dir(2, "local") / "w.bin", "r+b") as fh:
         fh.write(b"\x00\x01")
-    code, out, _ = run(["verify", KEY, "-u", USER, "--tier", "local", "--json"])
+    code, out, _ = run_here(["verify", KEY, "-u", USER, "--tier", "local", "--json"])
     assert code == 1 and _states(json.loads(out)["checkpoints"])[("local", 2)] == "CORRUPT"
 
 
@@ -201,7 +182,7 @@ def test_payload_corruption_and_unreadable_payload(site: Site) -> None:
 
 def test_list_shows_damaged_steps(site: Site) -> None:
     site.damage()
-    code, out, err = run(["list", KEY, "-u", USER, "--json"])
+    code, out, err = run_here(["list", KEY, "-u", USER, "--json"])
     assert code == 1, err
     states = _states(json.loads(out)["checkpoints"])
     assert states[("pfs", 3)] == "committed" and states[("local", 1)] == "committed"
@@ -212,10 +193,10 @@ def test_list_shows_damaged_steps(site: Site) -> None:
         "FOREIGN",
         "CORRUPT",
     ]
-    code, out, err = run(["list", KEY, "-u", USER])
+    code, out, err = run_here(["list", KEY, "-u", USER])
     assert code == 1 and "FOREIGN" in out and "warning: 5 damaged steps" in err
     # The series listing counts them.
-    code, out, _ = run(["list", "-u", USER, "--parsable"])
+    code, out, _ = run_here(["list", "-u", USER, "--parsable"])
     rows = [dict(zip(out.splitlines()[0].split("|"), x.split("|"))) for x in out.splitlines()[1:]]
     pfs_run = next(r for r in rows if r["tier"] == "pfs" and r["key"] == KEY)
     assert pfs_run["damaged"] == "5" and pfs_run["steps"] == "3" and code == 1
@@ -228,7 +209,7 @@ def test_gc_reports_and_reclaims_damaged_steps_by_policy(site: Site) -> None:
     site.damage()
     # Newer than every good step: 4-8 are all newer than step 3, so nothing may be
     # reclaimed yet (the series' newest verified checkpoint is older).
-    code, out, err = run(["gc", "-u", USER, "-k", KEY, "--json"])
+    code, out, err = run_here(["gc", "-u", USER, "-k", KEY, "--json"])
     (s,) = [x for x in json.loads(out)["series"] if x["tier"] == "pfs"]
     assert {d["step"]: d["state"] for d in s["damaged"]} == {
         4: "CORRUPT",
@@ -241,13 +222,13 @@ def test_gc_reports_and_reclaims_damaged_steps_by_policy(site: Site) -> None:
     # A newer good checkpoint: now the corrupt-manifest and incomplete ones go, the
     # FOREIGN one and the symlink stay (reported).
     for step in (10, 11):
-        site.write(site.local, USER, KEY, step)
+        site.put(site.local, USER, KEY, step)
         copy_checkpoint(site.local, site.pfs, USER, KEY, step)
-    code, out, err = run(["gc", "-u", USER, "-k", KEY, "--dry-run", "--json"])
+    code, out, err = run_here(["gc", "-u", USER, "-k", KEY, "--dry-run", "--json"])
     (s,) = [x for x in json.loads(out)["series"] if x["tier"] == "pfs"]
     assert s["reclaim"] == [4, 5, 6] and s["reclaimed"] == []
     assert site.step_dir(4).exists()  # dry run
-    code, out, err = run(["gc", "-u", USER, "-k", KEY])
+    code, out, err = run_here(["gc", "-u", USER, "-k", KEY])
     assert code == 1, err  # 7 and 8 are left: a finding
     assert not site.step_dir(4).exists() and not site.step_dir(5).exists()
     assert not site.step_dir(6).exists()
@@ -262,18 +243,18 @@ def test_gc_reports_and_reclaims_damaged_steps_by_policy(site: Site) -> None:
 
 def test_status_counts_damaged_steps(site: Site) -> None:
     for step in (4, 5):
-        site.write(site.pfs, USER, KEY, step)
+        site.put(site.pfs, USER, KEY, step)
     (site.step_dir(5) / "manifest.json").write_bytes(b"{")
     site.step_dir(6).mkdir()
     old = os.stat(site.step_dir(6)).st_mtime - 2 * COMMIT_GRACE_S
     os.utime(site.step_dir(6), (old, old))
-    code, out, err = run(["status", "--no-slurm", "--json"])
+    code, out, err = run_here(["status", "--no-slurm", "--json"])
     assert code == 0, err
     doc = json.loads(out)
     (job,) = doc["jobs"]
     assert job["tiers"]["pfs"]["step"] == 4 and job["tiers"]["pfs"]["damaged"] == 2
     assert doc["totals"]["damaged"] == 2
-    code, out, err = run(["status", "--no-slurm"])
+    code, out, err = run_here(["status", "--no-slurm"])
     assert "2 damaged step directories" in err
 
 
@@ -283,7 +264,7 @@ def test_status_counts_damaged_steps(site: Site) -> None:
 def test_verify_path_anywhere_and_moved(site: Site, tmp_path: Path, monkeypatch) -> None:
     elsewhere = tmp_path / "scratch" / "copy-of-2"
     shutil.copytree(site.step_dir(2, "local"), elsewhere)
-    code, out, err = run(["verify", str(elsewhere), "--json"])
+    code, out, err = run_here(["verify", str(elsewhere), "--json"])
     assert code == 0, err
     (row,) = json.loads(out)["checkpoints"]
     assert row["state"] == "OK" and row["bytes"] == 3000 and row["moved"] is True
@@ -291,13 +272,13 @@ def test_verify_path_anywhere_and_moved(site: Site, tmp_path: Path, monkeypatch)
     assert any(p.startswith(f"moved: this is {USER}/{KEY} step 2") for p in row["problems"])
     # In its own place: not moved. A relative path works too.
     monkeypatch.chdir(site.step_dir(2, "local").parent)
-    code, out, _ = run(["verify", f"./{step_dirname(2)}", "--json"])
+    code, out, _ = run_here(["verify", f"./{step_dirname(2)}", "--json"])
     (row,) = json.loads(out)["checkpoints"]
     assert code == 0 and row["moved"] is False and row["step"] == 2
     # A flipped byte in the copy.
     with open(elsewhere / "w.bin", "r+b") as fh:
         fh.write(b"\xff\xff")
-    code, out, _ = run(["verify", str(elsewhere)])
+    code, out, _ = run_here(["verify", str(elsewhere)])
     assert code == 1 and "CORRUPT" in out
 
 
@@ -314,7 +295,7 @@ def test_verify_path_anywhere_and_moved(site: Site, tmp_path: Path, monkeypatch)
 def test_verify_path_problems_have_distinct_messages(tmp_path: Path, make, message) -> None:
     target = tmp_path / "step-0000000001"
     make(target)
-    code, out, err = run(["--config", "/nonexistent.toml", "verify", str(target)])
+    code, out, err = run_here(["--config", "/nonexistent.toml", "verify", str(target)])
     assert code == 1 and out == ""
     assert err.splitlines() == [f"ckpt-slurm: error: {target}: {message}"] or (
         len(err.splitlines()) == 1 and message in err
@@ -385,7 +366,7 @@ def test_config_check_looks_at_the_roots(tmp_path: Path) -> None:
     local.mkdir()
     pfs.mkdir()
     ok = _cfg(tmp_path, str(local), str(pfs))
-    assert run(["config", "check", "--config", str(ok)]) == (0, f"ok: {ok}\n", "")
+    assert run_here(["config", "check", "--config", str(ok)]) == (0, f"ok: {ok}\n", "")
 
     cases = [
         (str(local), str(tmp_path / "absent"), "tiers.pfs.root", "does not exist"),
@@ -402,24 +383,24 @@ def test_config_check_looks_at_the_roots(tmp_path: Path) -> None:
     os.chown(tmp_path / "owned", 1234, 1234)
     for lroot, proot, key, what in cases:
         cfg = _cfg(tmp_path, lroot, proot)
-        code, out, err = run(["config", "check", "--config", str(cfg)])
+        code, out, err = run_here(["config", "check", "--config", str(cfg)])
         assert code == 2 and out == "", (proot, err)
         (line,) = err.splitlines()
         assert key in line and what in line, line
         # --offline: syntax and values only.
-        assert run(["config", "check", "--offline", "--config", str(cfg)])[0] == 0
+        assert run_here(["config", "check", "--offline", "--config", str(cfg)])[0] == 0
     # Sticky and world-writable (a shared scratch root): fine.
     os.chmod(tmp_path / "open", 0o1777)
     cfg = _cfg(tmp_path, str(local), str(tmp_path / "open"))
-    assert run(["config", "check", "--config", str(cfg)])[0] == 0
+    assert run_here(["config", "check", "--config", str(cfg)])[0] == 0
     # A missing local root is a warning (a login node has none), not an error.
     cfg = _cfg(tmp_path, str(tmp_path / "nolocal"), str(pfs))
-    code, out, err = run(["config", "check", "--config", str(cfg)])
+    code, out, err = run_here(["config", "check", "--config", str(cfg)])
     assert code == 0 and "warning:" in err and "does not exist on this node" in err
     # require_mount: a plain directory on the root filesystem is refused (as by the prolog).
     cfg = tmp_path / "mount.toml"
     cfg.write_text(f'[tiers.local]\nroot = "{local}"\nmin_free = 0\n[tiers.pfs]\nroot = "{pfs}"\n')
-    code, out, err = run(["config", "check", "--config", str(cfg)])
+    code, out, err = run_here(["config", "check", "--config", str(cfg)])
     if os.stat(local).st_dev == os.stat("/").st_dev:
         assert code == 2 and "not a mount of its own" in err
     else:  # tmp is a mount of its own here
@@ -431,7 +412,7 @@ def test_config_check_looks_at_the_roots(tmp_path: Path) -> None:
         .replace("min_free = 0", 'min_free = "8EiB"')
     )
     (tmp_path / "full.toml").write_text(cfg)
-    code, out, err = run(["config", "check", "--config", str(tmp_path / "full.toml")])
+    code, out, err = run_here(["config", "check", "--config", str(tmp_path / "full.toml")])
     assert code == 0 and "below the 8.0EiB the prolog requires" in err
 
 

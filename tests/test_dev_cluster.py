@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:  # a plain import here would defeat pytest's assert rewriting of it
-    from cluster_fixture import DevCluster
+    from helpers.cluster import DevCluster
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "dev-cluster"
 
-# Registers the session-scoped `slurm_cluster` fixture (tests/cluster_fixture.py).
+# Registers the session-scoped `slurm_cluster` fixture (tests/helpers/cluster.py).
 pytestmark = pytest.mark.root
 
 

@@ -12,7 +12,7 @@ import subprocess
 from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
-from cluster_fixture import DevCluster
+from helpers.cluster import DevCluster
 from test_cluster_e2e import CKPT_SLURM, E2E, PY, hooked_site
 
 from slurm_ckpt.slurm.records import parse_time

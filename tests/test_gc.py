@@ -11,13 +11,14 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
+import time
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
 import pytest
+from helpers import site as helper_site
+from helpers.cli import ckpt_slurm
 
-from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.layout import partial_dirname, step_dirname
 from slurm_ckpt.core.retention import CkptInfo, RetentionPolicy
 from slurm_ckpt.ops.gc import gc_series, pin_name, plan_series, policy_from_config, run_gc
@@ -26,23 +27,17 @@ from slurm_ckpt.tiers.posix import PosixTier
 REPO = Path(__file__).resolve().parents[1]
 
 
-class Site:
+class Site(helper_site.Site):
     def __init__(self, tmp: Path, keep_pfs: int = 2, every: str = "0", cold: bool = False):
-        self.tmp = tmp
-        for d in ("local", "pfs", "cold"):
-            (tmp / d).mkdir(exist_ok=True)
-        text = (
-            f'[tiers.local]\nroot = "{tmp / "local"}"\nrequire_mount = false\nmin_free = 0\n'
-            f'[tiers.pfs]\nroot = "{tmp / "pfs"}"\n'
+        super().__init__(
+            tmp,
+            tiers=("local", "pfs", "cold") if cold else ("local", "pfs"),
+            extra=f'[retention]\nkeep_pfs = {keep_pfs}\nkeep_pfs_every = "{every}"\n',
         )
-        if cold:
-            text += f'[tiers.cold]\nroot = "{tmp / "cold"}"\n'
-        text += f'[retention]\nkeep_pfs = {keep_pfs}\nkeep_pfs_every = "{every}"\n'
-        self.cfg_path = tmp / "c.toml"
-        self.cfg_path.write_text(text)
-        self.cfg = Config.load(self.cfg_path)
-        self.pfs = PosixTier("pfs", str(tmp / "pfs"))
-        self.cold = PosixTier("cold", str(tmp / "cold"))
+        self.tmp = tmp
+        (tmp / "cold").mkdir(exist_ok=True)
+        self.roots.setdefault("cold", tmp / "cold")
+        self.cfg = self.load()
 
     def save(
         self,
@@ -174,11 +169,17 @@ def test_cold_tier_and_archiving_in_progress(tmp_path: Path) -> None:
     # Step 4 is being archived to the cold tier right now: keep its PFS copy.
     (tmp_path / "cold/alice/run" / partial_dirname(4)).mkdir()
     site.save([5])
-    report = run_gc(site.cfg)
+    report = run_gc(site.cfg, as_owner=False)
     res = {r.tier: r for r in report.series}
     assert res["pfs"].keep == [4, 5] and res["pfs"].deleted == [1, 2, 3]
-    assert res["cold"].keep == [3] and res["cold"].deleted == [1, 2]
-    assert site.on_disk(tier=site.cold) == [3]
+    # The cold tier keeps everything younger than tiers.cold.keep_for (30 days).
+    assert res["cold"].keep == [1, 2, 3] and res["cold"].deleted == []
+    # A month later: 4 (the first of its day on the PFS) has aged into the cold tier,
+    # verified there; the cold tier drops what is older than keep_for but its newest.
+    report = run_gc(site.cfg, now=time.time() + 31 * 86400, as_owner=False)
+    assert [(a.src, a.dst, a.copied) for a in report.aged] == [("pfs", "cold", [4])]
+    res = {r.tier: r for r in report.series}
+    assert res["cold"].deleted == [1, 2, 3] and site.on_disk(tier=site.cold) == [4]
 
 
 def test_user_and_key_filters(tmp_path: Path) -> None:
@@ -212,32 +213,21 @@ def test_plan_series_replans_after_each_failure() -> None:
     assert asked == [7, 6, 5, 4, 3]  # newest first, each once
 
 
-def cli(*args: str, config: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), SLURM_CKPT_CONFIG=str(config), COLUMNS="200")
-    return subprocess.run(
-        [sys.executable, "-m", "slurm_ckpt.cli.main", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 def test_cli_dry_run_json_then_text(tmp_path: Path) -> None:
     site = Site(tmp_path, keep_pfs=2)
     site.save(range(1, 5))
-    r = cli("gc", "--dry-run", "--json", config=site.cfg_path)
+    r = ckpt_slurm("gc", "--dry-run", "--json", config=site.cfg_path)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     (s,) = doc["series"]
     assert doc["dry_run"] and s["delete"] == [1, 2] and s["deleted"] == []
     assert set(s) >= {"tier", "user", "key", "keep", "delete", "deleted", "verified", "corrupt"}
     assert site.on_disk() == [1, 2, 3, 4]
-    r = cli("gc", config=site.cfg_path)
+    r = ckpt_slurm("gc", config=site.cfg_path)
     assert r.returncode == 0, r.stderr
     assert "alice/run" in r.stdout and "deleted 2" in r.stdout
     assert site.on_disk() == [3, 4]
-    r = cli("gc", "--key", "../x", config=site.cfg_path)
+    r = ckpt_slurm("gc", "--key", "../x", config=site.cfg_path)
     assert r.returncode == 2 and r.stderr.startswith("ckpt-slurm: error: invalid key")
 
 
@@ -248,7 +238,7 @@ def test_failed_deletion_is_reported_with_exit_1(tmp_path: Path) -> None:
     stuck = Path(site.pfs.step_path("alice", "run", 1))
     subprocess.run(["chattr", "+i", str(stuck)], check=True)  # even root cannot unlink in it
     try:
-        r = cli("gc", "--json", config=site.cfg_path)
+        r = ckpt_slurm("gc", "--json", config=site.cfg_path)
         assert r.returncode == 1
         (s,) = json.loads(r.stdout)["series"]
         assert s["deleted"] == [2] and len(s["errors"]) == 1 and "step-0000000001" in s["errors"][0]

@@ -22,9 +22,9 @@ from slurm_ckpt.job.state import (  # noqa: E402
     layout,
     leaf_bytes,
     parse_index,
-    read_state,
     unflatten,
 )
+from slurm_ckpt.job.state_reader import read_state  # noqa: E402
 from slurm_ckpt.tiers.posix import PosixTier  # noqa: E402
 
 PREFIX = "rank-00000"
@@ -122,8 +122,8 @@ def read_back(
     tier: PosixTier, step: int = 1, groups: Optional[Sequence[str]] = None, key: str = "run"
 ) -> Any:
     m = tier.manifest("alice", key, step)
-    with tier.step_fd("alice", key, step) as sfd:
-        state, _ = read_state(sfd, m, PREFIX, groups=groups, where="test")
+    with tier.reader("alice", key, step) as r:
+        state, _ = read_state(r, m, PREFIX, groups=groups, where="test")
     return state
 
 

@@ -14,7 +14,7 @@ import time
 from typing import Iterator
 
 import pytest
-from cluster_fixture import DevCluster
+from helpers.cluster import DevCluster
 from test_cluster_e2e import CKPT_SLURM, E2E, PY, hooked_site
 
 pytestmark = pytest.mark.root

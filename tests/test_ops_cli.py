@@ -6,8 +6,6 @@ logic; the real-cluster ``maint`` test is in the last section.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import pwd
@@ -16,14 +14,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import pytest
+from helpers import site as helper_site
+from helpers.cli import run_here
 
-from slurm_ckpt.cli.main import main
 from slurm_ckpt.ledger import Ledger, State, publish_status
 from slurm_ckpt.node.asuser import run_as_user
 from slurm_ckpt.ops import maint as maint_mod
@@ -32,30 +30,26 @@ from slurm_ckpt.tiers.posix import PosixTier
 USER = "ckptuser1"
 
 
-def cli(*argv: str) -> Tuple[int, str, str]:
-    """Run ``ckpt-slurm`` in this process: (exit status, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main(list(argv))
-        except SystemExit as exc:
-            code = int(exc.code or 0)
-    return code, out.getvalue(), err.getvalue()
+class Site(helper_site.Site):
+    """The helper site, with paths under /var/tmp readable by the job user, a 1777 PFS
+    root, and the user's local directory made by root as the prolog would."""
 
+    def __init__(self, base: Path) -> None:
+        super().__init__(
+            base, config_name="config.toml", extra='[copy]\nchunk_size = "1MiB"\nstreams = 2\n'
+        )
+        self.config = self.cfg_path
 
-@dataclass
-class Site:
-    base: Path
-    local: Path
-    pfs: Path
-    config: Path
+    @property
+    def local(self) -> Path:  # type: ignore[override]
+        return self.roots["local"]
 
-    def tier(self, name: str) -> PosixTier:
-        return PosixTier(name, str(self.local if name == "local" else self.pfs))
+    @property
+    def pfs(self) -> Path:  # type: ignore[override]
+        return self.roots["pfs"]
 
     def cli(self, *argv: str) -> Tuple[int, str, str]:
-        return cli("--config", str(self.config), *argv)
+        return run_here(["--config", str(self.config), *argv])
 
 
 def _need_user() -> None:
@@ -72,21 +66,14 @@ def site() -> Iterator[Site]:
     _need_user()
     base = Path(tempfile.mkdtemp(prefix="sckpt-ops-", dir="/var/tmp"))
     os.chmod(base, 0o755)
-    local, pfs = base / "local", base / "pfs"
-    local.mkdir()
-    pfs.mkdir()
-    os.chmod(pfs, 0o1777)
+    site = Site(base)
+    os.chmod(site.pfs, 0o1777)
     pw = pwd.getpwnam(USER)
-    (local / USER).mkdir(mode=0o700)
-    os.chown(local / USER, pw.pw_uid, pw.pw_gid)
-    config = base / "config.toml"
-    config.write_text(
-        f'[tiers.local]\nroot = "{local}"\nrequire_mount = false\nmin_free = 0\n'
-        f'[tiers.pfs]\nroot = "{pfs}"\n[copy]\nchunk_size = "1MiB"\nstreams = 2\n'
-    )
-    os.chmod(config, 0o644)
+    (site.local / USER).mkdir(mode=0o700)
+    os.chown(site.local / USER, pw.pw_uid, pw.pw_gid)
+    os.chmod(site.config, 0o644)
     try:
-        yield Site(base, local, pfs, config)
+        yield site
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
@@ -129,7 +116,7 @@ def _as_user(fn: Any, *args: Any) -> Any:
 
 
 def _drill_child(config: str) -> List[Any]:
-    return list(cli("--config", config, "drill", "run", "--json"))
+    return list(run_here(["--config", config, "drill", "run", "--json"]))
 
 
 def test_drill_as_user_picks_what_a_restart_picks(site: Site) -> None:
@@ -184,7 +171,7 @@ def test_drill_loads_torch_state(site: Site) -> None:
         f'[tiers.local]\nroot = "{local}"\nrequire_mount = false\nmin_free = 0\n'
         f'[tiers.pfs]\nroot = "{pfs}"\n'
     )
-    code, out, err = cli("--config", str(conf), "drill", "run", "--json")
+    code, out, err = run_here(["--config", str(conf), "drill", "run", "--json"])
     assert code == 0, err
     rep = json.loads(out)
     assert rep["ok"] and rep["step"] == 5 and rep["load"] == "torch", rep
@@ -194,7 +181,7 @@ def test_drill_loads_torch_state(site: Site) -> None:
 
 
 def _flush_child(config: str) -> List[Any]:
-    return list(cli("--config", config, "flush", "--node", "tnode", "--json"))
+    return list(run_here(["--config", config, "flush", "--node", "tnode", "--json"]))
 
 
 def test_flush_as_user_copies_own_checkpoints(site: Site) -> None:

@@ -14,7 +14,7 @@ import subprocess
 from typing import Any, Dict, Iterator
 
 import pytest
-from cluster_fixture import SCRIPT, DevCluster
+from helpers.cluster import SCRIPT, DevCluster
 from test_cluster_e2e import CKPT_SLURM, E2E, PY, hooked_site
 
 pytestmark = pytest.mark.root

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Dict, Iterator
 
 import pytest
-from cluster_fixture import DevCluster
+from helpers.cluster import DevCluster
 
 from slurm_ckpt.errors import CkptError, InvalidName, SlurmError
 from slurm_ckpt.slurm import hostlist

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict
 
 import pytest
+from helpers import site as helper_site
+from helpers.cli import ckpt_slurm
 
-from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.layout import step_dirname
 from slurm_ckpt.core.manifest import Manifest
 from slurm_ckpt.core.manifest import manifest_facts as _facts
@@ -34,7 +33,7 @@ from slurm_ckpt.ops.status import (
 from slurm_ckpt.tiers.posix import PosixTier
 
 if TYPE_CHECKING:  # a plain import would defeat pytest's assert rewriting of the plugin
-    from cluster_fixture import DevCluster
+    from helpers.cluster import DevCluster
 
 REPO = Path(__file__).resolve().parents[1]
 NB = 1000  # payload bytes per checkpoint
@@ -46,22 +45,13 @@ def write(tier: PosixTier, user: str, key: str, step: int, job: Any, node: Any =
         w.commit()
 
 
-class Site:
+class Site(helper_site.Site):
     """A PFS (and cold tier) catalog, three nodes' status files, and the expected times."""
 
     def __init__(self, tmp: Path) -> None:
-        for d in ("local", "pfs", "cold"):
-            (tmp / d).mkdir()
-        self.cfg = Config.standalone(
-            tmp / "local", tmp / "pfs", tiers={"cold": {"root": str(tmp / "cold")}}
-        )
-        self.cfg_path = tmp / "c.toml"
-        self.cfg_path.write_text(
-            f'[tiers.local]\nroot = "{tmp / "local"}"\nrequire_mount = false\nmin_free = 0\n'
-            f'[tiers.pfs]\nroot = "{tmp / "pfs"}"\n[tiers.cold]\nroot = "{tmp / "cold"}"\n'
-        )
-        pfs = self.pfs = PosixTier("pfs", str(tmp / "pfs"))
-        cold = PosixTier("cold", str(tmp / "cold"))
+        super().__init__(tmp, tiers=("local", "pfs", "cold"))
+        self.cfg = self.load()
+        pfs, cold = self.pfs, self.cold
         # alice/run1 (job 11): 100, 200, 300 committed; 400 is a commit in progress.
         for step in (100, 200, 300):
             write(pfs, "alice", "run1", step, 11, "n1")
@@ -274,19 +264,8 @@ def test_manifest_fast_path_agrees_with_full_parse(site: Site, tmp_path: Path) -
         _facts(b" " + data)
 
 
-def cli(*args: str, config: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), SLURM_CKPT_CONFIG=str(config), COLUMNS="200")
-    return subprocess.run(
-        [sys.executable, "-m", "slurm_ckpt.cli.main", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 def test_cli_json_and_table(site: Site) -> None:
-    r = cli("status", "--json", "--no-slurm", config=site.cfg_path)
+    r = ckpt_slurm("status", "--json", "--no-slurm", config=site.cfg_path)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["format"] == "slurm_ckpt.status" and doc["version"] == 1
@@ -307,10 +286,10 @@ def test_cli_json_and_table(site: Site) -> None:
         "flush_eta_s",
         "problems",
     }
-    r = cli("status", "--no-slurm", "--job", "11", config=site.cfg_path)
+    r = ckpt_slurm("status", "--no-slurm", "--job", "11", config=site.cfg_path)
     assert r.returncode == 0, r.stderr
     assert "alice/run1" in r.stdout and " 200 " in r.stdout and "bob" not in r.stdout
-    r = cli("status", "--user", "../etc", config=site.cfg_path)
+    r = ckpt_slurm("status", "--user", "../etc", config=site.cfg_path)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("ckpt-slurm: error: invalid user")
 

@@ -27,6 +27,7 @@ import pytest
 import torch  # noqa: E402  (a test dependency: installed by scripts/setup)
 
 from slurm_ckpt import torch as sct  # noqa: E402
+from slurm_ckpt import torch_codec as codec  # noqa: E402
 from slurm_ckpt.job import state as st  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -145,7 +146,7 @@ def test_encoding_is_lossless_and_pickle_free() -> None:
             for v in x.values():
                 check(v)
         elif isinstance(x, list):
-            assert not sct._has_blob(x)
+            assert not codec.has_blob(x)
             json.dumps(x, allow_nan=False)
         else:
             assert isinstance(x, (torch.Tensor, np.ndarray, bytes, str, int, float, type(None)))

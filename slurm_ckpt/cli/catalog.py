@@ -73,6 +73,7 @@ STEP_COLUMNS = [
     Column("age_s", "age", fmt=format_duration, right=True),
     Column("job", "job", drop=1),
     Column("node", "node", drop=1),
+    Column("data_version", "data", fmt=lambda v: v or "-", drop=3),
     Column("state", "state"),
     Column("reason", "reason", wrap=True),
     Column("path", "path", drop=6, wrap=True),

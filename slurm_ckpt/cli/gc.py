@@ -94,6 +94,9 @@ def gc_cmd(
     for s in report.series:
         for line in s.errors:
             print_error(line)
+    for a in report.aged:
+        for line in a.errors:
+            print_error(line)
     left = sum(s.damaged_left for s in report.series)
     code = 0 if report.ok and not left else 1
     if out.json:

@@ -46,6 +46,10 @@ EXAMPLES: Dict[str, List[str]] = {
     "gc": ["ckpt-slurm gc --dry-run", "ckpt-slurm gc -u alice -k my-run --json"],
     "flush": ["ckpt-slurm flush", "ckpt-slurm flush -j 123456 --wait"],
     "drill": ["ckpt-slurm drill my-run", "ckpt-slurm drill my-run -u alice --json"],
+    "restore": [
+        "ckpt-slurm restore my-run --to /scratch/alice/restore",
+        "ckpt-slurm restore my-run --tier cold --step 4000 --to /scratch/alice/3-days-ago",
+    ],
     "plan": [
         "ckpt-slurm plan --params 70e9 --local-bw 3GB/s --pfs-bw 500MB/s --mtbi 6h "
         "--max-loss 30min",
@@ -68,7 +72,7 @@ EXAMPLES: Dict[str, List[str]] = {
         "ckpt-slurm maint gpu-007 --reason 'disk swap' --timeout 2h -- /usr/local/sbin/swap",
     ],
     "guard": ["ckpt-slurm guard", "ckpt-slurm guard --wait 5min && /sbin/reboot"],
-    "doctor": ["ckpt-slurm doctor"],
+    "doctor": ["ckpt-slurm doctor", "ckpt-slurm doctor --signal-lead 300s --json"],
 }
 
 

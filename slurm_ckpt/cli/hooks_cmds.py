@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -31,6 +30,7 @@ from slurm_ckpt.core.names import validate_node
 from slurm_ckpt.core.units import format_duration
 from slurm_ckpt.errors import CkptError, ConfigError, SlurmError, UsageError
 from slurm_ckpt.ops.install import GRACE_S, install_hooks, render_hook
+from slurm_ckpt.slurm.env import slurmd_nodename, this_node
 
 __all__ = [
     "GRACE_S",
@@ -126,7 +126,7 @@ def _hook_env(kind: str, client: Any) -> Any:
         return hook_env()
     except CkptError as exc:
         msg = f"{kind}: bad SLURM job environment: {exc}"
-        _drain_quietly(client, os.environ.get("SLURMD_NODENAME"), f"slurm_ckpt: {msg}")
+        _drain_quietly(client, slurmd_nodename(), f"slurm_ckpt: {msg}")
         raise UsageError(msg) from None
 
 
@@ -150,7 +150,7 @@ def prolog_cmd(state: CliState, budget: Optional[float]) -> None:
         cfg = _trusted_config(state)
         report = run_prolog(cfg, env, client, _budget(cfg.hooks.budget, budget))
     except CkptError as exc:
-        _drain_quietly(client, os.environ.get("SLURMD_NODENAME"), _drain_text("prolog", exc))
+        _drain_quietly(client, slurmd_nodename(), _drain_text("prolog", exc))
         if isinstance(exc, (PrologFailed, ConfigError)):
             raise  # a bad or untrusted config keeps its exit status (2)
         raise PrologFailed(str(exc)) from None
@@ -176,7 +176,7 @@ def epilog_cmd(state: CliState, budget: Optional[float]) -> None:
         cfg = _trusted_config(state)
         report = run_epilog(cfg, env, client, _budget(cfg.hooks.budget, budget))
     except CkptError as exc:
-        _drain_quietly(client, os.environ.get("SLURMD_NODENAME"), _drain_text("epilog", exc))
+        _drain_quietly(client, slurmd_nodename(), _drain_text("epilog", exc))
         raise
     click.echo(report.line())
 
@@ -208,8 +208,7 @@ def stager_cmd(
 
     _setup_logging("stager")
     _need_root("ckpt-slurm stager")
-    name = node or os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
-    validate_node(name)
+    name = this_node(node)
     client = None if no_slurm else _client()
     _trusted_config(state)  # fail now, with one line, if the config is bad or not root's
 

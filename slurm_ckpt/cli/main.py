@@ -62,6 +62,7 @@ COMMANDS: List[Tuple[str, str]] = [
     ("slurm_ckpt.cli.flush", "flush_cmd"),
     ("slurm_ckpt.cli.drill", "drill_cmd"),
     ("slurm_ckpt.cli.doctor", "doctor_cmd"),
+    ("slurm_ckpt.cli.restore_cmd", "restore_cmd"),
 ]
 
 #: OSError numbers that a user or the site causes (permissions, full or read-only disks,

@@ -5,8 +5,6 @@ parses options and shows progress.
 
 from __future__ import annotations
 
-import os
-import socket
 from typing import Any, List, Optional, Tuple
 
 import click
@@ -14,8 +12,8 @@ import click
 from slurm_ckpt.cli.output import CliState, console, pass_state
 from slurm_ckpt.cli.params import DURATION, NODE, NODELIST, Duration
 from slurm_ckpt.cli.progress import progress_enabled
-from slurm_ckpt.core.names import validate_node
 from slurm_ckpt.ops.maint import NodeWait, action_argv, guard, run_maint
+from slurm_ckpt.slurm.env import this_node
 
 __all__ = ["guard_cmd", "maint_cmd"]
 
@@ -141,6 +139,5 @@ def guard_cmd(state: CliState, node: Optional[str], wait_s: float, poll: float) 
     For SLURM's RebootProgram (or a wrapper around it): a reboot must not lose a
     checkpoint that exists only on this node's local tier.
     """
-    name = node or os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
-    validate_node(name)
+    name = this_node(node)
     click.echo(guard(state.config, name, wait_s, poll))

@@ -109,16 +109,23 @@ def io_buffer(size: int) -> memoryview:
     return buf
 
 
-def hash_range(
-    fd: int,
+#: ``read(buf, offset) -> bytes read``; ``write(view, offset)``.
+ReadAt = Callable[[memoryview, int], int]
+WriteAt = Callable[[memoryview, int], None]
+
+
+def hash_pieces(
+    read: ReadAt,
     offset: int,
     length: int,
-    out_fd: Optional[int] = None,
+    write: Optional[WriteAt] = None,
     limiter: Optional[BandwidthLimiter] = None,
     piece: int = PIECE,
 ) -> str:
-    """Read ``length`` bytes at ``offset`` of ``fd``, hash them, and optionally write them
-    to the same offset of ``out_fd`` - one pass through memory for copy and verify alike.
+    """Read ``length`` bytes at ``offset`` in pieces into this thread's reusable buffer,
+    hash them, and optionally write each piece to the same offset elsewhere: one pass
+    through memory, for copy and verify alike, on any tier (``read``/``write`` are a
+    file's ``preadv``/``pwrite``, or an object store's ranged GET and part upload).
 
     A short read (the file shrank under us) raises EIO-like ``OSError``.
     """
@@ -130,12 +137,27 @@ def hash_range(
         n = min(piece, end - pos)
         if limiter is not None:
             limiter.acquire(n)
-        got = os.preadv(fd, [buf[:n]], pos)
+        got = read(buf[:n], pos)
         if got <= 0:
             raise OSError(errno.EIO, f"unexpected end of file at offset {pos}")
         view = buf[:got]
         h.update(view)
-        if out_fd is not None:
-            write_all(out_fd, view, pos)
+        if write is not None:
+            write(view, pos)
         pos += got
     return h.hexdigest()
+
+
+def hash_range(
+    fd: int,
+    offset: int,
+    length: int,
+    out_fd: Optional[int] = None,
+    limiter: Optional[BandwidthLimiter] = None,
+    piece: int = PIECE,
+) -> str:
+    """:func:`hash_pieces` over file descriptors (``out_fd``: also copy there)."""
+    write = None if out_fd is None else (lambda view, pos: write_all(out_fd, view, pos))
+    return hash_pieces(
+        lambda buf, pos: os.preadv(fd, [buf], pos), offset, length, write, limiter, piece
+    )

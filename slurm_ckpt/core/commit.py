@@ -58,6 +58,32 @@ def read_manifest(step_fd: int, where: str) -> Manifest:
     return Manifest.from_bytes(data, where)
 
 
+def manifest_to_commit(w: Any) -> Manifest:
+    """The manifest a writer (of any tier) commits: a copy's own, complete (every file of
+    it written or kept), or a fresh one over what was written. ``w`` has the writer
+    fields ``copy_of``, ``where``, ``user``, ``key``, ``step``, ``tokens``, ``job``,
+    ``node``, ``meta``, ``chunk_size`` and the written entries ``_entries``."""
+    if w.copy_of is not None:
+        missing = sorted({e.path for e in w.copy_of.files} - set(w._entries))
+        if missing:
+            raise CkptError(
+                f"{w.where}: copy incomplete ({len(missing)} files missing, first {missing[0]})"
+            )
+        return w.copy_of
+    return Manifest(
+        user=w.user,
+        key=w.key,
+        step=w.step,
+        files=sorted(w._entries.values(), key=lambda e: e.path),
+        tokens=w.tokens,
+        wall_time=time.time(),
+        job=w.job,
+        node=w.node,
+        meta=w.meta,
+        chunk_size=w.chunk_size,
+    )
+
+
 class CheckpointWriter:
     """Writes one checkpoint into a tier root and commits it atomically.
 
@@ -320,27 +346,7 @@ class CheckpointWriter:
         """Publish the checkpoint: rename into place, then write the manifest last."""
         if self._done:
             raise CkptError(f"{self.where}: writer already finished")
-        if self.copy_of is not None:
-            manifest = self.copy_of
-            missing = sorted({e.path for e in manifest.files} - set(self._entries))
-            if missing:
-                raise CkptError(
-                    f"{self.where}: copy incomplete ({len(missing)} files missing, "
-                    f"first {missing[0]})"
-                )
-        else:
-            manifest = Manifest(
-                user=self.user,
-                key=self.key,
-                step=self.step,
-                files=sorted(self._entries.values(), key=lambda e: e.path),
-                tokens=self.tokens,
-                wall_time=time.time(),
-                job=self.job,
-                node=self.node,
-                meta=self.meta,
-                chunk_size=self.chunk_size,
-            )
+        manifest = manifest_to_commit(self)
         try:
             for sub in sorted(self._dirs, key=len, reverse=True):
                 os.fsync(self._dirs[sub])

@@ -25,8 +25,47 @@ import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from slurm_ckpt.core.config_schema import (  # noqa: F401 - the section classes are re-exported
+    BUCKET_RE,
+    DEFAULT_CONFIG_PATH,
+    ENV_CONFIG,
+    KIND_AUTO,
+    KIND_BANDWIDTH,
+    KIND_BASE_UNITS,
+    KIND_BOOL,
+    KIND_BUCKET,
+    KIND_DURATION,
+    KIND_EXAMPLES,
+    KIND_INT,
+    KIND_PATH,
+    KIND_PREFIX,
+    KIND_SIGNALS,
+    KIND_SIZE,
+    KIND_STR,
+    KIND_URL,
+    LEDGER_SUBDIR,
+    PREFIX_RE,
+    SECTION_CLASSES,
+    STANDALONE_SOURCE,
+    TIER_CLASSES,
+    TOP_KEYS,
+    AdmissionConfig,
+    ColdTierConfig,
+    CopyConfig,
+    HooksConfig,
+    JobConfig,
+    LedgerConfig,
+    LocalTierConfig,
+    MetricsConfig,
+    ObjectTierConfig,
+    PathLike,
+    PfsTierConfig,
+    RetentionConfig,
+    TiersConfig,
+    field_of,
+)
 from slurm_ckpt.core.units import (
     format_bytes,
     format_duration,
@@ -61,218 +100,6 @@ __all__ = [
     "resolve_config_path",
 ]
 
-DEFAULT_CONFIG_PATH = Path("/etc/slurm-ckpt/config.toml")
-ENV_CONFIG = "SLURM_CKPT_CONFIG"
-LEDGER_SUBDIR = ".slurm_ckpt"
-STANDALONE_SOURCE = "<standalone>"
-
-PathLike = Union[str, "os.PathLike[str]"]
-
-# Field kinds understood by the generic section parser (stored in field metadata).
-_PATH = "path"  # absolute path -> Path
-_BOOL = "bool"
-_INT = "int"  # integer >= metadata["min"]
-_SIZE = "size"  # bytes (int), "64MiB" or a number
-_DURATION = "duration"  # seconds (float), "6h" or a number
-_BANDWIDTH = "bandwidth"  # bytes/s (float), "500MB/s" or a number; 0 = no limit
-_STR = "str"
-_URL = "url"  # http:// or https://
-_PREFIX = "prefix"  # relative object-key prefix
-_SIGNALS = "signals"  # list of signal names -> tuple of "SIGxxx"
-_AUTO = "auto"  # the string "auto" or unset
-_EXAMPLES = {_SIZE: "64MiB", _DURATION: "6h", _BANDWIDTH: "500MB/s"}
-_BASE_UNITS = {_SIZE: "bytes", _DURATION: "seconds", _BANDWIDTH: "bytes per second"}
-
-
-def _f(
-    kind: str, default: Any = dataclasses.MISSING, *, minimum: float = 0, optional: bool = False
-) -> Any:
-    """A dataclass field carrying its config kind (and lower bound) as metadata."""
-    meta = {"kind": kind, "min": minimum, "optional": optional}
-    if default is dataclasses.MISSING:
-        return field(metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-# --------------------------------------------------------------------------- sections
-
-
-@dataclass(frozen=True)
-class LocalTierConfig:
-    """``[tiers.local]``: node-local fast storage (NVMe, local SSD)."""
-
-    root: Path = _f(_PATH)
-    #: Refuse a local root that lives on the root filesystem ("/") unless False.
-    require_mount: bool = _f(_BOOL, True)
-    #: Bytes that must stay free on the local tier; older checkpoints are evicted first.
-    min_free: int = _f(_SIZE, 10 * 2**30)
-
-
-@dataclass(frozen=True)
-class PfsTierConfig:
-    """``[tiers.pfs]``: the shared parallel filesystem (Lustre, GPFS, BeeGFS, NFS)."""
-
-    root: Path = _f(_PATH)
-    #: Cap on flush bandwidth in bytes per second; None = unlimited.
-    bandwidth_limit: Optional[float] = _f(_BANDWIDTH, None, optional=True)
-
-
-@dataclass(frozen=True)
-class ObjectTierConfig:
-    """``[tiers.object]``: an S3-compatible object store (validated and carried only)."""
-
-    endpoint: str = _f(_URL)
-    bucket: str = _f(_STR)
-    prefix: str = _f(_PREFIX, "")
-
-
-@dataclass(frozen=True)
-class ColdTierConfig:
-    """``[tiers.cold]``: archive storage (tape-backed HSM, cold filesystem)."""
-
-    root: Path = _f(_PATH)
-
-
-@dataclass(frozen=True)
-class TiersConfig:
-    """``[tiers]``: local and pfs are required; object and cold are optional."""
-
-    local: LocalTierConfig
-    pfs: PfsTierConfig
-    object: Optional[ObjectTierConfig] = None
-    cold: Optional[ColdTierConfig] = None
-
-
-@dataclass(frozen=True)
-class RetentionConfig:
-    """``[retention]``: how many checkpoints each tier keeps."""
-
-    #: Newest checkpoints kept on the local tier.
-    keep_local: int = _f(_INT, 2, minimum=1)
-    #: Every Mth local checkpoint is flushed (copied) to the PFS.
-    flush_every: int = _f(_INT, 1, minimum=1)
-    #: Newest checkpoints kept on the PFS.
-    keep_pfs: int = _f(_INT, 3, minimum=1)
-    #: Additionally keep one PFS checkpoint per this many seconds; 0 disables.
-    keep_pfs_every: float = _f(_DURATION, 86400.0)
-
-
-@dataclass(frozen=True)
-class CopyConfig:
-    """``[copy]``: the parallel copy engine used for flushes and staging."""
-
-    streams: int = _f(_INT, 4, minimum=1)
-    chunk_size: int = _f(_SIZE, 64 * 2**20, minimum=1)
-    buffer_size: int = _f(_SIZE, 16 * 2**20, minimum=1)
-
-
-@dataclass(frozen=True)
-class JobConfig:
-    """``[job]``: when a running job checkpoints and how it reacts to signals."""
-
-    interval_tokens: Optional[int] = _f(_INT, None, minimum=1, optional=True)
-    interval_steps: Optional[int] = _f(_INT, None, minimum=1, optional=True)
-    interval_seconds: Optional[float] = _f(_DURATION, None, minimum=1e-9, optional=True)
-    #: "auto": derive the period from ``mtbi`` and the measured checkpoint cost.
-    interval: Optional[str] = _f(_AUTO, None, optional=True)
-    #: Mean time between interruptions (node failure, preemption), for interval = "auto".
-    mtbi: float = _f(_DURATION, 86400.0, minimum=1e-9)
-    signals: Tuple[str, ...] = _f(_SIGNALS, ("SIGTERM", "SIGUSR1", "SIGUSR2"))
-    max_consecutive_failures: int = _f(_INT, 3, minimum=1)
-    #: Host memory for staging tensors before writing; 0 = choose automatically.
-    staging_memory_limit: int = _f(_SIZE, 0)
-
-
-@dataclass(frozen=True)
-class HooksConfig:
-    """``[hooks]``: SLURM prolog/epilog behaviour."""
-
-    #: Time the prolog/epilog may spend; must stay below SLURM's PrologEpilogTimeout.
-    budget: float = _f(_DURATION, 100.0, minimum=1e-9)
-    #: Free space the prolog requires on the local tier; None = skip the check.
-    expected_checkpoint_size: Optional[int] = _f(_SIZE, None, optional=True)
-    #: On a requeued job, copy the newest PFS checkpoint to the local tier in the prolog.
-    stage_on_requeue: bool = _f(_BOOL, False)
-    #: A child running as a user (scan, flush, delete) that shows no progress for this
-    #: long is killed and its work retried later (a user can SIGSTOP their own processes).
-    child_timeout: float = _f(_DURATION, 60.0, minimum=1e-3)
-    #: A flush child gets at most 10 x child_timeout + size / min_flush_rate in all.
-    min_flush_rate: float = _f(_BANDWIDTH, 10e6, minimum=1.0)
-    #: First wait before a failed flush is tried again (doubling, at most 1 hour).
-    retry_backoff: float = _f(_DURATION, 60.0, minimum=1e-3)
-    #: After this many failed flushes in a row a checkpoint no longer keeps its node
-    #: drained (it is still retried, and reported by status).
-    max_retries: int = _f(_INT, 5, minimum=1)
-    #: The prolog frees local space from users with no job on the node: their debris and
-    #: unflushable leftovers, then checkpoints already safe on the PFS.
-    reclaim_departed: bool = _f(_BOOL, True)
-
-
-@dataclass(frozen=True)
-class LedgerConfig:
-    """``[ledger]``: where the checkpoint ledger lives (default ``<local root>/.slurm_ckpt``)."""
-
-    dir: Path = _f(_PATH)
-
-
-@dataclass(frozen=True)
-class MetricsConfig:
-    """``[metrics]``: optional exporters."""
-
-    #: node_exporter textfile collector directory; None = no textfile metrics.
-    textfile_dir: Optional[Path] = _f(_PATH, None, optional=True)
-    #: Directory for JSON-lines event logs (events-<node>.jsonl); None = the ledger dir.
-    events_dir: Optional[Path] = _f(_PATH, None, optional=True)
-
-
-@dataclass(frozen=True)
-class AdmissionConfig:
-    """``[admission]``: how many nodes may flush to the shared tier at once, cluster-wide.
-
-    The slots live on the PFS itself (``dir``, default ``<tiers.pfs.root>/.slurm_ckpt/
-    slots``), root-owned; see :mod:`slurm_ckpt.core.admission`. With neither cap set
-    there is no cap, and only the jitter applies.
-    """
-
-    #: At most this many nodes flush at once; unset = no cap on the count.
-    max_nodes: Optional[int] = _f(_INT, None, minimum=1, optional=True)
-    #: At most this much flush bandwidth in total (sum of the holders' rates); 0 = none.
-    max_bandwidth: Optional[float] = _f(_BANDWIDTH, None, optional=True)
-    #: Each flush starts after a random delay in [0, jitter): aligned saves spread out.
-    jitter: float = _f(_DURATION, 0.0)
-    #: A slot whose holder stops renewing it is free again this long after the last renewal.
-    lease: float = _f(_DURATION, 60.0, minimum=1e-3)
-    #: How often a waiting flusher looks at the queue again.
-    poll: float = _f(_DURATION, 1.0, minimum=1e-3)
-    #: Longest wait for a slot of a flusher that has no budget of its own (stager, CLI).
-    max_wait: float = _f(_DURATION, 300.0, minimum=1e-3)
-    #: Where the slots live; unset = ``<tiers.pfs.root>/.slurm_ckpt/slots``.
-    dir: Optional[Path] = _f(_PATH, None, optional=True)
-
-    @property
-    def enabled(self) -> bool:
-        """True when a cap is set (slots are taken); jitter applies either way."""
-        return self.max_nodes is not None or self.max_bandwidth is not None
-
-
-_TIER_CLASSES = {
-    "local": LocalTierConfig,
-    "pfs": PfsTierConfig,
-    "object": ObjectTierConfig,
-    "cold": ColdTierConfig,
-}
-_SECTION_CLASSES = {
-    "retention": RetentionConfig,
-    "copy": CopyConfig,
-    "job": JobConfig,
-    "hooks": HooksConfig,
-    "ledger": LedgerConfig,
-    "metrics": MetricsConfig,
-    "admission": AdmissionConfig,
-}
-_TOP_KEYS = ["tiers", *_SECTION_CLASSES]
-
-
 # --------------------------------------------------------------------------- Config
 
 
@@ -305,10 +132,13 @@ class Config:
         return _build(data, source)
 
     @classmethod
-    def standalone(cls, local: PathLike, pfs: PathLike, **overrides: Any) -> Config:
+    def standalone(
+        cls, local: PathLike, pfs: Optional[PathLike] = None, **overrides: Any
+    ) -> Config:
         """A configuration without any file, for library use on plain directories.
 
-        ``local`` and ``pfs`` may be relative (they are made absolute). The local tier
+        ``local`` and ``pfs`` may be relative (they are made absolute); without ``pfs``
+        give ``tiers={"object": {...}}`` (a site without a parallel filesystem). The local tier
         defaults to ``require_mount=False`` and ``min_free=0``, since a plain directory is
         expected. ``overrides`` are TOML-shaped sections, each a dict or the section's
         dataclass, e.g. ``retention={"keep_local": 3}``, ``copy=CopyConfig(streams=8)``,
@@ -321,13 +151,14 @@ class Config:
                     "require_mount": False,
                     "min_free": 0,
                 },
-                "pfs": {"root": os.path.abspath(os.fspath(pfs))},
             }
         }
+        if pfs is not None:
+            data["tiers"]["pfs"] = {"root": os.path.abspath(os.fspath(pfs))}
         problems: List[str] = []
         for name, value in overrides.items():
-            if name not in _TOP_KEYS:
-                problems.append(_unknown(STANDALONE_SOURCE, "", name, _TOP_KEYS))
+            if name not in TOP_KEYS:
+                problems.append(_unknown(STANDALONE_SOURCE, "", name, TOP_KEYS))
                 continue
             if isinstance(value, TiersConfig):
                 value = _tiers_to_dict(value)
@@ -359,7 +190,7 @@ class Config:
         bandwidths and durations are formatted for people instead (not parseable back).
         """
         out: Dict[str, Any] = {"tiers": _tiers_to_dict(self.tiers, human)}
-        for name in _SECTION_CLASSES:
+        for name in SECTION_CLASSES:
             out[name] = _section_to_dict(getattr(self, name), human)
         return out
 
@@ -452,10 +283,10 @@ def _unknown(
 def _all_keys() -> Dict[str, str]:
     """Bare key name -> its full dotted name, to point at misplaced keys."""
     out: Dict[str, str] = {}
-    for tier, cls in _TIER_CLASSES.items():
+    for tier, cls in TIER_CLASSES.items():
         for f in dataclasses.fields(cls):
             out.setdefault(f.name, f"tiers.{tier}.{f.name}")
-    for sec, cls in _SECTION_CLASSES.items():
+    for sec, cls in SECTION_CLASSES.items():
         for f in dataclasses.fields(cls):
             out.setdefault(f.name, f"{sec}.{f.name}")
     return out
@@ -463,7 +294,7 @@ def _all_keys() -> Dict[str, str]:
 
 def _convert(kind: str, value: Any, key: str, minimum: float) -> Any:
     """Convert one value; raise ValueError with a message starting at the key."""
-    if kind == _PATH:
+    if kind == KIND_PATH:
         if not isinstance(value, (str, os.PathLike)) or isinstance(value, bool):
             raise ValueError(f"{key}: expected a path string, got {_type_name(value)}")
         text = os.fspath(value)
@@ -474,11 +305,11 @@ def _convert(kind: str, value: Any, key: str, minimum: float) -> Any:
         if not os.path.isabs(text):
             raise ValueError(f"{key}: must be an absolute path, got {text!r}")
         return Path(os.path.normpath(text))
-    if kind == _BOOL:
+    if kind == KIND_BOOL:
         if not isinstance(value, bool):
             raise ValueError(f"{key}: expected true or false, got {_type_name(value)} {value!r}")
         return value
-    if kind == _INT:
+    if kind == KIND_INT:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
@@ -486,16 +317,16 @@ def _convert(kind: str, value: Any, key: str, minimum: float) -> Any:
         if value < minimum:
             raise ValueError(f"{key}: must be at least {int(minimum)}, got {value}")
         return value
-    if kind in (_SIZE, _DURATION, _BANDWIDTH):
+    if kind in (KIND_SIZE, KIND_DURATION, KIND_BANDWIDTH):
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ValueError(
-                f"{key}: expected a number or a string such as {_EXAMPLES[kind]}, "
+                f"{key}: expected a number or a string such as {KIND_EXAMPLES[kind]}, "
                 f"got {_type_name(value)}"
             )
         try:
-            if kind == _SIZE:
+            if kind == KIND_SIZE:
                 out: Any = parse_size(value, key)
-            elif kind == _DURATION:
+            elif kind == KIND_DURATION:
                 out = parse_duration(value, key)
             else:
                 if isinstance(value, (int, float)) and value == 0:
@@ -506,32 +337,40 @@ def _convert(kind: str, value: Any, key: str, minimum: float) -> Any:
         except CkptError as exc:
             hint = ""
             if "has no unit" in str(exc):  # a quoted bare number: say what unquoted means
-                hint = f" (an unquoted TOML number is {_BASE_UNITS[kind]})"
+                hint = f" (an unquoted TOML number is {KIND_BASE_UNITS[kind]})"
             raise ValueError(str(exc) + hint) from None
         if out < minimum or (minimum > 0 and out <= 0):
-            if kind == _SIZE:
+            if kind == KIND_SIZE:
                 raise ValueError(f"{key}: must be at least {int(minimum)} bytes, got {value!r}")
             raise ValueError(f"{key}: must be positive, got {value!r}")
         return out
-    if kind == _STR:
+    if kind == KIND_STR:
         if not isinstance(value, str):
             raise ValueError(f"{key}: expected a string, got {_type_name(value)}")
         if not value.strip():
             raise ValueError(f"{key}: must not be empty")
         return value
-    if kind == _URL:
+    if kind == KIND_URL:
         if not isinstance(value, str):
             raise ValueError(f"{key}: expected a URL string, got {_type_name(value)}")
         if not value.startswith(("http://", "https://")) or len(value.split("://", 1)[1]) == 0:
             raise ValueError(f"{key}: expected an http:// or https:// URL, got {value!r}")
         return value
-    if kind == _PREFIX:
+    if kind == KIND_BUCKET:
         if not isinstance(value, str):
             raise ValueError(f"{key}: expected a string, got {_type_name(value)}")
-        if value.startswith("/") or ".." in value.split("/") or "\x00" in value:
+        if not BUCKET_RE.match(value) or ".." in value:
+            raise ValueError(
+                f"{key}: not a bucket name (3-63 of a-z, 0-9, '.', '-'), got {value!r}"
+            )
+        return value
+    if kind == KIND_PREFIX:
+        if not isinstance(value, str):
+            raise ValueError(f"{key}: expected a string, got {_type_name(value)}")
+        if value.startswith("/") or ".." in value.split("/") or not PREFIX_RE.match(value):
             raise ValueError(f"{key}: must be a relative key prefix without '..', got {value!r}")
         return value
-    if kind == _SIGNALS:
+    if kind == KIND_SIGNALS:
         if not isinstance(value, (list, tuple)):
             raise ValueError(
                 f'{key}: expected an array of signal names such as ["SIGTERM"], '
@@ -551,7 +390,7 @@ def _convert(kind: str, value: Any, key: str, minimum: float) -> Any:
             if name not in names:
                 names.append(name)
         return tuple(names)
-    if kind == _AUTO:
+    if kind == KIND_AUTO:
         if value != "auto":
             raise ValueError(
                 f'{key}: expected "auto" or no value, got {value!r} '
@@ -611,8 +450,8 @@ def _build(data: Mapping[str, Any], src: str) -> Config:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{src}: expected a table at the top level")
     for key in data:
-        if key not in _TOP_KEYS:
-            problems.append(_unknown(src, "", str(key), _TOP_KEYS, _all_keys()))
+        if key not in TOP_KEYS:
+            problems.append(_unknown(src, "", str(key), TOP_KEYS, _all_keys()))
 
     # [tiers]
     tiers_raw = data.get("tiers")
@@ -624,19 +463,20 @@ def _build(data: Mapping[str, Any], src: str) -> Config:
         problems.append(f"{src}: tiers: expected a table, got {_type_name(tiers_raw)}")
     else:
         for key in tiers_raw:
-            if key not in _TIER_CLASSES:
-                problems.append(_unknown(src, "tiers", str(key), list(_TIER_CLASSES)))
-        for name, cls in _TIER_CLASSES.items():
+            if key not in TIER_CLASSES:
+                problems.append(_unknown(src, "tiers", str(key), list(TIER_CLASSES)))
+        for name, cls in TIER_CLASSES.items():
             raw = tiers_raw.get(name)
             if raw is None:
-                if name in ("local", "pfs"):
-                    problems.append(f"{src}: [tiers.{name}] is missing (required)")
+                if name == "local" or (name == "pfs" and tiers_raw.get("object") is None):
+                    hint = " (or [tiers.object] for a site without one)" if name == "pfs" else ""
+                    problems.append(f"{src}: [tiers.{name}] is missing (required){hint}")
                 continue
             tiers_objs[name] = _parse_section(cls, raw, src, f"tiers.{name}", problems)
 
     # Optional sections.
     sections: Dict[str, Any] = {}
-    for name, cls in _SECTION_CLASSES.items():
+    for name, cls in SECTION_CLASSES.items():
         raw = data.get(name)
         if raw is None:
             raw = {}
@@ -683,7 +523,7 @@ def _build(data: Mapping[str, Any], src: str) -> Config:
         raise ConfigError("; ".join(problems))
     tiers = TiersConfig(
         local=tiers_objs["local"],
-        pfs=tiers_objs["pfs"],
+        pfs=tiers_objs.get("pfs"),
         object=tiers_objs.get("object"),
         cold=tiers_objs.get("cold"),
     )
@@ -701,11 +541,11 @@ def _value_out(kind: str, value: Any, human: bool) -> Any:
     if isinstance(value, tuple):
         return list(value)
     if human:
-        if kind == _SIZE:
+        if kind == KIND_SIZE:
             return format_bytes(value)
-        if kind == _BANDWIDTH:
+        if kind == KIND_BANDWIDTH:
             return format_bytes(value) + "/s"
-        if kind == _DURATION:
+        if kind == KIND_DURATION:
             return format_duration(value)
     return value
 
@@ -722,5 +562,5 @@ def _tiers_to_dict(tiers: TiersConfig, human: bool = False) -> Dict[str, Any]:
         name: (
             None if getattr(tiers, name) is None else _section_to_dict(getattr(tiers, name), human)
         )
-        for name in _TIER_CLASSES
+        for name in TIER_CLASSES
     }

@@ -35,7 +35,7 @@ import errno
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 import xxhash
 
@@ -73,11 +73,14 @@ def alloc(nbytes: int) -> mmap.mmap:
 
 
 class ReadJob(NamedTuple):
-    """One payload file to read: its manifest entry and an open fd (buffered)."""
+    """One payload file to read: its manifest entry and an open fd (buffered), or,
+    where there is no fd (an object store), a ``source`` with ``size`` and
+    ``readinto(buf, offset)`` (each chunk is then one ranged read into its memory)."""
 
     name: str
     entry: FileEntry
-    fd: int
+    fd: Optional[int]
+    source: Any = None
 
 
 def _open_direct(fd: int) -> Optional[int]:
@@ -162,6 +165,17 @@ def _read_buffered(fd: int, view: memoryview, start: int, offset: int) -> int:
     return pos
 
 
+def _read_source(source: Any, view: memoryview, offset: int) -> int:
+    """Ranged reads of a whole chunk from a descriptor-less source."""
+    pos = 0
+    while pos < len(view):
+        n = source.readinto(view[pos:], offset + pos)
+        if n <= 0:
+            break
+        pos += n
+    return pos
+
+
 def read_files(
     jobs: Sequence[ReadJob],
     chunk_size: int,
@@ -183,14 +197,14 @@ def read_files(
     try:
         for i, job in enumerate(jobs):
             entry = job.entry
-            size = os.fstat(job.fd).st_size
+            size = os.fstat(job.fd).st_size if job.fd is not None else int(job.source.size)
             if size != entry.size:
                 raise VerifyError(f"{where}: {job.name}: size {size} != {entry.size}")
             if combine(entry.chunks) != entry.hash:
                 raise VerifyError(f"{where}: {job.name}: manifest hash inconsistent")
             mm = alloc(entry.size)
             bufs.append(mm)
-            dfd = _open_direct(job.fd) if entry.size >= DIO_ALIGN else None
+            dfd = _open_direct(job.fd) if job.fd is not None and entry.size >= DIO_ALIGN else None
             dfds.append(dfd)
             if dfd is not None:
                 opened.append(dfd)
@@ -207,14 +221,16 @@ def read_files(
             view = whole[c0:c1]
             pos = 0
             try:
-                if dfd is not None and not _CACHESTAT.cached(job.fd, c0, c1 - c0):
+                if job.fd is None:
+                    pos = _read_source(job.source, view, c0)
+                elif dfd is not None and not _CACHESTAT.cached(job.fd, c0, c1 - c0):
                     try:
                         pos = _read_direct(dfd, whole[c0:], 0, c1 - c0, c0)
                     except OSError as exc:
                         if exc.errno != errno.EINVAL:
                             raise
                         dfds[i] = None  # alignment refused: buffered from here on
-                if pos < len(view):
+                if pos < len(view) and job.fd is not None:
                     pos = _read_buffered(job.fd, view, pos, c0)
             except OSError as exc:
                 raise VerifyError(

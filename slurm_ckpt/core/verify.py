@@ -111,16 +111,28 @@ def verify_files(
         for fd in fds:
             if fd is not None:
                 os.close(fd)
-    for entry, fd, got in zip(manifest.files, fds, digests):
-        if fd is None:
+    return verdict(manifest, where, [fd is not None for fd in fds], digests, problems, t0)
+
+
+def verdict(
+    manifest: Manifest,
+    where: str,
+    read: List[bool],
+    digests: List[List[str]],
+    problems: List[str],
+    t0: float,
+) -> VerifyReport:
+    """The verdict over every file of ``manifest``: ``digests`` are the chunk digests of the
+    files that were ``read`` (in manifest order), compared with the manifest's; each
+    mismatch says where it is. For verifiers of every tier."""
+    for entry, was_read, got in zip(manifest.files, read, digests):
+        if not was_read:
             continue
         bad = [i for i, (a, b) in enumerate(zip(got, entry.chunks)) if a != b]
         if bad or combine(got) != entry.hash:
-            where_bad = ", ".join(
-                f"bytes {i * manifest.chunk_size}-{min((i + 1) * manifest.chunk_size, entry.size)}"
-                for i in bad[:3]
-            )
-            problems.append(f"{entry.path}: content hash mismatch ({where_bad or 'file hash'})")
+            cs = manifest.chunk_size
+            at = ", ".join(f"bytes {i * cs}-{min((i + 1) * cs, entry.size)}" for i in bad[:3])
+            problems.append(f"{entry.path}: content hash mismatch ({at or 'file hash'})")
     return VerifyReport(
         where=where,
         step=manifest.step,

@@ -38,7 +38,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import current_user, node_name, validate_key, validate_user
@@ -136,7 +136,10 @@ class Checkpointer:
             keep_pfs_every_s=r.keep_pfs_every,
         )
         tiers = tiers_from_config(cfg)
-        self.local, self.pfs = tiers["local"], tiers["pfs"]
+        # The warm tier every flush goes to: the PFS, or the object store on a site
+        # without one (the ledger keeps its state in the "pfs" slot either way).
+        self.local, self.pfs = tiers["local"], tiers[cfg.tiers.warm]
+        self.tiers = list(tiers.values())  # restore looks at all of them, hot to cold
         self.local.check_user(self.user)
         try:
             self.pfs.check_user(self.user)
@@ -223,7 +226,8 @@ class Checkpointer:
     def __repr__(self) -> str:
         return (
             f"Checkpointer(key={self.shard_key!r}, local={self.local.root!r}, "
-            f"pfs={self.pfs.root!r}, rank={self.rank}/{self.world_size})"
+            f"warm={self.pfs.where(self.user, self.shard_key)!r}, "
+            f"rank={self.rank}/{self.world_size})"
         )
 
     def __enter__(self) -> Checkpointer:
@@ -312,6 +316,7 @@ class Checkpointer:
         tokens: Optional[int] = None,
         meta: Optional[Dict[str, Any]] = None,
         preemption: Optional[bool] = None,
+        data_version: Optional[str] = None,
     ) -> SaveRecord:
         """Snapshot ``state`` and return; the write and the flush go on in the background.
 
@@ -322,7 +327,12 @@ class Checkpointer:
         manifest. ``preemption`` marks this as the preemption save (always flushed, sets
         :attr:`preempted`); by default it is one when this process received a signal -
         pass True when another rank did (e.g. after an all-reduce of the flags).
+        ``data_version`` names the data this state was trained on (any string, e.g.
+        :func:`slurm_ckpt.torch.data_version`); it goes into the manifest, ``list`` and
+        ``status`` show it, and ``restore(expect_data_version=...)`` checks it.
         """
+        if data_version is not None and not isinstance(data_version, str):
+            raise CkptError(f"save(): data_version must be a string, got {data_version!r}")
         self._raise_if_failed()
         if self._closed:
             raise CkptError("Checkpointer.save(): already closed")
@@ -360,6 +370,8 @@ class Checkpointer:
             index_data=data,
             meta=dict(meta or {}),
         )
+        if data_version is not None:
+            rec.meta["data_version"] = data_version
         books.emit("snapshot_start", step=step)
         t1 = time.monotonic()
         if self._staging.ensure([b["nbytes"] for b in blobs], tensors):
@@ -420,7 +432,8 @@ class Checkpointer:
         self._maybe_requeue()
         self._flag.uninstall()
         self._staging.close()
-        self._books.publish(self.pfs.root)
+        if self.config.tiers.pfs is not None:  # node status lives on the PFS (none: skipped)
+            self._books.publish(self.config.tiers.pfs.root)
         return self.stats
 
     def _maybe_requeue(self) -> None:
@@ -455,26 +468,50 @@ class Checkpointer:
     def _mark_bad(self, key: str, tier: str, step: int, reason: str) -> None:
         self._books.set_state(step, tier, State.BAD, reason, code="verify_failed", key=key)
 
-    def _make_restorer(self) -> Restorer:
+    def _make_restorer(
+        self,
+        tiers: Optional[Sequence[str]] = None,
+        step: Optional[int] = None,
+        expect_data_version: Optional[str] = None,
+        on_data_change: str = "warn",
+    ) -> Restorer:
         return Restorer(
-            [self.local, self.pfs],
+            self.tiers if tiers is None else [t for t in self.tiers if t.name in tiers],
             self.user,
             self.key,
             self.rank,
             self.world_size,
             mark_bad=self._mark_bad,
             agree=self._agree or dist_agree(),
+            step=step,
+            expect_data_version=expect_data_version,
+            on_data_change=on_data_change,
         )
 
-    def restore(self, weights_only: bool = False) -> Optional[Restored]:
-        """The newest complete checkpoint that verifies, from the local tier when it has
-        it, else the PFS; None when there is none. With ``weights_only`` only the model
-        weights (top-level keys such as ``model``) are returned as soon as they are read
-        and verified, while the rest of the step is read in the background; get it with
-        :meth:`restore_rest` (which may roll back to an older step, see there)."""
+    def restore(
+        self,
+        weights_only: bool = False,
+        *,
+        step: Optional[int] = None,
+        tiers: Optional[Sequence[str]] = None,
+        expect_data_version: Optional[str] = None,
+        on_data_change: str = "warn",
+    ) -> Optional[Restored]:
+        """The newest complete checkpoint that verifies, on any configured tier (local,
+        PFS, object store, cold; the fastest that holds it); None when there is none.
+        With ``weights_only`` only the model weights (top-level keys such as ``model``)
+        are returned as soon as they are read and verified, while the rest of the step is
+        read in the background; get it with :meth:`restore_rest` (which may roll back to
+        an older step, see there).
+
+        ``step`` restores that step only (e.g. back to three days ago, from the cold
+        tier); ``tiers`` limits the tiers looked at (names, e.g. ``["cold"]``).
+        ``expect_data_version``: the data version the job has now; a checkpoint trained
+        on another one is restored with a warning (``on_data_change="warn"``) or refused
+        with :class:`~slurm_ckpt.job.restore.DataVersionMismatch` (``"refuse"``)."""
         if self._restorer is not None:
             self._restorer.cancel()
-        self._restorer = self._make_restorer()
+        self._restorer = self._make_restorer(tiers, step, expect_data_version, on_data_change)
         got = self._restorer.restore(weights_only=weights_only)
         if got is None:
             log.info("[ckpt] restore: no checkpoint of %s found", self.shard_key)

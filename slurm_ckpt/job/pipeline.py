@@ -126,7 +126,9 @@ class Pipeline:
             copy_in_process(local, warm),
             books.ledger,
             src=local.name,
-            dst=warm.name,
+            # The ledger's warm-tier slot is "pfs" whatever the warm tier is (an object
+            # store on a site without a PFS): local retention and the hooks read it there.
+            dst="pfs",
             hand_off_note=LEFT_TO_EPILOG,
         )
         self.cv = threading.Condition()

@@ -28,9 +28,20 @@ A step is **complete** only when every one of the ``world_size`` shards is commi
   same step. A rank whose own shard then fails verification on every tier falls back
   alone: that is logged as an error (ranks would diverge; use ``agree`` to avoid it).
 
-Within a rank, the local tier is tried first when it holds the step, else the PFS. A copy
-that fails verification is marked ``BAD`` in the ledger and skipped: the same step from
-the next tier, or else the next newest step.
+Tiers
+-----
+The Restorer reads through the Tier protocol, so it looks at every configured tier:
+local, PFS, object store, cold archive (in that order, fastest first). The newest step
+held anywhere wins; within a step the fastest tier holding it is read. A copy that fails
+verification is marked ``BAD`` in the ledger and skipped: the same step from the next
+tier, or else the next newest step. (POSIX tiers are read with direct I/O through their
+file descriptors, objects with parallel ranged GETs: :mod:`slurm_ckpt.job.state_reader`.)
+
+Data version
+------------
+``save(..., data_version=...)`` records which data a checkpoint was trained on (in the
+manifest's ``meta``). ``restore(expect_data_version=...)`` compares it before reading
+any payload, and warns or refuses (``on_data_change``) when the data changed since.
 """
 
 from __future__ import annotations
@@ -44,12 +55,28 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 from slurm_ckpt.core.fastread import READ_STREAMS
 from slurm_ckpt.core.manifest import Manifest
 from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
-from slurm_ckpt.job.state import GROUP_REST, GROUP_WEIGHTS, StateReader
-from slurm_ckpt.tiers.posix import PosixTier
+from slurm_ckpt.job.state import GROUP_REST, GROUP_WEIGHTS
+from slurm_ckpt.job.state_reader import StateReader
+from slurm_ckpt.tiers.base import Tier
 
 log = logging.getLogger("slurm_ckpt")
 
-__all__ = ["Restored", "Restorer", "shard_key", "shard_prefix"]
+__all__ = [
+    "DATA_CHANGE_ACTIONS",
+    "DataVersionMismatch",
+    "Restored",
+    "Restorer",
+    "shard_key",
+    "shard_prefix",
+]
+
+#: What ``restore(expect_data_version=...)`` does when the data changed since the save.
+DATA_CHANGE_ACTIONS = ("warn", "refuse")
+
+
+class DataVersionMismatch(CkptError):
+    """The checkpoint was trained on other data than the job has now, and the caller
+    asked to refuse such a restore."""
 
 
 def shard_key(key: str, rank: int, world_size: int) -> str:
@@ -74,6 +101,8 @@ class Restored:
     rank: int = 0
     world_size: int = 1
     meta: Dict[str, Any] = field(default_factory=dict)
+    #: The data version recorded at save time (``save(data_version=...)``), or None.
+    data_version: Optional[str] = None
     nbytes: int = 0
     seconds: float = 0.0
     #: True when only the weights were loaded (``restore(weights_only=True)``).
@@ -89,7 +118,7 @@ class Restorer:
 
     def __init__(
         self,
-        tiers: Sequence[PosixTier],
+        tiers: Sequence[Tier],
         user: str,
         key: str,
         rank: int = 0,
@@ -98,8 +127,19 @@ class Restorer:
         mark_bad: Optional[Callable[[str, str, int, str], None]] = None,
         streams: int = READ_STREAMS,
         agree: Optional[Callable[[int], int]] = None,
+        step: Optional[int] = None,
+        expect_data_version: Optional[str] = None,
+        on_data_change: str = "warn",
     ) -> None:
+        if on_data_change not in DATA_CHANGE_ACTIONS:
+            raise CkptError(
+                f"on_data_change must be one of {', '.join(DATA_CHANGE_ACTIONS)}, "
+                f"got {on_data_change!r}"
+            )
         self.tiers = list(tiers)
+        self.only_step = step
+        self.expect_data_version = expect_data_version
+        self.on_data_change = on_data_change
         self.user, self.key = user, key
         self.rank, self.world_size = rank, world_size
         self.own_key = shard_key(key, rank, world_size)
@@ -110,10 +150,10 @@ class Restorer:
         self._bad: Set[Tuple[str, int]] = set()
         self._rest: Optional[_RestLoad] = None
         self._steps: List[int] = []
-        self._own: Dict[int, List[Tuple[PosixTier, Manifest]]] = {}
+        self._own: Dict[int, List[Tuple[Tier, Manifest]]] = {}
 
     # -- listing -----------------------------------------------------------------------
-    def _shard_steps(self, tier: PosixTier, rank: int) -> Dict[int, Manifest]:
+    def _shard_steps(self, tier: Tier, rank: int) -> Dict[int, Manifest]:
         """Committed steps of ``rank``'s shard on ``tier`` that belong to this world size."""
         key = shard_key(self.key, rank, self.world_size)
         try:
@@ -123,14 +163,16 @@ class Restorer:
             return {}
         out = {}
         for info in infos:
+            if self.only_step is not None and info.step != self.only_step:
+                continue
             meta = info.manifest.meta
             if meta.get("world_size", 1) == self.world_size and meta.get("rank", 0) == rank:
                 out[info.step] = info.manifest
         return out
 
-    def own_steps(self) -> Dict[int, List[Tuple[PosixTier, Manifest]]]:
+    def own_steps(self) -> Dict[int, List[Tuple[Tier, Manifest]]]:
         """My shard's committed steps -> the tiers holding it (in tier order)."""
-        out: Dict[int, List[Tuple[PosixTier, Manifest]]] = {}
+        out: Dict[int, List[Tuple[Tier, Manifest]]] = {}
         for tier in self.tiers:
             for step, m in self._shard_steps(tier, self.rank).items():
                 out.setdefault(step, []).append((tier, m))
@@ -153,9 +195,7 @@ class Restorer:
         return sorted(complete & set(own), reverse=True)
 
     # -- loading -----------------------------------------------------------------------
-    def _restored(
-        self, tier: PosixTier, m: Manifest, state: Any, t0: float, partial: bool
-    ) -> Restored:
+    def _restored(self, tier: Tier, m: Manifest, state: Any, t0: float, partial: bool) -> Restored:
         return Restored(
             step=m.step,
             tokens=m.tokens,
@@ -165,19 +205,21 @@ class Restorer:
             rank=self.rank,
             world_size=self.world_size,
             meta=dict(m.meta),
+            data_version=m.meta.get("data_version"),
             nbytes=m.total_bytes,
             seconds=time.monotonic() - t0,
             partial=partial,
         )
 
-    def _load(self, tier: PosixTier, m: Manifest, weights_only: bool) -> Restored:
+    def _load(self, tier: Tier, m: Manifest, weights_only: bool) -> Restored:
         """Read one step from one tier. With ``weights_only`` the weight blobs are read
         first (all streams on them) and returned; the rest is then read and verified in
         the background (:class:`_RestLoad`) while the caller uses the weights."""
         t0 = time.monotonic()
         where = tier.where(self.user, self.own_key, m.step)
-        with tier.step_fd(self.user, self.own_key, m.step) as sfd:
-            reader = StateReader(sfd, m, self.prefix, streams=self.streams, where=where)
+        self._check_data(m, where)
+        with tier.reader(self.user, self.own_key, m.step) as tr:
+            reader = StateReader(tr, tr.manifest, self.prefix, streams=self.streams, where=where)
         if not weights_only:
             with reader:
                 state = reader.build(reader.read(reader.blobs(None)))
@@ -191,8 +233,24 @@ class Restorer:
         self._rest = rest
         return self._restored(tier, m, state, t0, True)
 
+    def _check_data(self, m: Manifest, where: str) -> None:
+        """Compare the data version the checkpoint was trained on with the expected one
+        (before a byte of payload is read): warn, or refuse with one line."""
+        want = self.expect_data_version
+        if want is None:
+            return
+        have = m.meta.get("data_version")
+        if have == want:
+            return
+        msg = f"{where}: trained on data version {have!r}, the data now is {want!r}" + (
+            "" if have is not None else " (the checkpoint recorded none)"
+        )
+        if self.on_data_change == "refuse":
+            raise DataVersionMismatch(msg + ": refused (on_data_change='refuse')")
+        log.warning("[ckpt] restore: %s", msg)
+
     def _try_step(
-        self, step: int, holders: List[Tuple[PosixTier, Manifest]], weights_only: bool
+        self, step: int, holders: List[Tuple[Tier, Manifest]], weights_only: bool
     ) -> Optional[Restored]:
         for tier, m in holders:
             if (tier.name, step) in self._bad:
@@ -203,7 +261,7 @@ class Restorer:
                 self._note_bad(tier, step, exc)
         return None
 
-    def _note_bad(self, tier: PosixTier, step: int, exc: BaseException) -> None:
+    def _note_bad(self, tier: Tier, step: int, exc: BaseException) -> None:
         self._bad.add((tier.name, step))
         log.warning("[ckpt] restore: skipping %s", exc)
         if self.mark_bad is not None:
@@ -212,7 +270,7 @@ class Restorer:
     def _best_own(
         self,
         steps: List[int],
-        own: Dict[int, List[Tuple[PosixTier, Manifest]]],
+        own: Dict[int, List[Tuple[Tier, Manifest]]],
         bound: Optional[int],
         weights_only: bool,
         current: Optional[Restored],
@@ -254,7 +312,7 @@ class Restorer:
     def _agreed(
         self,
         steps: List[int],
-        own: Dict[int, List[Tuple[PosixTier, Manifest]]],
+        own: Dict[int, List[Tuple[Tier, Manifest]]],
         weights_only: bool,
         bound: Optional[int] = None,
     ) -> Optional[Restored]:
@@ -347,8 +405,10 @@ class Restorer:
             t0 = time.monotonic()
             where = tier.where(self.user, self.own_key, step)
             try:
-                with tier.step_fd(self.user, self.own_key, step) as sfd:
-                    reader = StateReader(sfd, m, self.prefix, streams=self.streams, where=where)
+                with tier.reader(self.user, self.own_key, step) as tr:
+                    reader = StateReader(
+                        tr, tr.manifest, self.prefix, streams=self.streams, where=where
+                    )
                 with reader:
                     if reader.data != failed.reader.data:
                         continue
@@ -364,7 +424,7 @@ class Restorer:
 class _RestLoad:
     """The background read of everything but the weights (weights-first restore)."""
 
-    def __init__(self, reader: StateReader, tier: PosixTier, manifest: Manifest, where: str):
+    def __init__(self, reader: StateReader, tier: Tier, manifest: Manifest, where: str):
         self.reader, self.tier, self.manifest, self.where = reader, tier, manifest, where
         self.t0 = time.monotonic()
         self._stop = False

@@ -13,26 +13,20 @@ tensors, numpy arrays, bytes and JSON-able values) becomes
 
 Loading is safe on untrusted files: the index is plain JSON; dtypes come from a whitelist;
 shapes, offsets and sizes are checked against each other and against the blob sizes
-recorded in the (self-checked) manifest; no byte range may overlap another. Loading is
-also fast: every tensor is allocated once at its final size and the blob bytes are read
-straight into its memory (``os.preadv`` scatter reads, several threads), and each
-manifest chunk is hashed while it is read, so the verification costs no second pass.
+recorded in the (self-checked) manifest; no byte range may overlap another. Reading a
+state back from any tier is :mod:`slurm_ckpt.job.state_reader`.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import sys
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-from slurm_ckpt.core.fastread import READ_STREAMS, ReadJob, read_files
-from slurm_ckpt.core.manifest import FileEntry, Manifest
-from slurm_ckpt.core.verify import open_payload
 from slurm_ckpt.errors import CkptError, VerifyError
 
 __all__ = [
@@ -41,7 +35,6 @@ __all__ = [
     "GROUP_REST",
     "GROUP_WEIGHTS",
     "INDEX_NAME",
-    "StateReader",
     "WEIGHT_KEYS",
     "TensorLeaf",
     "flatten",
@@ -49,7 +42,6 @@ __all__ = [
     "layout",
     "leaf_bytes",
     "parse_index",
-    "read_state",
     "unflatten",
 ]
 
@@ -544,157 +536,3 @@ def _view_leaf(entry: Dict[str, Any], mm: Any) -> Any:
         return torch.empty(shape, dtype=dt)
     count = n // _itemsize(kind, entry["dtype"])
     return torch.frombuffer(mm, dtype=dt, count=count, offset=off).view(shape)
-
-
-def _read_index(step_fd: int, manifest: Manifest, prefix: str, where: str) -> bytes:
-    name = f"{prefix}/{INDEX_NAME}" if prefix else INDEX_NAME
-    try:
-        entry = manifest.file(name)
-    except KeyError:
-        raise VerifyError(f"{where}: no {name} in the manifest") from None
-    if entry.size > MAX_INDEX_BYTES:
-        raise VerifyError(f"{where}: {name} too large ({entry.size} bytes)")
-    try:
-        fd = open_payload(step_fd, name)
-    except OSError as exc:
-        raise VerifyError(f"{where}: cannot open {name} ({exc.strerror or exc})") from None
-    try:
-        (buf,) = read_files([ReadJob(name, entry, fd)], manifest.chunk_size, where=where)
-        data = bytes(memoryview(buf)[: entry.size])
-    finally:
-        os.close(fd)
-    return data
-
-
-def _payload_blobs(manifest: Manifest, prefix: str) -> Dict[str, FileEntry]:
-    pre = f"{prefix}/" if prefix else ""
-    out = {}
-    for f in manifest.files:
-        if f.path.startswith(pre) and "/" not in f.path[len(pre) :]:
-            name = f.path[len(pre) :]
-            if _BLOB_RE.match(name):
-                out[name] = f
-    return out
-
-
-class StateReader:
-    """One rank's state in an open step directory, read group by group.
-
-    Opening checks everything that is cheap before any payload is read: the index is
-    read, verified and parsed, and every blob it names is opened (relative to the step
-    directory, no symlinks) and its size compared with the manifest. So a truncated or
-    missing blob is found before the weights are handed out, and the step directory may be
-    closed: the reader holds its own descriptors until :meth:`close`.
-
-    :meth:`read` then loads the blobs of some groups (weights first, the rest later, or
-    all at once) into fresh memory, hashing each chunk as it arrives (the verification
-    is the read, see :mod:`slurm_ckpt.core.fastread`); :meth:`build` turns them into the
-    state, every leaf a view of its blob's memory.
-    """
-
-    def __init__(
-        self,
-        step_fd: int,
-        manifest: Manifest,
-        prefix: str = "",
-        *,
-        streams: int = READ_STREAMS,
-        where: str = "checkpoint",
-    ) -> None:
-        self.manifest, self.prefix, self.where = manifest, prefix, where
-        self.streams = streams
-        self.data = _read_index(step_fd, manifest, prefix, where)
-        self.files = _payload_blobs(manifest, prefix)
-        self.index = parse_index(self.data, {n: f.size for n, f in self.files.items()}, where)
-        self.fds: Dict[str, int] = {}
-        try:
-            for name in sorted(self.files):
-                path = f"{prefix}/{name}" if prefix else name
-                try:
-                    fd = self.fds[name] = open_payload(step_fd, path)
-                    size = os.fstat(fd).st_size
-                except OSError as exc:
-                    raise VerifyError(
-                        f"{where}: {name}: cannot open ({exc.strerror or exc})"
-                    ) from None
-                if size != self.files[name].size:
-                    raise VerifyError(f"{where}: {name}: size {size} != {self.files[name].size}")
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        fds, self.fds = self.fds, {}
-        for fd in fds.values():
-            os.close(fd)
-
-    def __enter__(self) -> StateReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def blobs(self, groups: Optional[Sequence[str]] = None) -> List[str]:
-        """The blob files holding ``groups`` (all blobs when None)."""
-        wanted = set(_GROUPS if groups is None else groups)
-        named = {b["name"] for b in self.index["blobs"] if b["group"] in wanted}
-        if groups is None:
-            named |= set(self.files)  # stray blobs are verified too
-        return sorted(named)
-
-    def group_bytes(self, groups: Optional[Sequence[str]] = None) -> int:
-        return sum(self.files[n].size for n in self.blobs(groups))
-
-    def read(
-        self,
-        names: Sequence[str],
-        cancelled: Callable[[], bool] = lambda: False,
-    ) -> Dict[str, Any]:
-        """Load and verify the blobs ``names``; returns name -> memory."""
-        if not self.fds and names:
-            raise CkptError(f"{self.where}: reader already closed")
-        jobs = [ReadJob(n, self.files[n], self.fds[n]) for n in names]
-        bufs = read_files(
-            jobs,
-            self.manifest.chunk_size,
-            streams=self.streams,
-            where=self.where,
-            cancelled=cancelled,
-        )
-        return dict(zip(names, bufs))
-
-    def build(self, bufs: Mapping[str, Any], groups: Optional[Sequence[str]] = None) -> Any:
-        """The state (or the top-level keys of ``groups``) from loaded blobs."""
-        objs: List[Any] = [None] * len(self.index["tensors"])
-        for i, e in enumerate(self.index["tensors"]):
-            mm = bufs.get(e["blob"])
-            if mm is not None:
-                objs[i] = _view_leaf(e, mm)
-        return unflatten(self.index, objs, None if groups is None else list(groups))
-
-
-def read_state(
-    step_fd: int,
-    manifest: Manifest,
-    prefix: str = "",
-    *,
-    groups: Optional[Sequence[str]] = None,
-    streams: int = READ_STREAMS,
-    verify_others: bool = True,
-    where: str = "checkpoint",
-) -> Tuple[Any, Dict[str, Any]]:
-    """Read, verify and rebuild the state stored under ``prefix`` of an open step dir.
-
-    Every byte read is hashed on the way in and compared with ``manifest`` (one pass: the
-    verification is the read). With ``groups`` only those blobs are loaded; with
-    ``verify_others`` the remaining blobs are still hashed (not kept), so a partial load
-    never hands out data of a checkpoint that is not entirely sound. Any mismatch,
-    malformed index or read error raises :class:`VerifyError`.
-    """
-    with StateReader(step_fd, manifest, prefix, streams=streams, where=where) as reader:
-        names = reader.blobs(groups)
-        bufs = reader.read(names)
-        if verify_others and groups is not None:
-            others = [n for n in reader.blobs(None) if n not in bufs]
-            reader.read(others)  # verified, then dropped
-        return reader.build(bufs, groups), reader.index

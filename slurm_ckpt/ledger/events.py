@@ -75,7 +75,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 from slurm_ckpt.core import fsio
 from slurm_ckpt.core.config import Config
-from slurm_ckpt.core.names import validate_node
+from slurm_ckpt.core.names import node_name, validate_node
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +121,10 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 
 def default_node() -> str:
-    """This node's SLURM name (``$SLURMD_NODENAME``), else the short host name."""
-    name = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
-    return name or "localhost"
+    """The short host name, as a node name. Code that runs under SLURM passes the SLURM
+    node name instead (:func:`slurm_ckpt.slurm.env.this_node`, the one reader of SLURM's
+    variables)."""
+    return node_name(socket.gethostname())
 
 
 def events_path(cfg: Config, node: Optional[str] = None) -> Path:

@@ -261,6 +261,7 @@ def step_rows(tiers: Dict[str, Tier], user: str, key: str) -> List[Dict[str, Any
                     "age_s": round(now - m.wall_time, 3),
                     "job": m.job,
                     "node": m.node,
+                    "data_version": m.meta.get("data_version"),
                     "state": COMMITTED,
                     "reason": None,
                     "path": t.location(user, key, s.step),

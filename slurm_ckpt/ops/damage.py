@@ -166,6 +166,8 @@ def scan_series(
     validate_user(user)
     validate_key(key)
     now = time.time() if now is None else now
+    if not hasattr(tier, "key_fd"):  # an object store: its listing shows committed steps only
+        return tier.steps(user, key), []
     series_path = os.path.join(tier.root, user, key)
     try:
         os.lstat(series_path)

@@ -32,6 +32,7 @@ from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import SlurmError
 from slurm_ckpt.ledger.events import events_path, read_events
 from slurm_ckpt.ops.security_checks import check_security
+from slurm_ckpt.slurm.env import this_node
 from slurm_ckpt.slurm.records import parse_duration
 from slurm_ckpt.tiers.admission import check_store_dir, slots_dir
 
@@ -544,9 +545,7 @@ def run_doctor(
 ) -> Report:
     """Every check; ``client`` is a :class:`~slurm_ckpt.slurm.client.SlurmClient`
     (None, or one that cannot reach SLURM: the SLURM checks become one finding)."""
-    from slurm_ckpt.ledger.events import default_node
-
-    rep = Report(node or default_node())
+    rep = Report(this_node(node))
     m = measured(cfg, rep.node)
     rep.measured = m
     conf: Dict[str, str] = {}

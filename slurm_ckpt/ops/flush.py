@@ -17,13 +17,11 @@ skipped as ``busy`` unless ``wait``, which waits for that copy and then makes su
 from __future__ import annotations
 
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from slurm_ckpt.core.config import Config
-from slurm_ckpt.core.names import validate_node
 from slurm_ckpt.core.progress import ProgressFn, report
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ledger import LEDGER_NAME, Ident, Ledger, Record
@@ -31,6 +29,7 @@ from slurm_ckpt.node.asuser import run_as
 from slurm_ckpt.node.flush import LEFT_TO_EPILOG, Flusher, FlushResult, copy_in_process
 from slurm_ckpt.node.guard import check_user_dir
 from slurm_ckpt.node.work import NodeWork
+from slurm_ckpt.slurm.env import this_node
 from slurm_ckpt.tiers.registry import tiers_from_config
 
 __all__ = ["FlushSummary", "flush_node", "flush_own", "flush_series", "node_name"]
@@ -79,9 +78,7 @@ class FlushSummary:
 
 def node_name(node: Optional[str] = None) -> str:
     """This node's SLURM name: ``node``, else ``$SLURMD_NODENAME``, else the host name."""
-    return validate_node(
-        node or os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
-    )
+    return this_node(node)
 
 
 def _is_busy(cfg: Config, user: str, key: str, step: int) -> bool:

@@ -52,6 +52,7 @@ from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.core.retention import CkptInfo, RetentionPolicy, plan_pfs_deletions
 from slurm_ckpt.errors import CkptError
+from slurm_ckpt.ops.age import AgeResult, chain, gc_cold_series, owed, run_aging
 from slurm_ckpt.ops.damage import reclaimable, scan_series
 from slurm_ckpt.tiers.posix import PosixTier, StepInfo
 from slurm_ckpt.tiers.registry import tiers_from_config
@@ -72,7 +73,7 @@ __all__ = [
 #: ``<key>/.pin-step-NNNNNNNNNN`` pins that step on a shared tier.
 PIN_PREFIX = ".pin-"
 #: Shared tiers gc works on, in this order.
-GC_TIERS = ("pfs", "cold")
+GC_TIERS = ("pfs", "object")
 
 
 def pin_name(step: int) -> str:
@@ -205,13 +206,15 @@ class GcReport:
     dry_run: bool
     time: float
     series: List[SeriesResult] = field(default_factory=list)
+    aged: List[AgeResult] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not any(s.errors for s in self.series)
+        return not any(s.errors for s in self.series) and not any(a.errors for a in self.aged)
 
     def to_dict(self) -> Dict[str, Any]:
         return {
+            "aged": [a.to_dict() for a in self.aged],
             "dry_run": self.dry_run,
             "time": self.time,
             "ok": self.ok,
@@ -231,7 +234,9 @@ class GcReport:
         }
 
 
-def _names(tier: PosixTier, user: str, key: str) -> Set[str]:
+def _names(tier: Any, user: str, key: str) -> Set[str]:
+    if not hasattr(tier, "key_fd"):
+        return set()  # an object store: pins are in the manifest's meta only
     try:
         with tier.key_fd(user, key) as kfd:
             return set(os.listdir(kfd))
@@ -249,6 +254,7 @@ def gc_series(
     dry_run: bool = False,
     next_tier: Optional[PosixTier] = None,
     progress: Optional[ProgressFn] = None,
+    owed: Optional[Set[int]] = None,
 ) -> SeriesResult:
     """Apply retention to ``user/key`` on ``tier``; see the module docstring.
     ``progress(nbytes)`` hears of every byte verified."""
@@ -278,7 +284,7 @@ def gc_series(
                 wall_time=s.manifest.wall_time,
                 nbytes=s.nbytes,
                 pinned=pinned,
-                next_tier_verified=False if step in archiving else None,
+                next_tier_verified=False if step in archiving or step in (owed or ()) else None,
             )
         )
 
@@ -345,8 +351,11 @@ def run_gc(
     dry_run: bool = False,
     now: Optional[float] = None,
     progress: Optional[ProgressFn] = None,
+    as_owner: Optional[bool] = None,
 ) -> GcReport:
-    """Retention over every selected series on the PFS and (when configured) cold tiers."""
+    """Aging along the tier chain, then retention on the warm tiers (PFS, object store)
+    and the cold tier's (``keep_for``, pins forever). ``as_owner``: copies as the
+    series' user (default: when running as root)."""
     if user is not None:
         validate_user(user)
     if key is not None:
@@ -355,13 +364,24 @@ def run_gc(
     when = time.time() if now is None else now
     tiers = tiers_from_config(cfg)
     report = GcReport(dry_run, when)
-    for i, name in enumerate(GC_TIERS):
+    # Aging first (pfs -> object -> cold, each copy verified on the next tier), so that
+    # retention below sees what has arrived; what is still owed is kept.
+    report.aged = run_aging(cfg, user=user, key=key, dry_run=dry_run, as_owner=as_owner)
+    links = {src.name: (dst, every) for src, dst, every in chain(cfg, tiers)}
+    for name in GC_TIERS:
         tier = tiers.get(name)
         if tier is None:
             continue
-        following = tiers.get(GC_TIERS[i + 1]) if i + 1 < len(GC_TIERS) else None
+        following = links.get(name)
         for u, k in _series(tier, user, key):
             try:
+                keep: Set[int] = set()
+                if following is not None:
+                    try:
+                        keep = owed(tier, following[0], u, k, following[1])
+                    except CkptError:
+                        keep = {s.step for s in tier.steps(u, k)}  # next tier unknown: keep all
+                nxt = None if following is None else following[0]
                 res = gc_series(
                     tier,
                     u,
@@ -369,18 +389,36 @@ def run_gc(
                     policy,
                     when,
                     dry_run=dry_run,
-                    next_tier=following,
+                    next_tier=nxt,
                     progress=progress,
+                    owed=keep,
                 )
             except Exception as exc:  # noqa: BLE001 - one user's series never stops the rest
-                if not isinstance(exc, (CkptError, OSError)):
-                    log.exception("gc of %s/%s on %s failed", u, k, name)
-                res = SeriesResult(tier.name, u, k)
-                res.errors.append(f"{tier.where(u, k)}: skipped: {_one_line(exc)}")
+                res = _skipped(tier, u, k, exc)
             if res.steps or res.damaged or res.errors:
+                report.series.append(res)
+    cold = tiers.get("cold")
+    if cold is not None and cfg.tiers.cold is not None:
+        for u, k in _series(cold, user, key):
+            try:
+                res = SeriesResult("cold", u, k, steps=[s.step for s in cold.steps(u, k)])
+                done, errors = gc_cold_series(cold, u, k, when, cfg.tiers.cold.keep_for, dry_run)
+                res.delete = done
+                res.deleted = [] if dry_run else done
+                res.keep = sorted(set(res.steps) - set(done))
+                res.errors = errors
+            except Exception as exc:  # noqa: BLE001 - one user's series never stops the rest
+                res = _skipped(cold, u, k, exc)
+            if res.steps or res.errors:
                 report.series.append(res)
     return report
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())[:300] or type(exc).__name__
+def _skipped(tier: Any, user: str, key: str, exc: BaseException) -> SeriesResult:
+    """The result of a series whose gc failed: its error, nobody else's problem."""
+    if not isinstance(exc, (CkptError, OSError)):
+        log.exception("gc of %s/%s on %s failed", user, key, tier.name)
+    res = SeriesResult(tier.name, user, key)
+    text = " ".join(str(exc).split())[:300] or type(exc).__name__
+    res.errors.append(f"{tier.where(user, key)}: skipped: {text}")
+    return res

@@ -52,7 +52,7 @@ from slurm_ckpt.core.names import validate_key
 from slurm_ckpt.errors import CkptError, InvalidName, UsageError
 from slurm_ckpt.ops.flush import flush_series
 from slurm_ckpt.slurm.client import SlurmClient
-from slurm_ckpt.slurm.env import job_env
+from slurm_ckpt.slurm.env import job_end_time, job_env
 from slurm_ckpt.slurm.requeue import requeue_job, requeue_reason, stop_cause
 
 __all__ = ["SrunOptions", "StepOutcome", "resolve_key", "run_wrapper", "warning_signal"]
@@ -95,15 +95,14 @@ def resolve_key(explicit: Optional[str], env: Dict[str, str]) -> str:
     for value in (explicit, env.get("SLURM_CKPT_KEY")):
         if value:
             return validate_key(value)
-    name = env.get("SLURM_JOB_NAME", "")
-    if name:
+    jenv = job_env(env, required=False)
+    if jenv.name:
         try:
-            return validate_key(name)
+            return validate_key(jenv.name)
         except InvalidName:
             pass
-    job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
-    if job:
-        return validate_key(f"job-{job}")
+    if jenv.job_id:
+        return validate_key(f"job-{jenv.job_id}")
     raise InvalidName("no checkpoint key: pass --key or set $SLURM_CKPT_KEY")
 
 
@@ -188,8 +187,7 @@ def _end_time_source(client: Any, job_id: str, env: Dict[str, str]) -> Any:
                 return client.end_time(job_id)
             except CkptError as exc:
                 log.debug("end time from the controller failed: %s", exc)
-        value = env.get("SLURM_JOB_END_TIME", "")
-        return float(value) if value.isdigit() and int(value) > 0 else None
+        return job_end_time(env)
 
     return get
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import pwd
 import re
+import socket
 from dataclasses import dataclass, field
 from typing import List, Mapping, Optional, Tuple
 
@@ -37,6 +38,8 @@ __all__ = [
     "job_env",
     "parse_job_id",
     "resolve_rank",
+    "slurmd_nodename",
+    "this_node",
 ]
 
 _JOB_ID_RE = re.compile(r"^[1-9][0-9]{0,9}$")
@@ -269,6 +272,21 @@ def resolve_rank(
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise CkptError(f"rank must be a whole number in 0..{world_size - 1}, got {rank!r}")
     return rank, world_size
+
+
+def this_node(node: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> str:
+    """This node's SLURM name: ``node``, else ``$SLURMD_NODENAME``, else the short host
+    name (validated: it names files)."""
+    env = os.environ if environ is None else environ
+    name = node or (env.get("SLURMD_NODENAME") or "").strip() or socket.gethostname()
+    return validate_node(name.split(".")[0] if not node else name)
+
+
+def slurmd_nodename(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """``$SLURMD_NODENAME`` as slurmd set it (unvalidated: the caller validates), or None
+    outside slurmd's hooks and jobs."""
+    env = os.environ if environ is None else environ
+    return (env.get("SLURMD_NODENAME") or "").strip() or None
 
 
 def ids_of(user: str) -> Tuple[int, int]:

@@ -67,7 +67,7 @@ def requeue_reason(
     if max_requeues is not None and restarts >= max_requeues:
         return None
     what = f" ({detail})" if detail else ""
-    return f"time limit{what}: requeueing (restart {restarts + 1})"
+    return f"time limit near{what}: requeueing (restart {restarts + 1})"
 
 
 def requeue_job(job_id: Optional[str], reason: str, client: Optional[SlurmClient] = None) -> bool:

@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
+from slurm_ckpt.core import fsio
 from slurm_ckpt.core.admission import AdmissionError, SlotState
 from slurm_ckpt.core.config import LEDGER_SUBDIR, Config
 
@@ -238,25 +239,11 @@ class PosixSlotStore:
 
     def _write(self, dfd: int, state: SlotState) -> None:
         blob = json.dumps(state.to_dict(), separators=(",", ":"), allow_nan=False).encode()
-        tmp = f".{STATE_NAME}.tmp-{os.getpid()}"
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp, dir_fd=dfd)
-        fd = os.open(
-            tmp,
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o600,
-            dir_fd=dfd,
-        )
-        try:
-            view = memoryview(blob)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-        finally:
-            os.close(fd)
-        # No fsync: losing the last write to a crash of the PFS costs a moment of
-        # over-admission, never data (leases bound it).
-        os.rename(tmp, STATE_NAME, src_dir_fd=dfd, dst_dir_fd=dfd)
+        # Under the store lock: no other writer has a temp file in flight. Not durable:
+        # losing the last write to a crash of the PFS costs a moment of over-admission,
+        # never data (leases bound it).
+        fsio.remove_stale_temps(dfd, STATE_NAME)
+        fsio.atomic_replace(dfd, STATE_NAME, blob, 0o600, durable=False)
         self.writes += 1
 
     def transact(self, fn: Callable[[SlotState], T], deadline: Optional[float] = None) -> T:

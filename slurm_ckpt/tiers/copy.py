@@ -22,15 +22,12 @@ bounded batches, so a checkpoint of 100,000 files needs no more descriptors than
 
 from __future__ import annotations
 
-import errno
 import time
 from dataclasses import dataclass
 from typing import List, Optional
 
-import xxhash
-
 from slurm_ckpt.core import fsio
-from slurm_ckpt.core.chunks import PIECE, BandwidthLimiter, io_buffer, run_chunks
+from slurm_ckpt.core.chunks import BandwidthLimiter, hash_pieces, run_chunks
 from slurm_ckpt.core.faults import crashpoint
 from slurm_ckpt.core.manifest import FileEntry
 from slurm_ckpt.core.progress import ProgressFn, report
@@ -172,7 +169,8 @@ def _copy_files(
         crashpoint("copy:files-created")
 
         def op(fi: int, ci: int, off: int, n: int) -> str:
-            got = _hash_copy(sources[fi], sinks[fi], off, n, limiter, piece)  # type: ignore[arg-type]
+            src, sink = sources[fi], sinks[fi]
+            got = hash_pieces(src.readinto, off, n, sink.write, limiter, piece)  # type: ignore[union-attr]
             if got != entries[fi].chunks[ci]:
                 raise SourceCorrupt(
                     f"source {entries[fi].path}: bytes {off}-{off + n} do not match the manifest"
@@ -190,32 +188,3 @@ def _copy_files(
         for s in sources:
             if s is not None:
                 s.close()
-
-
-def _hash_copy(
-    src: RangeSource,
-    dst: RangeSink,
-    offset: int,
-    length: int,
-    limiter: Optional[BandwidthLimiter],
-    piece: int = PIECE,
-) -> str:
-    """Read ``length`` bytes at ``offset`` of ``src`` in pieces, hash them and write them
-    to the same offset of ``dst``: one pass through memory. A short read (the file
-    shrank under us) is an I/O error."""
-    h = xxhash.xxh3_128()
-    buf = io_buffer(piece)
-    end = offset + length
-    pos = offset
-    while pos < end:
-        n = min(piece, end - pos)
-        if limiter is not None:
-            limiter.acquire(n)
-        got = src.readinto(buf[:n], pos)
-        if got <= 0:
-            raise OSError(errno.EIO, f"unexpected end of file at offset {pos}")
-        view = buf[:got]
-        h.update(view)
-        dst.write(view, pos)
-        pos += got
-    return h.hexdigest()

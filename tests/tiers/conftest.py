@@ -2,7 +2,8 @@
 builds a fresh, empty tier of that kind, on real storage.
 
 To run the whole contract suite on a new kind of tier, add one fixture function to
-:data:`KINDS` (the object tier adds ``s3``, on a real SeaweedFS server).
+:data:`KINDS`: ``s3`` is the object tier on a real SeaweedFS server, ``cold`` a POSIX
+tier on a loop-mounted filesystem whose device is bandwidth-capped like an HDD.
 """
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ import pytest
 
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.posix import PosixTier
+from slurm_ckpt.tiers.s3 import S3Tier
 
 MakeTier = Callable[[str], Tier]
 #: Small chunks, so that multi-chunk files and parallel ranges are cheap to test.
 CHUNK = 64 * 1024
+#: The cold tier's device bandwidth (bytes/s, reads and writes each): HDD-like.
+COLD_BPS = 40 * 10**6
 
 
-def _posix_tmpfs(mounts, tmp_path: Path) -> Iterator[MakeTier]:
+def _posix_tmpfs(request, mounts, tmp_path: Path) -> Iterator[MakeTier]:
     def make(name: str) -> Tier:
         root = mounts.tmpfs("64m", name)
         return PosixTier(name, str(root), chunk_size=CHUNK, streams=3, buffer_size=16 * 1024)
@@ -28,7 +32,7 @@ def _posix_tmpfs(mounts, tmp_path: Path) -> Iterator[MakeTier]:
     yield make
 
 
-def _posix_ext4(mounts, tmp_path: Path) -> Iterator[MakeTier]:
+def _posix_ext4(request, mounts, tmp_path: Path) -> Iterator[MakeTier]:
     def make(name: str) -> Tier:
         root = mounts.loopfs(64, "ext4", name)
         return PosixTier(name, str(root), chunk_size=CHUNK, streams=3, buffer_size=16 * 1024)
@@ -36,13 +40,44 @@ def _posix_ext4(mounts, tmp_path: Path) -> Iterator[MakeTier]:
     yield make
 
 
+def _cold(request, mounts, tmp_path: Path) -> Iterator[MakeTier]:
+    """The cold tier: a POSIX tree on an xfs loop mount capped at 40 MB/s each way."""
+
+    def make(name: str) -> Tier:
+        root = mounts.loopfs(320, "xfs", name, bps=COLD_BPS)
+        return PosixTier(name, str(root), chunk_size=CHUNK, streams=2, buffer_size=16 * 1024)
+
+    yield make
+
+
+def _s3(request, mounts, tmp_path: Path) -> Iterator[MakeTier]:
+    """The object tier on the session's SeaweedFS, one fresh prefix per tier."""
+    server = request.getfixturevalue("s3_server")
+    bucket = server.bucket("contract")
+
+    def make(name: str) -> Tier:
+        return S3Tier(
+            name,
+            endpoint=server.endpoint,
+            bucket=bucket,
+            prefix=f"{server.fresh_prefix()}/{name}",
+            chunk_size=CHUNK,
+            concurrency=3,
+            buffer_size=16 * 1024,
+        )
+
+    yield make
+
+
 KINDS: Dict[str, Callable[..., Iterator[MakeTier]]] = {
     "posix-tmpfs": _posix_tmpfs,
     "posix-ext4": _posix_ext4,
+    "cold": _cold,
+    "s3": _s3,
 }
 
 
 @pytest.fixture(params=sorted(KINDS))
 def make_tier(request, mounts, tmp_path: Path) -> Iterator[MakeTier]:
     """A factory of fresh tiers of one kind (the suite runs once per kind)."""
-    yield from KINDS[request.param](mounts, tmp_path)
+    yield from KINDS[request.param](request, mounts, tmp_path)

@@ -2,10 +2,10 @@
 
 Use it from a test module with::
 
-    pytest_plugins = ("cluster_fixture",)  # registers the `slurm_cluster` fixture
+    pytest_plugins = ("helpers.cluster",)  # registers the `slurm_cluster` fixture
 
     if TYPE_CHECKING:  # importing it for real would precede, and defeat, its
-        from cluster_fixture import DevCluster  # assertion rewriting as a plugin
+        from helpers.cluster import DevCluster  # assertion rewriting as a plugin
 
     def test_something(slurm_cluster):
         jobid = slurm_cluster.sbatch("#!/bin/bash\\nhostname\\n", user="ckptuser1",
@@ -39,7 +39,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "dev-cluster"
 JOB_USERS = ("ckptuser1", "ckptuser2")
 HOOK_VARS = (

@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""Object tier benchmark: our upload and download of a checkpoint against boto3's own
+``upload_file``/``download_file`` (their defaults) on the same SeaweedFS, in one run.
+
+Claim (issue "object tier"): throughput ratio (ours / boto3) >= 1.0 both ways, with our
+verification included: the upload hashes every chunk against the manifest and the store
+checks each part's CRC32 before the manifest is written; the download hashes every chunk
+against the manifest as it lands and commits the copy (fsync, manifest last).
+
+Method: the checkpoint (``--size`` bytes in ``--files`` files) is committed on a tmpfs
+"local" tier; downloads land on another tmpfs, so neither side waits for a local disk.
+The server (``scripts/s3-server``, 127.0.0.1 only) keeps its data on this machine's disk.
+Rounds alternate which side goes first; objects are deleted between rounds. The figure is
+the median of the per-round ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import boto3  # noqa: E402
+
+from slurm_ckpt.core.units import format_bytes, parse_size  # noqa: E402
+from slurm_ckpt.tiers.copy import copy_checkpoint  # noqa: E402
+from slurm_ckpt.tiers.posix import PosixTier  # noqa: E402
+from slurm_ckpt.tiers.s3 import S3Tier  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sh(*args: str, env: dict = None) -> str:  # type: ignore[assignment]
+    return subprocess.run(args, check=True, capture_output=True, text=True, env=env).stdout
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="1GiB")
+    ap.add_argument("--files", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    size = parse_size(a.size)
+    work = Path(tempfile.mkdtemp(prefix="bench-s3-", dir="/var/tmp"))
+    mnts = [work / "src", work / "dst"]
+    env = dict(os.environ, SLURM_CKPT_VENV=sys.prefix, S3_SERVER_DIR=str(work / "server"))
+    started = False
+    try:
+        for m in mnts:
+            m.mkdir()
+            sh("mount", "-t", "tmpfs", "-o", f"size={size * 2 + 2**28}", "tmpfs", str(m))
+        envfile = sh("bash", str(REPO / "scripts/s3-server"), "start", env=env).split()[-1]
+        started = True
+        creds = dict(line.split("=", 1) for line in Path(envfile).read_text().split())
+        os.environ.update({k: creds[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")})
+        client = boto3.client(
+            "s3", endpoint_url=creds["S3_ENDPOINT"], region_name="us-east-1"
+        )  # boto3's defaults, as a user would write it
+        client.create_bucket(Bucket="bench")
+        local = PosixTier("local", str(mnts[0]))
+        per = size // a.files
+        with local.writer("bench", "k", 1) as w:
+            w.write_buffers({f"shard-{i}.bin": os.urandom(per) for i in range(a.files)})
+        m = local.manifest("bench", "k", 1)
+        files = [str(mnts[0] / "bench/k/step-0000000001" / e.path) for e in m.files]
+        total = m.total_bytes
+        ups, downs = [], []
+        for r in range(a.rounds):
+            obj = S3Tier(
+                "object", endpoint=creds["S3_ENDPOINT"], bucket="bench", prefix=f"ours-{r}"
+            )
+            dst_root = mnts[1] / f"ours-{r}"
+            dst_root.mkdir()
+            dst = PosixTier("restore", str(dst_root))
+
+            def ours_up(obj: S3Tier = obj) -> None:
+                copy_checkpoint(local, obj, "bench", "k", 1)
+
+            def theirs_up(r: int = r) -> None:
+                for f in files:
+                    client.upload_file(f, "bench", f"theirs-{r}/{os.path.basename(f)}")
+
+            def ours_down(obj: S3Tier = obj, dst: PosixTier = dst) -> None:
+                copy_checkpoint(obj, dst, "bench", "k", 1)
+
+            def theirs_down(r: int = r) -> None:
+                for f in files:
+                    name = os.path.basename(f)
+                    client.download_file(
+                        "bench", f"theirs-{r}/{name}", str(mnts[1] / f"theirs-{r}-{name}")
+                    )
+
+            pairs = [(ours_up, theirs_up, ups), (ours_down, theirs_down, downs)]
+            for ours, theirs, out in pairs:
+                order = [("ours", ours), ("theirs", theirs)]
+                if r % 2:
+                    order.reverse()
+                t = {}
+                for name, fn in order:
+                    subprocess.run(["sync"], check=True)
+                    t0 = time.perf_counter()
+                    fn()
+                    t[name] = time.perf_counter() - t0
+                out.append((t["ours"], t["theirs"]))
+            assert dst.verify("bench", "k", 1).ok
+            obj.delete("bench", "k", 1)
+            shutil.rmtree(dst_root)
+            for f in files:
+                client.delete_object(Bucket="bench", Key=f"theirs-{r}/{os.path.basename(f)}")
+                Path(mnts[1] / f"theirs-{r}-{os.path.basename(f)}").unlink()
+
+        def summary(rows: list) -> dict:
+            ratios = [th / ou for ou, th in rows]  # throughput ours / theirs
+            return {
+                "ours_MBps": [round(total / ou / 1e6) for ou, _ in rows],
+                "boto3_MBps": [round(total / th / 1e6) for _, th in rows],
+                "ratio_median": round(statistics.median(ratios), 2),
+                "ratios": [round(x, 2) for x in ratios],
+            }
+
+        doc = {"bytes": total, "files": a.files, "upload": summary(ups), "download": summary(downs)}
+        if a.json:
+            print(json.dumps(doc, indent=1))
+        else:
+            print(f"checkpoint: {format_bytes(total)} in {a.files} files, {a.rounds} rounds")
+            for what in ("upload", "download"):
+                d = doc[what]
+                print(
+                    f"{what:8s} ours {d['ours_MBps']} MB/s, boto3 {d['boto3_MBps']} MB/s, "
+                    f"throughput ratio median {d['ratio_median']} (target >= 1.0) "
+                    f"rounds {d['ratios']}"
+                )
+        return 0
+    finally:
+        if started:
+            subprocess.run(
+                ["bash", str(REPO / "scripts/s3-server"), "stop"], env=env, capture_output=True
+            )
+        for m in mnts:
+            subprocess.run(["umount", str(m)], capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

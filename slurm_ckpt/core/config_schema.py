@@ -1,0 +1,277 @@
+"""The schema of the site configuration: one frozen dataclass per TOML section, each field
+tagged with its kind (path, size, duration, bandwidth, ...) and bounds.
+
+:mod:`slurm_ckpt.core.config` reads, validates and prints configurations against it;
+adding a key is adding a field here (and documenting it in ``etc/config.toml``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Tuple, Union
+
+__all__ = [
+    "DEFAULT_CONFIG_PATH",
+    "ENV_CONFIG",
+    "LEDGER_SUBDIR",
+    "AdmissionConfig",
+    "ColdTierConfig",
+    "CopyConfig",
+    "HooksConfig",
+    "JobConfig",
+    "LedgerConfig",
+    "LocalTierConfig",
+    "MetricsConfig",
+    "ObjectTierConfig",
+    "PfsTierConfig",
+    "RetentionConfig",
+    "TiersConfig",
+]
+
+DEFAULT_CONFIG_PATH = Path("/etc/slurm-ckpt/config.toml")
+ENV_CONFIG = "SLURM_CKPT_CONFIG"
+LEDGER_SUBDIR = ".slurm_ckpt"
+STANDALONE_SOURCE = "<standalone>"
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+# Field kinds understood by the generic section parser (stored in field metadata).
+KIND_PATH = "path"  # absolute path -> Path
+KIND_BOOL = "bool"
+KIND_INT = "int"  # integer >= metadata["min"]
+KIND_SIZE = "size"  # bytes (int), "64MiB" or a number
+KIND_DURATION = "duration"  # seconds (float), "6h" or a number
+KIND_BANDWIDTH = "bandwidth"  # bytes/s (float), "500MB/s" or a number; 0 = no limit
+KIND_STR = "str"
+KIND_URL = "url"  # http:// or https://
+KIND_PREFIX = "prefix"  # relative object-key prefix
+KIND_BUCKET = "bucket"  # an S3 bucket name
+KIND_SIGNALS = "signals"  # list of signal names -> tuple of "SIGxxx"
+KIND_AUTO = "auto"  # the string "auto" or unset
+BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+PREFIX_RE = re.compile(r"^[A-Za-z0-9._/-]*$")
+KIND_EXAMPLES = {KIND_SIZE: "64MiB", KIND_DURATION: "6h", KIND_BANDWIDTH: "500MB/s"}
+KIND_BASE_UNITS = {KIND_SIZE: "bytes", KIND_DURATION: "seconds", KIND_BANDWIDTH: "bytes per second"}
+
+
+def field_of(
+    kind: str, default: Any = dataclasses.MISSING, *, minimum: float = 0, optional: bool = False
+) -> Any:
+    """A dataclass field carrying its config kind (and lower bound) as metadata."""
+    meta = {"kind": kind, "min": minimum, "optional": optional}
+    if default is dataclasses.MISSING:
+        return field(metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class LocalTierConfig:
+    """``[tiers.local]``: node-local fast storage (NVMe, local SSD)."""
+
+    root: Path = field_of(KIND_PATH)
+    #: Refuse a local root that lives on the root filesystem ("/") unless False.
+    require_mount: bool = field_of(KIND_BOOL, True)
+    #: Bytes that must stay free on the local tier; older checkpoints are evicted first.
+    min_free: int = field_of(KIND_SIZE, 10 * 2**30)
+
+
+@dataclass(frozen=True)
+class PfsTierConfig:
+    """``[tiers.pfs]``: the shared parallel filesystem (Lustre, GPFS, BeeGFS, NFS)."""
+
+    root: Path = field_of(KIND_PATH)
+    #: Cap on flush bandwidth in bytes per second; None = unlimited.
+    bandwidth_limit: Optional[float] = field_of(KIND_BANDWIDTH, None, optional=True)
+
+
+@dataclass(frozen=True)
+class ObjectTierConfig:
+    """``[tiers.object]``: an S3-compatible object store (:mod:`slurm_ckpt.tiers.s3`).
+
+    Without ``[tiers.pfs]`` it is the warm tier (every flush goes there); with one,
+    verified PFS checkpoints go on to it (one per ``every``; 0 = each of them).
+    Credentials come from the standard AWS environment variables or ``profile``.
+    """
+
+    endpoint: str = field_of(KIND_URL)
+    bucket: str = field_of(KIND_BUCKET)
+    prefix: str = field_of(KIND_PREFIX, "")
+    region: str = field_of(KIND_STR, "us-east-1")
+    #: A named profile of ~/.aws/credentials; None = the environment (or default chain).
+    profile: Optional[str] = field_of(KIND_STR, None, optional=True)
+    #: Multipart part size (rounded to whole hash chunks; S3 needs >= 5 MiB).
+    part_size: int = field_of(KIND_SIZE, 64 * 2**20, minimum=5 * 2**20)
+    #: Parts uploaded / ranges downloaded in parallel.
+    concurrency: int = field_of(KIND_INT, 8, minimum=1)
+    #: Cap on the bandwidth into the store in bytes per second; None = unlimited.
+    bandwidth_limit: Optional[float] = field_of(KIND_BANDWIDTH, None, optional=True)
+    #: With a PFS: copy one verified PFS checkpoint per this many seconds on (0 = all).
+    every: float = field_of(KIND_DURATION, 0.0)
+
+
+@dataclass(frozen=True)
+class ColdTierConfig:
+    """``[tiers.cold]``: the archive (an HDD array, a tape-backed HSM): history.
+
+    Checkpoints age into it from the warm tier: one per ``every`` (the oldest verified
+    of each window), each verified there before the warm tier may drop it; kept for
+    ``keep_for``, pinned ones forever.
+    """
+
+    root: Path = field_of(KIND_PATH)
+    bandwidth_limit: Optional[float] = field_of(KIND_BANDWIDTH, None, optional=True)
+    every: float = field_of(KIND_DURATION, 86400.0, minimum=1e-9)
+    keep_for: float = field_of(KIND_DURATION, 30 * 86400.0, minimum=1e-9)
+
+
+@dataclass(frozen=True)
+class TiersConfig:
+    """``[tiers]``: local is required, and a warm tier: pfs, or object (a site without
+    a parallel filesystem), or both; cold is optional."""
+
+    local: LocalTierConfig
+    pfs: Optional[PfsTierConfig] = None
+    object: Optional[ObjectTierConfig] = None
+    cold: Optional[ColdTierConfig] = None
+
+    @property
+    def warm(self) -> str:
+        """The tier every flush goes to: ``pfs`` when there is one, else ``object``."""
+        return "pfs" if self.pfs is not None else "object"
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    """``[retention]``: how many checkpoints each tier keeps."""
+
+    #: Newest checkpoints kept on the local tier.
+    keep_local: int = field_of(KIND_INT, 2, minimum=1)
+    #: Every Mth local checkpoint is flushed (copied) to the PFS.
+    flush_every: int = field_of(KIND_INT, 1, minimum=1)
+    #: Newest checkpoints kept on the PFS.
+    keep_pfs: int = field_of(KIND_INT, 3, minimum=1)
+    #: Additionally keep one PFS checkpoint per this many seconds; 0 disables.
+    keep_pfs_every: float = field_of(KIND_DURATION, 86400.0)
+
+
+@dataclass(frozen=True)
+class CopyConfig:
+    """``[copy]``: the parallel copy engine used for flushes and staging."""
+
+    streams: int = field_of(KIND_INT, 4, minimum=1)
+    chunk_size: int = field_of(KIND_SIZE, 64 * 2**20, minimum=1)
+    buffer_size: int = field_of(KIND_SIZE, 16 * 2**20, minimum=1)
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """``[job]``: when a running job checkpoints and how it reacts to signals."""
+
+    interval_tokens: Optional[int] = field_of(KIND_INT, None, minimum=1, optional=True)
+    interval_steps: Optional[int] = field_of(KIND_INT, None, minimum=1, optional=True)
+    interval_seconds: Optional[float] = field_of(KIND_DURATION, None, minimum=1e-9, optional=True)
+    #: "auto": derive the period from ``mtbi`` and the measured checkpoint cost.
+    interval: Optional[str] = field_of(KIND_AUTO, None, optional=True)
+    #: Mean time between interruptions (node failure, preemption), for interval = "auto".
+    mtbi: float = field_of(KIND_DURATION, 86400.0, minimum=1e-9)
+    signals: Tuple[str, ...] = field_of(KIND_SIGNALS, ("SIGTERM", "SIGUSR1", "SIGUSR2"))
+    max_consecutive_failures: int = field_of(KIND_INT, 3, minimum=1)
+    #: Host memory for staging tensors before writing; 0 = choose automatically.
+    staging_memory_limit: int = field_of(KIND_SIZE, 0)
+
+
+@dataclass(frozen=True)
+class HooksConfig:
+    """``[hooks]``: SLURM prolog/epilog behaviour."""
+
+    #: Time the prolog/epilog may spend; must stay below SLURM's PrologEpilogTimeout.
+    budget: float = field_of(KIND_DURATION, 100.0, minimum=1e-9)
+    #: Free space the prolog requires on the local tier; None = skip the check.
+    expected_checkpoint_size: Optional[int] = field_of(KIND_SIZE, None, optional=True)
+    #: On a requeued job, copy the newest PFS checkpoint to the local tier in the prolog.
+    stage_on_requeue: bool = field_of(KIND_BOOL, False)
+    #: A child running as a user (scan, flush, delete) that shows no progress for this
+    #: long is killed and its work retried later (a user can SIGSTOP their own processes).
+    child_timeout: float = field_of(KIND_DURATION, 60.0, minimum=1e-3)
+    #: A flush child gets at most 10 x child_timeout + size / min_flush_rate in all.
+    min_flush_rate: float = field_of(KIND_BANDWIDTH, 10e6, minimum=1.0)
+    #: First wait before a failed flush is tried again (doubling, at most 1 hour).
+    retry_backoff: float = field_of(KIND_DURATION, 60.0, minimum=1e-3)
+    #: After this many failed flushes in a row a checkpoint no longer keeps its node
+    #: drained (it is still retried, and reported by status).
+    max_retries: int = field_of(KIND_INT, 5, minimum=1)
+    #: The prolog frees local space from users with no job on the node: their debris and
+    #: unflushable leftovers, then checkpoints already safe on the PFS.
+    reclaim_departed: bool = field_of(KIND_BOOL, True)
+
+
+@dataclass(frozen=True)
+class LedgerConfig:
+    """``[ledger]``: where the checkpoint ledger lives (default ``<local root>/.slurm_ckpt``)."""
+
+    dir: Path = field_of(KIND_PATH)
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """``[metrics]``: optional exporters."""
+
+    #: node_exporter textfile collector directory; None = no textfile metrics.
+    textfile_dir: Optional[Path] = field_of(KIND_PATH, None, optional=True)
+    #: Directory for JSON-lines event logs (events-<node>.jsonl); None = the ledger dir.
+    events_dir: Optional[Path] = field_of(KIND_PATH, None, optional=True)
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """``[admission]``: how many nodes may flush to the shared tier at once, cluster-wide.
+
+    The slots live on the PFS itself (``dir``, default ``<tiers.pfs.root>/.slurm_ckpt/
+    slots``), root-owned; see :mod:`slurm_ckpt.core.admission`. With neither cap set
+    there is no cap, and only the jitter applies.
+    """
+
+    #: At most this many nodes flush at once; unset = no cap on the count.
+    max_nodes: Optional[int] = field_of(KIND_INT, None, minimum=1, optional=True)
+    #: At most this much flush bandwidth in total (sum of the holders' rates); 0 = none.
+    max_bandwidth: Optional[float] = field_of(KIND_BANDWIDTH, None, optional=True)
+    #: Each flush starts after a random delay in [0, jitter): aligned saves spread out.
+    jitter: float = field_of(KIND_DURATION, 0.0)
+    #: A slot whose holder stops renewing it is free again this long after the last renewal.
+    lease: float = field_of(KIND_DURATION, 60.0, minimum=1e-3)
+    #: How often a waiting flusher looks at the queue again.
+    poll: float = field_of(KIND_DURATION, 1.0, minimum=1e-3)
+    #: Longest wait for a slot of a flusher that has no budget of its own (stager, CLI).
+    max_wait: float = field_of(KIND_DURATION, 300.0, minimum=1e-3)
+    #: Where the slots live; unset = ``<tiers.pfs.root>/.slurm_ckpt/slots``.
+    dir: Optional[Path] = field_of(KIND_PATH, None, optional=True)
+
+    @property
+    def enabled(self) -> bool:
+        """True when a cap is set (slots are taken); jitter applies either way."""
+        return self.max_nodes is not None or self.max_bandwidth is not None
+
+
+TIER_CLASSES = {
+    "local": LocalTierConfig,
+    "pfs": PfsTierConfig,
+    "object": ObjectTierConfig,
+    "cold": ColdTierConfig,
+}
+SECTION_CLASSES = {
+    "retention": RetentionConfig,
+    "copy": CopyConfig,
+    "job": JobConfig,
+    "hooks": HooksConfig,
+    "ledger": LedgerConfig,
+    "metrics": MetricsConfig,
+    "admission": AdmissionConfig,
+}
+TOP_KEYS = ["tiers", *SECTION_CLASSES]

@@ -1,0 +1,193 @@
+"""Move checkpoints on along the tier chain (``pfs`` -> ``object`` -> ``cold``) by the
+aging policy (:mod:`slurm_ckpt.core.aging`), and apply the cold tier's retention.
+
+``ckpt-slurm gc`` runs this before the warm tiers' retention, so a checkpoint chosen to
+age is copied - and verified *on the next tier*, by re-reading it there - before the
+tier it comes from may drop it (:func:`owed`). Copies go through the one copy engine
+(:func:`slurm_ckpt.tiers.copy.copy_checkpoint`), which checks every byte against the
+manifest on the way.
+
+Run as root (an admin's periodic gc), each copy runs in a child that has become the
+checkpoint's owner (:func:`slurm_ckpt.node.asuser.run_as_user`), so root never writes
+user data; a user's own run copies in-process.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+from slurm_ckpt.core.aging import plan_aging, plan_cold_deletions
+from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.retention import CkptInfo
+from slurm_ckpt.errors import CkptError
+from slurm_ckpt.node.asuser import run_as_user
+from slurm_ckpt.tiers.base import Tier
+from slurm_ckpt.tiers.copy import copy_checkpoint
+from slurm_ckpt.tiers.registry import tiers_from_config
+
+__all__ = ["AgeResult", "age_series", "chain", "gc_cold_series", "owed", "run_aging"]
+
+
+@dataclass
+class AgeResult:
+    """What aging did to one series between two tiers."""
+
+    src: str
+    dst: str
+    user: str
+    key: str
+    copied: List[int] = field(default_factory=list)
+    planned: List[int] = field(default_factory=list)
+    errors: List[str] = field(default_factory=list)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "from": self.src,
+            "to": self.dst,
+            "user": self.user,
+            "key": self.key,
+            "planned": self.planned,
+            "copied": self.copied,
+            "errors": self.errors,
+        }
+
+
+def chain(cfg: Config, tiers: Dict[str, Tier]) -> List[Tuple[Tier, Tier, float]]:
+    """``(from, to, every_s)`` for each link of the configured chain."""
+    names = [n for n in ("pfs", "object", "cold") if n in tiers]
+    links = []
+    for a, b in zip(names, names[1:]):
+        every = cfg.tiers.object.every if b == "object" else cfg.tiers.cold.every  # type: ignore[union-attr]
+        links.append((tiers[a], tiers[b], float(every)))
+    return links
+
+
+def _infos(tier: Tier, user: str, key: str) -> List[CkptInfo]:
+    return [
+        CkptInfo(
+            step=s.step,
+            wall_time=s.manifest.wall_time,
+            nbytes=s.nbytes,
+            pinned=s.manifest.meta.get("pinned") is True,
+        )
+        for s in tier.steps(user, key)
+    ]
+
+
+def owed(src: Tier, dst: Tier, user: str, key: str, every_s: float) -> Set[int]:
+    """Steps of ``src`` that must reach ``dst`` and are not committed there yet: the
+    retention of ``src`` keeps them."""
+    have = {s.step for s in dst.steps(user, key)}
+    return set(plan_aging(_infos(src, user, key), have, every_s))
+
+
+def _copy_and_verify(src: Tier, dst: Tier, user: str, key: str, step: int) -> Dict[str, Any]:
+    res = copy_checkpoint(src, dst, user, key, step)
+    rep = dst.verify(user, key, step)  # verified *there*, read back from the next tier
+    if not rep.ok:
+        dst.delete(user, key, step)
+        raise CkptError(f"{rep.where}: copy does not verify: {'; '.join(rep.problems[:2])}")
+    return {"copied": res.copied_bytes, "already": res.already_present}
+
+
+def _as_owner(user: str) -> bool:
+    if os.geteuid() != 0:
+        return False
+    try:
+        pwd.getpwnam(user)
+    except KeyError:
+        raise CkptError(f"user {user!r} unknown on this host: not copied as root") from None
+    return True
+
+
+def age_series(
+    src: Tier,
+    dst: Tier,
+    user: str,
+    key: str,
+    every_s: float,
+    *,
+    dry_run: bool = False,
+    as_owner: Optional[bool] = None,
+) -> AgeResult:
+    """Copy (and verify on ``dst``) what the aging policy owes ``dst`` of one series.
+    ``as_owner``: run each copy as the series' user (default: when running as root)."""
+    out = AgeResult(src.name, dst.name, user, key)
+    try:
+        out.planned = sorted(owed(src, dst, user, key, every_s))
+    except CkptError as exc:
+        out.errors.append(str(exc))
+        return out
+    if dry_run:
+        return out
+    for step in out.planned:
+        try:
+            if as_owner if as_owner is not None else _as_owner(user):
+                run_as_user(
+                    user,
+                    _copy_and_verify,
+                    src,
+                    dst,
+                    user,
+                    key,
+                    step,
+                    what=f"age {user}/{key} step {step}",
+                )
+            else:
+                _copy_and_verify(src, dst, user, key, step)
+        except (CkptError, OSError) as exc:
+            out.errors.append(f"{dst.where(user, key, step)}: not aged: {exc}")
+            continue
+        out.copied.append(step)
+    return out
+
+
+def gc_cold_series(
+    tier: Tier, user: str, key: str, now: float, keep_for_s: float, dry_run: bool = False
+) -> Tuple[List[int], List[str]]:
+    """The cold tier's retention for one series: ``(deleted or planned, errors)``."""
+    errors: List[str] = []
+    plan = plan_cold_deletions(_infos(tier, user, key), now, keep_for_s)
+    if dry_run:
+        return plan, errors
+    done = []
+    for step in plan:
+        try:
+            tier.delete(user, key, step)
+            done.append(step)
+        except (CkptError, OSError) as exc:
+            errors.append(f"{tier.where(user, key, step)}: not deleted: {exc}")
+    return done, errors
+
+
+def run_aging(
+    cfg: Config,
+    *,
+    user: Optional[str] = None,
+    key: Optional[str] = None,
+    dry_run: bool = False,
+    as_owner: Optional[bool] = None,
+) -> List[AgeResult]:
+    """Age every selected series along the configured chain (see the module docstring)."""
+    tiers = tiers_from_config(cfg)
+    results = []
+    for src, dst, every in chain(cfg, tiers):
+        try:
+            series = [
+                (u, k)
+                for u, k in src.series()
+                if (user is None or u == user) and (key is None or k == key)
+            ]
+        except CkptError as exc:
+            results.append(
+                AgeResult(src.name, dst.name, user or "*", key or "*", errors=[str(exc)])
+            )
+            continue
+        for u, k in series:
+            res = age_series(src, dst, u, k, every, dry_run=dry_run, as_owner=as_owner)
+            if res.planned or res.errors:
+                results.append(res)
+    return results

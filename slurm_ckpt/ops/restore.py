@@ -1,0 +1,79 @@
+"""Bring one checkpoint back from any tier into a directory: ``ckpt-slurm restore``.
+
+For the rollbacks the cold tier exists for ("back to three days ago"): the checkpoint
+``user/key/step`` is copied from the chosen tier (or the fastest one holding it) through
+the one copy engine, every byte checked against the manifest on the way, and committed
+in ``DIR/<user>/<key>/step-NNNNNNNNNN/`` - a tier root of its own, so ``ckpt-slurm
+verify DIR/<user>/<key>/step-...`` and ``Checkpointer(local=DIR, ...)`` read it as is.
+A copy that does not verify is skipped for the same step on the next tier.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional
+
+from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.names import current_user, validate_key, validate_user
+from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
+from slurm_ckpt.tiers.copy import copy_checkpoint
+from slurm_ckpt.tiers.posix import PosixTier
+from slurm_ckpt.tiers.registry import ORDER, tiers_from_config
+
+__all__ = ["restore_to"]
+
+
+def restore_to(
+    cfg: Config,
+    key: str,
+    to: str,
+    *,
+    user: Optional[str] = None,
+    tier: Optional[str] = None,
+    step: Optional[int] = None,
+) -> Dict[str, Any]:
+    """Copy a committed, verifying checkpoint of ``key`` into ``to`` (see the module
+    docstring): the given ``step`` (default: the newest on the tiers looked at), from
+    ``tier`` (default: every tier, fastest first). Returns what was done."""
+    user = validate_user(user) if user else current_user()
+    validate_key(key)
+    tiers = tiers_from_config(cfg)
+    if tier is not None:
+        if tier not in tiers:
+            raise CkptError(f"--tier {tier}: not configured (configured: {', '.join(tiers)})")
+        tiers = {tier: tiers[tier]}
+    holders: Dict[int, List[Any]] = {}
+    for t in tiers.values():
+        try:
+            infos = t.steps(user, key)
+        except (TierError, OSError):
+            continue
+        for info in infos:
+            if step is None or info.step == step:
+                holders.setdefault(info.step, []).append(t)
+    if not holders:
+        where = f" on the {tier} tier" if tier else ""
+        at = f" at step {step}" if step is not None else ""
+        raise NotFound(f"no committed checkpoint of {user}/{key}{at}{where}")
+    to = os.path.abspath(to)
+    os.makedirs(to, exist_ok=True)
+    skipped: List[str] = []
+    for s in sorted(holders, reverse=True):
+        for t in sorted(holders[s], key=lambda x: ORDER.index(x.name)):
+            dst = PosixTier("restore", to, chunk_size=t.chunk_size, streams=cfg.copy.streams)
+            try:
+                res = copy_checkpoint(t, dst, user, key, s)
+            except (VerifyError, TierError, NotFound) as exc:
+                skipped.append(str(exc))
+                continue
+            return {
+                "user": user,
+                "key": key,
+                "step": s,
+                "tier": t.name,
+                "path": dst.step_path(user, key, s),
+                "bytes": res.nbytes,
+                "seconds": round(res.seconds, 3),
+                "skipped": skipped,
+            }
+    raise VerifyError(f"no copy of {user}/{key} verifies: {skipped[0]}")

@@ -1,0 +1,195 @@
+"""The S3 side of the object tier: one boto3 client per process, error translation, and
+the node-local step locks.
+
+boto3 speaks the protocol (signing, retries, connection pools); nothing here signs a
+request by hand. What this module adds is what the rest of the toolkit expects of any
+tier: every failure becomes one line a user can act on (:func:`s3_error`), and copies
+and deletes of one step are serialised on this node (:func:`step_lock`), as the POSIX
+tier does with flock.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import stat
+import tempfile
+import threading
+from contextlib import contextmanager, suppress
+from typing import Any, Dict, Iterator, Optional
+
+import boto3
+import botocore.exceptions as bexc
+from botocore.config import Config as BotoConfig
+
+from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
+
+__all__ = ["ClientFactory", "FULL_HINT", "s3_error", "step_lock"]
+
+#: What SeaweedFS (and other stores) answer a write with when their disks are full: a
+#: plain HTTP 500 ("failed to find writable volumes" is only in the server's log).
+FULL_HINT = (
+    "the object store failed the write with HTTP 500 (a full store answers so: no "
+    "writable volumes); nothing was committed, the flush is retried later"
+)
+_AUTH_CODES = {
+    "SignatureDoesNotMatch",
+    "InvalidAccessKeyId",
+    "InvalidSecurity",
+    "InvalidToken",
+    "ExpiredToken",
+    "AccessDenied",
+    "AllAccessDisabled",
+    "403",
+}
+_MISSING_CODES = {"NoSuchKey", "404", "NotFound", "NoSuchUpload"}
+
+
+def _code(exc: bexc.ClientError) -> str:
+    err = exc.response.get("Error", {}) if isinstance(exc.response, dict) else {}
+    return str(err.get("Code") or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode"))
+
+
+def _status(exc: bexc.ClientError) -> int:
+    try:
+        return int(exc.response["ResponseMetadata"]["HTTPStatusCode"])
+    except (KeyError, TypeError, ValueError):
+        return 0
+
+
+def s3_error(
+    exc: BaseException, where: str, endpoint: str = "", writing: bool = False
+) -> CkptError:
+    """One clear line for any failure of a request about ``where`` (``writing``: an
+    upload, where an HTTP 500 most likely means a full store)."""
+    if isinstance(exc, CkptError):
+        return exc
+    if isinstance(exc, bexc.ClientError):
+        code = _code(exc)
+        status = _status(exc)
+        if code in _AUTH_CODES:
+            return TierError(
+                f"{where}: access denied by {endpoint or 'the object store'} ({code}): wrong "
+                "credentials? (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or [tiers.object] profile)"
+            )
+        if code == "NoSuchBucket":
+            return TierError(f"{where}: the bucket does not exist on {endpoint or 'the store'}")
+        if code in _MISSING_CODES:
+            return NotFound(f"{where}: no such object")
+        if code in ("BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch"):
+            return VerifyError(f"{where}: the store received other bytes than sent ({code})")
+        if status >= 500 or code in ("InternalError", "ServiceUnavailable", "SlowDown"):
+            if writing:
+                return TierError(f"{where}: {FULL_HINT} ({code})")
+            return TierError(
+                f"{where}: the object store failed the request ({code}, HTTP {status})"
+            )
+        msg = exc.response.get("Error", {}).get("Message", "") if exc.response else ""
+        return TierError(f"{where}: S3 error {code}: {msg}".rstrip(": "))
+    if isinstance(exc, bexc.NoCredentialsError):
+        return TierError(
+            f"{where}: no S3 credentials (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or a "
+            "profile in [tiers.object])"
+        )
+    if isinstance(exc, bexc.ProfileNotFound):
+        return TierError(f"{where}: {exc}")
+    if isinstance(exc, (bexc.EndpointConnectionError, bexc.ConnectionClosedError)):
+        return TierError(f"{where}: cannot reach the object store at {endpoint}")
+    if isinstance(exc, (bexc.ReadTimeoutError, bexc.ConnectTimeoutError)):
+        return TierError(f"{where}: the object store at {endpoint} timed out")
+    if isinstance(exc, bexc.BotoCoreError):
+        return TierError(f"{where}: {exc}")
+    if isinstance(exc, OSError):
+        return TierError(f"{where}: {exc.strerror or exc}")
+    return TierError(f"{where}: {type(exc).__name__}: {exc}")
+
+
+class ClientFactory:
+    """A boto3 S3 client for this process, built on first use and again after a fork
+    (connection pools must not be shared with a child)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        region: str = "us-east-1",
+        profile: Optional[str] = None,
+        pool: int = 16,
+        credentials: Optional[Dict[str, str]] = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.region = region
+        self.profile = profile
+        self.pool = pool
+        self.credentials = credentials
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._pid = -1
+
+    def __call__(self) -> Any:
+        pid = os.getpid()
+        if self._client is None or self._pid != pid:
+            with self._lock:
+                if self._client is None or self._pid != pid:
+                    self._client = self._build()
+                    self._pid = pid
+        return self._client
+
+    def _build(self) -> Any:
+        try:
+            session = boto3.session.Session(profile_name=self.profile)
+        except bexc.BotoCoreError as exc:
+            raise s3_error(exc, "object tier", self.endpoint) from None
+        cfg = BotoConfig(
+            region_name=self.region,
+            max_pool_connections=self.pool,
+            retries={"max_attempts": 3, "mode": "standard"},
+            connect_timeout=10,
+            read_timeout=120,
+            # Integrity is ours (xxh3 per chunk from the manifest) plus the store's CRC32
+            # check of every part, so the SigV4 payload hash would be a third pass.
+            s3={"addressing_style": "path", "payload_signing_enabled": False},
+        )
+        kw = dict(self.credentials or {})
+        return session.client("s3", endpoint_url=self.endpoint, config=cfg, **kw)
+
+
+def _lock_dir() -> str:
+    """A directory only this uid can write, for lock files (never a symlink)."""
+    base = "/run/slurm-ckpt" if os.geteuid() == 0 and os.path.isdir("/run") else None
+    path = base or os.path.join(tempfile.gettempdir(), f"slurm-ckpt-locks-{os.geteuid()}")
+    with suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise TierError(f"lock directory {path}: not a private directory of uid {os.geteuid()}")
+    return path
+
+
+@contextmanager
+def step_lock(ident: str, wait: bool = True) -> Iterator[bool]:
+    """Exclusive node-local lock on one object-store step (flock on a private file).
+
+    An object store has no locks; copies and deletes of a step are serialised on this
+    node, which is where the flushes of a node's checkpoints run."""
+    name = "s3-" + hashlib.sha256(ident.encode()).hexdigest()[:32] + ".lock"
+    d = _lock_dir()
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+    except OSError as exc:
+        raise TierError(f"lock {d}/{name}: {exc.strerror}") from None
+    finally:
+        os.close(dfd)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)

@@ -1,0 +1,529 @@
+"""Writing one checkpoint into the object store: multipart uploads, manifest last.
+
+Commit protocol on S3 (the same promise as :mod:`slurm_ckpt.core.commit`):
+
+1. every payload file becomes the object ``<step prefix>/<relpath>``: a single PUT when
+   it fits one part, else a multipart upload whose parts go up in parallel; each part
+   carries its CRC32, which the store checks (a mismatch is refused with BadDigest), so
+   the store holds exactly the bytes that were hashed against the manifest;
+2. each completed object's size is checked (HEAD);
+3. ``manifest.json`` is PUT last, with ``If-None-Match: *`` so that a committed step is
+   never overwritten. A listing shows a step only once that object exists.
+
+A part is always a whole number of hash chunks (the chunk size of the manifest), so the
+bytes of a part are exactly the chunks the copy engine has hashed; within a chunk they
+arrive in order from one thread (the Tier protocol's promise), so one buffer per part in
+flight is all the memory a copy needs.
+
+A copy killed midway leaves completed objects (each tagged with its manifest hash and
+size) and interrupted multipart uploads. The next copy of the same step keeps the
+objects whose tags match (:meth:`S3Writer.resumable`) and aborts the uploads;
+:meth:`S3Tier.sweep` removes what nobody resumes.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, suppress
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Set
+
+import botocore.exceptions as bexc
+
+from slurm_ckpt.core.commit import AlreadyCommitted, manifest_to_commit
+from slurm_ckpt.core.faults import crashpoint
+from slurm_ckpt.core.hashing import ChunkedHasher, chunk_count, chunk_digest, combine
+from slurm_ckpt.core.manifest import MANIFEST_NAME, FileEntry, Manifest
+from slurm_ckpt.core.names import validate_key, validate_relpath, validate_user
+from slurm_ckpt.core.verify import VerifyReport
+from slurm_ckpt.errors import CkptError, NotFound, TierError
+from slurm_ckpt.tiers.rangeverify import verify_sources
+from slurm_ckpt.tiers.s3_client import s3_error
+
+if TYPE_CHECKING:  # pragma: no cover
+    from slurm_ckpt.tiers.s3 import S3Tier
+
+__all__ = ["META_HASH", "META_SIZE", "S3Writer", "crc32_b64"]
+
+#: Object metadata naming the manifest entry an object was uploaded for (resumable copies).
+META_HASH = "ckpt-hash"
+META_SIZE = "ckpt-size"
+
+
+def crc32_b64(data: Any) -> str:
+    """The CRC32 of a buffer as S3's ``x-amz-checksum-crc32`` header wants it."""
+    return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+
+
+class _Upload:
+    """One payload file on its way into the store (a RangeSink in copy mode)."""
+
+    def __init__(self, w: S3Writer, entry: Optional[FileEntry], relpath: str, size: int):
+        self.w = w
+        self.entry = entry
+        self.relpath = relpath
+        self.size = size
+        self.key = w.tier.object_key(w.user, w.key, w.step, relpath)
+        self.part_len = w.part_len
+        self.nparts = max(1, -(-size // self.part_len))
+        self.upload_id: Optional[str] = None
+        self.etags: Dict[int, str] = {}
+        self.crcs: Dict[int, str] = {}
+        self._bufs: Dict[int, bytearray] = {}
+        self._filled: Dict[int, int] = {}
+        self._lock = threading.Lock()
+        self.meta: Dict[str, str] = {}
+        if entry is not None:
+            self.meta = {META_HASH: entry.hash, META_SIZE: str(entry.size)}
+
+    # -- parts -----------------------------------------------------------------------
+    def _part_size(self, pn: int) -> int:
+        return min(self.part_len, self.size - pn * self.part_len)
+
+    def _start(self) -> str:
+        with self._lock:
+            if self.upload_id is None:
+                r = self.w.call(
+                    "create_multipart_upload",
+                    self.key,
+                    Key=self.key,
+                    Metadata=self.meta,
+                    ChecksumAlgorithm="CRC32",
+                )
+                self.upload_id = r["UploadId"]
+                self.w._track_upload(self)
+            return self.upload_id
+
+    def put_part(self, pn: int, data: Any) -> None:
+        """Upload part ``pn`` (0-based) from ``data``, its CRC32 checked by the store."""
+        crc = crc32_b64(data)
+        view = data if isinstance(data, (bytes, bytearray)) else _ViewBody(data)
+        if self.nparts == 1:
+            self.w.call(
+                "put_object",
+                self.key,
+                Key=self.key,
+                Body=view,
+                ChecksumCRC32=crc,
+                Metadata=self.meta,
+            )
+            self.w._track_object(self.key)
+        else:
+            uid = self._start()
+            r = self.w.call(
+                "upload_part",
+                self.key,
+                Key=self.key,
+                UploadId=uid,
+                PartNumber=pn + 1,
+                Body=view,
+                ChecksumCRC32=crc,
+            )
+            with self._lock:
+                self.etags[pn] = r["ETag"]
+                self.crcs[pn] = crc
+        crashpoint("s3:part")
+
+    def complete(self) -> None:
+        """Complete the multipart upload: every part with its ETag and CRC32."""
+        parts = [
+            {"PartNumber": pn + 1, "ETag": self.etags[pn], "ChecksumCRC32": self.crcs[pn]}
+            for pn in range(self.nparts)
+        ]
+        self.w.call(
+            "complete_multipart_upload",
+            self.key,
+            Key=self.key,
+            UploadId=self.upload_id,
+            MultipartUpload={"Parts": parts},
+        )
+        self.w._track_object(self.key)
+        self.w._untrack_upload(self)
+
+    # -- RangeSink (copy mode) ---------------------------------------------------------
+    def write(self, data: memoryview, offset: int) -> None:
+        pn = offset // self.part_len
+        psize = self._part_size(pn)
+        with self._lock:
+            buf = self._bufs.get(pn)
+            if buf is None:
+                buf = self._bufs[pn] = self.w._buffer()
+                self._filled[pn] = 0
+        start = offset - pn * self.part_len
+        buf[start : start + len(data)] = data
+        with self._lock:
+            self._filled[pn] += len(data)
+            full = self._filled[pn] >= psize
+        if full:
+            try:
+                self.put_part(pn, buf if psize == len(buf) else memoryview(buf)[:psize])
+            finally:
+                with self._lock:
+                    self._bufs.pop(pn, None)
+                self.w._release(buf)
+
+    def finish(self) -> None:
+        """Every byte is in: complete the upload and check the object's size."""
+        if self.size == 0:
+            self.put_part(0, memoryview(b""))
+        if self.nparts > 1:
+            missing = [pn for pn in range(self.nparts) if pn not in self.etags]
+            if missing:
+                raise CkptError(f"{self.w.where}/{self.relpath}: part {missing[0] + 1} never sent")
+            self.complete()
+        head = self.w.call("head_object", self.key, Key=self.key)
+        if int(head["ContentLength"]) != self.size:
+            raise TierError(
+                f"{self.w.where}/{self.relpath}: stored {head['ContentLength']} bytes, "
+                f"sent {self.size}"
+            )
+        self.w._file_done(self)
+
+    def abort(self) -> None:
+        for buf in list(self._bufs.values()):
+            self.w._release(buf)
+        self._bufs.clear()
+
+
+class _ViewBody(io.RawIOBase):
+    """A request body over a memoryview without copying it whole first (boto3 takes
+    bytes, bytearray or a file; a part of the caller's buffer is none of them)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self.view = memoryview(view).cast("B")
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(b), len(self.view) - self.pos)
+        b[:n] = self.view[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self.view) if n is None or n < 0 else min(len(self.view), self.pos + n)
+        out = bytes(self.view[self.pos : end])
+        self.pos = end
+        return out
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self.pos, len(self.view))[whence]
+        self.pos = max(0, min(len(self.view), base + offset))
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+
+class _Stream:
+    """A binary stream for fresh-mode producers: parts go up as they fill."""
+
+    def __init__(self, up: _Upload, chunk_size: int) -> None:
+        self.up = up
+        self.hasher = ChunkedHasher(chunk_size)
+        self.buf = bytearray()
+        self.pn = 0
+
+    def write(self, data: object) -> int:
+        mv = memoryview(data).cast("B")  # type: ignore[arg-type]
+        self.hasher.update(mv)
+        self.buf += mv
+        while len(self.buf) >= self.up.part_len * 2:  # keep one part back: the last may grow
+            self._send(self.up.part_len)
+        return len(mv)
+
+    def _send(self, n: int) -> None:
+        self.up.nparts = max(self.up.nparts, self.pn + 2)
+        self.up.put_part(self.pn, memoryview(self.buf)[:n])
+        del self.buf[:n]
+        self.pn += 1
+
+    def close(self) -> None:
+        up = self.up
+        up.size = self.hasher.size
+        if self.pn == 0:
+            up.nparts = 1
+            up.put_part(0, memoryview(self.buf))
+        else:
+            while len(self.buf) > up.part_len:
+                self._send(up.part_len)
+            up.nparts = self.pn + 1
+            up.put_part(self.pn, memoryview(self.buf))
+        self.buf = bytearray()
+        if up.nparts > 1:
+            up.complete()
+
+    def writable(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        pass
+
+
+class S3Writer:
+    """A checkpoint being written into the object store (see the module docstring): a
+    context manager that commits on a clean exit and removes its objects on an error."""
+
+    def __init__(
+        self,
+        tier: S3Tier,
+        user: str,
+        key: str,
+        step: int,
+        *,
+        copy_of: Optional[Manifest] = None,
+        tokens: Optional[int] = None,
+        job: Optional[str] = None,
+        node: Optional[str] = None,
+        meta: Optional[Dict[str, Any]] = None,
+        chunk_size: Optional[int] = None,
+        streams: Optional[int] = None,
+    ) -> None:
+        self.tier = tier
+        self.user, self.key, self.step = validate_user(user), validate_key(key), step
+        self.where = tier.where(user, key, step)
+        self.copy_of = copy_of
+        self.tokens, self.job, self.node = tokens, job, node
+        self.meta = dict(meta or {})
+        self.chunk_size = (
+            copy_of.chunk_size if copy_of is not None else (chunk_size or tier.chunk_size)
+        )
+        self.streams = streams or tier.streams
+        self.part_len = tier.part_len(self.chunk_size)
+        if copy_of is not None and (copy_of.user, copy_of.key, copy_of.step) != (user, key, step):
+            raise CkptError(f"{self.where}: manifest names another checkpoint")
+        self._lock = threading.Lock()
+        self._entries: Dict[str, FileEntry] = {}
+        self._objects: Set[str] = set()
+        self._uploads: Dict[str, _Upload] = {}
+        self._free: List[bytearray] = []
+        self._done = False
+        try:
+            tier.manifest_bytes(user, key, step)
+        except NotFound:
+            pass
+        else:
+            raise AlreadyCommitted(f"{self.where}: step already committed")
+
+    # -- plumbing ----------------------------------------------------------------------
+    def call(self, op: str, obj_key: str, **kw: Any) -> Any:
+        """One S3 request on this writer's bucket; failures as one-line errors."""
+        try:
+            return getattr(self.tier.client(), op)(Bucket=self.tier.bucket, **kw)
+        except bexc.ClientError as exc:
+            where = f"{self.tier.name}:s3://{self.tier.bucket}/{obj_key}"
+            raise s3_error(exc, where, self.tier.endpoint, writing=True) from None
+        except (bexc.BotoCoreError, OSError) as exc:
+            where = f"{self.tier.name}:s3://{self.tier.bucket}/{obj_key}"
+            raise s3_error(exc, where, self.tier.endpoint, writing=True) from None
+
+    def _buffer(self) -> bytearray:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return bytearray(self.part_len)
+
+    def _release(self, buf: bytearray) -> None:
+        with self._lock:
+            if len(self._free) < self.streams + 1:
+                self._free.append(buf)
+
+    def _track_object(self, obj_key: str) -> None:
+        with self._lock:
+            self._objects.add(obj_key)
+
+    def _track_upload(self, up: _Upload) -> None:
+        with self._lock:
+            self._uploads[up.key] = up
+
+    def _untrack_upload(self, up: _Upload) -> None:
+        with self._lock:
+            self._uploads.pop(up.key, None)
+
+    def _file_done(self, up: _Upload) -> None:
+        if up.entry is not None:
+            with self._lock:
+                self._entries[up.relpath] = up.entry
+
+    def _new(self, relpath: str) -> None:
+        validate_relpath(relpath)
+        if relpath == MANIFEST_NAME:
+            raise CkptError(f"{self.where}: {MANIFEST_NAME} is the manifest's name")
+        with self._lock:
+            if relpath in self._entries:
+                raise CkptError(f"{self.where}: file {relpath!r} written twice")
+
+    # -- fresh mode --------------------------------------------------------------------
+    def write_buffers(self, items: Mapping[str, object]) -> List[FileEntry]:
+        """Upload in-memory buffers, each part straight from the caller's memory, with
+        the chunk digests computed on the way."""
+        names = list(items)
+        views = [memoryview(items[n]).cast("B") for n in names]  # type: ignore[arg-type]
+        for n in names:
+            self._new(n)
+        ups = [_Upload(self, None, n, len(v)) for n, v in zip(names, views)]
+        digests: List[List[str]] = [[""] * chunk_count(len(v), self.chunk_size) for v in views]
+        work = [(fi, pn) for fi, up in enumerate(ups) for pn in range(up.nparts)]
+
+        def part(fi: int, pn: int) -> None:
+            up, cs = ups[fi], self.chunk_size
+            lo = pn * up.part_len
+            view = views[fi][lo : lo + up._part_size(pn)] if up.size else views[fi][:0]
+            for i in range(0, len(view), cs):
+                digests[fi][(lo + i) // cs] = chunk_digest(view[i : i + cs])
+            up.put_part(pn, view)
+
+        self._run(part, work)
+        entries = []
+        for fi, up in enumerate(ups):
+            if up.nparts > 1:
+                up.complete()
+            e = FileEntry(up.relpath, up.size, combine(digests[fi]), digests[fi])
+            with self._lock:
+                self._entries[up.relpath] = e
+            entries.append(e)
+        return entries
+
+    def _run(self, fn: Any, work: List[Any]) -> None:
+        if self.streams <= 1 or len(work) <= 1:
+            for item in work:
+                fn(*item)
+            return
+        with ThreadPoolExecutor(min(self.streams, len(work)), "ckpt-s3") as pool:
+            futures = [pool.submit(fn, *item) for item in work]
+            try:
+                for f in futures:
+                    f.result()
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+
+    @contextmanager
+    def open_stream(self, relpath: str) -> Iterator[Any]:
+        """A writable binary stream; the file is hashed and uploaded as it comes."""
+        self._new(relpath)
+        up = _Upload(self, None, relpath, 0)
+        stream = _Stream(up, self.chunk_size)
+        yield stream
+        stream.close()
+        h, chunks = stream.hasher.finish()
+        with self._lock:
+            self._entries[relpath] = FileEntry(relpath, stream.hasher.size, h, chunks)
+
+    # -- copy mode ---------------------------------------------------------------------
+    def _manifest_for_copy(self) -> Manifest:
+        if self.copy_of is None:
+            raise CkptError(f"{self.where}: not a copy (give copy_of= to the writer)")
+        return self.copy_of
+
+    def resumable(self) -> Set[str]:
+        """Objects of an interrupted copy that are complete and tagged with this
+        manifest's hash and size (kept); other objects are deleted and interrupted
+        multipart uploads aborted (their files are sent again)."""
+        m = self._manifest_for_copy()
+        wanted = {e.path: e for e in m.files}
+        prefix = self.tier.step_prefix(self.user, self.key, self.step)
+        keep: Set[str] = set()
+        stale: List[str] = []
+        for obj in self.tier.list_objects(prefix):
+            rel = obj["Key"][len(prefix) :]
+            e = wanted.get(rel)
+            if e is not None and int(obj["Size"]) == e.size:
+                head = self.call("head_object", obj["Key"], Key=obj["Key"])
+                tags = head.get("Metadata", {})
+                if tags.get(META_HASH) == e.hash and tags.get(META_SIZE) == str(e.size):
+                    keep.add(rel)
+                    self._entries[rel] = e
+                    self._objects.add(obj["Key"])
+                    continue
+            stale.append(obj["Key"])
+        self.tier.delete_keys(stale)
+        self.tier.abort_uploads(prefix)
+        return keep
+
+    def file(self, relpath: str, size: int) -> _Upload:
+        """A sink for one payload file of the copied checkpoint."""
+        entry = self._manifest_for_copy().file(relpath)
+        if entry.size != size:
+            raise CkptError(f"{self.where}: {relpath}: size {size} != manifest {entry.size}")
+        self._new(relpath)
+        return _Upload(self, entry, relpath, size)
+
+    def verify_written(self) -> VerifyReport:
+        """Read every object back (ranged GETs) and hash it against the manifest."""
+        m = self._manifest_for_copy()
+        return verify_sources(
+            lambda e: self.tier.source(self.user, self.key, self.step, e.path),
+            m,
+            self.where,
+            self.streams,
+        )
+
+    # -- commit ------------------------------------------------------------------------
+    def commit(self) -> Manifest:
+        """PUT the manifest, last and only if no manifest is there (If-None-Match)."""
+        if self._done:
+            raise CkptError(f"{self.where}: writer already finished")
+        manifest = manifest_to_commit(self)
+        data = manifest.to_bytes()
+        mkey = self.tier.object_key(self.user, self.key, self.step, MANIFEST_NAME)
+        crashpoint("s3:before-manifest")
+        try:
+            self.tier.client().put_object(
+                Bucket=self.tier.bucket,
+                Key=mkey,
+                Body=data,
+                ChecksumCRC32=crc32_b64(data),
+                IfNoneMatch="*",
+            )
+        except bexc.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") == "PreconditionFailed":
+                self._done = True  # the other writer's objects are not ours to remove
+                raise AlreadyCommitted(f"{self.where}: step appeared concurrently") from None
+            self.abort()
+            raise s3_error(exc, self.where, self.tier.endpoint, writing=True) from None
+        except (bexc.BotoCoreError, OSError) as exc:
+            self.abort()
+            raise s3_error(exc, self.where, self.tier.endpoint, writing=True) from None
+        self._done = True
+        self._free.clear()
+        return manifest
+
+    def abort(self) -> None:
+        """Abort uploads in flight and delete the objects this writer made or kept."""
+        if self._done:
+            return
+        self._done = True
+        self._free.clear()
+        for up in list(self._uploads.values()):
+            up.abort()
+            if up.upload_id is not None:
+                with suppress(bexc.ClientError, bexc.BotoCoreError, OSError):  # swept later
+                    self.tier.client().abort_multipart_upload(
+                        Bucket=self.tier.bucket, Key=up.key, UploadId=up.upload_id
+                    )
+        # No manifest was written: nothing listable is left, and debris is swept later.
+        with suppress(CkptError, OSError):
+            self.tier.delete_keys(sorted(self._objects))
+
+    def __enter__(self) -> S3Writer:
+        return self
+
+    def __exit__(self, et: object, ev: object, tb: object) -> None:
+        if et is None and not self._done:
+            self.commit()
+        else:
+            self.abort()

@@ -44,7 +44,7 @@ from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import validate_key
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import CkptError, InvalidName, SlurmError, TierError
-from slurm_ckpt.node.asuser import run_as
+from slurm_ckpt.node.asuser import alive, run_as
 from slurm_ckpt.node.flush import FlushOutcome
 from slurm_ckpt.node.guard import (
     NodeCheckFailed,
@@ -229,7 +229,9 @@ def _stage_as_user(cfg: Config, user: str, key: str, step: int, uid: int) -> dic
     check_user_dir(tiers["pfs"], user, uid)
     check_user_dir(tiers["local"], user, uid)
     check_step_files(tiers["pfs"], user, key, step, uid)
-    res = copy_checkpoint(tiers["pfs"], tiers["local"], user, key, step)
+    res = copy_checkpoint(
+        tiers["pfs"], tiers["local"], user, key, step, progress=lambda _n: alive()
+    )
     return {"nbytes": res.nbytes, "seconds": res.seconds, "already": res.already_present}
 
 
@@ -359,6 +361,7 @@ def _stage(
             ids.name,
             env.job_id,
             job_name,
+            stall_timeout=cfg.hooks.child_timeout,
             user=ids.name,
             timeout=max(0.5, deadline - clock()),
             what="find checkpoint to stage",
@@ -381,6 +384,7 @@ def _stage(
                 key,
                 step,
                 ids.uid,
+                stall_timeout=cfg.hooks.child_timeout,
                 user=ids.name,
                 timeout=left,
                 what="stage",

@@ -232,7 +232,7 @@ class NodeWork:
         stall = self.cfg.hooks.child_timeout
         for ids in self.local_users():
             left = self._left(deadline)
-            if left is not None and left < MIN_SLICE_S:
+            if left is not None and left <= 0:
                 complete = False  # no time to look: this user's records stay as they are
                 self.users[ids.name] = ids
                 continue

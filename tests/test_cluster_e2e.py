@@ -480,7 +480,7 @@ def test_ckpt_srun_time_limit_requeues_once_and_resumes(e2e: E2E) -> None:
     assert any(f"staged {key} step {warned}" in ln for ln in prologs), prologs
     pfs = e.tier("pfs")
     steps = [s.step for s in pfs.steps("ckptuser1", key)]
-    assert warned in steps and 200 in steps and pfs.verify("ckptuser1", key, 200).ok
+    assert warned in steps and 150 in steps and pfs.verify("ckptuser1", key, 150).ok
 
 
 def test_ckpt_srun_leaves_preemption_requeue_to_slurm(e2e: E2E) -> None:

@@ -30,7 +30,6 @@ from slurm_ckpt.ledger.events import EventLog
 from slurm_ckpt.node.asuser import AsUserTimeout, error_from, run_as
 from slurm_ckpt.node.flush import (
     HANDED_TO_STAGER,
-    MIN_SLICE_S,
     Flusher,
     FlushOutcome,
     FlushResult,

@@ -286,6 +286,7 @@ def test_cli_json_and_table(site: Site) -> None:
         "failed",
         "flush_rate_bps",
         "flush_eta_s",
+        "problems",
     }
     r = ckpt_slurm("status", "--no-slurm", "--job", "11", config=site.cfg_path)
     assert r.returncode == 0, r.stderr

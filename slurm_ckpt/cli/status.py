@@ -223,6 +223,21 @@ def print_status(
             f"{plural(t['damaged'], 'damaged step directory', 'damaged step directories')} "
             "on the shared tiers (ckpt-slurm verify KEY says which and why)"
         )
+    for sq in doc.get("squatted") or []:
+        warn(
+            f"{sq['path']} is owned by uid {sq['owner_uid']}, not by {sq['user']}: squatted, "
+            f"not read (fix, as root: inspect it, then mv {sq['path']} "
+            f"{sq['path']}.squatted-by-{sq['owner_uid']})"
+        )
+    for text in doc.get("notes") or []:
+        warn(text)
+    for j in doc["jobs"]:
+        for p in j.get("problems") or []:
+            if p.get("hold"):
+                warn(
+                    f"job {j['job'] or '-'} ({j['user']}) {p['key']} step {p['step']}: "
+                    f"refused ({p['hold']}): {p['reason']}"
+                )
 
 
 @click.command("status")

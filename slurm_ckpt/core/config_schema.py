@@ -202,6 +202,19 @@ class HooksConfig:
     expected_checkpoint_size: Optional[int] = field_of(KIND_SIZE, None, optional=True)
     #: On a requeued job, copy the newest PFS checkpoint to the local tier in the prolog.
     stage_on_requeue: bool = field_of(KIND_BOOL, False)
+    #: A child running as a user (scan, flush, delete) that shows no progress for this
+    #: long is killed and its work retried later (a user can SIGSTOP their own processes).
+    child_timeout: float = field_of(KIND_DURATION, 60.0, minimum=1e-3)
+    #: A flush child gets at most 10 x child_timeout + size / min_flush_rate in all.
+    min_flush_rate: float = field_of(KIND_BANDWIDTH, 10e6, minimum=1.0)
+    #: First wait before a failed flush is tried again (doubling, at most 1 hour).
+    retry_backoff: float = field_of(KIND_DURATION, 60.0, minimum=1e-3)
+    #: After this many failed flushes in a row a checkpoint no longer keeps its node
+    #: drained (it is still retried, and reported by status).
+    max_retries: int = field_of(KIND_INT, 5, minimum=1)
+    #: The prolog frees local space from users with no job on the node: their debris and
+    #: unflushable leftovers, then checkpoints already safe on the PFS.
+    reclaim_departed: bool = field_of(KIND_BOOL, True)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ Steps (all idempotent, so a retried prolog is harmless):
    is moved aside (renamed, never followed or deleted) and logged;
 4. free space: ``tiers.local.min_free`` plus ``hooks.expected_checkpoint_size`` x
    (``retention.keep_local`` + 1) (keep_local old ones plus the one being written);
+   when short, space of users who have left the node is reclaimed first (their junk,
+   then their checkpoints safe on the PFS: :mod:`slurm_ckpt.node.reclaim`);
 5. a write/fsync/read-back probe in the user's directory, as the user;
 6. rescue: checkpoints earlier jobs left unflushed on this node are flushed (as their
    owners) within half the budget, the rest is left to the stager - never wiped;
@@ -43,13 +45,15 @@ from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import validate_key
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import CkptError, InvalidName, SlurmError, TierError
-from slurm_ckpt.node.asuser import run_as
+from slurm_ckpt.node.asuser import alive, run_as
 from slurm_ckpt.node.flush import FlushOutcome
 from slurm_ckpt.node.guard import (
     NodeCheckFailed,
     check_local_tier,
     check_user_dir,
+    required_free,
 )
+from slurm_ckpt.node.reclaim import reclaim_departed
 from slurm_ckpt.node.warm import guard_step_files, guard_user_dir, owner_tiers, warm_of
 from slurm_ckpt.node.work import NodeWork, UserIds
 from slurm_ckpt.slurm.client import SlurmClient
@@ -227,7 +231,7 @@ def _stage_as_user(cfg: Config, user: str, key: str, step: int, uid: int) -> dic
     guard_user_dir(warm, user, uid)
     check_user_dir(tiers["local"], user, uid)
     guard_step_files(warm, user, key, step, uid)
-    res = copy_checkpoint(warm, tiers["local"], user, key, step)
+    res = copy_checkpoint(warm, tiers["local"], user, key, step, progress=lambda _n: alive())
     return {"nbytes": res.nbytes, "seconds": res.seconds, "already": res.already_present}
 
 
@@ -243,6 +247,7 @@ class PrologReport:
     probe_s: float = 0.0
     rescue: FlushOutcome = field(default_factory=FlushOutcome)
     staged: Optional[str] = None
+    reclaimed: Optional[str] = None
     seconds: float = 0.0
 
     def line(self) -> str:
@@ -256,6 +261,8 @@ class PrologReport:
                 f"rescued {len(self.rescue.flushed)}, handed {len(self.rescue.handed)} to "
                 f"the stager, {len(self.rescue.failed)} failed"
             )
+        if self.reclaimed:
+            parts.append(self.reclaimed)
         if self.staged:
             parts.append(f"staged {self.staged}")
         parts.append(f"in {format_duration(self.seconds)}")
@@ -282,7 +289,22 @@ def run_prolog(
     except CkptError as exc:
         raise PrologFailed(f"ledger: {exc}") from None
     report.user_dir = ensure_user_dir(root, ids)
-    report.free = check_local_tier(cfg, check_space=True)
+    try:
+        report.free = check_local_tier(cfg, check_space=True)
+    except NodeCheckFailed:
+        if not cfg.hooks.reclaim_departed:
+            raise
+        # Too full: free what users who left this node no longer need, then look again.
+        try:
+            work.reconcile(t0 + total * 0.2)
+            got = reclaim_departed(work, env.user, required_free(cfg), t0 + total * 0.4)
+        except CkptError as exc:
+            log.warning("prolog: reclaim failed: %s", exc)
+            got = None
+        if got is None:
+            raise
+        report.reclaimed = got.line()
+        report.free = check_local_tier(cfg, check_space=True)
     try:
         report.probe_s = run_as(
             ids.uid,
@@ -339,6 +361,7 @@ def _stage(
             ids.name,
             env.job_id,
             job_name,
+            stall_timeout=cfg.hooks.child_timeout,
             user=ids.name,
             timeout=max(0.5, deadline - clock()),
             what="find checkpoint to stage",
@@ -361,6 +384,7 @@ def _stage(
                 key,
                 step,
                 ids.uid,
+                stall_timeout=cfg.hooks.child_timeout,
                 user=ids.name,
                 timeout=left,
                 what="stage",

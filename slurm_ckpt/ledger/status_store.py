@@ -85,7 +85,7 @@ class PosixStatusStore:
         return str(publish_status(ledger, self.root, extra))
 
     def read(self, problems: Optional[List[str]] = None) -> List[Dict[str, Any]]:
-        return read_node_statuses(self.root)
+        return read_node_statuses(self.root, problems)
 
 
 def _signing_key(secret: str) -> bytes:

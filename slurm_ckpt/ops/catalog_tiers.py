@@ -117,10 +117,13 @@ def scan_object_catalog(
 
 
 def shared_heads(
-    cfg: Config, user: Optional[str] = None, key: Optional[str] = None
+    cfg: Config,
+    user: Optional[str] = None,
+    key: Optional[str] = None,
+    squatted: Optional[List[Dict[str, Any]]] = None,
 ) -> Dict[str, Heads]:
     """``{tier name: catalog}`` for every configured shared tier (pfs, object, cold), hot
-    to cold."""
+    to cold; user directories another user owns on a POSIX tier go to ``squatted``."""
     out: Dict[str, Heads] = {}
     tiers = tiers_from_config(cfg)
     for name in ORDER[1:]:
@@ -128,7 +131,8 @@ def shared_heads(
         if t is None:
             continue
         if t.kind == "posix":
-            out[name] = scan_catalog(str(t.root), user=user, key=key)  # type: ignore[attr-defined]
+            root = str(t.root)  # type: ignore[attr-defined]
+            out[name] = scan_catalog(root, user=user, key=key, squatted=squatted)
         else:
             out[name] = scan_object_catalog(t, user=user, key=key)
     return out

@@ -32,6 +32,7 @@ from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import SlurmError
 from slurm_ckpt.ledger.events import events_path, read_events
 from slurm_ckpt.ops.object_check import object_findings
+from slurm_ckpt.ops.security_checks import check_security
 from slurm_ckpt.slurm.env import this_node
 from slurm_ckpt.slurm.records import parse_duration
 from slurm_ckpt.tiers.admission import check_store_dir, slots_dir
@@ -568,6 +569,7 @@ def run_doctor(
         rep.findings.extend(check_hooks(conf, cfg, version_of))
     rep.findings.extend(check_space(cfg, m))
     rep.findings.extend(check_tiers(cfg))
+    rep.findings.extend(check_security(cfg, Finding))
     if shutil.which("scontrol") is None and client is None:
         rep.findings.append(Finding("slurm", "warn", "SLURM not installed here", ""))
     return rep

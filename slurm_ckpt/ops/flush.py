@@ -112,7 +112,7 @@ def flush_node(
         ]
     else:
         running = work.running_jobs()
-        todo = work.candidates(running)
+        todo = work.candidates(running, retry_now=True)  # an admin asks: no backoff
         summary.left_to_jobs = len(
             [r for r in work.ledger.pending_flush() if r.user in work.users]
         ) - len(todo)
@@ -131,27 +131,36 @@ def flush_node(
 def _not_busy(
     cfg: Config, work: NodeWork, todo: List[Record], summary: FlushSummary
 ) -> List[Record]:
-    free = []
+    """``todo`` but the checkpoints another process is copying now; one child per owner
+    probes all of theirs (a stopped or hung probe only costs that owner's probe)."""
+    by_user: Dict[str, List[Record]] = {}
     for rec in todo:
-        ids = work.users[rec.user]
+        by_user.setdefault(rec.user, []).append(rec)
+    busy: set = set()
+    for user, recs in by_user.items():
+        ids = work.users[user]
         try:
-            busy = run_as(
+            got = run_as(
                 ids.uid,
                 ids.gid,
-                _is_busy,
+                _busy_of,
                 cfg,
-                *rec.ident,
+                user,
+                [[r.key, r.step] for r in recs],
                 user=ids.name,
-                timeout=30,
+                timeout=cfg.hooks.child_timeout,
                 what="lock probe",
             )
         except CkptError:
-            busy = False  # let the flush itself report what is wrong
-        if busy:
-            summary.busy.append(rec.ident)
-        else:
-            free.append(rec)
-    return free
+            continue  # let the flush itself report what is wrong
+        busy |= {(user, str(k), int(s)) for k, s in got if isinstance(got, list)}
+    summary.busy.extend(r.ident for r in todo if r.ident in busy)
+    return [r for r in todo if r.ident not in busy]
+
+
+def _busy_of(cfg: Config, user: str, items: List[List[Any]]) -> List[List[Any]]:
+    """As the owner: which of ``items`` (``[key, step]``) another process has locked."""
+    return [[k, s] for k, s in items if _is_busy(cfg, user, str(k), int(s))]
 
 
 # --------------------------------------------------------------------------- user

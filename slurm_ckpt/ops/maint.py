@@ -28,11 +28,14 @@ else its status file on the PFS), else wait up to ``--wait`` and exit 4 with one
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from slurm_ckpt.core import trust
 from slurm_ckpt.core.names import validate_node
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import CkptError, NotReady, SlurmError
@@ -218,7 +221,12 @@ def wait_ready(
     while True:
         for n in nodes:
             _keep_drained(client, n, reason)
-        waits = node_readiness(nodes, since, read_statuses(pfs_root), _jobs(client, nodes))
+        notes: List[str] = []
+        statuses = read_statuses(pfs_root, notes)  # the PFS, or signed objects in the bucket
+        waits = node_readiness(nodes, since, statuses, _jobs(client, nodes))
+        for w in waits:
+            if w.status_time is None and notes:
+                w.note = f"ignored: {notes[0]}"  # untrusted statuses never count
         if on_poll is not None:
             on_poll(waits)
         if all(w.ready for w in waits):
@@ -286,11 +294,20 @@ def run_maint(
 
 
 def local_backlog(cfg: Any, node: str) -> Optional[Tuple[int, int]]:
-    """``(count, bytes)`` owed to the PFS per the node's ledger; None without a ledger."""
-    directory = cfg.ledger.dir
-    if not os.path.exists(os.path.join(str(directory), LEDGER_NAME)):
+    """``(count, bytes)`` owed to the PFS per the node's ledger; None without a ledger
+    root can trust (the directory and the file root's, writable by no one else: a
+    ledger a user could write must not decide a reboot)."""
+    directory = str(cfg.ledger.dir)
+    try:
+        dst = os.lstat(directory)
+        fst = os.lstat(os.path.join(directory, LEDGER_NAME))
+    except OSError:
         return None
-    recs = Ledger(directory, node).pending_flush()
+    if trust.unsafe_dir(dst, trust.ROOT_UID) is not None:
+        return None
+    if not stat.S_ISREG(fst.st_mode) or fst.st_uid != trust.ROOT_UID or fst.st_mode & 0o022:
+        return None
+    recs = Ledger(Path(directory), node).pending_flush()
     return len(recs), sum(r.nbytes for r in recs)
 
 

@@ -95,6 +95,7 @@ from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import validate_key, validate_node, validate_user
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ledger.status_store import status_store
+from slurm_ckpt.ledger.user_status import read_user_statuses
 from slurm_ckpt.ledger.warm_slot import shown_tier
 from slurm_ckpt.ops.catalog import Series, SeriesHead
 from slurm_ckpt.ops.catalog_tiers import shared_heads
@@ -273,6 +274,9 @@ def build_status(
     job: Optional[str] = None,
     key: Optional[str] = None,
     node: Union[None, str, Collection[str]] = None,
+    user_statuses: Optional[List[Dict[str, Any]]] = None,
+    squatted: Optional[List[Dict[str, Any]]] = None,
+    notes: Optional[List[str]] = None,
 ) -> Dict[str, Any]:
     """Join catalog heads, node status files and SLURM into the status document.
 
@@ -287,10 +291,27 @@ def build_status(
     jobs: Dict[Any, _Job] = {}
     owner: Dict[Series, Tuple[float, Any]] = {}  # series -> (last commit, job group)
 
-    def group(job_id: Optional[str], series: Optional[Series]) -> Any:
-        # Jobs group by id; records without a job id stay one group per node status entry
-        # (they cannot be split), and catalog series without one get a group each.
-        return job_id if job_id is not None else ("", series)
+    def group(job_id: Optional[str], series: Optional[Series], owner: str = "") -> Any:
+        # Jobs group by (id, user): a job id comes from manifests its user writes, so a
+        # user claiming another's job id gets a row of their own, never a share of the
+        # other's (and none at all when SLURM says the job is someone else's). Records
+        # without a job id stay one group per node status entry (they cannot be split),
+        # and catalog series without one get a group each.
+        if job_id is not None and owner:
+            sj = slurm.jobs.get(job_id)
+            if sj is not None and sj.user and sj.user != owner:
+                job_id = None  # a forged claim
+        return (job_id, owner) if job_id is not None else ("", series)
+
+    # 0. what the jobs themselves published (their users' own status files): newer
+    #    entries replace the hooks' for the same node and job; never node-level facts.
+    newer: Dict[Tuple[str, Any], Tuple[float, Dict[str, Any]]] = {}
+    for doc in user_statuses or []:
+        t = _num(doc.get("time"))
+        for job_key, js in (doc.get("jobs") or {}).items():
+            if isinstance(js, dict) and t is not None:
+                newer[(str(doc.get("node")), job_key)] = (t, js)
+    problems: Dict[Series, List[Dict[str, Any]]] = {}
 
     # 1. node status files: what each node holds locally and owes the PFS.
     node_rows: Dict[str, Dict[str, Any]] = {}
@@ -310,12 +331,21 @@ def build_status(
             "in_flight_flushes": [_flight(f, now, warm) for f in flights],
             "failed": _int(doc.get("failed_count")),
         }
-        for job_key, js in (doc.get("jobs") or {}).items():
+        for f in doc.get("failed") or []:
+            if isinstance(f, dict) and isinstance(f.get("user"), str):
+                problems.setdefault((f["user"], str(f.get("key"))), []).append(f)
+        own = dict(doc.get("jobs") or {})
+        for (n, job_key), (t_user, js_user) in newer.items():
+            if n == name and (t is None or t_user > t):
+                own[job_key] = js_user
+        for job_key, js in own.items():
             if not isinstance(js, dict):
                 continue
-            job_id = _job_id(job_key)
+            job_id = _job_id(str(job_key).split("#", 1)[0])
             series = [s for s in map(_series_of, js.get("keys") or []) if s is not None]
-            gid = group(job_id, (name, *series[:1]) if job_id is None else None)
+            owner_user = series[0][0] if series else str(js.get("user") or "")
+            gid = group(job_id, (name, *series[:1]), owner_user)
+            job_id = gid[0] or None
             j = jobs.setdefault(gid, _Job(job_id))
             j.series.update(series)
             if series and not j.user:
@@ -346,10 +376,10 @@ def build_status(
         into = by_tier[name]
         for series, head in heads.items():
             seen = owner.get(series)
-            gid = seen[1] if seen is not None else group(_job_id(head.job), series)
+            gid = seen[1] if seen is not None else group(_job_id(head.job), series, series[0])
             if seen is None:
                 owner[series] = (0.0, gid)
-            j = jobs.setdefault(gid, _Job(gid if isinstance(gid, str) else None))
+            j = jobs.setdefault(gid, _Job(gid[0] or None))
             j.series.add(series)
             if not j.user:
                 j.user = series[0]
@@ -431,10 +461,21 @@ def build_status(
             eta = round(j.pending_bytes / rate, 3)
         else:
             eta = None
+        found = [p for sr in sorted(j.series) for p in problems.get(sr, [])]
         rows.append(
             {
                 "job": j.job,
                 "user": j.user,
+                "problems": [
+                    {
+                        "key": p.get("key"),
+                        "step": p.get("step"),
+                        "state": p.get("state"),
+                        "hold": p.get("hold"),
+                        "reason": p.get("reason"),
+                    }
+                    for p in found[:5]
+                ],
                 "keys": keys,
                 "slurm_state": state,
                 "nodes": sorted(j.nodes),
@@ -486,6 +527,8 @@ def build_status(
         },
         "jobs": rows,
         "nodes": nodes_out,
+        "squatted": list(squatted or []),
+        "notes": list(notes or []),
     }
 
 
@@ -515,9 +558,17 @@ def collect_status(
     for name in [node] if isinstance(node, str) else node or ():
         validate_node(name)
     pfs_root = None if cfg.tiers.pfs is None else str(cfg.tiers.pfs.root)
-    shared = shared_heads(cfg, user=user, key=key)  # every shared tier: pfs, object, cold
-    store = status_store(cfg)  # the PFS, or the bucket on a site without one
-    statuses = store.read()
+    squatted: List[Dict[str, Any]] = []
+    # Every shared tier: pfs, object, cold (squatted user directories on the POSIX ones).
+    shared = shared_heads(cfg, user=user, key=key, squatted=squatted)
+    notes: List[str] = []
+    store = status_store(cfg)  # the PFS, or signed objects in the bucket without one
+    statuses = store.read(notes)
+    owners = sorted(
+        {u for heads in shared.values() for u, _k in heads} | ({user} if user else set())
+    )
+    # Jobs publish their own status in their user's directory on the PFS (none without).
+    user_docs = [] if pfs_root is None else read_user_statuses(cfg.tiers.pfs.root, owners)
     snapshot = (query or slurm_query)()
     return build_status(
         now=time.time() if now is None else now,
@@ -531,4 +582,7 @@ def collect_status(
         job=job,
         key=key,
         node=node,
+        user_statuses=user_docs,
+        squatted=squatted,
+        notes=notes,
     )

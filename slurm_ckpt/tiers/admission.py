@@ -207,12 +207,18 @@ class PosixSlotStore:
     # -- the state ----------------------------------------------------------------------
     def _read(self, dfd: int) -> SlotState:
         where = f"{self.directory}/{STATE_NAME}"
-        try:
-            fd = os.open(STATE_NAME, os.O_RDONLY | _O_FILE, dir_fd=dfd)
-        except FileNotFoundError:
-            return SlotState()
-        except OSError as exc:
-            raise AdmissionError(f"admission store {where}: {exc.strerror or exc}") from None
+        for _attempt in range(8):
+            try:
+                fd = os.open(STATE_NAME, os.O_RDONLY | _O_FILE, dir_fd=dfd)
+            except FileNotFoundError:
+                return SlotState()
+            except OSError as exc:
+                raise AdmissionError(f"admission store {where}: {exc.strerror or exc}") from None
+            if os.fstat(fd).st_nlink != 0 or _attempt == 7:
+                break
+            # Replaced by a writer between our open and fstat (a lock-free peek): the
+            # old inode is unlinked, read the new one.
+            os.close(fd)
         try:
             st = _trusted_file(fd, where, self.uid)
             if st.st_size > _MAX_STATE:

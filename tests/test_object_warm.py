@@ -66,7 +66,10 @@ class Site:
             "retention": {"keep_local": 1},
         }
         for name, values in sections.items():
-            data.setdefault(name, {}).update(values)
+            if name == "object":
+                data["tiers"]["object"].update(values)
+            else:
+                data.setdefault(name, {}).update(values)
         return Config.from_dict(data)
 
     def env(self, user: str, job: str = "100", restart: int = 0) -> HookEnv:
@@ -224,13 +227,14 @@ def test_a_user_cannot_make_roots_child_write_under_another_prefix(site: Site) -
 
 
 def test_stager_and_root_flush_finish_hand_offs_into_the_object_store(site: Site) -> None:
+    slow = site.cfg(object={"bandwidth_limit": "2MB/s"}, hooks={"budget": 1.5})
+    save(slow, "ckptuser1", "run", 5)
+    save(slow, "ckptuser1", "run", 6)
+    report = run_epilog(slow, site.env("ckptuser1"))  # 6 MiB at 2 MB/s in 1.5 s: no
+    assert report.flush.handed and report.backlog[0] >= 1, report
+    stager_pass(site.cfg(), "n1", client=None)
+    assert object_steps(slow, "ckptuser1", "run") == [5, 6]
     cfg = site.cfg()
-    save(cfg, "ckptuser1", "run", 5)
-    report = run_epilog(cfg, site.env("ckptuser1"), budget=0.01)  # no time: handed off
-    assert report.flush.handed
-    assert object_steps(cfg, "ckptuser1", "run") == []
-    stager_pass(cfg, "n1", client=None)
-    assert object_steps(cfg, "ckptuser1", "run") == [5]
     save(cfg, "ckptuser2", "other", 3, job="102")
     summary = flush_node(cfg, "n1")
     assert [f[0] for f in summary.flushed] == [("ckptuser2", "other", 3)], summary.to_dict()
@@ -270,13 +274,17 @@ def test_ckpt_srun_and_a_users_own_flush_go_to_the_object_store(site: Site) -> N
 
 def test_node_statuses_are_signed_objects_and_a_forged_one_is_ignored(site: Site) -> None:
     cfg = site.cfg()
+    slow = site.cfg(object={"bandwidth_limit": "2MB/s"}, hooks={"budget": 1.5})
     save(cfg, "ckptuser1", "run", 4, job="300")
-    run_epilog(cfg, site.env("ckptuser1", job="300"), budget=0.01)  # leaves it pending
+    save(cfg, "ckptuser1", "run", 5, job="300")
+    report = run_epilog(slow, site.env("ckptuser1", job="300"))  # leaves one pending
+    owed = report.backlog[0]
+    assert owed >= 1, report
     store = status_store(cfg)
     assert isinstance(store, ObjectStatusStore)
     assert store.where == f"s3://{site.bucket}/{site.prefix}/.slurm_ckpt/nodes/"
     (doc,) = store.read()
-    assert doc["node"] == "n1" and doc["pending"]["count"] == 1
+    assert doc["node"] == "n1" and doc["pending"]["count"] == owed
     # A user holding keys of their own to the bucket forges "n2 owes nothing" (and tampers
     # with n1's): neither counts.
     c = site.s3.client()

@@ -540,6 +540,19 @@ def _build(data: Mapping[str, Any], src: str) -> Config:
         for key, root in roots:
             if key != "tiers.pfs.root" and _overlap(adm.dir, root):
                 problems.append(f"{src}: admission.dir: {adm.dir} overlaps {key} {root}")
+    if (
+        adm is not None
+        and adm.enabled
+        and adm.dir is None
+        and tiers_objs.get("pfs") is None
+        and isinstance(tiers_raw, Mapping)
+        and tiers_raw.get("object") is not None
+    ):
+        problems.append(
+            f"{src}: admission.dir: a site without a PFS keeps its admission slots in a "
+            "shared directory (an object store has no locks): set admission.dir, or drop "
+            "admission.max_nodes/max_bandwidth"
+        )
     job = sections.get("job")
     if job is not None and job.interval == "auto" and job.interval_seconds is not None:
         problems.append(f'{src}: job.interval: "auto" and job.interval_seconds exclude each other')

@@ -106,8 +106,13 @@ class ObjectTierConfig:
     region: str = field_of(KIND_STR, "us-east-1")
     #: A named profile of ~/.aws/credentials; None = the environment (or default chain).
     profile: Optional[str] = field_of(KIND_STR, None, optional=True)
-    #: Multipart part size (rounded to whole hash chunks; S3 needs >= 5 MiB).
-    part_size: int = field_of(KIND_SIZE, 64 * 2**20, minimum=5 * 2**20)
+    #: Root's keys for the hooks: a root-only file in the ~/.aws/credentials format
+    #: (section ``profile``, else ``default``). Whoever cannot read it (a job) uses the
+    #: environment or ``profile`` instead.
+    credentials_file: Optional[Path] = field_of(KIND_PATH, None, optional=True)
+    #: Multipart part size (S3 needs >= 5 MiB): a copy splits larger hash chunks into
+    #: whole fractions of about this size, else rounds it to whole chunks.
+    part_size: int = field_of(KIND_SIZE, 16 * 2**20, minimum=5 * 2**20)
     #: Parts uploaded / ranges downloaded in parallel.
     concurrency: int = field_of(KIND_INT, 8, minimum=1)
     #: Cap on the bandwidth into the store in bytes per second; None = unlimited.
@@ -250,7 +255,8 @@ class AdmissionConfig:
     poll: float = field_of(KIND_DURATION, 1.0, minimum=1e-3)
     #: Longest wait for a slot of a flusher that has no budget of its own (stager, CLI).
     max_wait: float = field_of(KIND_DURATION, 300.0, minimum=1e-3)
-    #: Where the slots live; unset = ``<tiers.pfs.root>/.slurm_ckpt/slots``.
+    #: Where the slots live; unset = ``<tiers.pfs.root>/.slurm_ckpt/slots`` (a site
+    #: without a PFS sets it to a root-owned directory every node mounts).
     dir: Optional[Path] = field_of(KIND_PATH, None, optional=True)
 
     @property

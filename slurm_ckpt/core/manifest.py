@@ -252,6 +252,18 @@ class ManifestFacts:
     nbytes: int
     job: Optional[str]
     node: Optional[str]
+    #: ``meta["data_version"]`` (what the checkpoint was trained on), one line, or None.
+    data_version: Optional[str] = None
+
+
+def data_version_of(meta: Any) -> Optional[str]:
+    """``meta["data_version"]`` as one printable line of at most 200 characters."""
+    value = meta.get("data_version") if isinstance(meta, dict) else None
+    if value is None:
+        return None
+    text = "".join(c if c.isprintable() else " " for c in str(value))
+    text = " ".join(text.split())
+    return text[:197] + "..." if len(text) > 200 else text
 
 
 def manifest_facts(data: bytes) -> ManifestFacts:
@@ -288,10 +300,18 @@ def manifest_facts(data: bytes) -> ManifestFacts:
                     nbytes,
                     _label(doc["job"], "job"),
                     _label(doc["node"], "node"),
+                    data_version_of(doc.get("meta")),
                 )
         except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError):
             pass
     full = Manifest.from_bytes(data)
     return ManifestFacts(
-        full.user, full.key, full.step, full.wall_time, full.total_bytes, full.job, full.node
+        full.user,
+        full.key,
+        full.step,
+        full.wall_time,
+        full.total_bytes,
+        full.job,
+        full.node,
+        data_version_of(full.meta),
     )

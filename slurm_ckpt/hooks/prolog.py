@@ -23,9 +23,10 @@ Steps (all idempotent, so a retried prolog is harmless):
 6. rescue: checkpoints earlier jobs left unflushed on this node are flushed (as their
    owners) within half the budget, the rest is left to the stager - never wiped;
 7. on a requeue (``SLURM_JOB_RESTART_COUNT`` > 0) with ``hooks.stage_on_requeue``, the
-   job's newest PFS checkpoint is copied (as the user) to this node, so the restart reads
-   locally. Staging is an optimisation: when it fails the job still starts (it reads the
-   PFS).
+   job's newest checkpoint on the warm tier (the PFS, or the object store on a site
+   without one) is copied (as the user) to this node, so the restart reads locally.
+   Staging is an optimisation: when it fails the job still starts (it reads the warm
+   tier).
 """
 
 from __future__ import annotations
@@ -49,16 +50,15 @@ from slurm_ckpt.node.flush import FlushOutcome
 from slurm_ckpt.node.guard import (
     NodeCheckFailed,
     check_local_tier,
-    check_step_files,
     check_user_dir,
     required_free,
 )
 from slurm_ckpt.node.reclaim import reclaim_departed
+from slurm_ckpt.node.warm import guard_step_files, guard_user_dir, owner_tiers, warm_of
 from slurm_ckpt.node.work import NodeWork, UserIds
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.env import HookEnv
 from slurm_ckpt.tiers.copy import SourceCorrupt, copy_checkpoint
-from slurm_ckpt.tiers.registry import tiers_from_config
 
 log = logging.getLogger("slurm_ckpt.hooks")
 
@@ -203,12 +203,13 @@ def _probe_as_user(root: str, user: str, size: int) -> float:
 def _stage_candidates(
     cfg: Config, user: str, job_id: str, job_name: Optional[str]
 ) -> List[List[Any]]:
-    """PFS checkpoints of this job, newest first: ``[[key, step], ...]``.
+    """Warm-tier checkpoints (PFS, or object store) of this job, newest first:
+    ``[[key, step], ...]``.
 
     The key is whichever series holds checkpoints whose manifest names this job id (a
     requeued job keeps its id), else the series named like the job.
     """
-    pfs = tiers_from_config(cfg)["pfs"]
+    pfs = warm_of(cfg, owner_tiers(cfg))  # the PFS, or the object store without one
     found = []
     for key in pfs.keys(user):
         try:
@@ -225,13 +226,12 @@ def _stage_candidates(
 
 
 def _stage_as_user(cfg: Config, user: str, key: str, step: int, uid: int) -> dict:
-    tiers = tiers_from_config(cfg)
-    check_user_dir(tiers["pfs"], user, uid)
+    tiers = owner_tiers(cfg)
+    warm = warm_of(cfg, tiers)
+    guard_user_dir(warm, user, uid)
     check_user_dir(tiers["local"], user, uid)
-    check_step_files(tiers["pfs"], user, key, step, uid)
-    res = copy_checkpoint(
-        tiers["pfs"], tiers["local"], user, key, step, progress=lambda _n: alive()
-    )
+    guard_step_files(warm, user, key, step, uid)
+    res = copy_checkpoint(warm, tiers["local"], user, key, step, progress=lambda _n: alive())
     return {"nbytes": res.nbytes, "seconds": res.seconds, "already": res.already_present}
 
 
@@ -390,7 +390,7 @@ def _stage(
                 what="stage",
             )
         except SourceCorrupt as exc:
-            log.warning("prolog: PFS checkpoint does not verify, trying an older one: %s", exc)
+            log.warning("prolog: warm copy does not verify, trying an older one: %s", exc)
             continue
         except CkptError as exc:
             log.warning("prolog: staging %s/%s step %d failed: %s", ids.name, key, step, exc)

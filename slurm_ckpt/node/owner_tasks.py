@@ -14,7 +14,7 @@ import errno
 import os
 import stat
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from slurm_ckpt.core import fsio
 from slurm_ckpt.core.config import LEDGER_SUBDIR, Config
@@ -24,6 +24,7 @@ from slurm_ckpt.core.names import validate_key
 from slurm_ckpt.errors import CkptError, InvalidName, NotFound, TierError
 from slurm_ckpt.node.asuser import alive, describe
 from slurm_ckpt.node.guard import UnsafeCheckpoint, check_step_files, check_user_dir
+from slurm_ckpt.node.warm import committed_manifest, guard_user_dir, owner_tiers, warm_of
 from slurm_ckpt.tiers.copy import copy_checkpoint
 from slurm_ckpt.tiers.posix import PosixTier
 from slurm_ckpt.tiers.registry import tiers_from_config
@@ -82,16 +83,17 @@ def scan_local(root: str, user: str, budget_s: float) -> Dict[str, Any]:
 
 
 def flush_as_user(cfg: Config, user: str, key: str, step: int, uid: int) -> Dict[str, Any]:
-    tiers = tiers_from_config(cfg)
+    tiers = owner_tiers(cfg)  # the object tier with root's lent keys (node.warm)
+    warm = warm_of(cfg, tiers)  # the PFS, or the object store on a site without one
     alive()
     check_user_dir(tiers["local"], user, uid)
-    check_user_dir(tiers["pfs"], user, uid)
+    guard_user_dir(warm, user, uid)  # POSIX: the user's own dir; object: we are the user
     check_step_files(tiers["local"], user, key, step, uid)
     alive()
     try:
         res = copy_checkpoint(
             tiers["local"],
-            tiers["pfs"],
+            warm,
             user,
             key,
             step,
@@ -134,28 +136,21 @@ def flush_many_as_user(
     return out
 
 
-def _manifest_bytes(tier: PosixTier, user: str, key: str, step: int) -> Optional[bytes]:
-    try:
-        with tier.step_fd(user, key, step) as sfd:
-            return fsio.read_small(sfd, MANIFEST_NAME)
-    except (NotFound, TierError, OSError):
-        return None
-
-
 def delete_as_user(cfg: Config, user: str, key: str, step: int, uid: int, need_pfs: bool) -> bool:
     """Delete a local checkpoint; with ``need_pfs`` only if the PFS holds the very same
     committed checkpoint (identical manifest bytes) - the ledger is a cache, this is the
     last word before bytes disappear."""
-    tiers = tiers_from_config(cfg)
-    local, pfs = tiers["local"], tiers["pfs"]
+    tiers = owner_tiers(cfg)
+    local, warm = tiers["local"], warm_of(cfg, tiers)  # warm: the PFS or the object store
     alive()
     check_step_files(local, user, key, step, uid)
     if need_pfs:
-        mine = _manifest_bytes(local, user, key, step)
-        theirs = _manifest_bytes(pfs, user, key, step)
+        mine = committed_manifest(local, user, key, step)
+        theirs = committed_manifest(warm, user, key, step)
         if mine is None or mine != theirs:
             raise CkptError(
-                f"{local.where(user, key, step)}: no identical committed copy on the PFS; kept"
+                f"{local.where(user, key, step)}: no identical committed copy on the "
+                f"{'PFS' if warm.name == 'pfs' else warm.name + ' tier'}; kept"
             )
     local.delete(user, key, step)
     return True

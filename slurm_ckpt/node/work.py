@@ -25,8 +25,9 @@ from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, InvalidName, SlurmError
-from slurm_ckpt.ledger import Ident, Ledger, Record, State, publish_status
+from slurm_ckpt.ledger import Ident, Ledger, Record, State
 from slurm_ckpt.ledger.events import EventLog
+from slurm_ckpt.ledger.status_store import status_store
 from slurm_ckpt.node.asuser import AsUserTimeout, error_from, run_as
 from slurm_ckpt.node.flush import (
     HANDED_TO_STAGER,
@@ -43,6 +44,7 @@ from slurm_ckpt.node.owner_tasks import (
 )
 from slurm_ckpt.node.retry import RetryPolicy, held, retry_due
 from slurm_ckpt.node.slots import SlotGate
+from slurm_ckpt.node.warm import lend_credentials
 from slurm_ckpt.slurm.client import SlurmClient
 
 log = logging.getLogger("slurm_ckpt.hooks")
@@ -151,6 +153,7 @@ class NodeWork:
         self._events: Optional[EventLog] = None
         ensure_ledger_dir(cfg.ledger.dir)
         self.ledger = Ledger(cfg.ledger.dir, node)
+        lend_credentials(cfg)  # object tier: root's credentials for the owner children
 
     # -- events -----------------------------------------------------------------------
     def emit(self, event_type: str, **fields: Any) -> None:
@@ -496,11 +499,12 @@ class NodeWork:
 
     # -- status -----------------------------------------------------------------------
     def publish(self, extra: Optional[Dict[str, Any]] = None) -> None:
-        """Node status on the PFS; a failure here is logged, never fatal."""
+        """Node status on the PFS (or in the object store on a site without one); a
+        failure here is logged, never fatal."""
         more = dict(extra or {})
         if self.refused:
             more["refused"] = self.refused[:50]
         try:
-            publish_status(self.ledger, self.cfg.tiers.pfs.root, more)
+            status_store(self.cfg).publish(self.ledger, more)
         except CkptError as exc:
             log.warning("node status not published: %s", exc)

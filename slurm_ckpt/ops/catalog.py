@@ -63,6 +63,8 @@ class SeriesHead:
     #: commit grace time, a manifest that does not check, or of another series); older
     #: steps are not read here (``list KEY``/``verify KEY`` report those).
     damaged: int = 0
+    #: What the newest checkpoint was trained on (``save(..., data_version=...)``).
+    data_version: Optional[str] = None
 
 
 def _read_head(kfd: int, user: str, key: str, names: Iterable[str]) -> Optional[SeriesHead]:
@@ -93,7 +95,17 @@ def _read_head(kfd: int, user: str, key: str, names: Iterable[str]) -> Optional[
             damaged += 1
             continue
         return SeriesHead(
-            user, key, step, f.wall_time, f.nbytes, f.job, f.node, mtime, len(steps) - i, damaged
+            user,
+            key,
+            step,
+            f.wall_time,
+            f.nbytes,
+            f.job,
+            f.node,
+            mtime,
+            len(steps) - i,
+            damaged,
+            data_version=f.data_version,
         )
     return None
 

@@ -36,6 +36,7 @@ from slurm_ckpt.core import trust
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError
+from slurm_ckpt.ops.object_check import object_findings
 
 __all__ = ["ERROR", "WARNING", "Finding", "check_roots", "check_trust"]
 
@@ -135,7 +136,11 @@ def check_roots(cfg: Config) -> List[Finding]:
                     ),
                 )
             )
-    _root("pfs", "tiers.pfs.root", str(cfg.tiers.pfs.root), False, out)
+    if cfg.tiers.pfs is not None:
+        _root("pfs", "tiers.pfs.root", str(cfg.tiers.pfs.root), False, out)
+    for sev, msg, _fix in object_findings(cfg):  # the object tier answers (warm or not)
+        if sev != "ok":
+            out.append(Finding(ERROR if sev == "error" else WARNING, msg))
     if cfg.tiers.cold is not None:
         _root("cold", "tiers.cold.root", str(cfg.tiers.cold.root), False, out)
     ledger_parent = os.path.dirname(str(cfg.ledger.dir).rstrip("/")) or "/"

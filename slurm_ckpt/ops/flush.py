@@ -1,5 +1,6 @@
 """``ckpt-slurm flush`` and ckpt-srun's after-step flush: copy this node's checkpoints that
-are not yet on the PFS, now, through the one flush engine (:mod:`slurm_ckpt.node.flush`).
+are not yet on the warm tier (the PFS, or the object store on a site without one), now,
+through the one flush engine (:mod:`slurm_ckpt.node.flush`).
 
 * **As root** (:func:`flush_node`) it flushes the node's whole backlog (or one job's)
   exactly as the epilog and the stager do: :class:`~slurm_ckpt.node.work.NodeWork` scans
@@ -27,7 +28,7 @@ from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ledger import LEDGER_NAME, Ident, Ledger, Record
 from slurm_ckpt.node.asuser import run_as
 from slurm_ckpt.node.flush import LEFT_TO_EPILOG, Flusher, FlushResult, copy_in_process
-from slurm_ckpt.node.guard import check_user_dir
+from slurm_ckpt.node.warm import guard_user_dir, warm_of
 from slurm_ckpt.node.work import NodeWork
 from slurm_ckpt.slurm.env import this_node
 from slurm_ckpt.tiers.registry import tiers_from_config
@@ -187,7 +188,7 @@ def flush_own(
     """A user's own checkpoints on this node's local tier -> the PFS, in this process;
     ``progress(nbytes)`` hears of every byte copied."""
     tiers = tiers_from_config(cfg)
-    local, pfs = tiers["local"], tiers["pfs"]
+    local, pfs = tiers["local"], warm_of(cfg, tiers)  # the warm tier: PFS or object store
     ledger, writable = _own_ledger(cfg, node)
     todo: List[Tuple[Ident, int]] = []
     if ledger is not None:
@@ -224,8 +225,8 @@ def flush_series(cfg: Config, user: str, key: str, timeout: Optional[float] = No
     one line per checkpoint (copied, already there, or why not). Newest first: if time
     runs out, the newest is what a restart wants; the epilog flushes the rest."""
     tiers = tiers_from_config(cfg)
-    local, pfs = tiers["local"], tiers["pfs"]
-    check_user_dir(pfs, user, os.getuid())
+    local, pfs = tiers["local"], warm_of(cfg, tiers)  # the warm tier: PFS or object store
+    guard_user_dir(pfs, user, os.getuid())
     flusher = Flusher(copy_in_process(local, pfs), hand_off_note=LEFT_TO_EPILOG)
     deadline = None if timeout is None else time.monotonic() + timeout
     lines = []
@@ -235,7 +236,7 @@ def flush_series(cfg: Config, user: str, key: str, timeout: Optional[float] = No
             lines.append(f"step {info.step}: not flushed (flush timeout; the epilog will)")
         elif res.ok:
             state = (
-                "already on the PFS"
+                ("already on the PFS" if pfs.name == "pfs" else f"already on the {pfs.name} tier")
                 if res.status == "already"
                 else f"flushed in {res.seconds:.1f}s"
             )

@@ -7,7 +7,8 @@ checkpoint.
    already keeps the admin's reason);
 2. with ``--signal-jobs``, asks the running jobs to checkpoint now
    (``scancel --signal=USR1 --full``);
-3. waits until no job is left on the nodes **and** every node's status file on the PFS,
+3. waits until no job is left on the nodes **and** every node's status (on the PFS, or
+   signed in the object store on a site without one: :mod:`slurm_ckpt.ledger.status_store`),
    published *after* the drain began, reports no checkpoint waiting for a flush (an older
    status says nothing about what the last job left behind: keep waiting; the stager
    daemon republishes it every pass);
@@ -39,7 +40,7 @@ from slurm_ckpt.core.names import validate_node
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import CkptError, NotReady, SlurmError
 from slurm_ckpt.ledger import LEDGER_NAME, Ledger
-from slurm_ckpt.ledger.node_status import read_node_statuses
+from slurm_ckpt.ledger.status_store import read_statuses, status_store
 from slurm_ckpt.slurm import hostlist
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.records import MAINT_PREFIX
@@ -221,7 +222,7 @@ def wait_ready(
         for n in nodes:
             _keep_drained(client, n, reason)
         notes: List[str] = []
-        statuses = read_node_statuses(pfs_root, notes)
+        statuses = read_statuses(pfs_root, notes)  # the PFS, or signed objects in the bucket
         waits = node_readiness(nodes, since, statuses, _jobs(client, nodes))
         for w in waits:
             if w.status_time is None and notes:
@@ -276,7 +277,7 @@ def run_maint(
                 except SlurmError as exc:
                     say(f"job {job}: signal failed: {exc}")
     t0 = time.monotonic()
-    wait_ready(client, cfg.tiers.pfs.root, nodes, text, since, timeout, poll, on_poll)
+    wait_ready(client, status_store(cfg), nodes, text, since, timeout, poll, on_poll)
     say(
         f"{','.join(nodes)}: no jobs, nothing left to flush "
         f"(after {format_duration(time.monotonic() - t0)}); running: {' '.join(argv)}"
@@ -311,7 +312,7 @@ def local_backlog(cfg: Any, node: str) -> Optional[Tuple[int, int]]:
 
 
 def _pfs_backlog(cfg: Any, node: str) -> Optional[Tuple[int, int]]:
-    for doc in read_node_statuses(cfg.tiers.pfs.root):
+    for doc in status_store(cfg).read():
         if doc.get("node") == node:
             pend = doc.get("pending") or {}
             return int(pend.get("count", 0) or 0), int(pend.get("bytes", 0) or 0)
@@ -341,6 +342,7 @@ def guard(cfg: Any, node: str, wait_s: float, poll: float) -> str:
             noun = "checkpoint" if count == 1 else "checkpoints"
             raise NotReady(
                 f"guard {node}: {count} {noun} ({format_bytes(nbytes)}) not yet flushed to "
-                f"the PFS ({source}); refusing"
+                f"the {'PFS' if cfg.tiers.pfs is not None else 'object store'} ({source}); "
+                "refusing"
             )
         time.sleep(min(poll, left))

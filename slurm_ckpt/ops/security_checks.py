@@ -22,7 +22,7 @@ from slurm_ckpt.core import trust
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import validate_user
 from slurm_ckpt.errors import InvalidName
-from slurm_ckpt.ledger.node_status import read_node_statuses
+from slurm_ckpt.ledger.status_store import status_store
 
 __all__ = ["check_security", "squatted_dirs"]
 
@@ -56,7 +56,9 @@ def squatted_dirs(root: Path) -> List[Any]:
 def check_security(cfg: Config, finding: Any) -> List[Any]:
     """The findings (built with ``finding(check, severity, message, fix)``)."""
     out: List[Any] = []
-    roots = [("local", cfg.tiers.local.root), ("pfs", cfg.tiers.pfs.root)]
+    roots = [("local", cfg.tiers.local.root)]
+    if cfg.tiers.pfs is not None:  # (a site without one: the object store has no owners)
+        roots.append(("pfs", cfg.tiers.pfs.root))
     if cfg.tiers.cold is not None:
         roots.append(("cold", cfg.tiers.cold.root))
     bad = 0
@@ -76,7 +78,7 @@ def check_security(cfg: Config, finding: Any) -> List[Any]:
     if not bad:
         out.append(finding("squatted", "ok", "no user directory is owned by another user"))
     notes: List[str] = []
-    read_node_statuses(cfg.tiers.pfs.root, notes)
+    status_store(cfg).read(notes)  # the PFS, or signed objects in the bucket
     for text in notes[:10]:
         out.append(
             finding(

@@ -60,9 +60,15 @@ _LOCK_POLL_S = 0.01
 
 
 def slots_dir(cfg: Config) -> Path:
-    """Where the slots live: ``[admission] dir``, else ``<pfs root>/.slurm_ckpt/slots``."""
+    """Where the slots live: ``[admission] dir``, else ``<pfs root>/.slurm_ckpt/slots``.
+    A site without a PFS must name a shared directory (an object store has no ``flock``
+    and no owners to trust): AdmissionError without one (the config check says so too)."""
     if cfg.admission.dir is not None:
         return Path(cfg.admission.dir)
+    if cfg.tiers.pfs is None:
+        raise AdmissionError(
+            "admission slots need a shared directory on a site without a PFS: set [admission] dir"
+        )
     return Path(cfg.tiers.pfs.root) / LEDGER_SUBDIR / SLOTS_SUBDIR
 
 

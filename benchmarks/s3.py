@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import boto3  # noqa: E402
+from claims import claim  # noqa: E402
 
 from slurm_ckpt.core.units import format_bytes, parse_size  # noqa: E402
 from slurm_ckpt.tiers.copy import copy_checkpoint  # noqa: E402
@@ -47,9 +48,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="1GiB")
     ap.add_argument("--files", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--part-size", default="16MiB", help="tiers.object.part_size")
+    ap.add_argument("--concurrency", type=int, default=8, help="tiers.object.concurrency")
+    ap.add_argument("--chunk-size", default="64MiB", help="copy.chunk_size (hash chunks)")
+    ap.add_argument("--quick", action="store_true", help="256 MiB, 3 rounds")
+    ap.add_argument("--json", metavar="PATH", help="write the figures (and claims) here")
     a = ap.parse_args()
+    if a.quick:
+        a.size, a.rounds = "256MiB", 3
     size = parse_size(a.size)
     work = Path(tempfile.mkdtemp(prefix="bench-s3-", dir="/var/tmp"))
     mnts = [work / "src", work / "dst"]
@@ -67,17 +74,27 @@ def main() -> int:
             "s3", endpoint_url=creds["S3_ENDPOINT"], region_name="us-east-1"
         )  # boto3's defaults, as a user would write it
         client.create_bucket(Bucket="bench")
-        local = PosixTier("local", str(mnts[0]))
+        chunk = parse_size(a.chunk_size)
+        local = PosixTier("local", str(mnts[0]), chunk_size=chunk)
         per = size // a.files
         with local.writer("bench", "k", 1) as w:
             w.write_buffers({f"shard-{i}.bin": os.urandom(per) for i in range(a.files)})
         m = local.manifest("bench", "k", 1)
         files = [str(mnts[0] / "bench/k/step-0000000001" / e.path) for e in m.files]
         total = m.total_bytes
-        ups, downs = [], []
+        ups: list = []
+        cpu: dict = {(u, n): [] for u in (True, False) for n in ("ours", "theirs")}
+        downs: list = []
+        load_before = os.getloadavg()[0]
         for r in range(a.rounds):
             obj = S3Tier(
-                "object", endpoint=creds["S3_ENDPOINT"], bucket="bench", prefix=f"ours-{r}"
+                "object",
+                endpoint=creds["S3_ENDPOINT"],
+                bucket="bench",
+                prefix=f"ours-{r}",
+                part_size=parse_size(a.part_size),
+                concurrency=a.concurrency,
+                chunk_size=chunk,
             )
             dst_root = mnts[1] / f"ours-{r}"
             dst_root.mkdir()
@@ -108,10 +125,19 @@ def main() -> int:
                 t = {}
                 for name, fn in order:
                     subprocess.run(["sync"], check=True)
+                    c0 = os.times()
                     t0 = time.perf_counter()
                     fn()
                     t[name] = time.perf_counter() - t0
+                    c1 = os.times()
+                    cpu[(out is ups, name)].append(c1.user + c1.system - c0.user - c0.system)
                 out.append((t["ours"], t["theirs"]))
+                print(
+                    f"round {r + 1} {'upload' if out is ups else 'download'}: ours "
+                    f"{t['ours']:.2f}s, boto3 {t['theirs']:.2f}s",
+                    file=sys.stderr,
+                    flush=True,
+                )
             assert dst.verify("bench", "k", 1).ok
             obj.delete("bench", "k", 1)
             shutil.rmtree(dst_root)
@@ -121,26 +147,67 @@ def main() -> int:
 
         def summary(rows: list) -> dict:
             ratios = [th / ou for ou, th in rows]  # throughput ours / theirs
+            up = rows is ups
             return {
+                # This process's CPU (all threads) per GiB moved: the client's share of
+                # the machine, which the server (on the same cores here) does not get.
+                "ours_cpu_s_per_GiB": round(
+                    statistics.median(cpu[(up, "ours")]) * 2**30 / total, 2
+                ),
+                "boto3_cpu_s_per_GiB": round(
+                    statistics.median(cpu[(up, "theirs")]) * 2**30 / total, 2
+                ),
                 "ours_MBps": [round(total / ou / 1e6) for ou, _ in rows],
                 "boto3_MBps": [round(total / th / 1e6) for _, th in rows],
                 "ratio_median": round(statistics.median(ratios), 2),
                 "ratios": [round(x, 2) for x in ratios],
             }
 
-        doc = {"bytes": total, "files": a.files, "upload": summary(ups), "download": summary(downs)}
-        if a.json:
-            print(json.dumps(doc, indent=1))
-        else:
-            print(f"checkpoint: {format_bytes(total)} in {a.files} files, {a.rounds} rounds")
-            for what in ("upload", "download"):
-                d = doc[what]
-                print(
-                    f"{what:8s} ours {d['ours_MBps']} MB/s, boto3 {d['boto3_MBps']} MB/s, "
-                    f"throughput ratio median {d['ratio_median']} (target >= 1.0) "
-                    f"rounds {d['ratios']}"
+        doc = {
+            "bytes": total,
+            "files": a.files,
+            "rounds": a.rounds,
+            "part_size": parse_size(a.part_size),
+            "concurrency": a.concurrency,
+            "load_before": load_before,
+            "load_after": os.getloadavg()[0],
+            "upload": summary(ups),
+            "download": summary(downs),
+            "claims": [
+                claim(
+                    f"s3_{what}_vs_boto3",
+                    [th / ou for ou, th in rows],
+                    ours_s=[ou for ou, _ in rows],
+                    baseline_s=[th for _, th in rows],
+                    what=(
+                        f"object tier {what} of {format_bytes(total)} ({a.files} files), "
+                        + (
+                            "every chunk hashed against the manifest, CRC32 per part "
+                            "checked by the store, manifest last (throughput)"
+                            if what == "upload"
+                            else "every chunk hashed as it lands, committed (throughput)"
+                        )
+                    ),
+                    baseline=f"boto3 {what}_file with its defaults, same server",
+                    target=1.0,
+                    cmp=">=",
                 )
-        return 0
+                for what, rows in (("upload", ups), ("download", downs))
+            ],
+        }
+        if a.json:
+            Path(a.json).write_text(json.dumps(doc, indent=1))
+        print(f"checkpoint: {format_bytes(total)} in {a.files} files, {a.rounds} rounds")
+        for what in ("upload", "download"):
+            d = doc[what]
+            print(
+                f"{what:8s} ours {d['ours_MBps']} MB/s, boto3 {d['boto3_MBps']} MB/s, "
+                f"throughput ratio median {d['ratio_median']} (target >= 1.0) "
+                f"rounds {d['ratios']}; client CPU {d['ours_cpu_s_per_GiB']} vs "
+                f"{d['boto3_cpu_s_per_GiB']} s/GiB"
+            )
+        print(f"load average (1 min): {load_before:.2f} before, {doc['load_after']:.2f} after")
+        return 0 if all(c["verdict"] == "PASS" for c in doc["claims"]) else 1
     finally:
         if started:
             subprocess.run(

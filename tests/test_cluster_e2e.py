@@ -301,7 +301,10 @@ def test_slow_flush_drains_until_the_stager_finishes(e2e: E2E) -> None:
         e.c.wait_node_state("n2", lambda s: "DRAIN" in s, timeout=30)
         reason = e.node_reason("n2")
         # One or both (on a loaded machine the first copy may not fit in the budget either).
-        assert re.match(r"slurm_ckpt: flushing [12] checkpoints? \([0-9.]+ ?MiB\)$", reason), reason
+        assert re.match(
+            r"slurm_ckpt: flushing [12] checkpoints? \([0-9.]+ ?MiB\); see ckpt-slurm status$",
+            reason,
+        ), reason
         # A job that asks for n2 now does not get it.
         probe = e.job("true\n", args=["-w", "n2"])
         e.c.wait_until(

@@ -389,7 +389,9 @@ def test_sigkilled_trainer_epilog_hands_slow_flush_to_stager(t: TrainSite) -> No
         assert "handed 1 to the stager" in line and "drained:" in line, line
         t.c.wait_node_state(node, lambda s: "DRAIN" in s, timeout=30)
         reason = t.node_reason(node)
-        assert re.match(r"slurm_ckpt: flushing 1 checkpoint \([0-9.]+ ?KiB\)$", reason), reason
+        assert re.match(
+            r"slurm_ckpt: flushing 1 checkpoint \([0-9.]+ ?KiB\); see ckpt-slurm status$", reason
+        ), reason
         assert step not in t.pfs_steps(key)
         res = t.stager(node)
         assert res.returncode == 0, res.stdout + res.stderr

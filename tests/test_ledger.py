@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-from filelock import FileLock
 
 from slurm_ckpt.core import fsio
 from slurm_ckpt.core.names import validate_node as validate_node_name
@@ -33,6 +32,7 @@ from slurm_ckpt.ledger import (
     read_node_statuses,
     status_path,
 )
+from slurm_ckpt.ledger.lockfile import LockFile
 
 FORK = mp.get_context("fork")
 
@@ -395,9 +395,11 @@ def test_non_finite_durations_are_dropped(led):
 
 def test_lock_timeout_is_a_one_line_error(tmp_path):
     led = Ledger(tmp_path, "n1", lock_timeout=0.2)
-    other = FileLock(str(tmp_path / LOCK_NAME))
-    with other, pytest.raises(LedgerError) as exc:
+    other = LockFile(tmp_path, LOCK_NAME, 1.0)  # another writer of this node, holding it
+    other.acquire()
+    with pytest.raises(LedgerError) as exc:
         commit(led, 1)
+    other.release()
     assert isinstance(exc.value, CkptError)
     assert "\n" not in str(exc.value) and "busy" in str(exc.value)
     commit(led, 1)  # works once the lock is free
@@ -917,9 +919,13 @@ def test_publish_refuses_symlinked_directories(tmp_path, led):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (pfs / ".slurm_ckpt").symlink_to(elsewhere)
-    with pytest.raises(TierError, match="refusing"):
-        publish_status(led, pfs)
+    commit(led, 1)
+    final = publish_status(led, pfs)  # the symlink is moved aside, never followed
     assert list(elsewhere.iterdir()) == []
+    st = os.lstat(pfs / ".slurm_ckpt")
+    assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+    assert any(n.startswith(".slurm_ckpt.untrusted-") for n in os.listdir(pfs))
+    assert [d["node"] for d in read_node_statuses(pfs)] == [final.stem]
 
 
 def test_publish_needs_an_existing_pfs_root(tmp_path, led):

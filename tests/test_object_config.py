@@ -21,7 +21,7 @@ def test_object_without_pfs_is_the_warm_tier() -> None:
     assert list(tiers) == ["local", "object"] and isinstance(tiers["object"], S3Tier)
     assert warm_tiers(cfg) == ["object"]
     o = cfg.tiers.object
-    assert (o.part_size, o.concurrency, o.region, o.every) == (64 * 2**20, 8, "us-east-1", 0.0)
+    assert (o.part_size, o.concurrency, o.region, o.every) == (16 * 2**20, 8, "us-east-1", 0.0)
     assert Config.from_dict(cfg.to_dict()) == cfg
 
 
@@ -42,6 +42,9 @@ def test_both_warm_tiers_and_cold_in_order() -> None:
     # parts are whole hash chunks, never below S3's 5 MiB
     t = tiers_from_config(cfg)["object"]
     assert t.part_len(64 * 2**20) == 64 * 2**20 and t.part_len(2**20) == 32 * 2**20
+    # A copy may split large chunks into whole fractions of about part_size (>= 5 MiB).
+    assert t.part_len(256 * 2**20, split=True) == 32 * 2**20
+    assert t.part_len(48 * 2**20, split=True) == 48 * 2**20  # < 2 parts: whole chunks
 
 
 @pytest.mark.parametrize(

@@ -129,6 +129,7 @@ def test_job_figures(site: Site) -> None:
         "bytes": NB,
         "checkpoints": 3,  # 100, 200, 300; the uncommitted 400 does not count
         "damaged": 0,  # 400 has no manifest, but it is young: a commit in progress
+        "data_version": None,  # not recorded by these saves
     }
     assert j["tiers"]["cold"]["step"] == 100 and j["tiers"]["cold"]["checkpoints"] == 1
     assert j["steps_at_risk"] == 200  # 500 locally, 300 safe on the PFS
@@ -277,6 +278,7 @@ def test_cli_json_and_table(site: Site) -> None:
         "slurm_state",
         "nodes",
         "tiers",
+        "data_version",
         "steps_at_risk",
         "checkpoints_at_risk",
         "bytes_at_risk",
@@ -284,6 +286,7 @@ def test_cli_json_and_table(site: Site) -> None:
         "failed",
         "flush_rate_bps",
         "flush_eta_s",
+        "problems",
     }
     r = ckpt_slurm("status", "--no-slurm", "--job", "11", config=site.cfg_path)
     assert r.returncode == 0, r.stderr

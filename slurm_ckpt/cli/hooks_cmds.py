@@ -24,10 +24,11 @@ import click
 
 from slurm_ckpt.cli.output import CliState, pass_state
 from slurm_ckpt.cli.params import NODE, SECONDS_COMPAT, Duration
+from slurm_ckpt.core import trust
 from slurm_ckpt.core.config import load_config
 from slurm_ckpt.core.names import validate_node
 from slurm_ckpt.core.units import format_duration
-from slurm_ckpt.errors import CkptError, SlurmError, UsageError
+from slurm_ckpt.errors import CkptError, ConfigError, SlurmError, UsageError
 from slurm_ckpt.ops.install import GRACE_S, install_hooks, render_hook
 from slurm_ckpt.slurm.env import slurmd_nodename, this_node
 
@@ -87,6 +88,33 @@ def _budget(cfg_budget: float, cap: Optional[float]) -> float:
     return cfg_budget if cap is None else min(cfg_budget, cap)
 
 
+def _trusted_config(state: CliState) -> Any:
+    """The config, once its file is known to be root's alone (a config a user can
+    write would let them choose what root deletes, chowns and runs): ConfigError
+    (exit 2) otherwise, with the fix."""
+    from slurm_ckpt.core.config import resolve_config_path
+    from slurm_ckpt.ops.install import refuse_untrusted
+
+    path, _origin = resolve_config_path(state.config_path)
+    refuse_untrusted(trust.path_problems(os.path.abspath(path), "config"))
+    return state.config
+
+
+def _drain_text(kind: str, exc: CkptError) -> str:
+    """The drain reason of a failed hook: a node check's own message (built from the
+    site's config: paths, sizes), else only the kind of failure - never an error text
+    that may carry names users chose (``sinfo -R`` shows it to everyone). Printable
+    ASCII, one line, at most 200 characters."""
+    from slurm_ckpt.node.guard import NodeCheckFailed
+
+    if isinstance(exc, NodeCheckFailed):
+        text = str(exc)
+    else:
+        text = f"failed ({type(exc).__name__}); see the hook log and ckpt-slurm status"
+    text = "".join(c if " " <= c <= "~" else "?" for c in text)
+    return f"slurm_ckpt: {kind}: {text}"[:200]
+
+
 def _hook_env(kind: str, client: Any) -> Any:
     """The job environment slurmd sets, or one line and exit 2 (usage) for both hooks:
     a missing or malformed ``$SLURM_JOB_ID`` means the hook was not run by slurmd, and
@@ -119,11 +147,12 @@ def prolog_cmd(state: CliState, budget: Optional[float]) -> None:
     client = _client()
     env = _hook_env("prolog", client)
     try:
-        report = run_prolog(state.config, env, client, _budget(state.config.hooks.budget, budget))
+        cfg = _trusted_config(state)
+        report = run_prolog(cfg, env, client, _budget(cfg.hooks.budget, budget))
     except CkptError as exc:
-        _drain_quietly(client, slurmd_nodename(), f"slurm_ckpt: prolog: {exc}")
-        if isinstance(exc, PrologFailed):
-            raise
+        _drain_quietly(client, slurmd_nodename(), _drain_text("prolog", exc))
+        if isinstance(exc, (PrologFailed, ConfigError)):
+            raise  # a bad or untrusted config keeps its exit status (2)
         raise PrologFailed(str(exc)) from None
     click.echo(report.line())
 
@@ -144,9 +173,10 @@ def epilog_cmd(state: CliState, budget: Optional[float]) -> None:
     client = _client()
     env = _hook_env("epilog", client)
     try:
-        report = run_epilog(state.config, env, client, _budget(state.config.hooks.budget, budget))
+        cfg = _trusted_config(state)
+        report = run_epilog(cfg, env, client, _budget(cfg.hooks.budget, budget))
     except CkptError as exc:
-        _drain_quietly(client, slurmd_nodename(), f"slurm_ckpt: epilog: {exc}")
+        _drain_quietly(client, slurmd_nodename(), _drain_text("epilog", exc))
         raise
     click.echo(report.line())
 
@@ -180,9 +210,14 @@ def stager_cmd(
     _need_root("ckpt-slurm stager")
     name = this_node(node)
     client = None if no_slurm else _client()
-    state.config  # noqa: B018 - fail now, with one line, if the config is bad
+    _trusted_config(state)  # fail now, with one line, if the config is bad or not root's
+
+    def load() -> Any:
+        _trusted_config(state)  # re-read every pass: checked every pass
+        return load_config(state.config_path)
+
     return run_stager(
-        lambda: load_config(state.config_path),
+        load,
         name,
         client,
         interval=interval,

@@ -1,11 +1,11 @@
 """``ckpt-slurm status``: every job's checkpoints and every node's flush backlog, from a
 login node.
 
-Nothing here reads a node's NVMe: the PFS catalog, the node status files on the PFS and
-SLURM are enough (see :mod:`slurm_ckpt.ops.status` for what is computed and for the
-``--json`` fields). SLURM is reached through
-:data:`slurm_ckpt.ops.status.slurm_query`, a function that tests (or sites with their
-own scheduler view) can replace; ``--no-slurm`` skips it.
+Nothing here reads a node's NVMe: the shared tiers' catalogs, the node statuses (on the
+PFS, or in the object store without one) and SLURM are enough (see
+:mod:`slurm_ckpt.ops.status` for what is computed and for the ``--json`` fields). SLURM
+is reached through :data:`slurm_ckpt.ops.status.slurm_query`, a function that tests (or
+sites with their own scheduler view) can replace; ``--no-slurm`` skips it.
 
 Key directories are created private to their owner, so a plain user sees their own
 series; run it as root (or an account that can read the PFS tree) for the whole cluster.
@@ -81,6 +81,31 @@ def _count(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def _tier_columns(names: List[str]) -> List[Column]:
+    """The newest step (and its age) on each shared tier, named after it: ``pfs_step``,
+    ``object_step``, ``cold_step`` (the warm tier's first; colder ones drop first)."""
+    out = []
+    for i, name in enumerate(names):
+        out.append(Column(f"{name}_step", name, fmt=_count, right=True, drop=8 if i else 0))
+        out.append(
+            Column(
+                f"{name}_age_s",
+                f"{name} age",
+                fmt=format_duration,
+                right=True,
+                drop=4 if i == 0 else 9,
+            )
+        )
+    return out
+
+
+def job_columns(names: List[str]) -> List[Column]:
+    """The jobs listing for a site whose shared tiers are ``names`` (warm tier first)."""
+    head = [c for c in JOB_COLUMNS if c.key != "_tiers"]
+    at = [c.key for c in JOB_COLUMNS].index("_tiers")
+    return head[:at] + _tier_columns(names) + head[at:]
+
+
 JOB_COLUMNS = [
     Column("job", "job"),
     Column("series", "series", fmt=_series_text, parsable=False),
@@ -92,13 +117,13 @@ JOB_COLUMNS = [
     Column("nodes", "nodes", fmt=_nodes_text, drop=2),
     Column("local_step", "local", fmt=_count, right=True),
     Column("local_age_s", "local age", fmt=format_duration, right=True, drop=5),
-    Column("pfs_step", "pfs", fmt=_count, right=True),
-    Column("pfs_age_s", "pfs age", fmt=format_duration, right=True, drop=4),
+    Column("_tiers", "-"),  # replaced by the shared tiers' columns (job_columns)
     Column("steps_at_risk", "at risk", fmt=_count, right=True),
     Column("checkpoints_at_risk", "checkpoints at risk", human=False),
     Column("bytes_at_risk", "size at risk", fmt=format_bytes, right=True),
     Column("flush_eta_s", "flush eta", fmt=format_duration, right=True, drop=1),
     Column("flush_rate_bps", "rate", fmt=format_rate, right=True, drop=6),
+    Column("data_version", "data", fmt=lambda v: v or "-", drop=7),
     Column("damaged", "damaged", human=False),
 ]
 
@@ -114,13 +139,29 @@ NODE_COLUMNS = [
 ]
 
 
+def _shared_names(doc: Dict[str, Any]) -> List[str]:
+    """The shared tiers the document has, the warm tier first."""
+    warm = doc.get("warm_tier", "pfs")
+    names = [warm]
+    for j in doc["jobs"]:
+        names += [n for n in j["tiers"] if n not in ("local", *names)]
+    return names
+
+
 def _job_rows(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
     rows = []
+    names = _shared_names(doc)
     for j in doc["jobs"]:
-        local, pfs = j["tiers"]["local"], j["tiers"]["pfs"]
+        local = j["tiers"]["local"]
         pending = j["bytes_at_risk"] > 0
+        per_tier: Dict[str, Any] = {}
+        for name in names:
+            t = j["tiers"].get(name)
+            per_tier[f"{name}_step"] = None if t is None else t["step"]
+            per_tier[f"{name}_age_s"] = None if t is None else t.get("age_s")
         rows.append(
             {
+                **per_tier,
                 "job": j["job"],
                 "series": (j["user"], j["keys"]),
                 "user": j["user"],
@@ -129,14 +170,13 @@ def _job_rows(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
                 "nodes": j["nodes"],
                 "local_step": None if local is None else local["step"],
                 "local_age_s": None if local is None else local.get("age_s"),
-                "pfs_step": None if pfs is None else pfs["step"],
-                "pfs_age_s": None if pfs is None else pfs.get("age_s"),
                 "steps_at_risk": j["steps_at_risk"],
                 "checkpoints_at_risk": j["checkpoints_at_risk"],
                 "bytes_at_risk": j["bytes_at_risk"],
                 # Nothing pending: no ETA to show ("0.0s" read as "flushing, done now").
                 "flush_eta_s": j["flush_eta_s"] if pending else None,
                 "flush_rate_bps": j["flush_rate_bps"],
+                "data_version": j.get("data_version"),
                 "damaged": sum(
                     (t or {}).get("damaged", 0) for n, t in j["tiers"].items() if n != "local"
                 ),
@@ -155,7 +195,7 @@ def print_status(
     """The status document for people (jobs and nodes tables, totals) or scripts (one
     listing: jobs, or nodes with ``nodes_only``)."""
     out = out or OutputFormat()
-    jobs = Listing(JOB_COLUMNS, _job_rows(doc), "jobs")
+    jobs = Listing(job_columns(_shared_names(doc)), _job_rows(doc), "jobs")
     nodes = Listing(NODE_COLUMNS, _node_rows(doc), "nodes")
     if not out.decorated:
         (nodes if nodes_only else jobs).print(out)
@@ -183,6 +223,21 @@ def print_status(
             f"{plural(t['damaged'], 'damaged step directory', 'damaged step directories')} "
             "on the shared tiers (ckpt-slurm verify KEY says which and why)"
         )
+    for sq in doc.get("squatted") or []:
+        warn(
+            f"{sq['path']} is owned by uid {sq['owner_uid']}, not by {sq['user']}: squatted, "
+            f"not read (fix, as root: inspect it, then mv {sq['path']} "
+            f"{sq['path']}.squatted-by-{sq['owner_uid']})"
+        )
+    for text in doc.get("notes") or []:
+        warn(text)
+    for j in doc["jobs"]:
+        for p in j.get("problems") or []:
+            if p.get("hold"):
+                warn(
+                    f"job {j['job'] or '-'} ({j['user']}) {p['key']} step {p['step']}: "
+                    f"refused ({p['hold']}): {p['reason']}"
+                )
 
 
 @click.command("status")
@@ -212,12 +267,15 @@ def status_cmd(
     skip_slurm: bool,
     out: OutputFormat,
 ) -> None:
-    """Checkpoints per job and flush backlog per node, as seen from the PFS and SLURM.
+    """Checkpoints per job and flush backlog per node, as seen from the shared tiers and
+    SLURM.
 
-    Per job: SLURM state, newest step on each tier and its age, steps and bytes not yet
-    safe on the PFS, flush rate and ETA. Per node: pending bytes, flushes in flight, and
-    drains set by slurm_ckpt. Reads no node-local storage. --parsable and --noheader
-    print the jobs (or, with --nodes, the nodes) one per line; --json the whole document.
+    Per job: SLURM state, newest step on each tier (local, pfs, object, cold) and its
+    age, the data version, steps and bytes not yet safe on the warm tier (the PFS, or
+    the object store on a site without one), flush rate and ETA. Per node: pending
+    bytes, flushes in flight, and drains set by slurm_ckpt. Reads no node-local
+    storage. --parsable and --noheader print the jobs (or, with --nodes, the nodes) one
+    per line; --json the whole document.
     """
     query = _no_slurm if skip_slurm else None
     node: Any = None

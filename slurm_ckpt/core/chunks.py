@@ -121,26 +121,31 @@ def hash_pieces(
     write: Optional[WriteAt] = None,
     limiter: Optional[BandwidthLimiter] = None,
     piece: int = PIECE,
+    into: Optional[Callable[[int, int], memoryview]] = None,
 ) -> str:
     """Read ``length`` bytes at ``offset`` in pieces into this thread's reusable buffer,
     hash them, and optionally write each piece to the same offset elsewhere: one pass
     through memory, for copy and verify alike, on any tier (``read``/``write`` are a
     file's ``preadv``/``pwrite``, or an object store's ranged GET and part upload).
+    With ``into(pos, n)`` (the destination's own memory for those bytes, e.g. an object
+    part's buffer) pieces are read straight there and ``write`` only hears that they
+    are: no copy between two buffers.
 
     A short read (the file shrank under us) raises EIO-like ``OSError``.
     """
     h = xxhash.xxh3_128()
-    buf = io_buffer(piece)
+    buf = io_buffer(piece) if into is None else None
     end = offset + length
     pos = offset
     while pos < end:
         n = min(piece, end - pos)
         if limiter is not None:
             limiter.acquire(n)
-        got = read(buf[:n], pos)
+        target = buf[:n] if buf is not None else into(pos, n)  # type: ignore[misc]
+        got = read(target, pos)
         if got <= 0:
             raise OSError(errno.EIO, f"unexpected end of file at offset {pos}")
-        view = buf[:got]
+        view = target[:got]
         h.update(view)
         if write is not None:
             write(view, pos)

@@ -30,7 +30,7 @@ import time
 from contextlib import contextmanager, suppress
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
-from slurm_ckpt.core import fsio
+from slurm_ckpt.core import fsio, trust
 from slurm_ckpt.core.chunks import hash_range, run_chunks
 from slurm_ckpt.core.faults import crashpoint
 from slurm_ckpt.core.hashing import DEFAULT_CHUNK_SIZE, ChunkedHasher, chunk_digest, combine
@@ -135,7 +135,7 @@ class CheckpointWriter:
         except OSError as exc:
             raise fsio.tier_error(exc, f"{where} root {root}") from None
         try:
-            self._key_fd = fsio.open_beneath(root_fd, [user, key], create=True)
+            self._key_fd = trust.open_user_subdir(root_fd, user, [key], True, f"{where}:{root}")
         except OSError as exc:
             raise fsio.tier_error(exc, f"{where}: cannot create {root}/{user}/{key}") from None
         finally:

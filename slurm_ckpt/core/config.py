@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import errno
 import os
 import signal
+import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -214,12 +216,35 @@ def resolve_config_path(path: Optional[PathLike] = None) -> Tuple[Path, str]:
     return DEFAULT_CONFIG_PATH, "default"
 
 
+def _read_file(path: Path) -> bytes:
+    """The file's bytes: opened non-blocking and checked to be a regular file before it
+    is read (a FIFO named as the config must not hang a root command), at most 16 MiB."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "is a directory")
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        chunks = []
+        total = 0
+        while True:
+            b = os.read(fd, 1 << 20)
+            if not b:
+                return b"".join(chunks)
+            total += len(b)
+            if total > 16 * 2**20:
+                raise OSError(errno.EFBIG, "larger than 16 MiB")
+            chunks.append(b)
+    finally:
+        os.close(fd)
+
+
 def load_config(path: Optional[PathLike] = None) -> Config:
     """Read and validate the site configuration; raise one-line :class:`ConfigError`."""
     cfg_path, origin = resolve_config_path(path)
     try:
-        with open(cfg_path, "rb") as fh:
-            raw = fh.read()
+        raw = _read_file(cfg_path)
     except FileNotFoundError:
         if origin == "default":
             raise ConfigError(
@@ -515,6 +540,19 @@ def _build(data: Mapping[str, Any], src: str) -> Config:
         for key, root in roots:
             if key != "tiers.pfs.root" and _overlap(adm.dir, root):
                 problems.append(f"{src}: admission.dir: {adm.dir} overlaps {key} {root}")
+    if (
+        adm is not None
+        and adm.enabled
+        and adm.dir is None
+        and tiers_objs.get("pfs") is None
+        and isinstance(tiers_raw, Mapping)
+        and tiers_raw.get("object") is not None
+    ):
+        problems.append(
+            f"{src}: admission.dir: a site without a PFS keeps its admission slots in a "
+            "shared directory (an object store has no locks): set admission.dir, or drop "
+            "admission.max_nodes/max_bandwidth"
+        )
     job = sections.get("job")
     if job is not None and job.interval == "auto" and job.interval_seconds is not None:
         problems.append(f'{src}: job.interval: "auto" and job.interval_seconds exclude each other')

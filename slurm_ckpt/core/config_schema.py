@@ -106,8 +106,13 @@ class ObjectTierConfig:
     region: str = field_of(KIND_STR, "us-east-1")
     #: A named profile of ~/.aws/credentials; None = the environment (or default chain).
     profile: Optional[str] = field_of(KIND_STR, None, optional=True)
-    #: Multipart part size (rounded to whole hash chunks; S3 needs >= 5 MiB).
-    part_size: int = field_of(KIND_SIZE, 64 * 2**20, minimum=5 * 2**20)
+    #: Root's keys for the hooks: a root-only file in the ~/.aws/credentials format
+    #: (section ``profile``, else ``default``). Whoever cannot read it (a job) uses the
+    #: environment or ``profile`` instead.
+    credentials_file: Optional[Path] = field_of(KIND_PATH, None, optional=True)
+    #: Multipart part size (S3 needs >= 5 MiB): a copy splits larger hash chunks into
+    #: whole fractions of about this size, else rounds it to whole chunks.
+    part_size: int = field_of(KIND_SIZE, 16 * 2**20, minimum=5 * 2**20)
     #: Parts uploaded / ranges downloaded in parallel.
     concurrency: int = field_of(KIND_INT, 8, minimum=1)
     #: Cap on the bandwidth into the store in bytes per second; None = unlimited.
@@ -197,6 +202,19 @@ class HooksConfig:
     expected_checkpoint_size: Optional[int] = field_of(KIND_SIZE, None, optional=True)
     #: On a requeued job, copy the newest PFS checkpoint to the local tier in the prolog.
     stage_on_requeue: bool = field_of(KIND_BOOL, False)
+    #: A child running as a user (scan, flush, delete) that shows no progress for this
+    #: long is killed and its work retried later (a user can SIGSTOP their own processes).
+    child_timeout: float = field_of(KIND_DURATION, 60.0, minimum=1e-3)
+    #: A flush child gets at most 10 x child_timeout + size / min_flush_rate in all.
+    min_flush_rate: float = field_of(KIND_BANDWIDTH, 10e6, minimum=1.0)
+    #: First wait before a failed flush is tried again (doubling, at most 1 hour).
+    retry_backoff: float = field_of(KIND_DURATION, 60.0, minimum=1e-3)
+    #: After this many failed flushes in a row a checkpoint no longer keeps its node
+    #: drained (it is still retried, and reported by status).
+    max_retries: int = field_of(KIND_INT, 5, minimum=1)
+    #: The prolog frees local space from users with no job on the node: their debris and
+    #: unflushable leftovers, then checkpoints already safe on the PFS.
+    reclaim_departed: bool = field_of(KIND_BOOL, True)
 
 
 @dataclass(frozen=True)
@@ -237,7 +255,8 @@ class AdmissionConfig:
     poll: float = field_of(KIND_DURATION, 1.0, minimum=1e-3)
     #: Longest wait for a slot of a flusher that has no budget of its own (stager, CLI).
     max_wait: float = field_of(KIND_DURATION, 300.0, minimum=1e-3)
-    #: Where the slots live; unset = ``<tiers.pfs.root>/.slurm_ckpt/slots``.
+    #: Where the slots live; unset = ``<tiers.pfs.root>/.slurm_ckpt/slots`` (a site
+    #: without a PFS sets it to a root-owned directory every node mounts).
     dir: Optional[Path] = field_of(KIND_PATH, None, optional=True)
 
     @property

@@ -30,8 +30,25 @@ FILE_MODE = 0o600
 TMP_MARK = ".tmp-"
 
 
+class RefusedPath(TierError):
+    """A path was refused rather than followed: a symlink or a non-directory where a
+    directory belongs, or a file that is not a plain, singly linked file of its
+    directory's owner (:class:`UnsafeFile`). Below a tier root that is the doing of
+    whoever can write there, never of the node."""
+
+
+class QuotaExceeded(TierError):
+    """The writer's disk quota is used up: the quota's owner's doing, not the node's."""
+
+    user_caused = True
+    hold_code = "quota"
+
+
 def tier_error(exc: OSError, what: str) -> CkptError:
-    """Turn an OSError into a one-line :class:`TierError` that says what to do."""
+    """Turn an OSError into a one-line :class:`TierError` that says what to do
+    (:class:`RefusedPath` for a symlink, a non-directory or an unsafe file)."""
+    if isinstance(exc, UnsafeFile):
+        return RefusedPath(f"{what}: {exc.strerror}; refusing to touch it")
     reason = {
         errno.ENOSPC: "no space left on device",
         errno.EDQUOT: "disk quota exceeded",
@@ -43,6 +60,10 @@ def tier_error(exc: OSError, what: str) -> CkptError:
         errno.ELOOP: "refusing to follow a symbolic link",
         errno.ENOTDIR: "not a directory (or a symbolic link where a directory belongs)",
     }.get(exc.errno or 0, exc.strerror or str(exc))
+    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+        return RefusedPath(f"{what}: {reason}")
+    if exc.errno == errno.EDQUOT:
+        return QuotaExceeded(f"{what}: {reason}")
     return TierError(f"{what}: {reason}")
 
 
@@ -104,15 +125,50 @@ def read_small(dfd: int, name: str, limit: int = 64 * 2**20) -> bytes:
     return read_regular(dfd, name, limit)[0]
 
 
-def read_regular(dfd: int, name: str, limit: int = 64 * 2**20) -> Tuple[bytes, os.stat_result]:
-    """A whole regular file and its stat, without following symlinks or blocking: opened
-    ``O_NONBLOCK`` and checked with fstat *before* any read, so a FIFO, socket or device
-    planted in its place is refused at once instead of hanging the reader."""
+class UnsafeFile(OSError):
+    """A file that root-run code must not read: not a regular file (a FIFO would hang the
+    reader, a device is not ours), more than one hard link (someone else's file linked
+    in), or an owner other than its directory's. ``errno`` is EINVAL, so callers that
+    sort errors by errno treat it as "not a checkpoint file"."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.EINVAL, message)
+
+
+def check_file(fd: int, name: str, dir_fd: Optional[int] = None) -> os.stat_result:
+    """fstat an open file and refuse it (:class:`UnsafeFile`) unless it is a regular file
+    with one link and - when ``dir_fd`` is given - owned by the owner of that directory
+    (the files of a checkpoint are written by whoever wrote its directory)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeFile(f"{name} is not a regular file")
+    if st.st_nlink != 1:
+        raise UnsafeFile(f"{name} has {st.st_nlink} hard links")
+    if dir_fd is not None:
+        owner = os.fstat(dir_fd).st_uid
+        if st.st_uid != owner:
+            raise UnsafeFile(f"{name} is owned by uid {st.st_uid}, not by its directory's owner")
+    return st
+
+
+def open_regular(dfd: int, name: str) -> Tuple[int, os.stat_result]:
+    """Open ``name`` below ``dfd`` for reading without following a symlink or blocking:
+    ``O_NONBLOCK`` and checked with :func:`check_file` *before* any read, so a FIFO,
+    socket or device planted in its place is refused at once instead of hanging the
+    reader, and so is a hard link or a file of a foreign owner. Returns ``(fd, stat)``."""
     fd = os.open(name, O_READ | os.O_NONBLOCK, dir_fd=dfd)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, f"{name} is not a regular file")
+        return fd, check_file(fd, name, dfd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(dfd: int, name: str, limit: int = 64 * 2**20) -> Tuple[bytes, os.stat_result]:
+    """A whole regular file and its stat, opened with :func:`open_regular` (no symlink,
+    no blocking open, one link, the directory owner's)."""
+    fd, st = open_regular(dfd, name)
+    try:
         if st.st_size > limit:
             raise OSError(errno.EFBIG, f"{name} is larger than {limit} bytes")
         chunks = []
@@ -226,28 +282,49 @@ def remove_tree(parent_fd: int, name: str) -> None:
     shutil.rmtree(os.path.join(fd_path(parent_fd), trash), ignore_errors=True)
 
 
-def walk_files(dfd: int, prefix: str = "") -> Tuple[List[Tuple[str, os.stat_result]], List[str]]:
+def walk_files(
+    dfd: int,
+    prefix: str = "",
+    *,
+    max_entries: Optional[int] = None,
+    max_depth: Optional[int] = None,
+) -> Tuple[List[Tuple[str, os.stat_result]], List[str]]:
     """List regular files below an open directory: ([(relpath, stat)], [problems]).
 
     Symlinks, devices and other special files are reported as problems, never entered.
+    ``max_entries``/``max_depth`` bound the walk (a tree of a million entries or a
+    thousand levels is a problem, not something to walk: it is reported and the walk
+    stops). Only one directory is open per level at a time.
     """
     files: List[Tuple[str, os.stat_result]] = []
     problems: List[str] = []
-    with os.scandir(dfd) as it:
-        entries = list(it)
-    for e in entries:
-        rel = f"{prefix}{e.name}"
-        st = os.stat(e.name, dir_fd=dfd, follow_symlinks=False)
-        if stat.S_ISDIR(st.st_mode):
-            sub = os.open(e.name, O_DIR, dir_fd=dfd)
-            try:
-                f2, p2 = walk_files(sub, rel + "/")
-            finally:
-                os.close(sub)
-            files += f2
-            problems += p2
-        elif stat.S_ISREG(st.st_mode):
-            files.append((rel, st))
-        else:
-            problems.append(f"{rel}: not a regular file")
+    count = [0]
+
+    def walk(fd: int, pre: str, depth: int) -> bool:
+        with os.scandir(fd) as it:
+            names = [e.name for e in it]
+        for name in names:
+            count[0] += 1
+            if max_entries is not None and count[0] > max_entries:
+                problems.append(f"more than {max_entries} files and directories")
+                return False
+            rel = f"{pre}{name}"
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                if max_depth is not None and depth >= max_depth:
+                    problems.append(f"{rel}: nested more than {max_depth} directories deep")
+                    return False
+                sub = os.open(name, O_DIR, dir_fd=fd)
+                try:
+                    if not walk(sub, rel + "/", depth + 1):
+                        return False
+                finally:
+                    os.close(sub)
+            elif stat.S_ISREG(st.st_mode):
+                files.append((rel, st))
+            else:
+                problems.append(f"{rel}: not a regular file")
+        return True
+
+    walk(dfd, prefix, 0)
     return files, problems

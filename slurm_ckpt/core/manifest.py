@@ -8,13 +8,22 @@ The manifest protects itself: it carries a checksum over its own canonical seria
 and a reader accepts the file only if its bytes are *exactly* that serialisation. So any
 single changed byte in the manifest - a digit of a size, a hash character, even whitespace
 - is detected, not just the bytes of the payload.
+
+A checksum proves integrity, not good intent: anyone who writes a checkpoint writes its
+manifest, and root-run code reads manifests of every user. So every field is validated
+as hostile input: no non-finite number anywhere (``NaN``, ``Infinity``, ``1e400``: they
+break arithmetic downstream), no control characters in any name (``job``, ``node``, the
+keys of ``meta``: a newline would forge lines in ``status`` output), paths that stay
+inside the checkpoint, hashes that are hashes.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -22,7 +31,7 @@ import xxhash
 
 from slurm_ckpt.core.hashing import DEFAULT_CHUNK_SIZE, HASH_ALGO, chunk_count
 from slurm_ckpt.core.names import validate_key, validate_relpath, validate_user
-from slurm_ckpt.errors import VerifyError
+from slurm_ckpt.errors import InvalidName, VerifyError
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -94,7 +103,7 @@ class Manifest:
     def from_bytes(cls, data: bytes, where: str = "manifest") -> Manifest:
         """Parse and fully validate; any inconsistency raises :class:`VerifyError`."""
         try:
-            doc = json.loads(data.decode("utf-8"))
+            doc = _loads(data.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:
             raise VerifyError(f"{where}: not a valid manifest ({exc})") from None
         if not isinstance(doc, dict) or "checksum" not in doc:
@@ -106,7 +115,7 @@ class Manifest:
             raise VerifyError(f"{where}: manifest checksum mismatch")
         try:
             return cls._from_doc(doc, where)
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, InvalidName) as exc:
             raise VerifyError(f"{where}: malformed manifest ({exc})") from None
 
     @classmethod
@@ -129,8 +138,11 @@ class Manifest:
                 raise ValueError(f"inconsistent entry for {path}")
             if not all(len(c) == 32 and set(c) <= _HEX32 for c in chunks):
                 raise ValueError(f"bad chunk digest for {path}")
+            digest = f["hash"]
+            if not isinstance(digest, str) or len(digest) != 32 or not set(digest) <= _HEX32:
+                raise ValueError(f"bad file hash for {path}")
             seen.add(path)
-            files.append(FileEntry(path, size, str(f["hash"]), chunks))
+            files.append(FileEntry(path, size, digest, chunks))
         step = int(doc["step"])
         if step < 0:
             raise ValueError("negative step")
@@ -140,14 +152,82 @@ class Manifest:
             step=step,
             files=files,
             tokens=None if doc["tokens"] is None else int(doc["tokens"]),
-            wall_time=float(doc["wall_time"]),
-            job=None if doc["job"] is None else str(doc["job"]),
-            node=None if doc["node"] is None else str(doc["node"]),
-            meta=dict(doc["meta"]),
+            wall_time=_finite(doc["wall_time"], "wall_time"),
+            job=_label(doc["job"], "job"),
+            node=_label(doc["node"], "node"),
+            meta=_meta(doc["meta"]),
             hash_algo=doc["hash_algo"],
             chunk_size=chunk_size,
             format_version=version,
         )
+
+
+def _no_number(text: str) -> Any:
+    raise ValueError(f"non-finite number {text} is not allowed")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text} out of range")
+    return value
+
+
+def _loads(text: str) -> Any:
+    """``json.loads`` that refuses ``NaN``, ``Infinity`` and floats that overflow."""
+    return json.loads(text, parse_constant=_no_number, parse_float=_finite_float)
+
+
+def has_control(text: str) -> bool:
+    """Control characters (C0, C1, DEL) or Unicode line/paragraph separators."""
+    return any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in text)
+
+
+def _finite(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"{name} must be a finite number")
+    return out
+
+
+def _label(value: Any, name: str) -> Optional[str]:
+    """``job``/``node``: None, or one line of printable text (at most 256 characters)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ValueError(f"{name} must be a string")
+    text = str(value)
+    if len(text) > 256 or has_control(text):
+        raise ValueError(f"{name} must be one line of at most 256 printable characters")
+    return text
+
+
+def _is_relpath(path: Any) -> bool:
+    try:
+        validate_relpath(path)
+    except InvalidName:
+        return False
+    return True
+
+
+def _meta(value: Any, depth: int = 0) -> Any:
+    """``meta`` (a dict): every key, at any depth, printable text."""
+    if depth == 0 and not isinstance(value, dict):
+        raise ValueError("meta must be an object")
+    if depth > 32:
+        raise ValueError("meta nested too deep")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if has_control(k) or len(k) > 256:
+                raise ValueError("meta keys must be one line of at most 256 printable characters")
+            _meta(v, depth + 1)
+        return dict(value) if depth == 0 else value
+    if isinstance(value, list):
+        for v in value:
+            _meta(v, depth + 1)
+    return value
 
 
 def _serialise(doc: Dict[str, Any]) -> bytes:
@@ -172,6 +252,18 @@ class ManifestFacts:
     nbytes: int
     job: Optional[str]
     node: Optional[str]
+    #: ``meta["data_version"]`` (what the checkpoint was trained on), one line, or None.
+    data_version: Optional[str] = None
+
+
+def data_version_of(meta: Any) -> Optional[str]:
+    """``meta["data_version"]`` as one printable line of at most 200 characters."""
+    value = meta.get("data_version") if isinstance(meta, dict) else None
+    if value is None:
+        return None
+    text = "".join(c if c.isprintable() else " " for c in str(value))
+    text = " ".join(text.split())
+    return text[:197] + "..." if len(text) > 200 else text
 
 
 def manifest_facts(data: bytes) -> ManifestFacts:
@@ -187,7 +279,7 @@ def manifest_facts(data: bytes) -> ManifestFacts:
     m = _CHECKSUM_LINE.match(data)
     if m is not None and xxhash.xxh3_128_hexdigest(b"{\n" + data[m.end() :]) == m.group(1).decode():
         try:
-            doc = json.loads(data)
+            doc = _loads(data.decode("utf-8"))
             files = doc["files"]
             nbytes = sum(int(f["size"]) for f in files)
             if (
@@ -197,20 +289,29 @@ def manifest_facts(data: bytes) -> ManifestFacts:
                 and isinstance(doc["user"], str)
                 and isinstance(doc["key"], str)
                 and all(int(f["size"]) >= 0 for f in files)
+                and all(_is_relpath(f["path"]) for f in files)
+                and _meta(doc["meta"]) is not None
             ):
-                job, node = doc["job"], doc["node"]
                 return ManifestFacts(
                     doc["user"],
                     doc["key"],
                     doc["step"],
-                    float(doc["wall_time"]),
+                    _finite(doc["wall_time"], "wall_time"),
                     nbytes,
-                    None if job is None else str(job),
-                    None if node is None else str(node),
+                    _label(doc["job"], "job"),
+                    _label(doc["node"], "node"),
+                    data_version_of(doc.get("meta")),
                 )
-        except (ValueError, TypeError, KeyError, AttributeError):
+        except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError):
             pass
     full = Manifest.from_bytes(data)
     return ManifestFacts(
-        full.user, full.key, full.step, full.wall_time, full.total_bytes, full.job, full.node
+        full.user,
+        full.key,
+        full.step,
+        full.wall_time,
+        full.total_bytes,
+        full.job,
+        full.node,
+        data_version_of(full.meta),
     )

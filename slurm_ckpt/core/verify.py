@@ -38,11 +38,14 @@ class VerifyReport:
 
 
 def open_payload(step_fd: int, relpath: str) -> int:
-    """Open a payload file for reading below ``step_fd`` without following symlinks."""
+    """Open a payload file for reading below ``step_fd`` without following symlinks or
+    blocking, refused unless it is a regular file with one link owned by its directory's
+    owner (:func:`~slurm_ckpt.core.fsio.open_regular`: a FIFO must not hang root's
+    ``verify``, a hard link must not make it read someone else's file)."""
     parts = relpath.split("/")
     pfd = fsio.open_beneath(step_fd, parts[:-1])
     try:
-        return os.open(parts[-1], fsio.O_READ, dir_fd=pfd)
+        return fsio.open_regular(pfd, parts[-1])[0]
     finally:
         os.close(pfd)
 

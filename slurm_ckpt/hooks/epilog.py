@@ -11,8 +11,11 @@ of an ending job, with the node work of :class:`~slurm_ckpt.node.work.NodeWork`:
    node's backlog - *as the owning user*, within ``hooks.budget`` (which must stay below
    SLURM's PrologEpilogTimeout, or SLURM itself drains the node);
 3. hands whatever cannot finish in time to the stager daemon (ledger ``FLUSH_PENDING``,
-   reason ``"handed to stager"``) and drains the node with a ``slurm_ckpt:`` reason, so
-   SLURM gives it to no one until the stager is done and resumes it;
+   reason ``"handed to stager"``) and drains the node with a ``slurm_ckpt:`` reason
+   (counts and sizes only), so SLURM gives it to no one until the stager is done and
+   resumes it. Checkpoints whose failure was their owner's doing (unsafe files, a
+   squatted or world-writable PFS directory, a flush child they stopped) are held and
+   reported instead: they never keep a node drained (:mod:`slurm_ckpt.node.retry`);
 4. applies local retention (never deleting a checkpoint whose PFS copy is not verified);
 5. publishes the node's status file on the PFS.
 """
@@ -33,6 +36,9 @@ from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.env import HookEnv
 
 log = logging.getLogger("slurm_ckpt.hooks")
+
+#: Share of the budget the scan of the local tier may take at most.
+SCAN_SHARE = 0.5
 
 __all__ = ["EpilogReport", "run_epilog"]
 
@@ -80,23 +86,29 @@ def run_epilog(
     t0 = clock()
     total = cfg.hooks.budget if budget is None else float(budget)
     reserve = min(RESERVE_MAX_S, total * RESERVE_FRACTION)
-    deadline = t0 + total - reserve
     work = NodeWork(cfg, env.node, client, clock)
-    work.reconcile(deadline)
+    # The scan gets at most half the budget (it stops with what it has).
+    work.reconcile(t0 + min(total - reserve, total * SCAN_SHARE))
     running = work.running_jobs(exclude=env.job_id)
-    todo = work.candidates(running, first_job=env.job_id)
+    t1 = clock()
+    owed = work.owed(running)
+    todo = work.candidates(running, first_job=env.job_id, owed=owed)
+    # What is left after the flushes (drain, status) costs about one more pass over the
+    # ledger, as long as the one just made: keep that back too, at any backlog size.
+    deadline = t0 + total - reserve - 2 * (clock() - t1)
     outcome = work.flush(todo, deadline)
     report = EpilogReport(env.job_id, env.node, outcome)
-    count, nbytes = work.backlog(running)
+    count, nbytes = work.backlog(running, owed, outcome)
     report.backlog = (count, nbytes)
     if count and client is not None:
-        err = outcome.failed[-1][1] if outcome.failed else None
-        reason = drain_reason(count, nbytes, len(outcome.failed), err)
+        failing = sum(1 for r in outcome.results if r.status in ("failed", "bad") and not r.hold)
+        reason = drain_reason(count, nbytes, failing)
         try:
             report.drained = client.drain(env.node, reason)
         except SlurmError as exc:
             log.error("could not drain %s (%s); the stager will still flush", env.node, exc)
-    report.deleted = work.retention(running, t0 + total - min(2.0, reserve / 2))
+    if not outcome.handed:  # out of time already: retention is the stager's
+        report.deleted = work.retention(running, t0 + total - min(2.0, reserve / 2))
     report.seconds = clock() - t0
     work.publish(
         {

@@ -17,13 +17,16 @@ Steps (all idempotent, so a retried prolog is harmless):
    is moved aside (renamed, never followed or deleted) and logged;
 4. free space: ``tiers.local.min_free`` plus ``hooks.expected_checkpoint_size`` x
    (``retention.keep_local`` + 1) (keep_local old ones plus the one being written);
+   when short, space of users who have left the node is reclaimed first (their junk,
+   then their checkpoints safe on the PFS: :mod:`slurm_ckpt.node.reclaim`);
 5. a write/fsync/read-back probe in the user's directory, as the user;
 6. rescue: checkpoints earlier jobs left unflushed on this node are flushed (as their
    owners) within half the budget, the rest is left to the stager - never wiped;
 7. on a requeue (``SLURM_JOB_RESTART_COUNT`` > 0) with ``hooks.stage_on_requeue``, the
-   job's newest PFS checkpoint is copied (as the user) to this node, so the restart reads
-   locally. Staging is an optimisation: when it fails the job still starts (it reads the
-   PFS).
+   job's newest checkpoint on the warm tier (the PFS, or the object store on a site
+   without one) is copied (as the user) to this node, so the restart reads locally.
+   Staging is an optimisation: when it fails the job still starts (it reads the warm
+   tier).
 """
 
 from __future__ import annotations
@@ -42,19 +45,20 @@ from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import validate_key
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import CkptError, InvalidName, SlurmError, TierError
-from slurm_ckpt.node.asuser import run_as
+from slurm_ckpt.node.asuser import alive, run_as
 from slurm_ckpt.node.flush import FlushOutcome
 from slurm_ckpt.node.guard import (
     NodeCheckFailed,
     check_local_tier,
-    check_step_files,
     check_user_dir,
+    required_free,
 )
+from slurm_ckpt.node.reclaim import reclaim_departed
+from slurm_ckpt.node.warm import guard_step_files, guard_user_dir, owner_tiers, warm_of
 from slurm_ckpt.node.work import NodeWork, UserIds
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.env import HookEnv
 from slurm_ckpt.tiers.copy import SourceCorrupt, copy_checkpoint
-from slurm_ckpt.tiers.registry import tiers_from_config
 
 log = logging.getLogger("slurm_ckpt.hooks")
 
@@ -199,12 +203,13 @@ def _probe_as_user(root: str, user: str, size: int) -> float:
 def _stage_candidates(
     cfg: Config, user: str, job_id: str, job_name: Optional[str]
 ) -> List[List[Any]]:
-    """PFS checkpoints of this job, newest first: ``[[key, step], ...]``.
+    """Warm-tier checkpoints (PFS, or object store) of this job, newest first:
+    ``[[key, step], ...]``.
 
     The key is whichever series holds checkpoints whose manifest names this job id (a
     requeued job keeps its id), else the series named like the job.
     """
-    pfs = tiers_from_config(cfg)["pfs"]
+    pfs = warm_of(cfg, owner_tiers(cfg))  # the PFS, or the object store without one
     found = []
     for key in pfs.keys(user):
         try:
@@ -221,11 +226,12 @@ def _stage_candidates(
 
 
 def _stage_as_user(cfg: Config, user: str, key: str, step: int, uid: int) -> dict:
-    tiers = tiers_from_config(cfg)
-    check_user_dir(tiers["pfs"], user, uid)
+    tiers = owner_tiers(cfg)
+    warm = warm_of(cfg, tiers)
+    guard_user_dir(warm, user, uid)
     check_user_dir(tiers["local"], user, uid)
-    check_step_files(tiers["pfs"], user, key, step, uid)
-    res = copy_checkpoint(tiers["pfs"], tiers["local"], user, key, step)
+    guard_step_files(warm, user, key, step, uid)
+    res = copy_checkpoint(warm, tiers["local"], user, key, step, progress=lambda _n: alive())
     return {"nbytes": res.nbytes, "seconds": res.seconds, "already": res.already_present}
 
 
@@ -241,6 +247,7 @@ class PrologReport:
     probe_s: float = 0.0
     rescue: FlushOutcome = field(default_factory=FlushOutcome)
     staged: Optional[str] = None
+    reclaimed: Optional[str] = None
     seconds: float = 0.0
 
     def line(self) -> str:
@@ -254,6 +261,8 @@ class PrologReport:
                 f"rescued {len(self.rescue.flushed)}, handed {len(self.rescue.handed)} to "
                 f"the stager, {len(self.rescue.failed)} failed"
             )
+        if self.reclaimed:
+            parts.append(self.reclaimed)
         if self.staged:
             parts.append(f"staged {self.staged}")
         parts.append(f"in {format_duration(self.seconds)}")
@@ -280,7 +289,22 @@ def run_prolog(
     except CkptError as exc:
         raise PrologFailed(f"ledger: {exc}") from None
     report.user_dir = ensure_user_dir(root, ids)
-    report.free = check_local_tier(cfg, check_space=True)
+    try:
+        report.free = check_local_tier(cfg, check_space=True)
+    except NodeCheckFailed:
+        if not cfg.hooks.reclaim_departed:
+            raise
+        # Too full: free what users who left this node no longer need, then look again.
+        try:
+            work.reconcile(t0 + total * 0.2)
+            got = reclaim_departed(work, env.user, required_free(cfg), t0 + total * 0.4)
+        except CkptError as exc:
+            log.warning("prolog: reclaim failed: %s", exc)
+            got = None
+        if got is None:
+            raise
+        report.reclaimed = got.line()
+        report.free = check_local_tier(cfg, check_space=True)
     try:
         report.probe_s = run_as(
             ids.uid,
@@ -337,6 +361,7 @@ def _stage(
             ids.name,
             env.job_id,
             job_name,
+            stall_timeout=cfg.hooks.child_timeout,
             user=ids.name,
             timeout=max(0.5, deadline - clock()),
             what="find checkpoint to stage",
@@ -359,12 +384,13 @@ def _stage(
                 key,
                 step,
                 ids.uid,
+                stall_timeout=cfg.hooks.child_timeout,
                 user=ids.name,
                 timeout=left,
                 what="stage",
             )
         except SourceCorrupt as exc:
-            log.warning("prolog: PFS checkpoint does not verify, trying an older one: %s", exc)
+            log.warning("prolog: warm copy does not verify, trying an older one: %s", exc)
             continue
         except CkptError as exc:
             log.warning("prolog: staging %s/%s step %d failed: %s", ids.name, key, step, exc)

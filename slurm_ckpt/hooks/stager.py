@@ -7,8 +7,11 @@ this daemon and drains the node with a ``slurm_ckpt:`` reason. Each pass of the 
 1. reconciles the ledger with the local tier (as each user) - it also picks up anything
    left behind by a crashed job, epilog or stager;
 2. flushes every checkpoint still owed to the PFS (as its owner; jobs still running on
-   the node are left to flush their own), without a time limit - resumable copies make a
-   killed pass cheap to redo;
+   the node are left to flush their own), without an overall time limit - resumable
+   copies make a killed pass cheap to redo - but every child has one (``[hooks]
+   child_timeout`` without progress, and a size-based cap): a child its user stopped is
+   killed, that checkpoint retried after a backoff, and the pass goes on with everyone
+   else's;
 3. applies local retention and publishes the node status;
 4. returns the node to service (``scontrol update nodename=X state=resume``) when nothing
    is owed any more, the node passes its local-tier checks (mount, free space), and the
@@ -118,8 +121,10 @@ def _return_to_service(cfg: Config, node: str, client: SlurmClient, report: Stag
         report.note = f"drained by someone else ({info.reason!r}); left alone"
         return
     if report.backlog:
-        err = report.flush.failed[-1][1] if report.flush.failed else None
-        reason = drain_reason(report.backlog, report.backlog_bytes, len(report.flush.failed), err)
+        failing = sum(
+            1 for r in report.flush.results if r.status in ("failed", "bad") and not r.hold
+        )
+        reason = drain_reason(report.backlog, report.backlog_bytes, failing)
         report.drain = reason
         if reason != info.reason:
             try:

@@ -27,8 +27,8 @@ from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ledger import events
 from slurm_ckpt.ledger.ledger import Ledger
 from slurm_ckpt.ledger.metrics import refresh_textfile
-from slurm_ckpt.ledger.node_status import publish_status
 from slurm_ckpt.ledger.record import Record, State, one_line
+from slurm_ckpt.ledger.user_status import publish_user_status
 
 log = logging.getLogger("slurm_ckpt")
 
@@ -208,12 +208,14 @@ class Bookkeeper:
         return {r.step: r for r in got or []}
 
     def publish(self, pfs_root: str) -> None:
+        """This user's own status on the PFS (never the node's: that is root's, and what
+        ``maint`` decides a reboot on; see :mod:`slurm_ckpt.ledger.user_status`)."""
         if self.ledger is None:
             return
         try:
-            publish_status(self.ledger, pfs_root)
+            publish_user_status(self.ledger, pfs_root, self.user)
         except (CkptError, OSError) as exc:
-            log.debug("[ckpt] cannot publish node status: %s", exc)
+            log.debug("[ckpt] cannot publish this job's status: %s", exc)
 
     # -- the log line ------------------------------------------------------------------
     def log_save(self, rec: SaveRecord, lock: Any) -> None:

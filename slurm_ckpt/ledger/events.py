@@ -110,8 +110,10 @@ _MAX_LABELS = 512
 _RESERVED = frozenset({"ts", "type"})
 _TYPE_RE = re.compile(r"[a-z][a-z0-9_]{0,63}")
 _SUMMARY_FORMAT = "slurm_ckpt.events_summary"
-_O_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+_O_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _FILE_MODE = 0o644
+#: The rotation/summary lock is waited for at most this long (then: no summary update).
+_LOCK_WAIT_S = 5.0
 #: Temp files of the summary older than this are a killed writer's.
 _STALE_TMP_S = 3600.0
 
@@ -238,16 +240,27 @@ class EventLog:
             self._warned = True
             log.warning("event log %s not written: %s", self.path, exc.strerror or exc)
 
+    def _open_log(self) -> int:
+        """The log, opened for appending: never through a symlink, never blocking on a
+        FIFO, only a regular file with one link (OSError otherwise)."""
+        fd = os.open(self.path, _O_APPEND, _FILE_MODE)
+        try:
+            fsio.check_file(fd, str(self.path))
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
     def _append(self, line: bytes) -> None:
         self.path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-        fd = os.open(self.path, _O_APPEND, _FILE_MODE)
+        fd = self._open_log()
         try:
             st = os.fstat(fd)
             if st.st_size and st.st_size + len(line) > self.max_bytes:
                 os.close(fd)
                 fd = -1
                 self._rotate(st.st_ino)
-                fd = os.open(self.path, _O_APPEND, _FILE_MODE)
+                fd = self._open_log()
             n = os.write(fd, line)
             if n != len(line):  # only on ENOSPC/EDQUOT: the line is torn; readers skip it
                 raise OSError(errno.ENOSPC, f"short write ({n} of {len(line)} bytes)")
@@ -257,12 +270,25 @@ class EventLog:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
+        # 0600, and never waited on for long: a lock file other users could open is one
+        # they could hold forever, stalling every writer (root's hooks among them).
         with self._local:
             fd = os.open(
-                self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+                self.lock_path,
+                os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                0o600,
             )
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                fsio.check_file(fd, str(self.lock_path))
+                end = time.monotonic() + _LOCK_WAIT_S
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() >= end:
+                            raise OSError(errno.EAGAIN, f"{self.lock_path} stays locked") from None
+                        time.sleep(0.01)
                 yield
             finally:
                 os.close(fd)
@@ -353,9 +379,13 @@ def _empty_summary() -> Dict[str, Any]:
 
 def read_summary(path: PathLike) -> Dict[str, Any]:
     """The summary of the event log ``path`` (an empty one if missing or unreadable)."""
+    target = summary_path(path)
     try:
-        with open(summary_path(path), "rb") as fh:
-            doc = json.loads(fh.read(4 * 2**20))
+        dfd = fsio.open_dir(str(target.parent))
+        try:
+            doc = json.loads(fsio.read_regular(dfd, target.name, 4 * 2**20)[0])
+        finally:
+            os.close(dfd)
     except (OSError, ValueError, UnicodeDecodeError):
         return _empty_summary()
     if (
@@ -383,7 +413,13 @@ def read_events(path: PathLike, since: Optional[float] = None) -> Iterator[Dict[
     files.append(base)
     for name in files:
         try:
-            with open(name, "rb") as fh:
+            fd = os.open(name, fsio.O_READ | os.O_NONBLOCK)
+            try:
+                fsio.check_file(fd, name)
+            except BaseException:
+                os.close(fd)
+                raise
+            with os.fdopen(fd, "rb") as fh:
                 for raw in fh:
                     try:
                         event = json.loads(raw)
@@ -394,8 +430,8 @@ def read_events(path: PathLike, since: Optional[float] = None) -> Iterator[Dict[
                     if since is not None and float(event.get("ts", 0.0)) < since:
                         continue
                     yield event
-        except FileNotFoundError:
-            continue
+        except OSError:
+            continue  # gone (rotated meanwhile), or not a plain file: skipped
 
 
 # -- the process-wide log -------------------------------------------------------------------

@@ -23,7 +23,10 @@ Metrics (all gauges unless noted; every series has a ``node`` label)
 --------------------------------------------------------------------
 ``slurm_ckpt_save_stall_seconds{user,key}``       last save: training blocked
 ``slurm_ckpt_local_write_seconds{user,key}``      last local-tier write (background)
-``slurm_ckpt_flush_seconds{user,key}``            last flush to the PFS
+``slurm_ckpt_flush_seconds{user,key}``            last flush to the warm tier (the PFS, or
+                                                  the object store on a site without one;
+                                                  "the PFS" below means that tier too)
+``slurm_ckpt_warm_tier_info{tier}``               1 for that tier: ``pfs`` or ``object``
 ``slurm_ckpt_flush_bytes{user,key}``              size of that flush
 ``slurm_ckpt_flushed_bytes_total``                counter: bytes flushed (from events)
 ``slurm_ckpt_flush_queue_bytes``                  bytes committed locally, owed to the PFS
@@ -84,18 +87,27 @@ METRICS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
         "Seconds the last write to the local tier took (in the background).",
         ("user", "key"),
     ),
-    _P + "flush_seconds": ("gauge", "Seconds the last flush to the PFS took.", ("user", "key")),
-    _P + "flush_bytes": ("gauge", "Bytes of the last flush to the PFS.", ("user", "key")),
-    _P + "flushed_bytes": ("counter", "Bytes flushed to the PFS (from the event log).", ()),
-    _P + "flush_queue_bytes": ("gauge", "Bytes committed locally and owed to the PFS.", ()),
-    _P + "flush_queue_checkpoints": ("gauge", "Checkpoints owed to the PFS.", ()),
+    _P + "flush_seconds": (
+        "gauge",
+        "Seconds the last flush to the warm tier (PFS or object store) took.",
+        ("user", "key"),
+    ),
+    _P + "flush_bytes": ("gauge", "Bytes of the last flush to the warm tier.", ("user", "key")),
+    _P + "flushed_bytes": ("counter", "Bytes flushed to the warm tier (from the event log).", ()),
+    _P + "flush_queue_bytes": ("gauge", "Bytes committed locally and owed to the warm tier.", ()),
+    _P + "flush_queue_checkpoints": ("gauge", "Checkpoints owed to the warm tier.", ()),
+    _P + "warm_tier_info": (
+        "gauge",
+        "1 for the tier flushes go to: pfs, or object (an object store, no PFS).",
+        ("tier",),
+    ),
     _P + "flushes_in_flight": ("gauge", "Copies to another tier running now.", ()),
     _P + "steps_at_risk": (
         "gauge",
-        "Newest local step minus the newest step verified on the PFS.",
+        "Newest local step minus the newest step verified on the warm tier.",
         ("user", "key"),
     ),
-    _P + "bytes_at_risk": ("gauge", "Bytes of the series owed to the PFS.", ("user", "key")),
+    _P + "bytes_at_risk": ("gauge", "Bytes of the series owed to the warm tier.", ("user", "key")),
     _P + "failures": ("counter", "Failures by reason (ledger counters).", ("reason",)),
     _P + "events": ("counter", "Events by type (event log).", ("type",)),
     _P + "hook_seconds": ("gauge", "Duration of the last run of a hook.", ("hook",)),
@@ -172,6 +184,8 @@ class NodeMetrics:
     admission: Dict[str, float] = field(default_factory=dict)
     admission_wait_sum: float = 0.0
     admission_requests: Dict[str, int] = field(default_factory=dict)
+    #: The warm tier (``cfg.tiers.warm``): the ledger's "pfs" slot stands for it.
+    warm: str = "pfs"
 
 
 def _series_of(label: str) -> Optional[Series]:
@@ -333,6 +347,9 @@ class _Collector:
                     f.add_metric([node, hook], values[field_name])
             yield f
         yield from _admission_families(m, family)
+        f = family(_P + "warm_tier_info")
+        f.add_metric([node, m.warm], 1)
+        yield f
 
 
 def _admission_families(m: NodeMetrics, family: Any) -> Iterator[Any]:
@@ -388,6 +405,7 @@ def refresh_textfile(
     from prometheus_client import write_to_textfile
 
     m = collect(ledger, events_file or events_path(cfg, ledger.node))
+    m.warm = cfg.tiers.warm  # what the ledger's warm slot ("pfs") stands for
     os.makedirs(target.parent, mode=0o755, exist_ok=True)
     write_to_textfile(str(target), build_registry(m))
     return target

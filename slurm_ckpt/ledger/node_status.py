@@ -1,33 +1,43 @@
 """What a node owes, published where login nodes can read it.
 
-Each node writes a small JSON summary of its ledger (pending flushes, copies in flight,
-failures, per-job progress) to ``<pfs root>/.slurm_ckpt/nodes/<node>.json``; ``ckpt-slurm
-status`` and ``maint`` on login nodes read them instead of reaching into every node.
+Each node's root-run hooks write a small JSON summary of its ledger (pending flushes,
+copies in flight, failures, per-job progress) to
+``<pfs root>/.slurm_ckpt/nodes/<node>.json``; ``ckpt-slurm status``, ``maint`` and
+``guard`` on login nodes read them instead of reaching into every node.
+
+``maint`` reboots a node when its status says nothing is left to flush, so these files
+are trusted only when root wrote them where only root can: ``.slurm_ckpt`` and
+``nodes`` are created by root, mode 0755, and one that is anything else (a directory a
+user made first on a 1777 PFS root, a symlink) is moved aside before root writes
+(:func:`~slurm_ckpt.core.trust.ensure_private_dir`); a reader takes a file only when the
+directories and the file are root's, not writable by anyone else, and the file is a
+regular file with one link. A training job never writes here: it publishes its own
+status in its user's directory (:mod:`slurm_ckpt.ledger.user_status`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
 import os
-import stat
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
-from slurm_ckpt.core import fsio
+from slurm_ckpt.core import fsio, trust
+from slurm_ckpt.core.config import LEDGER_SUBDIR
 from slurm_ckpt.core.names import validate_node
 from slurm_ckpt.errors import TierError
 from slurm_ckpt.ledger.codec import VERSION
 from slurm_ckpt.ledger.ledger import Ledger
-from slurm_ckpt.ledger.record import FAILED_STATES, LIVE_LOCAL, State, is_pending
+from slurm_ckpt.ledger.record import FAILED_STATES, LIVE_LOCAL, State, is_held, is_pending
 
 log = logging.getLogger("slurm_ckpt.ledger")
 
 __all__ = [
     "STATUS_FORMAT",
     "node_status",
+    "open_status_dir",
     "publish_status",
     "read_node_statuses",
     "status_path",
@@ -39,20 +49,33 @@ _STATUS_LIST_CAP = 50
 _STALE_STATUS_TMP_S = 3600.0
 
 
-def node_status(ledger: Ledger, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """The summary of ``ledger`` that :func:`publish_status` writes."""
+def node_status(
+    ledger: Ledger, extra: Optional[Dict[str, Any]] = None, user: Optional[str] = None
+) -> Dict[str, Any]:
+    """The summary of ``ledger`` that :func:`publish_status` writes (``user``: of that
+    user's records only). ``pending`` counts everything owed to the PFS; ``drain`` what
+    of it keeps the node drained (not held: see :func:`~slurm_ckpt.ledger.record.is_held`)."""
     data = ledger.snapshot()
     now = ledger.clock()
     pending_count = pending_bytes = 0
+    drain_count = drain_bytes = held_count = 0
     in_flight: List[Dict[str, Any]] = []
     failed: List[Dict[str, Any]] = []
     jobs: Dict[str, Dict[str, Any]] = {}
-    for raw in Ledger.select(data, None, None, None):
+    job_user: Dict[str, str] = {}
+    for raw in Ledger.select(data, user, None, None):
         tiers = raw.get("tiers") or {}
         job = str(raw.get("job"))
+        # A job id comes from a manifest, which its user writes: one user claiming
+        # another's job id gets an entry of their own ("<job>#<user>"), never a share
+        # of the other's.
+        first = job_user.setdefault(job, raw["user"])
+        if first != raw["user"]:
+            job = f"{job}#{raw['user']}"
         js = jobs.setdefault(
             job,
             {
+                "user": raw["user"],
                 "checkpoints": 0,
                 "pending": 0,
                 "pending_bytes": 0,
@@ -81,6 +104,11 @@ def node_status(ledger: Ledger, extra: Optional[Dict[str, Any]] = None) -> Dict[
             pending_bytes += int(raw.get("nbytes", 0))
             js["pending"] += 1
             js["pending_bytes"] += int(raw.get("nbytes", 0))
+            if is_held(raw):
+                held_count += 1
+            else:
+                drain_count += 1
+                drain_bytes += int(raw.get("nbytes", 0))
         for tier, st in tiers.items():
             if st == State.FLUSHING.value:
                 js["in_flight"] += 1
@@ -105,6 +133,7 @@ def node_status(ledger: Ledger, extra: Optional[Dict[str, Any]] = None) -> Dict[
                         "tier": tier,
                         "state": st,
                         "reason": raw.get("error"),
+                        "hold": raw.get("hold"),
                         "attempts": raw.get("attempts", 0),
                         "at": raw.get("updated_at"),
                     }
@@ -117,6 +146,8 @@ def node_status(ledger: Ledger, extra: Optional[Dict[str, Any]] = None) -> Dict[
         "time": now,
         "records": len(data.records),
         "pending": {"count": pending_count, "bytes": pending_bytes},
+        "drain": {"count": drain_count, "bytes": drain_bytes},
+        "held_count": held_count,
         "in_flight": in_flight[:_STATUS_LIST_CAP],
         "in_flight_count": len(in_flight),
         "failed": failed[:_STATUS_LIST_CAP],
@@ -131,19 +162,14 @@ def publish_status(ledger: Ledger, pfs_root: Path, extra: Optional[Dict[str, Any
     """Write ``ledger``'s node status to ``<pfs_root>/.slurm_ckpt/nodes/<node>.json``.
 
     Atomic and symlink-safe: the directories below ``pfs_root`` are opened with
-    ``O_NOFOLLOW`` and the file is replaced with :func:`~slurm_ckpt.core.fsio.atomic_replace`.
+    ``O_NOFOLLOW`` and must be this process's own (see the module docstring: anything
+    else is moved aside), and the file is replaced with
+    :func:`~slurm_ckpt.core.fsio.atomic_replace`.
     """
     blob = json.dumps(node_status(ledger, extra), separators=(",", ":"), default=str).encode()
     root = Path(pfs_root)
     final = status_path(root, ledger.node)
-    try:
-        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError as exc:
-        raise TierError(f"PFS root {root} is not usable: {exc.strerror or exc}") from exc
-    try:
-        dir_fd = _open_subdir(root_fd, (".slurm_ckpt", "nodes"), root)
-    finally:
-        os.close(root_fd)
+    dir_fd = open_status_dir(root)
     try:
         fsio.remove_stale_temps(dir_fd, final.name, _STALE_STATUS_TMP_S, ledger.clock())
         fsio.atomic_replace(dir_fd, final.name, blob, 0o644)
@@ -154,25 +180,23 @@ def publish_status(ledger: Ledger, pfs_root: Path, extra: Optional[Dict[str, Any
     return final
 
 
-def _open_subdir(parent_fd: int, parts: Tuple[str, ...], root: Path) -> int:
-    """Open (creating, mode 0o755) ``parts`` below ``parent_fd`` without following links."""
-    fd = os.dup(parent_fd)
+def open_status_dir(pfs_root: Path) -> int:
+    """``<pfs_root>/.slurm_ckpt/nodes``, made and checked as this process's own (see
+    the module docstring); the fd (the caller closes it), or TierError."""
+    root = Path(pfs_root)
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise TierError(f"PFS root {root} is not usable: {exc.strerror or exc}") from exc
+    fd = root_fd
     where = root
     try:
-        for part in parts:
+        for part in (LEDGER_SUBDIR, "nodes"):
             where = where / part
             try:
-                os.mkdir(part, 0o755, dir_fd=fd)
-                with contextlib.suppress(OSError):
-                    os.chmod(part, 0o755, dir_fd=fd, follow_symlinks=False)
-            except FileExistsError:
-                pass
-            try:
-                child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                child = trust.ensure_private_dir(fd, part, str(where))
             except OSError as exc:
-                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise TierError(f"{where} is not a directory (symlink?); refusing") from exc
-                raise TierError(f"cannot open {where}: {exc.strerror or exc}") from exc
+                raise TierError(f"cannot use {where}: {exc.strerror or exc}") from exc
             os.close(fd)
             fd = child
         return fd
@@ -186,53 +210,81 @@ def status_path(pfs_root: Path, node: str) -> Path:
     return Path(pfs_root) / ".slurm_ckpt" / "nodes" / f"{validate_node(node)}.json"
 
 
-def read_node_statuses(pfs_root: Path) -> List[Dict[str, Any]]:
-    """Every node status under ``<pfs_root>/.slurm_ckpt/nodes``, sorted by node name.
-
-    Unreadable, oversized, non-regular (symlinks included) or corrupt files are skipped
-    with a warning; a missing directory gives an empty list.
-    """
-    directory = Path(pfs_root) / ".slurm_ckpt" / "nodes"
+def read_node_statuses(
+    pfs_root: Path, problems: Optional[List[str]] = None
+) -> List[Dict[str, Any]]:
+    """Every *trusted* node status under ``<pfs_root>/.slurm_ckpt/nodes``, sorted by node
+    name: root's files in root's directories (see the module docstring). Anything else -
+    a directory a user made, a symlink, a file a user wrote or linked in, an oversized or
+    corrupt one - is skipped with a warning (and a line in ``problems``); a missing
+    directory gives an empty list."""
+    notes: List[str] = [] if problems is None else problems
+    base = Path(pfs_root)
     try:
-        names = sorted(os.listdir(directory))
-    except FileNotFoundError:
-        return []
+        fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        log.warning("cannot list node statuses in %s: %s", directory, exc.strerror or exc)
+        if exc.errno != errno.ENOENT:
+            log.warning("cannot read node statuses in %s: %s", base, exc.strerror or exc)
         return []
-    out: List[Dict[str, Any]] = []
-    for name in names:
-        if not name.endswith(".json") or name.startswith("."):
-            continue
-        path = directory / name
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as exc:
-            log.warning("skipping node status %s: %s", path, exc.strerror or exc)
-            continue
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                log.warning("skipping node status %s: not a regular file", path)
-                continue
-            if st.st_size > _MAX_STATUS_BYTES:
-                log.warning("skipping node status %s: too large (%d bytes)", path, st.st_size)
-                continue
-            with os.fdopen(os.dup(fd), "rb") as fh:
-                blob = fh.read(_MAX_STATUS_BYTES + 1)
-        except OSError as exc:
-            log.warning("skipping node status %s: %s", path, exc.strerror or exc)
-            continue
-        finally:
+    where = base
+    try:
+        for part in (LEDGER_SUBDIR, "nodes"):
+            where = where / part
+            try:
+                child = os.open(part, fsio.O_DIR, dir_fd=fd)
+            except FileNotFoundError:
+                return []
+            except OSError as exc:
+                _skip(notes, f"{where}: {fsio.tier_error(exc, 'open')}; node statuses ignored")
+                return []
             os.close(fd)
+            fd = child
+            why = trust.unsafe_dir(os.fstat(fd), trust.ROOT_UID)
+            if why is not None:
+                _skip(notes, f"{where} is {why}, not root's: node statuses there ignored")
+                return []
         try:
-            doc = json.loads(blob)
-        except (ValueError, UnicodeDecodeError):
-            log.warning("skipping node status %s: not valid JSON", path)
-            continue
-        if not isinstance(doc, dict) or not isinstance(doc.get("node"), str):
-            log.warning("skipping node status %s: not a node status", path)
-            continue
-        out.append(doc)
-    out.sort(key=lambda d: d["node"])
-    return out
+            names = sorted(os.listdir(fd))
+        except OSError as exc:
+            _skip(notes, f"cannot list node statuses in {where}: {exc.strerror or exc}")
+            return []
+        out: List[Dict[str, Any]] = []
+        for name in names:
+            if not name.endswith(".json") or name.startswith("."):
+                continue
+            doc = _read_trusted(fd, name, where / name, notes)
+            if doc is not None:
+                out.append(doc)
+        out.sort(key=lambda d: d["node"])
+        return out
+    finally:
+        os.close(fd)
+
+
+def _skip(notes: List[str], text: str) -> None:
+    log.warning("%s", text)
+    notes.append(text)
+
+
+def _read_trusted(dfd: int, name: str, path: Path, notes: List[str]) -> Optional[Dict[str, Any]]:
+    """One node status file, if root wrote it (else None, noted)."""
+    try:
+        blob, st = fsio.read_regular(dfd, name, _MAX_STATUS_BYTES)
+    except OSError as exc:
+        _skip(notes, f"skipping node status {path}: {exc.strerror or exc}")
+        return None
+    if st.st_uid != trust.ROOT_UID or st.st_mode & 0o022:
+        _skip(notes, f"skipping node status {path}: not written by root (uid {st.st_uid})")
+        return None
+    try:
+        doc = json.loads(blob)
+    except (ValueError, UnicodeDecodeError):
+        _skip(notes, f"skipping node status {path}: not valid JSON")
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("node"), str):
+        _skip(notes, f"skipping node status {path}: not a node status")
+        return None
+    if doc["node"] != name[: -len(".json")]:
+        _skip(notes, f"skipping node status {path}: it is about node {doc['node']!r}")
+        return None
+    return doc

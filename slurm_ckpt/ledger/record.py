@@ -25,6 +25,7 @@ __all__ = [
     "State",
     "check_ident",
     "check_tier",
+    "is_held",
     "is_pending",
     "merge_durations",
     "one_line",
@@ -162,6 +163,13 @@ def is_pending(tiers: Dict[str, Any], selected: Any, forced: Any) -> bool:
         and tiers.get("local") in LIVE_LOCAL
         and tiers.get("pfs") not in NOT_PENDING_PFS
     )
+
+
+def is_held(fields: Any) -> bool:
+    """Owed to the PFS but no reason to keep a node drained: held because of its owner's
+    doing (``hold``), or given up after the retry limit (``gave_up``); see
+    :mod:`slurm_ckpt.node.retry`. ``fields``: a raw record or a record's ``extra``."""
+    return bool(fields.get("hold") or fields.get("gave_up"))
 
 
 def check_ident(user: str, key: str, step: int) -> None:

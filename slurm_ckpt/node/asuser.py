@@ -12,7 +12,12 @@ effective and saved ids; checked afterwards, and regaining root must fail), pare
 signal, ``umask``, ``chdir("/")``, inherited file descriptors closed; then the callable
 runs and its result (JSON, never pickle: root must not unpickle bytes from a process the
 user may have influenced) or a one-line error goes back through a pipe. No shell, no exec.
-The parent enforces a timeout by killing the child's process group.
+The parent enforces a timeout by killing the child's process group (SIGKILL works on a
+stopped process too). Two limits apply: ``timeout`` (in all) and ``stall_timeout`` (no
+sign of life: the callable calls :func:`alive` as it makes progress, and the parent
+counts each as one). A child its user stopped (``SIGSTOP``: any process of the user can
+do that to it) is told apart from a slow one - :class:`ChildStopped`, the user's doing -
+so that one user cannot stall root's work for everyone else.
 
 The parent must be single-threaded when it calls :func:`run_as` (hooks and the stager
 are): ``fork()`` copies only the calling thread, and a lock held by another thread would
@@ -24,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import gc
 import json
 import os
 import pwd
@@ -35,7 +41,16 @@ from typing import Any, Callable, Dict, Optional, Sequence, Type
 
 from slurm_ckpt.errors import CkptError, TimedOut
 
-__all__ = ["AsUserError", "AsUserTimeout", "run_as", "run_as_user"]
+__all__ = [
+    "AsUserError",
+    "AsUserTimeout",
+    "ChildStopped",
+    "alive",
+    "describe",
+    "error_from",
+    "run_as",
+    "run_as_user",
+]
 
 _PR_SET_PDEATHSIG = 1
 _MAX_RESULT = 64 * 2**20
@@ -49,6 +64,52 @@ class AsUserError(CkptError):
 
 class AsUserTimeout(AsUserError, TimedOut):
     """The callable did not finish within its timeout; the child was killed."""
+
+
+class ChildStopped(AsUserTimeout):
+    """The child ran out of time because it was stopped (SIGSTOP, ptrace) - by its user,
+    the only one besides root who may signal it. The user's doing, not the node's."""
+
+    user_caused = True
+
+
+#: In the child: the write end of the heartbeat pipe (None: nobody listens).
+_beat_fd: Optional[int] = None
+_beat_last = 0.0
+_BEAT_EVERY_S = 0.2
+
+
+def alive() -> None:
+    """Tell the parent this child is making progress (cheap; call it as often as you
+    like, from any thread: at most one byte per 0.2 s goes out). A no-op outside a
+    :func:`run_as` child with a ``stall_timeout``."""
+    global _beat_last
+    fd = _beat_fd
+    if fd is None:
+        return
+    now = time.monotonic()
+    if now - _beat_last < _BEAT_EVERY_S:
+        return
+    _beat_last = now
+    with contextlib.suppress(OSError):
+        os.write(fd, b".")
+
+
+def _stopped(pid: int) -> bool:
+    """Is any thread of ``pid`` stopped (state T) or traced (t)?"""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        tasks = [str(pid)]
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as fh:
+                state = fh.read().rsplit(b") ", 1)[1][:1]
+        except (OSError, IndexError):
+            continue
+        if state in (b"T", b"t"):
+            return True
+    return False
 
 
 def _error_classes() -> Dict[str, Type[CkptError]]:
@@ -92,6 +153,7 @@ def _drop(user: Optional[str], uid: int, gid: int, groups: Optional[Sequence[int
 
 def _child(
     wfd: int,
+    beat: Optional[int],
     parent: int,
     user: Optional[str],
     uid: int,
@@ -110,8 +172,13 @@ def _child(
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_DFL)
         if close_fds:
-            os.closerange(3, wfd)
-            os.closerange(wfd + 1, 65536)
+            low = 3
+            for keep in sorted(fd for fd in (wfd, beat) if fd is not None):
+                os.closerange(low, keep)
+                low = keep + 1
+            os.closerange(low, 65536)
+        global _beat_fd
+        _beat_fd = beat
         _drop(user, uid, gid, groups)
         # Cleared by the credential change above, so set it now; then make sure the
         # parent did not die before it took effect.
@@ -129,13 +196,7 @@ def _child(
         blob = json.dumps({"ok": result}, default=str).encode()
     except BaseException as exc:  # noqa: BLE001 - everything goes to the parent
         code = 1
-        err = {
-            "type": type(exc).__name__,
-            "message": " ".join(str(exc).split()) or type(exc).__name__,
-            "errno": getattr(exc, "errno", None),
-            "ckpt": isinstance(exc, CkptError),
-        }
-        blob = json.dumps({"err": err}).encode()
+        blob = json.dumps({"err": describe(exc)}).encode()
     try:
         view = memoryview(blob)
         while view:
@@ -157,10 +218,14 @@ def run_as(
     umask: int = 0o077,
     close_fds: bool = True,
     what: Optional[str] = None,
+    stall_timeout: Optional[float] = None,
     **kwargs: Any,
 ) -> Any:
     """Call ``fn(*args, **kwargs)`` in a child running as ``uid``/``gid``; return its
     JSON-serialisable result.
+
+    ``stall_timeout``: the child is also killed once it has shown no sign of life
+    (:func:`alive`) for this long; :class:`ChildStopped` when it was stopped then.
 
     Supplementary groups: ``groups`` if given, else the user's (``initgroups``) when
     ``user`` is given, else only ``gid``. A :class:`~slurm_ckpt.errors.CkptError` raised in
@@ -176,31 +241,61 @@ def run_as(
     label = what or getattr(fn, "__name__", "task")
     who = user or f"uid {uid}"
     rfd, wfd = os.pipe()
+    brfd = bwfd = None
+    if stall_timeout is not None:
+        brfd, bwfd = os.pipe()
+        os.set_blocking(bwfd, False)  # a child must never block on its heartbeat
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError, AttributeError):
             stream.flush()
     parent = os.getpid()
+    # The child must not walk (and so copy, page by page) the parent's whole heap: with
+    # a large ledger in memory a collection in the child costs more than its work.
+    gc.freeze()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the child (covered via the parent's result)
+        gc.disable()
         os.close(rfd)
-        _child(wfd, parent, user, uid, gid, groups, umask, close_fds, fn, args, kwargs)
+        if brfd is not None:
+            os.close(brfd)
+        _child(wfd, bwfd, parent, user, uid, gid, groups, umask, close_fds, fn, args, kwargs)
+    gc.unfreeze()
     os.close(wfd)
-    deadline = None if timeout is None else time.monotonic() + max(0.0, float(timeout))
+    if bwfd is not None:
+        os.close(bwfd)
+    start = time.monotonic()
+    deadline = None if timeout is None else start + max(0.0, float(timeout))
+    stall = None if stall_timeout is None else max(0.0, float(stall_timeout))
+    last_sign = start
     chunks = []
     size = 0
     timed_out = False
+    stopped = False
+    watch = [rfd] + ([brfd] if brfd is not None else [])
     try:
         while True:
-            wait = None if deadline is None else deadline - time.monotonic()
+            now = time.monotonic()
+            ends = [
+                t for t in (deadline, None if stall is None else last_sign + stall) if t is not None
+            ]
+            wait = None if not ends else min(ends) - now
             if wait is not None and wait <= 0:
                 timed_out = True
+                stopped = _stopped(pid)
                 break
             try:
-                ready, _, _ = select.select([rfd], [], [], wait)
+                ready, _, _ = select.select(watch, [], [], wait)
             except InterruptedError:  # pragma: no cover - PEP 475 retries already
                 continue
             if not ready:
                 continue
+            if brfd is not None and brfd in ready:
+                last_sign = time.monotonic()
+                if not os.read(brfd, 4096):
+                    watch.remove(brfd)  # the child closed it (exiting): results follow
+                if rfd not in ready:
+                    continue
+            last_sign = time.monotonic()
             data = os.read(rfd, 1 << 20)
             if not data:
                 break
@@ -213,11 +308,21 @@ def run_as(
             chunks.append(data)
     finally:
         os.close(rfd)
+        if brfd is not None:
+            os.close(brfd)
         if timed_out:
             _kill(pid)
         status = _reap(pid)
     if timed_out:
-        raise AsUserTimeout(f"{label} as {who}: timed out after {timeout:g}s")
+        took = time.monotonic() - start
+        if stopped:
+            raise ChildStopped(
+                f"{label} as {who}: the child was stopped (SIGSTOP) by its user; "
+                f"killed after {took:.3g}s"
+            )
+        if deadline is not None and time.monotonic() >= deadline:
+            raise AsUserTimeout(f"{label} as {who}: timed out after {timeout:g}s")
+        raise AsUserTimeout(f"{label} as {who}: no progress for {stall:g}s; killed")
     blob = b"".join(chunks)
     if not blob:
         if os.WIFSIGNALED(status):
@@ -233,15 +338,31 @@ def run_as(
     err = msg.get("err") if isinstance(msg, dict) else None
     if not isinstance(err, dict):
         raise AsUserError(f"{label} as {who}: garbled result from the child")
+    raise error_from(err, f"{label} as {who}")
+
+
+def describe(exc: BaseException) -> Dict[str, Any]:
+    """An exception as the JSON a child sends back (see :func:`error_from`)."""
+    return {
+        "type": type(exc).__name__,
+        "message": " ".join(str(exc).split()) or type(exc).__name__,
+        "errno": getattr(exc, "errno", None),
+        "ckpt": isinstance(exc, CkptError),
+    }
+
+
+def error_from(err: Dict[str, Any], where: str) -> CkptError:
+    """The exception a child described (:func:`describe`): a :class:`CkptError` raised
+    there comes back with the same class and message; anything else as
+    :class:`AsUserError` (``"<where>: <Type>: <message>"``, errno kept)."""
     name = str(err.get("type", "Error"))
     text = str(err.get("message", ""))
     if err.get("ckpt"):
-        cls = _error_classes().get(name, AsUserError)
-        raise cls(text)
-    exc = AsUserError(f"{label} as {who}: {name}: {text}")
+        return _error_classes().get(name, AsUserError)(text)
+    exc = AsUserError(f"{where}: {name}: {text}")
     if isinstance(err.get("errno"), int):
         exc.errno = err["errno"]  # type: ignore[attr-defined]
-    raise exc
+    return exc
 
 
 def _kill(pid: int) -> None:

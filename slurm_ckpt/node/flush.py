@@ -19,16 +19,24 @@ What the engine decides, once for everyone:
   ========================================  ==========================================
   the copy raised                           the ledger says
   ========================================  ==========================================
-  :class:`~slurm_ckpt.errors.TimedOut`      handed off (retried later, elsewhere)
+  :class:`~slurm_ckpt.errors.TimedOut`      handed off (retried later, elsewhere); when
+  *before* the deadline (a stopped or       it was not the deadline: also a failure with
+  hung child)                               backoff, and the owner's other checkpoints
+                                            wait too (the round goes on with others)
   :class:`~slurm_ckpt.errors.NotFound`      local copy ``DELETED`` (gone: nothing owed)
   source corrupt / unsafe to touch          local copy ``BAD``: never flushable as it is,
-                                            so it must not keep a node drained
-  any other :class:`CkptError`              destination ``FAILED`` (retried)
+                                            so it must not keep a node drained (held,
+                                            looked at again after its backoff)
+  any other :class:`CkptError`              destination ``FAILED``, retried after a
+                                            backoff (:mod:`slurm_ckpt.node.retry`)
   success                                   destination ``VERIFIED`` with ``flush_s``
   ========================================  ==========================================
 
-* **Batches**: hand-offs of a whole backlog are written in one ledger transaction, and
-  every loop checks its deadline before each item.
+  A failure that was the owner's doing (:func:`~slurm_ckpt.node.retry.user_caused`) is
+  *held*: it never keeps a node drained.
+* **Batches**: in :meth:`Flusher.flush_all` the ledger changes are buffered and written
+  in one transaction at most once a second (:mod:`slurm_ckpt.node.marks`), hand-offs of
+  a whole backlog in one, and every loop checks its deadline before each item.
 """
 
 from __future__ import annotations
@@ -40,7 +48,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.errors import CkptError, NotFound, TierError, TimedOut
-from slurm_ckpt.ledger import Ident, Ledger, State
+from slurm_ckpt.ledger import Ident, Ledger, Record, State
+from slurm_ckpt.node.marks import MarkBuffer, set_state
+from slurm_ckpt.node.retry import RetryPolicy, clear_failures, user_caused
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.copy import SourceCorrupt, copy_checkpoint
 
@@ -71,7 +81,13 @@ CopyFn = Callable[[Ident, Optional[float]], Dict[str, Any]]
 class Unflushable(TierError):
     """The checkpoint can never be flushed as it is (it holds something root-run code must
     not touch, or belongs to no one it claims to). Marked ``BAD`` on its tier; it must
-    not keep a node drained."""
+    not keep a node drained. ``hold_code`` names the reason in the ledger."""
+
+    user_caused = True
+    hold_code = "unsafe"
+    #: The checkpoint itself is at fault (marked ``BAD`` where it is); False: where it
+    #: goes is (its destination ``FAILED``, held, retried after the backoff).
+    bad_source = True
 
 
 @dataclass
@@ -86,6 +102,10 @@ class FlushResult:
     copied: int = 0
     seconds: float = 0.0
     error: Optional[str] = None
+    #: The hold code when the failure was the owner's doing (it keeps no node drained).
+    hold: Optional[str] = None
+    #: The copy ran out of time before the deadline (a stopped or hung child).
+    stuck: bool = False
 
     @property
     def ok(self) -> bool:
@@ -121,6 +141,11 @@ class FlushOutcome:
     @property
     def dropped(self) -> List[Ident]:
         return [r.ident for r in self._with("gone")]
+
+    @property
+    def held(self) -> List[FlushResult]:
+        """Results whose failure was the checkpoint owner's doing."""
+        return [r for r in self.results if r.hold]
 
 
 def copy_in_process(src: Tier, dst: Tier, progress: Optional[ProgressFn] = None) -> CopyFn:
@@ -163,6 +188,8 @@ class Flusher:
         hand_off_note: str = HANDED_TO_STAGER,
         clock: Callable[[], float] = time.monotonic,
         slots: Optional[Any] = None,
+        retry: Optional[RetryPolicy] = None,
+        batch_s: float = 1.0,
     ) -> None:
         self.copy = copy
         self.slots = slots
@@ -170,33 +197,45 @@ class Flusher:
         self.src, self.dst = src, dst
         self.hand_off_note = hand_off_note
         self.clock = clock
+        self.retry = retry or RetryPolicy()
+        self._buf = MarkBuffer(ledger, batch_s, clock)
+        self._batching = False
 
     # -- ledger --------------------------------------------------------------------
     def _mark(
-        self, idents: List[Ident], tier: str, state: State, reason: Optional[str] = None, **kw: Any
+        self,
+        idents: List[Ident],
+        tier: str,
+        state: State,
+        reason: Optional[str] = None,
+        *,
+        code: Optional[str] = None,
+        then: Optional[Callable[[Record, float], None]] = None,
+        **kw: Any,
     ) -> None:
-        """Record a state; the ledger is a cache of the tiers, so a ledger that cannot be
-        written (full disk, lock held) is logged, never fatal for the flush itself."""
+        """Record a state (buffered inside :meth:`flush_all`, written at once otherwise);
+        the ledger is a cache of the tiers, so a ledger that cannot be written (full
+        disk, lock held) is logged, never fatal for the flush itself."""
         if self.ledger is None or not idents:
             return
-        try:
-            self.ledger.mark_many(idents, tier, state, reason, create=True, **kw)
-        except (CkptError, OSError) as exc:
-            log.warning(
-                "ledger not updated (%s %s for %d checkpoints): %s",
-                tier,
-                state.value,
-                len(idents),
-                exc,
-            )
+        for ident in idents:
+            self._buf.add(ident, set_state(ident, tier, state, reason, then, **kw), code)
+        if not self._batching:
+            self._buf.write()
 
-    def hand_off(self, idents: Iterable[Ident], note: Optional[str] = None) -> None:
+    def hand_off(
+        self,
+        idents: Iterable[Ident],
+        note: Optional[str] = None,
+        then: Optional[Callable[[Record, float], None]] = None,
+    ) -> None:
         """Leave these for later (``FLUSH_PENDING`` + note), in one ledger transaction."""
         self._mark(
             list(idents),
             self.dst,
             State.FLUSH_PENDING,
             note or self.hand_off_note,
+            then=then,
             forced=True,
             selected_for_flush=True,
         )
@@ -230,29 +269,63 @@ class Flusher:
                 left -= self.clock() - t_ask
             return self._copy_one(ident, left, nbytes)
 
+    def _failed(self, hold: Optional[str]) -> Callable[[Record, float], None]:
+        def then(rec: Record, now: float) -> None:
+            self.retry.note_failure(rec, now, hold)
+
+        return then
+
     def _copy_one(self, ident: Ident, left: Optional[float], nbytes: int) -> FlushResult:
         self._mark([ident], self.dst, State.FLUSHING)
+        self._buf.write_if_due()  # a long copy shows as in flight (batched rounds)
         t0 = self.clock()
         try:
             res = self.copy(ident, left)
         except TimedOut as exc:
-            self.hand_off([ident])
-            return FlushResult(ident, "handed", nbytes=nbytes, error=str(exc))
+            took = self.clock() - t0
+            hold = "stopped" if user_caused(exc) else None
+            if hold is None and left is not None and took >= left - MIN_SLICE_S:
+                self.hand_off([ident])  # the deadline's: the stager has more time
+                return FlushResult(ident, "handed", nbytes=nbytes, error=str(exc))
+            # Stopped by its owner, or hung: try later, and let the round go on.
+            self.hand_off([ident], str(exc), then=self._failed(hold))
+            return FlushResult(
+                ident, "handed", nbytes=nbytes, error=str(exc), hold=hold, stuck=True
+            )
         except NotFound as exc:
             self._mark([ident], self.src, State.DELETED, str(exc))
             return FlushResult(ident, "gone", nbytes=nbytes, error=str(exc))
         except (SourceCorrupt, Unflushable) as exc:
-            code = "source_bad" if isinstance(exc, SourceCorrupt) else "unsafe"
-            self._mark([ident], self.src, State.BAD, str(exc), code=code)
-            self._clear_in_flight(ident)
-            return FlushResult(ident, "bad", nbytes=nbytes, error=str(exc))
+            code = "source_bad" if isinstance(exc, SourceCorrupt) else exc.hold_code
+            if not getattr(exc, "bad_source", True):
+                return self._fail(ident, nbytes, exc, code, t0)
+            failed = self._failed(code)
+
+            def bad(rec: Record, now: float) -> None:
+                # Never copied: its destination state must not stay FLUSHING (status
+                # would show it in flight forever).
+                if rec.tiers.get(self.dst) == State.FLUSHING:
+                    del rec.tiers[self.dst]
+                failed(rec, now)
+
+            self._mark([ident], self.src, State.BAD, str(exc), code=code, then=bad)
+            return FlushResult(ident, "bad", nbytes=nbytes, error=str(exc), hold=code)
         except CkptError as exc:
-            self._mark([ident], self.dst, State.FAILED, str(exc), code="flush_failed")
-            return FlushResult(
-                ident, "failed", nbytes=nbytes, error=str(exc), seconds=self.clock() - t0
-            )
+            hold = getattr(exc, "hold_code", "owner") if user_caused(exc) else None
+            return self._fail(ident, nbytes, exc, hold, t0)
         seconds = float(res.get("seconds", self.clock() - t0))
-        self._mark([ident], self.dst, State.VERIFIED, error=None, durations={"flush_s": seconds})
+
+        def ok(rec: Record, _now: float) -> None:
+            clear_failures(rec)
+
+        self._mark(
+            [ident],
+            self.dst,
+            State.VERIFIED,
+            error=None,
+            durations={"flush_s": seconds},
+            then=ok,
+        )
         return FlushResult(
             ident,
             "already" if res.get("already") else "flushed",
@@ -261,22 +334,38 @@ class Flusher:
             seconds=seconds,
         )
 
-    def _clear_in_flight(self, ident: Ident) -> None:
-        """A source found BAD will never be copied: its destination state must not stay
-        ``FLUSHING`` (status would show it in flight forever)."""
-        if self.ledger is None:
-            return
+    def _fail(
+        self, ident: Ident, nbytes: int, exc: CkptError, hold: Optional[str], t0: float
+    ) -> FlushResult:
+        """Destination ``FAILED``: retried after the backoff; ``hold`` when it was the
+        owner's doing (then it never keeps the node drained)."""
+        self._mark(
+            [ident],
+            self.dst,
+            State.FAILED,
+            str(exc),
+            code=hold or "flush_failed",
+            then=self._failed(hold),
+        )
+        return FlushResult(
+            ident,
+            "failed",
+            nbytes=nbytes,
+            error=str(exc),
+            seconds=self.clock() - t0,
+            hold=hold,
+        )
 
-        def fn(rec: Any) -> Any:
-            if rec is None or rec.tiers.get(self.dst) != State.FLUSHING:
-                return None
-            del rec.tiers[self.dst]
-            return rec
+    def _defer(self, ident: Ident, nbytes: int, first: FlushResult) -> FlushResult:
+        """Put off a checkpoint whose owner's previous flush in this round got stuck:
+        the round goes on with other users."""
+        why = f"deferred: an earlier flush of {ident[0]} in this round did not finish"
 
-        try:
-            self.ledger.update(*ident, fn)
-        except (CkptError, OSError) as exc:
-            log.warning("ledger not updated for %s: %s", ident, exc)
+        def then(rec: Record, now: float) -> None:
+            self.retry.defer(rec, now, first.hold)
+
+        self.hand_off([ident], why, then=then)
+        return FlushResult(ident, "handed", nbytes=nbytes, error=why, hold=first.hold)
 
     # -- many ----------------------------------------------------------------------
     def flush_all(
@@ -291,16 +380,29 @@ class Flusher:
         out = FlushOutcome()
         t0 = self.clock()
         todo = list(items)
-        for i, (ident, nbytes) in enumerate(todo):
-            left = None if deadline is None else deadline - self.clock()
-            if left is not None and left < MIN_SLICE_S:
-                rest = [it for it, _n in todo[i:]]
-                self.hand_off(rest)
-                out.results.extend(FlushResult(it, "handed", nbytes=n) for it, n in todo[i:])
-                break
-            res = self.flush_one(ident, deadline=deadline, nbytes=nbytes)
-            out.results.append(res)
-            if on_result is not None:
-                on_result(res)
+        stuck: Dict[str, FlushResult] = {}  # owner -> their flush that got stuck
+        self._batching = True
+        try:
+            for i, (ident, nbytes) in enumerate(todo):
+                left = None if deadline is None else deadline - self.clock()
+                if left is not None and left < MIN_SLICE_S:
+                    rest = [it for it, _n in todo[i:]]
+                    self.hand_off(rest)
+                    out.results.extend(FlushResult(it, "handed", nbytes=n) for it, n in todo[i:])
+                    break
+                first = stuck.get(ident[0])
+                if first is not None:
+                    res = self._defer(ident, nbytes, first)
+                else:
+                    res = self.flush_one(ident, deadline=deadline, nbytes=nbytes)
+                    if res.stuck:
+                        stuck[ident[0]] = res
+                out.results.append(res)
+                if on_result is not None:
+                    on_result(res)
+                self._buf.write_if_due()
+        finally:
+            self._batching = False
+            self._buf.write()
         out.seconds = self.clock() - t0
         return out

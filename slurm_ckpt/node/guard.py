@@ -10,25 +10,31 @@ drained), see :class:`UnsafeCheckpoint`.
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import logging
 import os
+import resource
 import stat
-import time
 from pathlib import Path
 
-from slurm_ckpt.core import fsio
+from slurm_ckpt.core import fsio, trust
 from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.manifest import MANIFEST_NAME, Manifest
 from slurm_ckpt.core.units import format_bytes
-from slurm_ckpt.errors import CkptError, TierError
+from slurm_ckpt.errors import CkptError, NotFound, VerifyError
 from slurm_ckpt.node.flush import Unflushable
+from slurm_ckpt.tiers.copy import SourceCorrupt
 from slurm_ckpt.tiers.posix import PosixTier
 
 log = logging.getLogger("slurm_ckpt.node")
 
 __all__ = [
+    "MAX_DEPTH",
+    "MAX_ENTRIES",
     "NodeCheckFailed",
+    "SquattedUserDir",
     "UnsafeCheckpoint",
+    "UnsafeUserDir",
     "check_local_tier",
     "check_step_files",
     "check_user_dir",
@@ -45,20 +51,61 @@ class NodeCheckFailed(CkptError):
 
 class UnsafeCheckpoint(Unflushable):
     """A checkpoint holds something root-run code must not touch (a symlink, a special
-    file, a hard link, a file of another owner). It is the owner's own doing, so it is
-    marked ``BAD`` on its tier and left alone - it must not keep a node drained."""
+    file, a hard link, a file of another owner, more files than it may have, a manifest
+    that lies about its files). It is the owner's own doing, so it is marked ``BAD`` on
+    its tier and left alone - it must not keep a node drained."""
+
+
+class UnsafeUserDir(Unflushable):
+    """``<tier root>/<user>`` cannot be used: a symlink, not a directory, writable by
+    others (the owner's doing), or owned by someone else (``squatted``: reported to the
+    admin). Nothing of that user is flushed there until it is fixed."""
+
+    hold_code = "unsafe_dir"
+    bad_source = False
+
+
+class SquattedUserDir(UnsafeUserDir):
+    """Another user owns ``<tier root>/<user>`` (they created it first)."""
+
+    hold_code = "squatted"
+
+
+#: A checkpoint with more files and directories than this is refused as unsafe (root's
+#: children walk and open them; a million empty files is an attack, not a model).
+MAX_ENTRIES = 200_000
+#: ... and so is one nested deeper than this.
+MAX_DEPTH = 32
+
+
+def max_dirs() -> int:
+    """Directories a checkpoint may have: a copy keeps one descriptor open per directory
+    it writes, so no more than a quarter of the open-file limit (at least 64)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_ENTRIES
+    return max(64, soft // 4)
 
 
 def check_step_files(tier: PosixTier, user: str, key: str, step: int, uid: int) -> None:
     """Refuse a checkpoint that root-run code must not touch: anything but regular files,
-    a file with more than one hard link (it may be someone else's file linked in), or a
-    file not owned by ``uid``. Directories are walked with O_NOFOLLOW."""
+    a file with more than one hard link (it may be someone else's file linked in), a
+    file not owned by ``uid``, more than :data:`MAX_ENTRIES` entries or
+    :data:`MAX_DEPTH` levels, or a manifest whose files are not the files there (a
+    manifest that claims petabytes would have the copy reserve them). Directories are
+    walked with O_NOFOLLOW."""
     where = tier.where(user, key, step)
     with tier.step_fd(user, key, step) as sfd:
         try:
-            files, problems = fsio.walk_files(sfd)
+            files, problems = fsio.walk_files(sfd, max_entries=MAX_ENTRIES, max_depth=MAX_DEPTH)
+            data = fsio.read_small(sfd, MANIFEST_NAME)
+        except FileNotFoundError:
+            raise NotFound(f"{where}: not committed") from None
         except OSError as exc:
-            raise fsio.tier_error(exc, where) from None
+            err = fsio.tier_error(exc, where)
+            if isinstance(err, fsio.RefusedPath) or exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise UnsafeCheckpoint(f"{err}; refusing to touch it") from None
+            raise err from None
     if problems:
         raise UnsafeCheckpoint(f"{where}: {problems[0]}; refusing to touch it")
     for rel, st in files:
@@ -71,6 +118,26 @@ def check_step_files(tier: PosixTier, user: str, key: str, step: int, uid: int) 
                 f"{where}/{rel}: owned by uid {st.st_uid}, not by {user} ({uid}); "
                 "refusing to touch it"
             )
+    dirs = {rel[:i] for rel, _st in files for i, c in enumerate(rel) if c == "/"}
+    limit = max_dirs()
+    if len(dirs) > limit:
+        raise UnsafeCheckpoint(
+            f"{where}: {len(dirs)} directories, more than {limit} (a quarter of this "
+            "process's open-file limit); refusing to copy it"
+        )
+    try:
+        manifest = Manifest.from_bytes(data, where)
+    except VerifyError as exc:
+        raise SourceCorrupt(str(exc)) from None
+    sizes = {rel: st.st_size for rel, st in files}
+    for entry in manifest.files:
+        have = sizes.get(entry.path)
+        if have != entry.size:
+            what = "missing" if have is None else f"{have} bytes"
+            raise UnsafeCheckpoint(
+                f"{where}: the manifest says {entry.path} has {entry.size} bytes, it is "
+                f"{what}; refusing to copy it"
+            )
 
 
 def check_user_dir(tier: PosixTier, user: str, uid: int) -> None:
@@ -78,7 +145,8 @@ def check_user_dir(tier: PosixTier, user: str, uid: int) -> None:
     no one else can write. On a shared root that every user may write (mode 1777, as a
     PFS checkpoint root often is) another user could have created it first; writing a
     checkpoint into their directory would let them replace it (and a restore would load
-    their bytes). A missing directory is fine: it is created by the user, mode 0700."""
+    their bytes). A missing directory is fine: it is created by the user, mode 0700.
+    Raises :class:`UnsafeUserDir` (:class:`SquattedUserDir` for another owner)."""
     try:
         st = os.lstat(os.path.join(tier.root, user))
     except FileNotFoundError:
@@ -87,12 +155,15 @@ def check_user_dir(tier: PosixTier, user: str, uid: int) -> None:
         raise fsio.tier_error(exc, f"{tier.name}:{tier.root}/{user}") from None
     where = f"{tier.name}:{tier.root}/{user}"
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise TierError(f"{where}: not a directory (symlink?); refusing to use it")
+        raise UnsafeUserDir(f"{where}: not a directory (symlink?); refusing to use it")
     if st.st_uid != uid:
-        raise TierError(f"{where}: owned by uid {st.st_uid}, not by {user}; refusing to use it")
+        raise SquattedUserDir(trust.squat_message(where, user, st.st_uid))
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         mode = stat.S_IMODE(st.st_mode)
-        raise TierError(f"{where}: writable by others (mode {mode:o}); refusing to use it")
+        raise UnsafeUserDir(
+            f"{where}: writable by others (mode {mode:o}); refusing to use it "
+            f"(fix: chmod 700 {tier.root}/{user})"
+        )
 
 
 def ensure_ledger_dir(path: Path) -> None:
@@ -102,7 +173,7 @@ def ensure_ledger_dir(path: Path) -> None:
     a planted symlink would turn that into a write anywhere. So the directory must be a
     real directory owned by root and writable by no one else. Anything else sitting at
     that name (a user's directory, a symlink, a file) is moved aside, never followed or
-    deleted, and a fresh directory is made.
+    deleted, and a fresh directory is made (:func:`~slurm_ckpt.core.trust.ensure_private_dir`).
     """
     parent = path.parent
     try:
@@ -110,31 +181,7 @@ def ensure_ledger_dir(path: Path) -> None:
     except OSError as exc:
         raise fsio.tier_error(exc, f"ledger parent directory {parent}") from None
     try:
-        try:
-            st = os.stat(path.name, dir_fd=pfd, follow_symlinks=False)
-        except FileNotFoundError:
-            st = None
-        if st is not None:
-            ok = (
-                stat.S_ISDIR(st.st_mode)
-                and st.st_uid == os.geteuid()
-                and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-            )
-            if ok:
-                return
-            aside = f".{path.name.lstrip('.')}.untrusted-{int(time.time())}-{os.getpid()}"
-            os.rename(path.name, aside, src_dir_fd=pfd, dst_dir_fd=pfd)
-            log.warning("ledger directory %s was not root's own; moved it to %s", path, aside)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path.name, 0o755, dir_fd=pfd)
-        fd = os.open(path.name, fsio.O_DIR, dir_fd=pfd)
-        try:
-            st2 = os.fstat(fd)
-            if st2.st_uid != os.geteuid():
-                raise TierError(f"ledger directory {path}: taken over while being created")
-            os.fchmod(fd, 0o755)
-        finally:
-            os.close(fd)
+        os.close(trust.ensure_private_dir(pfd, path.name, f"ledger directory {path}"))
     except OSError as exc:
         raise fsio.tier_error(exc, f"ledger directory {path}") from None
     finally:

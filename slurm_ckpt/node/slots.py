@@ -121,7 +121,8 @@ class SlotGate:
             except AdmissionError as exc:
                 log.warning("flushing without PFS slots: %s", exc)
                 return None
-        rate = cfg.tiers.pfs.bandwidth_limit
+        warm = cfg.tiers.pfs if cfg.tiers.pfs is not None else cfg.tiers.object
+        rate = warm.bandwidth_limit if warm is not None else None  # the warm tier's cap
         return cls(Admission(policy, store, node), priority=priority, rate=rate, **kw)
 
     @contextlib.contextmanager

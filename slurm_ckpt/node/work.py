@@ -22,27 +22,30 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 from slurm_ckpt.core import fsio
 from slurm_ckpt.core.admission import Priority
 from slurm_ckpt.core.config import Config
-from slurm_ckpt.core.manifest import MANIFEST_NAME
 from slurm_ckpt.core.names import validate_key, validate_user
-from slurm_ckpt.core.retention import RetentionPolicy, plan_local_deletions
 from slurm_ckpt.core.units import format_bytes
-from slurm_ckpt.errors import CkptError, InvalidName, NotFound, SlurmError, TierError
-from slurm_ckpt.ledger import Ident, Ledger, Record, State, publish_status
+from slurm_ckpt.errors import CkptError, InvalidName, SlurmError
+from slurm_ckpt.ledger import Ident, Ledger, Record, State
 from slurm_ckpt.ledger.events import EventLog
-from slurm_ckpt.node.asuser import run_as
+from slurm_ckpt.ledger.status_store import status_store
+from slurm_ckpt.node.asuser import AsUserTimeout, error_from, run_as
 from slurm_ckpt.node.flush import (
     HANDED_TO_STAGER,
-    MIN_SLICE_S,
     Flusher,
     FlushOutcome,
     FlushResult,
 )
-from slurm_ckpt.node.guard import check_step_files, check_user_dir, ensure_ledger_dir
+from slurm_ckpt.node.guard import ensure_ledger_dir
+from slurm_ckpt.node.local_retention import run_retention
+from slurm_ckpt.node.owner_tasks import (
+    flush_as_user,
+    flush_many_as_user,
+    scan_local,
+)
+from slurm_ckpt.node.retry import RetryPolicy, held, retry_due
 from slurm_ckpt.node.slots import SlotGate
+from slurm_ckpt.node.warm import lend_credentials
 from slurm_ckpt.slurm.client import SlurmClient
-from slurm_ckpt.tiers.copy import copy_checkpoint
-from slurm_ckpt.tiers.posix import PosixTier
-from slurm_ckpt.tiers.registry import tiers_from_config
 
 log = logging.getLogger("slurm_ckpt.hooks")
 
@@ -62,6 +65,13 @@ RESERVE_FRACTION = 0.2
 RESERVE_MAX_S = 15.0
 #: A scan (listing and reading manifests) of one user's local directory.
 SCAN_TIMEOUT_S = 60.0
+#: Small checkpoints of one owner queued together are copied by one child (forking a
+#: root process that holds a large ledger costs tens of milliseconds): at most this
+#: many, and this many bytes, per child.
+BATCH_MAX = 256
+#: A child's total time limit, in ``child_timeout``s (plus its bytes at min_flush_rate).
+CHILD_LIMIT_FACTOR = 10
+BATCH_BYTES = 64 * 2**20
 _NO_GATE = object()
 
 
@@ -77,6 +87,10 @@ class UserIds:
     gid: int
 
 
+def _pfs_verified(raw: Dict[str, Any]) -> bool:
+    return (raw.get("tiers") or {}).get("pfs") == State.VERIFIED.value
+
+
 def user_ids(name: str) -> UserIds:
     """Look up a (validated) user name in the passwd database."""
     validate_user(name)
@@ -87,81 +101,30 @@ def user_ids(name: str) -> UserIds:
     return UserIds(pw.pw_name, pw.pw_uid, pw.pw_gid)
 
 
-# --------------------------------------------------------------------------- as the user
-# These run in a child process as the owning user (run_as).
-
-
-def _scan_local(root: str, user: str) -> List[List[Any]]:
-    """``[[key, step, nbytes, job], ...]`` of the committed checkpoints of ``user``."""
-    tier = PosixTier("local", root)
-    out: List[List[Any]] = []
-    for key in tier.keys(user):
-        try:
-            validate_key(key)
-        except InvalidName:
-            continue
-        for info in tier.steps(user, key):
-            out.append([key, info.step, info.nbytes, info.manifest.job])
-    return out
-
-
-def _flush_as_user(cfg: Config, user: str, key: str, step: int, uid: int) -> Dict[str, Any]:
-    tiers = tiers_from_config(cfg)
-    check_user_dir(tiers["local"], user, uid)
-    check_user_dir(tiers["pfs"], user, uid)
-    check_step_files(tiers["local"], user, key, step, uid)
-    res = copy_checkpoint(tiers["local"], tiers["pfs"], user, key, step, replace_older=True)
-    return {
-        "nbytes": res.nbytes,
-        "copied": res.copied_bytes,
-        "seconds": res.seconds,
-        "already": res.already_present,
-    }
-
-
-def _manifest_bytes(tier: PosixTier, user: str, key: str, step: int) -> Optional[bytes]:
-    try:
-        with tier.step_fd(user, key, step) as sfd:
-            return fsio.read_small(sfd, MANIFEST_NAME)
-    except (NotFound, TierError, OSError):
-        return None
-
-
-def _delete_as_user(cfg: Config, user: str, key: str, step: int, uid: int, need_pfs: bool) -> bool:
-    """Delete a local checkpoint; with ``need_pfs`` only if the PFS holds the very same
-    committed checkpoint (identical manifest bytes) - the ledger is a cache, this is the
-    last word before bytes disappear."""
-    tiers = tiers_from_config(cfg)
-    local, pfs = tiers["local"], tiers["pfs"]
-    check_step_files(local, user, key, step, uid)
-    if need_pfs:
-        mine = _manifest_bytes(local, user, key, step)
-        theirs = _manifest_bytes(pfs, user, key, step)
-        if mine is None or mine != theirs:
-            raise CkptError(
-                f"{local.where(user, key, step)}: no identical committed copy on the PFS; kept"
-            )
-    local.delete(user, key, step)
-    return True
-
-
 # --------------------------------------------------------------------------- root side
 
 
 def drain_reason(count: int, nbytes: int, failed: int = 0, error: Optional[str] = None) -> str:
-    """``slurm_ckpt: flushing 3 checkpoints (1.2 GiB)`` (+ the last error if any failed)."""
+    """``slurm_ckpt: flushing 3 checkpoints (1.2 GiB)`` (+ how many are failing).
+
+    Counts and sizes only, and where to look: a drain reason is shown to every admin
+    and user (``sinfo -R``), and error texts carry names users chose (``error`` is
+    accepted for callers' convenience and never shown)."""
+    del error  # never user-chosen text in a drain reason
     noun = "checkpoint" if count == 1 else "checkpoints"
     text = f"slurm_ckpt: flushing {count} {noun} ({format_bytes(nbytes)})"
-    if failed and error:
-        text += f"; {failed} failing: {error}"
-    return text
+    if failed:
+        text += f"; {failed} failing"
+    return text + "; see ckpt-slurm status"
 
 
 class NodeWork:
     """The node-side work shared by prolog, epilog and stager (see module docstring).
 
-    Runs as root; every touch of user data goes through :func:`run_as`. Not thread-safe
-    and meant for a single-threaded process (it forks).
+    Runs as root; every touch of user data goes through :func:`run_as`, with a deadline
+    and a stall limit (``[hooks] child_timeout``): a child its user stops is killed and
+    the loop goes on with other users. Not thread-safe and meant for a single-threaded
+    process (it forks).
     """
 
     def __init__(
@@ -179,9 +142,36 @@ class NodeWork:
         self.users: Dict[str, UserIds] = {}
         self.scan_jobs: Dict[Ident, Optional[str]] = {}
         self.skipped_dirs: List[str] = []
+        #: Problems found with users' directories this run (for the node status).
+        self.refused: List[Dict[str, Any]] = []
+        self.retry = RetryPolicy.from_config(cfg)
+        self._sizes: Dict[Ident, int] = {}  # bytes of what flush() copies (child limits)
+        self._queue: List[Ident] = []  # flush()'s order, for batches of small ones
+        self._queue_pos: Dict[Ident, int] = {}
+        self._prefetched: Dict[Ident, Dict[str, Any]] = {}  # results of batch children
         self._gate: Any = _NO_GATE  # the PFS slot gate, made at the first flush
+        self._events: Optional[EventLog] = None
         ensure_ledger_dir(cfg.ledger.dir)
         self.ledger = Ledger(cfg.ledger.dir, node)
+        lend_credentials(cfg)  # object tier: root's credentials for the owner children
+
+    # -- events -----------------------------------------------------------------------
+    def emit(self, event_type: str, **fields: Any) -> None:
+        """An event in the node's event log (never fatal)."""
+        try:
+            if self._events is None:
+                self._events = EventLog.from_config(self.cfg, self.node)
+            self._events.emit(event_type, **fields)
+        except (CkptError, OSError, ValueError) as exc:
+            log.warning("event %s not logged: %s", event_type, exc)
+
+    def _refuse(self, tier: str, user: str, why: str, code: str) -> None:
+        """Remember (status) and report (event, log) a user directory refused."""
+        if any(r["tier"] == tier and r["user"] == user for r in self.refused):
+            return
+        self.refused.append({"tier": tier, "user": user, "code": code, "reason": why})
+        log.warning("%s", why)
+        self.emit("refused", tier=tier, user=user, reason=code, error=why)
 
     # -- scan -------------------------------------------------------------------------
     def local_users(self) -> List[UserIds]:
@@ -210,45 +200,56 @@ class NodeWork:
                 continue
             if not stat.S_ISDIR(st.st_mode) or st.st_uid != ids.uid:
                 what = "not a directory" if not stat.S_ISDIR(st.st_mode) else "wrong owner"
-                log.warning(
-                    "local tier: skipping %s/%s: %s (uid %d, %s is %d)",
-                    self.local_root,
-                    name,
-                    what,
-                    st.st_uid,
-                    name,
-                    ids.uid,
-                )
                 self.skipped_dirs.append(name)
+                code = "squatted" if stat.S_ISDIR(st.st_mode) else "unsafe_dir"
+                self._refuse(
+                    "local",
+                    name,
+                    f"local tier: skipping {self.local_root}/{name}: {what} (uid "
+                    f"{st.st_uid}, {name} is {ids.uid}); the next prolog of {name} moves "
+                    "it aside",
+                    code,
+                )
                 continue
             out.append(ids)
         return out
+
+    def _left(self, deadline: Optional[float]) -> Optional[float]:
+        return None if deadline is None else deadline - self.clock()
 
     def reconcile(self, deadline: Optional[float] = None) -> Dict[str, int]:
         """Scan every user's local checkpoints (as that user) and bring the ledger in line.
 
         Records are pruned (local copy gone -> ``DELETED``) only when every scan
-        succeeded (a user directory skipped as unsafe counts as empty: nothing in it may
-        be touched until it is fixed, and the next scan brings its records back); PFS
-        states the ledger already has are kept as they are.
+        succeeded and was complete (a user directory skipped as unsafe counts as empty:
+        nothing in it may be touched until it is fixed, and the next scan brings its
+        records back); PFS states the ledger already has are kept as they are. Each scan
+        stops at ``deadline`` with what it has (then nothing is pruned), and a scan whose
+        child is stopped or hangs is killed: that user is skipped this time.
         """
         local: List[Tuple[str, str, int, int]] = []
         complete = True
         self.users = {}
         self.scan_jobs = {}
+        stall = self.cfg.hooks.child_timeout
         for ids in self.local_users():
-            timeout = SCAN_TIMEOUT_S
-            if deadline is not None:
-                timeout = max(0.1, min(timeout, deadline - self.clock()))
+            left = self._left(deadline)
+            if left is not None and left <= 0:
+                complete = False  # no time to look: this user's records stay as they are
+                self.users[ids.name] = ids
+                continue
+            timeout = SCAN_TIMEOUT_S if left is None else max(0.1, min(SCAN_TIMEOUT_S, left))
             try:
-                rows = run_as(
+                got = run_as(
                     ids.uid,
                     ids.gid,
-                    _scan_local,
+                    scan_local,
                     self.local_root,
                     ids.name,
+                    max(0.05, timeout * 0.9 - 0.05),
                     user=ids.name,
                     timeout=timeout,
+                    stall_timeout=stall,
                     what="scan",
                 )
             except CkptError as exc:
@@ -256,19 +257,24 @@ class NodeWork:
                 complete = False
                 continue
             self.users[ids.name] = ids
-            for key, step, nbytes, job in rows:
+            if not isinstance(got, dict) or got.get("partial") is not False:
+                complete = False
+            rows = got.get("rows") if isinstance(got, dict) else None
+            for row in rows if isinstance(rows, list) else []:
+                if not isinstance(row, list) or len(row) != 4:
+                    continue
+                key, step, nbytes, job = row
                 try:
                     validate_key(key)
                 except InvalidName:
                     continue
-                if not isinstance(step, int) or not isinstance(nbytes, int):
+                if type(step) is not int or type(nbytes) is not int or step < 0 or nbytes < 0:
                     continue
                 local.append((ids.name, key, step, nbytes))
                 self.scan_jobs[(ids.name, key, step)] = None if job is None else str(job)
         verified = [
-            (r.user, r.key, r.step, r.nbytes)
-            for r in self.ledger.records()
-            if r.state("pfs") is State.VERIFIED
+            (raw["user"], raw["key"], raw["step"], int(raw.get("nbytes", 0)))
+            for raw in Ledger.select(self.ledger.snapshot(), None, None, None, _pfs_verified)
         ]
         return self.ledger.reconcile(local, verified, prune=complete, jobs=self.scan_jobs)
 
@@ -287,12 +293,11 @@ class NodeWork:
             return None
         return {job for job, _user, _state in rows if job != exclude}
 
-    def candidates(
-        self, running: Optional[Set[str]], first_job: Optional[str] = None
-    ) -> List[Record]:
-        """Checkpoints owed to the PFS that this process should flush: all of them but
-        those of jobs still running here (their own job flushes them). ``first_job``'s
-        come first, then the oldest."""
+    def owed(self, running: Optional[Set[str]]) -> List[Record]:
+        """Checkpoints owed to the PFS of users whose directory was scanned, jobs still
+        running here excluded (their own job flushes them). One pass over the ledger:
+        a hook computes it once and derives :meth:`candidates` and :meth:`backlog`
+        from it."""
         out = []
         for rec in self.ledger.pending_flush():
             if rec.user not in self.users:
@@ -301,6 +306,29 @@ class NodeWork:
             if running and job is not None and job in running:
                 continue
             out.append(rec)
+        return out
+
+    def candidates(
+        self,
+        running: Optional[Set[str]],
+        first_job: Optional[str] = None,
+        *,
+        retry_now: bool = False,
+        owed: Optional[List[Record]] = None,
+    ) -> List[Record]:
+        """Checkpoints owed to the PFS that this process should flush: all of them but
+        those of jobs still running here (their own job flushes them) and those waiting
+        out a retry backoff - except ``first_job``'s (its epilog is the moment to try
+        them) and with ``retry_now`` (an admin asked). ``first_job``'s come first, then
+        the oldest."""
+        now = self.ledger.clock()
+        out = [
+            rec
+            for rec in (self.owed(running) if owed is None else owed)
+            if retry_now
+            or retry_due(rec.extra, now)
+            or (first_job is not None and self.job_of(rec) == first_job)
+        ]
         if first_job is not None:
             out.sort(key=lambda r: self.job_of(r) != first_job)
         return out
@@ -315,6 +343,7 @@ class NodeWork:
             hand_off_note=HANDED_TO_STAGER,
             clock=self.clock,
             slots=self._slot_gate(),
+            retry=self.retry,
         )
 
     def _slot_gate(self) -> Optional[SlotGate]:
@@ -331,19 +360,75 @@ class NodeWork:
             self._gate = SlotGate.from_config(self.cfg, self.node, priority=prio, emit=emit)
         return self._gate  # type: ignore[return-value]
 
+    def child_limit(self, nbytes: int) -> float:
+        """The most a child copying ``nbytes`` may take in all (10 x ``child_timeout`` +
+        size / ``min_flush_rate``; a checkpoint of many small files costs per file, not
+        per byte): a user who keeps their child alive but slows it to a trickle still
+        cannot hold root's loop for longer. A stopped child is caught much sooner, by
+        its silence (``child_timeout``)."""
+        h = self.cfg.hooks
+        return CHILD_LIMIT_FACTOR * h.child_timeout + max(0, nbytes) / h.min_flush_rate
+
     def _copy_as_owner(self, ident: Ident, left: Optional[float]) -> Dict[str, Any]:
+        done = self._prefetched.pop(ident, None)
+        if done is not None:  # copied by the child of an earlier checkpoint of its owner
+            if "ok" in done:
+                return done["ok"]  # type: ignore[no-any-return]
+            raise error_from(done.get("err") or {}, f"flush as {ident[0]}")
         ids = self.users[ident[0]]
-        return run_as(
+        batch = self._batch_from(ident)
+        cap = self.child_limit(sum(self._sizes.get(i, 0) for i in batch))
+        timeout = cap if left is None else min(left, cap)
+        if len(batch) == 1:
+            return run_as(  # type: ignore[no-any-return]
+                ids.uid,
+                ids.gid,
+                flush_as_user,
+                self.cfg,
+                *ident,
+                ids.uid,
+                user=ids.name,
+                timeout=timeout,
+                stall_timeout=self.cfg.hooks.child_timeout,
+                what="flush",
+            )
+        got = run_as(
             ids.uid,
             ids.gid,
-            _flush_as_user,
+            flush_many_as_user,
             self.cfg,
-            *ident,
+            ids.name,
             ids.uid,
+            [[k, s] for _u, k, s in batch],
+            max(0.05, timeout * 0.8 - 0.1),
             user=ids.name,
-            timeout=left,
+            timeout=timeout,
+            stall_timeout=self.cfg.hooks.child_timeout,
             what="flush",
         )
+        for i, res in zip(batch, got if isinstance(got, list) else []):
+            if isinstance(res, dict):
+                self._prefetched[i] = res
+        if ident not in self._prefetched:
+            raise AsUserTimeout(f"flush as {ids.name}: no time left for {ident[1]}/{ident[2]}")
+        return self._copy_as_owner(ident, left)
+
+    def _batch_from(self, ident: Ident) -> List[Ident]:
+        """``ident`` and the checkpoints of the same owner queued right behind it, while
+        they are small (:data:`BATCH_BYTES`, :data:`BATCH_MAX`): copied by one child."""
+        pos = self._queue_pos.get(ident)
+        out = [ident]
+        if pos is None:
+            return out
+        nbytes = self._sizes.get(ident, 0)
+        for nxt in self._queue[pos + 1 :]:
+            if nxt[0] != ident[0]:
+                break
+            nbytes += self._sizes.get(nxt, 0)
+            if len(out) >= BATCH_MAX or nbytes > BATCH_BYTES:
+                break
+            out.append(nxt)
+        return out
 
     def flush(
         self,
@@ -353,73 +438,73 @@ class NodeWork:
     ) -> FlushOutcome:
         """Copy each record's checkpoint to the PFS as its owner (users whose directory
         the scan refused are skipped); what ``deadline`` (a :attr:`clock` value) leaves no
-        time for is handed to the stager."""
-        items = [(r.ident, r.nbytes) for r in records if r.user in self.users]
-        return self.flusher().flush_all(items, deadline, on_result)
+        time for is handed to the stager. Failures the owner caused are reported (event,
+        node status) and held: they never keep the node drained."""
+        todo = [r for r in records if r.user in self.users]
+        self._sizes = {r.ident: r.nbytes for r in todo}
+        self._queue = [r.ident for r in todo]
+        self._queue_pos = {ident: i for i, ident in enumerate(self._queue)}
+        self._prefetched = {}
+
+        def seen(res: FlushResult) -> None:
+            if res.hold and (res.status != "handed" or res.stuck):
+                self._report_hold(res)
+            if on_result is not None:
+                on_result(res)
+
+        items = [(r.ident, r.nbytes) for r in todo]
+        try:
+            return self.flusher().flush_all(items, deadline, seen)
+        finally:
+            self._prefetched = {}
+
+    def _report_hold(self, res: FlushResult) -> None:
+        user, key, step = res.ident
+        if res.hold in ("squatted", "unsafe_dir"):
+            self._refuse("pfs", user, res.error or res.hold, res.hold)
+            return
+        self.emit("refused", user=user, key=key, step=step, reason=res.hold, error=res.error or "")
 
     def hand_off(self, idents: List[Ident]) -> None:
         """Leave these to the stager: ``FLUSH_PENDING`` with reason "handed to stager"."""
         self.flusher().hand_off(idents)
 
-    def backlog(self, running: Optional[Set[str]]) -> Tuple[int, int]:
-        """``(count, bytes)`` still owed to the PFS, jobs running here excluded."""
-        recs = self.candidates(running)
+    def backlog(
+        self,
+        running: Optional[Set[str]],
+        owed: Optional[List[Record]] = None,
+        outcome: Optional[FlushOutcome] = None,
+    ) -> Tuple[int, int]:
+        """``(count, bytes)`` owed to the PFS that keep this node drained: jobs running
+        here excluded, and so are checkpoints held because of their owner's doing or
+        given up after ``max_retries`` (still owed, still reported, no longer a reason
+        to keep the node out of service). With ``owed`` (:meth:`owed` before a flush)
+        and that flush's ``outcome`` it is derived without another pass over the
+        ledger (a hook near the end of its budget)."""
+        if owed is None or outcome is None:
+            recs = [r for r in self.owed(running) if not held(r.extra)]
+            return len(recs), sum(r.nbytes for r in recs)
+        gone = {r.ident for r in outcome.results if r.status in ("flushed", "already", "gone")}
+        held_now = {r.ident for r in outcome.results if r.hold}
+        recs = [
+            r for r in owed if r.ident not in gone and r.ident not in held_now and not held(r.extra)
+        ]
         return len(recs), sum(r.nbytes for r in recs)
 
     # -- retention --------------------------------------------------------------------
     def retention(self, running: Optional[Set[str]], deadline: Optional[float] = None) -> int:
         """Delete local checkpoints retention allows (never one whose PFS copy is not
-        verified); series of jobs still running here are left to those jobs."""
-        r = self.cfg.retention
-        policy = RetentionPolicy(
-            keep_local=r.keep_local,
-            flush_every=r.flush_every,
-            keep_pfs=r.keep_pfs,
-            keep_pfs_every_s=r.keep_pfs_every,
-        )
-        series: Dict[Tuple[str, str], List[Record]] = {}
-        for rec in self.ledger.records():
-            if rec.user in self.users and rec.state("local") in (State.COMMITTED, State.VERIFIED):
-                series.setdefault((rec.user, rec.key), []).append(rec)
-        deleted = 0
-        for (user, key), recs in sorted(series.items()):
-            if running and any(self.job_of(rec) in running for rec in recs):
-                continue
-            by_step = {rec.step: rec for rec in recs}
-            for step in plan_local_deletions([rec.to_local_info() for rec in recs], policy):
-                left = None if deadline is None else deadline - self.clock()
-                if left is not None and left < MIN_SLICE_S:
-                    return deleted
-                rec = by_step[step]
-                ids = self.users[user]
-                try:
-                    run_as(
-                        ids.uid,
-                        ids.gid,
-                        _delete_as_user,
-                        self.cfg,
-                        user,
-                        key,
-                        step,
-                        ids.uid,
-                        rec.needs_flush,
-                        user=ids.name,
-                        timeout=left,
-                        what="delete",
-                    )
-                except NotFound:
-                    pass  # gone already (the job's own retention): record it
-                except CkptError as exc:
-                    log.warning("retention: kept %s/%s step %d: %s", user, key, step, exc)
-                    continue
-                self.ledger.mark(user, key, step, "local", State.DELETED, reason="retention")
-                deleted += 1
-        return deleted
+        verified; :mod:`slurm_ckpt.node.local_retention`). Returns the count."""
+        return run_retention(self, running, deadline)
 
     # -- status -----------------------------------------------------------------------
     def publish(self, extra: Optional[Dict[str, Any]] = None) -> None:
-        """Node status on the PFS; a failure here is logged, never fatal."""
+        """Node status on the PFS (or in the object store on a site without one); a
+        failure here is logged, never fatal."""
+        more = dict(extra or {})
+        if self.refused:
+            more["refused"] = self.refused[:50]
         try:
-            publish_status(self.ledger, self.cfg.tiers.pfs.root, extra)
+            status_store(self.cfg).publish(self.ledger, more)
         except CkptError as exc:
             log.warning("node status not published: %s", exc)

@@ -14,13 +14,14 @@ non-blocking with a type check, so a planted FIFO cannot hang root's ``status``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from slurm_ckpt.core import fsio
+from slurm_ckpt.core import fsio, trust
 from slurm_ckpt.core.layout import parse_step_dirname, step_dirname
 from slurm_ckpt.core.manifest import MANIFEST_NAME, manifest_facts
 from slurm_ckpt.core.names import validate_key, validate_user
@@ -28,6 +29,8 @@ from slurm_ckpt.errors import CkptError, NotFound, TierError
 from slurm_ckpt.ops.damage import COMMIT_GRACE_S, COMMITTED, Damaged, scan_series
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.registry import ORDER
+
+log = logging.getLogger("slurm_ckpt.status")
 
 __all__ = [
     "Series",
@@ -60,6 +63,8 @@ class SeriesHead:
     #: commit grace time, a manifest that does not check, or of another series); older
     #: steps are not read here (``list KEY``/``verify KEY`` report those).
     damaged: int = 0
+    #: What the newest checkpoint was trained on (``save(..., data_version=...)``).
+    data_version: Optional[str] = None
 
 
 def _read_head(kfd: int, user: str, key: str, names: Iterable[str]) -> Optional[SeriesHead]:
@@ -90,18 +95,53 @@ def _read_head(kfd: int, user: str, key: str, names: Iterable[str]) -> Optional[
             damaged += 1
             continue
         return SeriesHead(
-            user, key, step, f.wall_time, f.nbytes, f.job, f.node, mtime, len(steps) - i, damaged
+            user,
+            key,
+            step,
+            f.wall_time,
+            f.nbytes,
+            f.job,
+            f.node,
+            mtime,
+            len(steps) - i,
+            damaged,
+            data_version=f.data_version,
         )
     return None
 
 
-def _scan_user(root_fd: int, user: str, key: Optional[str]) -> List[Tuple[Series, SeriesHead]]:
+def _scan_user(
+    root_fd: int, user: str, key: Optional[str], squatted: Optional[List[Dict[str, Any]]] = None
+) -> List[Tuple[Series, SeriesHead]]:
+    """One user's series heads; a user directory that another user owns (squatted) is
+    not read - it is reported in ``squatted`` - and any error stays this user's."""
+    try:
+        return _scan_user_dir(root_fd, user, key, squatted)
+    except (OSError, CkptError, ValueError, TypeError) as exc:
+        log.warning("status: %s skipped: %s", user, exc)
+        return []
+
+
+def _scan_user_dir(
+    root_fd: int, user: str, key: Optional[str], squatted: Optional[List[Dict[str, Any]]]
+) -> List[Tuple[Series, SeriesHead]]:
     out: List[Tuple[Series, SeriesHead]] = []
     try:
         ufd = os.open(user, fsio.O_DIR, dir_fd=root_fd)
     except OSError:
         return out
     try:
+        owner = trust.squatter(os.fstat(ufd), user)
+        if owner is not None:
+            if squatted is not None:
+                squatted.append(
+                    {
+                        "user": user,
+                        "owner_uid": owner,
+                        "path": os.path.join(fsio.fd_path(root_fd), user),
+                    }
+                )
+            return out
         if key is not None:
             keys = [key]
         else:
@@ -129,7 +169,11 @@ def _scan_user(root_fd: int, user: str, key: Optional[str]) -> List[Tuple[Series
 
 
 def scan_catalog(
-    root: str, user: Optional[str] = None, key: Optional[str] = None, workers: int = 8
+    root: str,
+    user: Optional[str] = None,
+    key: Optional[str] = None,
+    workers: int = 8,
+    squatted: Optional[List[Dict[str, Any]]] = None,
 ) -> Dict[Series, SeriesHead]:
     """The newest committed checkpoint of every series under a shared tier ``root``.
 
@@ -156,9 +200,9 @@ def scan_catalog(
         out: Dict[Series, SeriesHead] = {}
         if workers > 1 and len(valid) > 1:
             with ThreadPoolExecutor(max_workers=min(workers, len(valid))) as pool:
-                parts = list(pool.map(lambda u: _scan_user(root_fd, u, key), valid))
+                parts = list(pool.map(lambda u: _scan_user(root_fd, u, key, squatted), valid))
         else:
-            parts = [_scan_user(root_fd, u, key) for u in valid]
+            parts = [_scan_user(root_fd, u, key, squatted) for u in valid]
         for part in parts:
             out.update(part)
         return out

@@ -14,6 +14,12 @@ root filesystem. Every later command would answer "nothing found" with exit 0; s
   demands), and has ``min_free`` (+ ``hooks.expected_checkpoint_size``) free;
 * the ledger directory's parent exists (it is made on first use).
 
+* the config file and the ``ckpt-slurm`` executable running now (and its interpreter)
+  can be changed by no one but root, at any level of their paths
+  (:func:`~slurm_ckpt.core.trust.path_problems`): the hooks run as root with both. An
+  error when ``config check`` runs as root (the hooks refuse such a config), a warning
+  otherwise (a user checking a config of their own).
+
 A missing *local* root is a warning, not an error: on a login node there is none, and
 that is fine. Everything else that is wrong is an error (``config check`` exits 2).
 Free space is a warning (it changes by the minute). ``--offline`` skips all of this.
@@ -26,10 +32,13 @@ import stat
 from dataclasses import dataclass
 from typing import List, Optional
 
+from slurm_ckpt.core import trust
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.units import format_bytes
+from slurm_ckpt.errors import CkptError
+from slurm_ckpt.ops.object_check import object_findings
 
-__all__ = ["ERROR", "WARNING", "Finding", "check_roots"]
+__all__ = ["ERROR", "WARNING", "Finding", "check_roots", "check_trust"]
 
 ERROR = "error"
 WARNING = "warning"
@@ -127,10 +136,36 @@ def check_roots(cfg: Config) -> List[Finding]:
                     ),
                 )
             )
-    _root("pfs", "tiers.pfs.root", str(cfg.tiers.pfs.root), False, out)
+    if cfg.tiers.pfs is not None:
+        _root("pfs", "tiers.pfs.root", str(cfg.tiers.pfs.root), False, out)
+    for sev, msg, _fix in object_findings(cfg):  # the object tier answers (warm or not)
+        if sev != "ok":
+            out.append(Finding(ERROR if sev == "error" else WARNING, msg))
     if cfg.tiers.cold is not None:
         _root("cold", "tiers.cold.root", str(cfg.tiers.cold.root), False, out)
     ledger_parent = os.path.dirname(str(cfg.ledger.dir).rstrip("/")) or "/"
     if st is not None and not os.path.isdir(ledger_parent):
         out.append(Finding(ERROR, f"ledger.dir {cfg.ledger.dir}: {ledger_parent} does not exist"))
+    out.extend(check_trust(cfg))
     return out
+
+
+def check_trust(cfg: Config) -> List[Finding]:
+    """The config file and the running ckpt-slurm must be root's alone (see the module
+    docstring): errors as root, warnings for anyone else."""
+    from slurm_ckpt.ops.install import ckpt_slurm_path, interpreter_of
+
+    level = ERROR if os.geteuid() == 0 else WARNING
+    problems: List[str] = []
+    if not cfg.source.startswith("<"):  # a file, not a dict or the standalone config
+        problems += trust.path_problems(os.path.abspath(cfg.source), "config")
+    try:
+        exe: Optional[str] = ckpt_slurm_path()
+    except CkptError:
+        exe = None
+    if exe is not None:
+        problems += trust.path_problems(exe, "ckpt-slurm executable")
+        interp = interpreter_of(exe)
+        if interp is not None:
+            problems += trust.path_problems(interp, "interpreter of ckpt-slurm")
+    return [Finding(level, f"root must not use it: {p}") for p in problems]

@@ -31,6 +31,8 @@ from slurm_ckpt.core.config import LEDGER_SUBDIR, Config
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import SlurmError
 from slurm_ckpt.ledger.events import events_path, read_events
+from slurm_ckpt.ops.object_check import object_findings
+from slurm_ckpt.ops.security_checks import check_security
 from slurm_ckpt.slurm.env import this_node
 from slurm_ckpt.slurm.records import parse_duration
 from slurm_ckpt.tiers.admission import check_store_dir, slots_dir
@@ -440,13 +442,16 @@ def _check_root(name: str, path: Path, shared: bool) -> Finding:
 
 
 def check_tiers(cfg: Config) -> List[Finding]:
-    out = [
-        _check_root("local", Path(cfg.tiers.local.root), False),
-        _check_root("pfs", Path(cfg.tiers.pfs.root), True),
-    ]
+    out = [_check_root("local", Path(cfg.tiers.local.root), False)]
+    if cfg.tiers.pfs is not None:
+        out.append(_check_root("pfs", Path(cfg.tiers.pfs.root), True))
     if cfg.tiers.cold is not None:
         out.append(_check_root("cold", Path(cfg.tiers.cold.root), True))
-    meta = Path(cfg.tiers.pfs.root) / LEDGER_SUBDIR
+    # The object tier (the warm tier on a site without a PFS): reachable with root's keys.
+    out += [Finding("object", sev, msg, fix) for sev, msg, fix in object_findings(cfg)]
+    # On a site without a PFS, no "<pfs>/.slurm_ckpt" to check: lstat("/dev/null/...")
+    # fails (NotADirectoryError, an OSError) and the check is skipped.
+    meta = Path(cfg.tiers.pfs.root if cfg.tiers.pfs else "/dev/null") / LEDGER_SUBDIR
     try:
         st = os.lstat(meta)
         if stat.S_ISLNK(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
@@ -564,6 +569,7 @@ def run_doctor(
         rep.findings.extend(check_hooks(conf, cfg, version_of))
     rep.findings.extend(check_space(cfg, m))
     rep.findings.extend(check_tiers(cfg))
+    rep.findings.extend(check_security(cfg, Finding))
     if shutil.which("scontrol") is None and client is None:
         rep.findings.append(Finding("slurm", "warn", "SLURM not installed here", ""))
     return rep

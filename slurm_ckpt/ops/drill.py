@@ -2,8 +2,9 @@
 back, and how long that takes.
 
 1. Pick the checkpoint a restart would pick: the job layer's
-   :class:`~slurm_ckpt.job.restore.Restorer` over the local tier, then the PFS (newest
-   complete step first; within a step the local copy first).
+   :class:`~slurm_ckpt.job.restore.Restorer` over every configured tier, fastest first:
+   local, PFS, object store, cold (newest complete step first; within a step the fastest
+   tier's copy first).
 2. Copy it into scratch space with the copy engine, which checks every byte against the
    manifest on the way (a copy that does not verify is skipped, as a restart would skip
    it: the same step from the next tier, else the previous step). The default scratch
@@ -62,11 +63,24 @@ def _scratch_dir(base: Optional[str], tier_root: str, user: str) -> str:
     if base is None:
         # As root: in the tier root (only root writes there); as a user: in their own
         # directory of that tier (names starting with '.' are never listed as keys).
-        base = tier_root if os.geteuid() == 0 else os.path.join(tier_root, user)
+        own = os.path.join(tier_root, user)
+        base = own if os.geteuid() != 0 and os.path.isdir(own) else tier_root
     try:
         return tempfile.mkdtemp(prefix=".slurm_ckpt-drill-", dir=base)
     except OSError as exc:
         raise TierError(f"scratch space {base}: {exc.strerror or exc}") from None
+
+
+def _scratch_root(cfg: Config, tier: Any) -> str:
+    """Where the scratch copy of a checkpoint on ``tier`` goes by default: that tier's own
+    root (a POSIX tier: where a restart reads from); for an object-store copy, which a
+    restart reads into memory, the local tier when this host has one, else the system's
+    temporary directory (a login node)."""
+    root = getattr(tier, "root", None)
+    if root is not None:
+        return str(root)
+    local = str(cfg.tiers.local.root)
+    return local if os.path.isdir(local) else tempfile.gettempdir()
 
 
 def _identity(value: int) -> int:
@@ -91,7 +105,9 @@ def run_drill(
     user = validate_user(user) if user else current_user()
     validate_key(key)
     tiers = tiers_from_config(cfg)
-    order = [tiers["local"], tiers["pfs"]]  # what Checkpointer.restore() looks at
+    # What Checkpointer.restore() looks at: every configured tier, fastest first (local,
+    # pfs, object, cold).
+    order = list(tiers.values())
     base, rank, ws = _series(order, user, key)
     restorer = Restorer(order, user, base, rank, ws)
     own = restorer.own_steps()
@@ -101,7 +117,7 @@ def run_drill(
     t_start = time.monotonic()
     for step in restorer.complete_steps():
         for tier, manifest in own.get(step, []):
-            parent = _scratch_dir(scratch, tier.root, user)
+            parent = _scratch_dir(scratch, _scratch_root(cfg, tier), user)
             try:
                 dst = PosixTier(
                     "scratch", parent, chunk_size=tier.chunk_size, streams=cfg.copy.streams

@@ -1,5 +1,6 @@
 """``ckpt-slurm flush`` and ckpt-srun's after-step flush: copy this node's checkpoints that
-are not yet on the PFS, now, through the one flush engine (:mod:`slurm_ckpt.node.flush`).
+are not yet on the warm tier (the PFS, or the object store on a site without one), now,
+through the one flush engine (:mod:`slurm_ckpt.node.flush`).
 
 * **As root** (:func:`flush_node`) it flushes the node's whole backlog (or one job's)
   exactly as the epilog and the stager do: :class:`~slurm_ckpt.node.work.NodeWork` scans
@@ -28,7 +29,7 @@ from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ledger import LEDGER_NAME, Ident, Ledger, Record
 from slurm_ckpt.node.asuser import run_as
 from slurm_ckpt.node.flush import LEFT_TO_EPILOG, Flusher, FlushResult, copy_in_process
-from slurm_ckpt.node.guard import check_user_dir
+from slurm_ckpt.node.warm import guard_user_dir, warm_of
 from slurm_ckpt.node.work import NodeWork
 from slurm_ckpt.slurm.env import this_node
 from slurm_ckpt.tiers.registry import tiers_from_config
@@ -112,7 +113,7 @@ def flush_node(
         ]
     else:
         running = work.running_jobs()
-        todo = work.candidates(running)
+        todo = work.candidates(running, retry_now=True)  # an admin asks: no backoff
         summary.left_to_jobs = len(
             [r for r in work.ledger.pending_flush() if r.user in work.users]
         ) - len(todo)
@@ -131,27 +132,36 @@ def flush_node(
 def _not_busy(
     cfg: Config, work: NodeWork, todo: List[Record], summary: FlushSummary
 ) -> List[Record]:
-    free = []
+    """``todo`` but the checkpoints another process is copying now; one child per owner
+    probes all of theirs (a stopped or hung probe only costs that owner's probe)."""
+    by_user: Dict[str, List[Record]] = {}
     for rec in todo:
-        ids = work.users[rec.user]
+        by_user.setdefault(rec.user, []).append(rec)
+    busy: set = set()
+    for user, recs in by_user.items():
+        ids = work.users[user]
         try:
-            busy = run_as(
+            got = run_as(
                 ids.uid,
                 ids.gid,
-                _is_busy,
+                _busy_of,
                 cfg,
-                *rec.ident,
+                user,
+                [[r.key, r.step] for r in recs],
                 user=ids.name,
-                timeout=30,
+                timeout=cfg.hooks.child_timeout,
                 what="lock probe",
             )
         except CkptError:
-            busy = False  # let the flush itself report what is wrong
-        if busy:
-            summary.busy.append(rec.ident)
-        else:
-            free.append(rec)
-    return free
+            continue  # let the flush itself report what is wrong
+        busy |= {(user, str(k), int(s)) for k, s in got if isinstance(got, list)}
+    summary.busy.extend(r.ident for r in todo if r.ident in busy)
+    return [r for r in todo if r.ident not in busy]
+
+
+def _busy_of(cfg: Config, user: str, items: List[List[Any]]) -> List[List[Any]]:
+    """As the owner: which of ``items`` (``[key, step]``) another process has locked."""
+    return [[k, s] for k, s in items if _is_busy(cfg, user, str(k), int(s))]
 
 
 # --------------------------------------------------------------------------- user
@@ -179,7 +189,7 @@ def flush_own(
     """A user's own checkpoints on this node's local tier -> the PFS, in this process;
     ``progress(nbytes)`` hears of every byte copied."""
     tiers = tiers_from_config(cfg)
-    local, pfs = tiers["local"], tiers["pfs"]
+    local, pfs = tiers["local"], warm_of(cfg, tiers)  # the warm tier: PFS or object store
     ledger, writable = _own_ledger(cfg, node)
     todo: List[Tuple[Ident, int]] = []
     if ledger is not None:
@@ -217,8 +227,8 @@ def flush_series(cfg: Config, user: str, key: str, timeout: Optional[float] = No
     checkpoint (copied, already there, or why not). Newest first: if time runs out, the
     newest is what a restart wants; the epilog flushes the rest."""
     tiers = tiers_from_config(cfg)
-    local, pfs = tiers["local"], tiers["pfs"]
-    check_user_dir(pfs, user, os.getuid())
+    local, pfs = tiers["local"], warm_of(cfg, tiers)  # the warm tier: PFS or object store
+    guard_user_dir(pfs, user, os.getuid())
     flusher = Flusher(copy_in_process(local, pfs), hand_off_note=LEFT_TO_EPILOG)
     deadline = None if timeout is None else time.monotonic() + timeout
     lines = []
@@ -234,8 +244,9 @@ def flush_series(cfg: Config, user: str, key: str, timeout: Optional[float] = No
             if res.status == "handed":
                 lines.append(f"{what}: not flushed (flush timeout; the epilog will)")
             elif res.ok:
+                there = "the PFS" if pfs.name == "pfs" else f"the {pfs.name} tier"
                 state = (
-                    "already on the PFS"
+                    f"already on {there}"
                     if res.status == "already"
                     else f"flushed in {res.seconds:.1f}s"
                 )

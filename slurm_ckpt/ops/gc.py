@@ -39,6 +39,7 @@ which only ever keeps more.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -55,6 +56,8 @@ from slurm_ckpt.ops.age import AgeResult, chain, gc_cold_series, owed, run_aging
 from slurm_ckpt.ops.damage import reclaimable, scan_series
 from slurm_ckpt.tiers.posix import PosixTier, StepInfo
 from slurm_ckpt.tiers.registry import tiers_from_config
+
+log = logging.getLogger("slurm_ckpt.gc")
 
 __all__ = [
     "PIN_PREFIX",
@@ -371,35 +374,51 @@ def run_gc(
             continue
         following = links.get(name)
         for u, k in _series(tier, user, key):
-            keep: Set[int] = set()
-            if following is not None:
-                try:
-                    keep = owed(tier, following[0], u, k, following[1])
-                except CkptError:
-                    keep = {s.step for s in tier.steps(u, k)}  # next tier unknown: keep all
-            nxt = None if following is None else following[0]
-            res = gc_series(
-                tier,
-                u,
-                k,
-                policy,
-                when,
-                dry_run=dry_run,
-                next_tier=nxt,
-                progress=progress,
-                owed=keep,
-            )
-            if res.steps or res.damaged:
+            try:
+                keep: Set[int] = set()
+                if following is not None:
+                    try:
+                        keep = owed(tier, following[0], u, k, following[1])
+                    except CkptError:
+                        keep = {s.step for s in tier.steps(u, k)}  # next tier unknown: keep all
+                nxt = None if following is None else following[0]
+                res = gc_series(
+                    tier,
+                    u,
+                    k,
+                    policy,
+                    when,
+                    dry_run=dry_run,
+                    next_tier=nxt,
+                    progress=progress,
+                    owed=keep,
+                )
+            except Exception as exc:  # noqa: BLE001 - one user's series never stops the rest
+                res = _skipped(tier, u, k, exc)
+            if res.steps or res.damaged or res.errors:
                 report.series.append(res)
     cold = tiers.get("cold")
     if cold is not None and cfg.tiers.cold is not None:
         for u, k in _series(cold, user, key):
-            res = SeriesResult("cold", u, k, steps=[s.step for s in cold.steps(u, k)])
-            done, errors = gc_cold_series(cold, u, k, when, cfg.tiers.cold.keep_for, dry_run)
-            res.delete = done
-            res.deleted = [] if dry_run else done
-            res.keep = sorted(set(res.steps) - set(done))
-            res.errors = errors
-            if res.steps:
+            try:
+                res = SeriesResult("cold", u, k, steps=[s.step for s in cold.steps(u, k)])
+                done, errors = gc_cold_series(cold, u, k, when, cfg.tiers.cold.keep_for, dry_run)
+                res.delete = done
+                res.deleted = [] if dry_run else done
+                res.keep = sorted(set(res.steps) - set(done))
+                res.errors = errors
+            except Exception as exc:  # noqa: BLE001 - one user's series never stops the rest
+                res = _skipped(cold, u, k, exc)
+            if res.steps or res.errors:
                 report.series.append(res)
     return report
+
+
+def _skipped(tier: Any, user: str, key: str, exc: BaseException) -> SeriesResult:
+    """The result of a series whose gc failed: its error, nobody else's problem."""
+    if not isinstance(exc, (CkptError, OSError)):
+        log.exception("gc of %s/%s on %s failed", user, key, tier.name)
+    res = SeriesResult(tier.name, user, key)
+    text = " ".join(str(exc).split())[:300] or type(exc).__name__
+    res.errors.append(f"{tier.where(user, key)}: skipped: {text}")
+    return res

@@ -1,7 +1,15 @@
 """``ckpt-slurm install-hooks``: write the SLURM Prolog/Epilog scripts that call this
 ckpt-slurm, after checking that the config loads and that the hooks' time budget fits
 SLURM's PrologEpilogTimeout (a budget that does not fit gets the node drained by SLURM
-itself at every job end)."""
+itself at every job end).
+
+slurmd runs the scripts as root, and they run the ``ckpt-slurm`` executable with the
+config: whoever can change any of those runs code as root on every node. So, as
+``sudo`` and ``sshd`` do with their files, install-hooks refuses (exit 2; ``--force``
+does not override it) a hooks directory, config file, ``ckpt-slurm`` executable (and the
+interpreter it names) or log file that a user other than root can write, at any level
+of its path (:func:`~slurm_ckpt.core.trust.path_problems`). The scripts append to the
+log file with ``O_NOFOLLOW`` (``dd oflag=nofollow``), never through a symlink."""
 
 from __future__ import annotations
 
@@ -13,12 +21,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Optional
 
-from slurm_ckpt.core import fsio
+from slurm_ckpt.core import fsio, trust
 from slurm_ckpt.core.config import load_config, resolve_config_path
 from slurm_ckpt.core.units import format_duration
 from slurm_ckpt.errors import CkptError, ConfigError, SlurmError
 
-__all__ = ["GRACE_S", "Installed", "install_hooks", "render_hook"]
+__all__ = [
+    "GRACE_S",
+    "Installed",
+    "install_hooks",
+    "install_problems",
+    "refuse_untrusted",
+    "render_hook",
+]
 
 #: The hook scripts give ckpt-slurm ``budget + GRACE_S`` seconds, then SIGTERM, then
 #: SIGKILL ``GRACE_S`` later; all of it must fit in PrologEpilogTimeout.
@@ -38,6 +53,7 @@ _TEMPLATE = """\
 # LOG_FILE when set), pass the exit status on (non-zero: SLURM drains the node; after a
 # prolog it also requeues the job, held).
 export PATH=__PATH__
+umask 022
 CKPT_SLURM=__CKPT_SLURM__
 export SLURM_CKPT_CONFIG=__CONFIG__
 BUDGET=__BUDGET__   # hooks.budget: ckpt-slurm finishes its work within this
@@ -48,8 +64,11 @@ HOOK=__KIND__
 log() {
     logger -t "slurm_ckpt-$HOOK" -- "$1" 2>/dev/null
     if [ -n "$LOG_FILE" ]; then
+        # Never through a symlink, never blocking on a FIFO: dd opens it O_NOFOLLOW.
         printf '%s %s %s job %s: %s\\n' "$(date '+%F %T')" "$HOOK" \\
-            "${SLURMD_NODENAME:-?}" "${SLURM_JOB_ID:-?}" "$1" >>"$LOG_FILE" 2>/dev/null
+            "${SLURMD_NODENAME:-?}" "${SLURM_JOB_ID:-?}" "$1" |
+            dd of="$LOG_FILE" oflag=append,nofollow,nonblock conv=notrunc status=none \\
+                2>/dev/null
     fi
     return 0
 }
@@ -167,9 +186,53 @@ def install_hooks(
         log_file = os.path.abspath(log_file)
     exe = ckpt_slurm_path()
     dest = dest.absolute()
+    refuse_untrusted(install_problems(dest, path, exe, log_file))
     dest.mkdir(mode=0o755, parents=True, exist_ok=True)
     written = [
         write_script(dest, kind, render_hook(kind, exe, str(path), budget, log_file))
         for kind in ("prolog", "epilog")
     ]
     return Installed(written, exe, path, budget, note)
+
+
+# --------------------------------------------------------------------------- trust
+
+
+def interpreter_of(exe: str) -> Optional[str]:
+    """The interpreter a script's ``#!`` line names (None for a binary or no line)."""
+    try:
+        with open(exe, "rb") as fh:
+            head = fh.read(256)
+    except OSError:
+        return None
+    if not head.startswith(b"#!"):
+        return None
+    words = head[2:].split(b"\n", 1)[0].split()
+    return os.fsdecode(words[0]) if words else None
+
+
+def install_problems(
+    dest: Path, config: Path, exe: str, log_file: Optional[str] = None
+) -> List[str]:
+    """Everything a user other than root could change that the hooks would run with
+    (see the module docstring); empty when all of it is root's alone."""
+    out = trust.path_problems(str(dest), "hooks directory", must_exist=False)
+    out += trust.path_problems(str(config), "config")
+    out += trust.path_problems(exe, "ckpt-slurm executable")
+    interp = interpreter_of(exe)
+    if interp is not None:
+        out += trust.path_problems(interp, "interpreter of ckpt-slurm")
+    if log_file is not None:
+        out += trust.path_problems(log_file, "log file", must_exist=False)
+    return out
+
+
+def refuse_untrusted(problems: List[str]) -> None:
+    """ConfigError (exit 2) with the first problems, each with its fix."""
+    if problems:
+        more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
+        raise ConfigError(
+            "refusing: root would run what another user can change: "
+            + "; ".join(problems[:2])
+            + more
+        )

@@ -7,7 +7,8 @@ checkpoint.
    already keeps the admin's reason);
 2. with ``--signal-jobs``, asks the running jobs to checkpoint now
    (``scancel --signal=USR1 --full``);
-3. waits until no job is left on the nodes **and** every node's status file on the PFS,
+3. waits until no job is left on the nodes **and** every node's status (on the PFS, or
+   signed in the object store on a site without one: :mod:`slurm_ckpt.ledger.status_store`),
    published *after* the drain began, reports no checkpoint waiting for a flush (an older
    status says nothing about what the last job left behind: keep waiting; the stager
    daemon republishes it every pass);
@@ -27,16 +28,19 @@ else its status file on the PFS), else wait up to ``--wait`` and exit 4 with one
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from slurm_ckpt.core import trust
 from slurm_ckpt.core.names import validate_node
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import CkptError, NotReady, SlurmError
 from slurm_ckpt.ledger import LEDGER_NAME, Ledger
-from slurm_ckpt.ledger.node_status import read_node_statuses
+from slurm_ckpt.ledger.status_store import read_statuses, status_store
 from slurm_ckpt.slurm import hostlist
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.records import MAINT_PREFIX
@@ -217,7 +221,12 @@ def wait_ready(
     while True:
         for n in nodes:
             _keep_drained(client, n, reason)
-        waits = node_readiness(nodes, since, read_node_statuses(pfs_root), _jobs(client, nodes))
+        notes: List[str] = []
+        statuses = read_statuses(pfs_root, notes)  # the PFS, or signed objects in the bucket
+        waits = node_readiness(nodes, since, statuses, _jobs(client, nodes))
+        for w in waits:
+            if w.status_time is None and notes:
+                w.note = f"ignored: {notes[0]}"  # untrusted statuses never count
         if on_poll is not None:
             on_poll(waits)
         if all(w.ready for w in waits):
@@ -268,7 +277,7 @@ def run_maint(
                 except SlurmError as exc:
                     say(f"job {job}: signal failed: {exc}")
     t0 = time.monotonic()
-    wait_ready(client, cfg.tiers.pfs.root, nodes, text, since, timeout, poll, on_poll)
+    wait_ready(client, status_store(cfg), nodes, text, since, timeout, poll, on_poll)
     say(
         f"{','.join(nodes)}: no jobs, nothing left to flush "
         f"(after {format_duration(time.monotonic() - t0)}); running: {' '.join(argv)}"
@@ -285,16 +294,25 @@ def run_maint(
 
 
 def local_backlog(cfg: Any, node: str) -> Optional[Tuple[int, int]]:
-    """``(count, bytes)`` owed to the PFS per the node's ledger; None without a ledger."""
-    directory = cfg.ledger.dir
-    if not os.path.exists(os.path.join(str(directory), LEDGER_NAME)):
+    """``(count, bytes)`` owed to the PFS per the node's ledger; None without a ledger
+    root can trust (the directory and the file root's, writable by no one else: a
+    ledger a user could write must not decide a reboot)."""
+    directory = str(cfg.ledger.dir)
+    try:
+        dst = os.lstat(directory)
+        fst = os.lstat(os.path.join(directory, LEDGER_NAME))
+    except OSError:
         return None
-    recs = Ledger(directory, node).pending_flush()
+    if trust.unsafe_dir(dst, trust.ROOT_UID) is not None:
+        return None
+    if not stat.S_ISREG(fst.st_mode) or fst.st_uid != trust.ROOT_UID or fst.st_mode & 0o022:
+        return None
+    recs = Ledger(Path(directory), node).pending_flush()
     return len(recs), sum(r.nbytes for r in recs)
 
 
 def _pfs_backlog(cfg: Any, node: str) -> Optional[Tuple[int, int]]:
-    for doc in read_node_statuses(cfg.tiers.pfs.root):
+    for doc in status_store(cfg).read():
         if doc.get("node") == node:
             pend = doc.get("pending") or {}
             return int(pend.get("count", 0) or 0), int(pend.get("bytes", 0) or 0)
@@ -324,6 +342,7 @@ def guard(cfg: Any, node: str, wait_s: float, poll: float) -> str:
             noun = "checkpoint" if count == 1 else "checkpoints"
             raise NotReady(
                 f"guard {node}: {count} {noun} ({format_bytes(nbytes)}) not yet flushed to "
-                f"the PFS ({source}); refusing"
+                f"the {'PFS' if cfg.tiers.pfs is not None else 'object store'} ({source}); "
+                "refusing"
             )
         time.sleep(min(poll, left))

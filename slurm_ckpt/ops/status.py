@@ -1,9 +1,10 @@
 """What ``ckpt-slurm status`` shows, computed without click, rich or any node's NVMe.
 
-A login node sees three things: the **catalog** on the shared tiers (``<root>/<user>/<key>/
-step-*``), the **node status files** every node publishes on the PFS
-(``<pfs>/.slurm_ckpt/nodes/<node>.json``, see
-:func:`~slurm_ckpt.ledger.node_status.publish_status`), and
+A login node sees three things: the **catalog** on each shared tier (PFS, object store,
+cold: ``<user>/<key>/step-*``, :func:`~slurm_ckpt.ops.catalog_tiers.shared_heads`), the
+**node statuses** every node publishes (``<pfs>/.slurm_ckpt/nodes/<node>.json``, or on a
+site without a PFS signed objects in the bucket, see
+:mod:`slurm_ckpt.ledger.status_store`), and
 **SLURM** (one bulk ``squeue`` and one ``sinfo``, through an injectable function so that
 this works, and is tested, where SLURM is absent). :func:`build_status` joins them; it is
 pure (no I/O, no clock) and takes the scans as arguments.
@@ -24,7 +25,10 @@ Top level::
     format        "slurm_ckpt.status"
     version       1
     time          epoch seconds of the report
-    pfs_root      the PFS root that was read
+    pfs_root      the PFS root that was read (null on a site without a PFS)
+    warm_tier     the tier flushes go to: "pfs", or "object" on a site without a PFS;
+                  "at risk" means not yet safe there
+    node_statuses where the node statuses were read (a path or an s3:// URL)
     slurm         {"available": bool, "note": str}
     filters       {"user", "job", "key", "node"}: null when not given
     totals        {"jobs", "nodes", "steps_at_risk", "checkpoints_at_risk",
@@ -42,22 +46,26 @@ to the job recorded in its newest PFS manifest; a series with neither has ``job:
     slurm_state          "RUNNING", "PENDING", ... as SLURM says; "gone" when SLURM
                          answered but no longer lists the job; "unknown" without SLURM
     nodes                nodes that report the job (status files) or that SLURM lists
-    tiers                {"local": T|null, "pfs": T|null[, "cold": T|null]} where T is
-                         {"step", "age_s"} for local (from the node status files) and
-                         {"step", "age_s", "bytes", "checkpoints", "damaged"} for pfs/cold:
-                         the newest committed step, its age (now minus the checkpoint's
-                         commit time), its size, the number of step directories up to it,
-                         and the damaged step directories newer than it
-    steps_at_risk        newest local step minus the newest step safe on the PFS
+    tiers                {"local": T|null, and for each configured shared tier "pfs",
+                         "object", "cold": T|null} where T is {"step", "age_s"} for local
+                         (from the node status files) and {"step", "age_s", "bytes",
+                         "checkpoints", "damaged", "data_version"} for a shared tier: the
+                         newest committed step, its age (now minus the checkpoint's
+                         commit time), its size, the number of steps up to it, the
+                         damaged steps newer than it, and what it was trained on
+    data_version         the data version of the newest checkpoint on any shared tier
+                         (``save(..., data_version=...)``); null when not recorded
+    steps_at_risk        newest local step minus the newest step safe on the warm tier
                          (committed there, or verified per the node status); null when no
                          node reports the job
-    checkpoints_at_risk  checkpoints committed locally and not yet verified on the PFS
+    checkpoints_at_risk  checkpoints committed locally and not yet verified on the warm
+                         tier
     bytes_at_risk        their bytes
     in_flight            copies of this job running now
     failed               checkpoints whose last copy or verification failed
     flush_rate_bps       bytes/s: a node-published ``flush_rate_bps`` if present, else the
-                         newest PFS checkpoint's size over the time from its local commit
-                         to its PFS commit (includes queueing: a pessimistic rate); null
+                         newest warm-tier checkpoint's size over the time from its local
+                         commit to its commit there (includes queueing: a pessimistic rate); null
                          when unknown
     flush_eta_s          bytes_at_risk / flush_rate_bps; 0 when nothing is at risk; null
                          when the rate is unknown
@@ -66,7 +74,7 @@ A **node entry**::
 
     node                 SLURM node name
     status_age_s         age of its status file (null: no status file)
-    pending_checkpoints  checkpoints owed to the PFS
+    pending_checkpoints  checkpoints owed to the warm tier
     pending_bytes        their bytes
     in_flight            copies running now
     in_flight_flushes    [{"user", "key", "step", "tier", "bytes", "running_s"}] (the
@@ -86,8 +94,11 @@ from typing import Any, Callable, Collection, Dict, List, Optional, Set, Tuple, 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import validate_key, validate_node, validate_user
 from slurm_ckpt.errors import CkptError
-from slurm_ckpt.ledger.node_status import read_node_statuses
-from slurm_ckpt.ops.catalog import Series, SeriesHead, scan_catalog
+from slurm_ckpt.ledger.status_store import status_store
+from slurm_ckpt.ledger.user_status import read_user_statuses
+from slurm_ckpt.ledger.warm_slot import shown_tier
+from slurm_ckpt.ops.catalog import Series, SeriesHead
+from slurm_ckpt.ops.catalog_tiers import shared_heads
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.records import REASON_PREFIX
 
@@ -232,16 +243,17 @@ def _tier_entry(heads: List[SeriesHead], now: float) -> Optional[Dict[str, Any]]
         "bytes": newest.nbytes,
         "checkpoints": sum(h.checkpoints for h in heads),
         "damaged": sum(h.damaged for h in heads),
+        "data_version": newest.data_version,
     }
 
 
-def _flight(entry: Dict[str, Any], now: float) -> Dict[str, Any]:
+def _flight(entry: Dict[str, Any], now: float, warm: str = "pfs") -> Dict[str, Any]:
     since = _num(entry.get("since"))
     return {
         "user": entry.get("user"),
         "key": entry.get("key"),
         "step": entry.get("step"),
-        "tier": entry.get("tier"),
+        "tier": shown_tier(entry.get("tier"), warm),  # the ledger's slot, named truly
         "bytes": _int(entry.get("nbytes")),
         "running_s": None if since is None else round(now - since, 3),
     }
@@ -250,29 +262,56 @@ def _flight(entry: Dict[str, Any], now: float) -> Dict[str, Any]:
 def build_status(
     *,
     now: float,
-    pfs_root: str,
-    pfs: Dict[Series, SeriesHead],
+    pfs_root: Optional[str],
+    pfs: Optional[Dict[Series, SeriesHead]] = None,
     node_statuses: List[Dict[str, Any]],
     slurm: SlurmSnapshot,
     cold: Optional[Dict[Series, SeriesHead]] = None,
+    shared: Optional[Dict[str, Dict[Series, SeriesHead]]] = None,
+    warm: str = "pfs",
+    statuses_at: Optional[str] = None,
     user: Optional[str] = None,
     job: Optional[str] = None,
     key: Optional[str] = None,
     node: Union[None, str, Collection[str]] = None,
+    user_statuses: Optional[List[Dict[str, Any]]] = None,
+    squatted: Optional[List[Dict[str, Any]]] = None,
+    notes: Optional[List[str]] = None,
 ) -> Dict[str, Any]:
     """Join catalog heads, node status files and SLURM into the status document.
 
     Pure: everything it needs is passed in. See the module docstring for the fields.
     ``node`` is one node name or several (``status -w 'n[1-3]'``): jobs on any of them.
+    ``shared`` is the catalog of each shared tier by name (else ``pfs`` and ``cold``);
+    ``warm`` names the tier flushes go to.
     """
+    if shared is None:
+        shared = {"pfs": pfs or {}} if cold is None else {"pfs": pfs or {}, "cold": cold}
     wanted_nodes = None if node is None else ({node} if isinstance(node, str) else set(node))
     jobs: Dict[Any, _Job] = {}
     owner: Dict[Series, Tuple[float, Any]] = {}  # series -> (last commit, job group)
 
-    def group(job_id: Optional[str], series: Optional[Series]) -> Any:
-        # Jobs group by id; records without a job id stay one group per node status entry
-        # (they cannot be split), and catalog series without one get a group each.
-        return job_id if job_id is not None else ("", series)
+    def group(job_id: Optional[str], series: Optional[Series], owner: str = "") -> Any:
+        # Jobs group by (id, user): a job id comes from manifests its user writes, so a
+        # user claiming another's job id gets a row of their own, never a share of the
+        # other's (and none at all when SLURM says the job is someone else's). Records
+        # without a job id stay one group per node status entry (they cannot be split),
+        # and catalog series without one get a group each.
+        if job_id is not None and owner:
+            sj = slurm.jobs.get(job_id)
+            if sj is not None and sj.user and sj.user != owner:
+                job_id = None  # a forged claim
+        return (job_id, owner) if job_id is not None else ("", series)
+
+    # 0. what the jobs themselves published (their users' own status files): newer
+    #    entries replace the hooks' for the same node and job; never node-level facts.
+    newer: Dict[Tuple[str, Any], Tuple[float, Dict[str, Any]]] = {}
+    for doc in user_statuses or []:
+        t = _num(doc.get("time"))
+        for job_key, js in (doc.get("jobs") or {}).items():
+            if isinstance(js, dict) and t is not None:
+                newer[(str(doc.get("node")), job_key)] = (t, js)
+    problems: Dict[Series, List[Dict[str, Any]]] = {}
 
     # 1. node status files: what each node holds locally and owes the PFS.
     node_rows: Dict[str, Dict[str, Any]] = {}
@@ -289,15 +328,24 @@ def build_status(
             "pending_checkpoints": _int(pending.get("count")),
             "pending_bytes": _int(pending.get("bytes")),
             "in_flight": _int(doc.get("in_flight_count", len(flights))),
-            "in_flight_flushes": [_flight(f, now) for f in flights],
+            "in_flight_flushes": [_flight(f, now, warm) for f in flights],
             "failed": _int(doc.get("failed_count")),
         }
-        for job_key, js in (doc.get("jobs") or {}).items():
+        for f in doc.get("failed") or []:
+            if isinstance(f, dict) and isinstance(f.get("user"), str):
+                problems.setdefault((f["user"], str(f.get("key"))), []).append(f)
+        own = dict(doc.get("jobs") or {})
+        for (n, job_key), (t_user, js_user) in newer.items():
+            if n == name and (t is None or t_user > t):
+                own[job_key] = js_user
+        for job_key, js in own.items():
             if not isinstance(js, dict):
                 continue
-            job_id = _job_id(job_key)
+            job_id = _job_id(str(job_key).split("#", 1)[0])
             series = [s for s in map(_series_of, js.get("keys") or []) if s is not None]
-            gid = group(job_id, (name, *series[:1]) if job_id is None else None)
+            owner_user = series[0][0] if series else str(js.get("user") or "")
+            gid = group(job_id, (name, *series[:1]), owner_user)
+            job_id = gid[0] or None
             j = jobs.setdefault(gid, _Job(job_id))
             j.series.update(series)
             if series and not j.user:
@@ -323,15 +371,15 @@ def build_status(
                     owner[s] = (commit or 0.0, gid)
 
     # 2. catalog series: attach to the job that last wrote them, else their manifest's job.
-    pfs_by_group: Dict[Any, List[SeriesHead]] = {}
-    cold_by_group: Dict[Any, List[SeriesHead]] = {}
-    for heads, into in ((pfs, pfs_by_group), (cold or {}, cold_by_group)):
+    by_tier: Dict[str, Dict[Any, List[SeriesHead]]] = {name: {} for name in shared}
+    for name, heads in shared.items():
+        into = by_tier[name]
         for series, head in heads.items():
             seen = owner.get(series)
-            gid = seen[1] if seen is not None else group(_job_id(head.job), series)
+            gid = seen[1] if seen is not None else group(_job_id(head.job), series, series[0])
             if seen is None:
                 owner[series] = (0.0, gid)
-            j = jobs.setdefault(gid, _Job(gid if isinstance(gid, str) else None))
+            j = jobs.setdefault(gid, _Job(gid[0] or None))
             j.series.add(series)
             if not j.user:
                 j.user = series[0]
@@ -378,7 +426,7 @@ def build_status(
         else:
             sj = slurm.jobs.get(j.job)
             state = sj.state if sj is not None else "gone"
-        pfs_heads = pfs_by_group.get(gid, [])
+        warm_heads = by_tier.get(warm, {}).get(gid, [])
         tiers: Dict[str, Any] = {
             "local": None
             if j.latest_step is None
@@ -386,19 +434,24 @@ def build_status(
                 "step": j.latest_step,
                 "age_s": None if j.last_commit_at is None else round(now - j.last_commit_at, 3),
             },
-            "pfs": _tier_entry(pfs_heads, now),
         }
-        if cold is not None:
-            tiers["cold"] = _tier_entry(cold_by_group.get(gid, []), now)
+        for name, groups in by_tier.items():
+            tiers[name] = _tier_entry(groups.get(gid, []), now)
         steps_at_risk: Optional[int] = None
         if j.latest_step is not None:
+            # The node statuses' "pfs" fields are the ledger's warm-tier slot (whatever
+            # the warm tier is: slurm_ckpt.ledger.warm_slot).
             safe = j.latest_pfs_verified if j.latest_pfs_verified is not None else 0
-            if tiers["pfs"] is not None:
-                safe = max(safe, tiers["pfs"]["step"])
+            if tiers.get(warm) is not None:
+                safe = max(safe, tiers[warm]["step"])
             steps_at_risk = max(0, j.latest_step - safe)
+        newest_any = [t for n, t in tiers.items() if n != "local" and t is not None]
+        data_version = (
+            max(newest_any, key=lambda t: t["step"])["data_version"] if newest_any else None
+        )
         rate = j.rate
-        if rate is None and pfs_heads:
-            newest = max(pfs_heads, key=lambda h: (h.step, h.wall_time))
+        if rate is None and warm_heads:
+            newest = max(warm_heads, key=lambda h: (h.step, h.wall_time))
             took = newest.committed_at - newest.wall_time
             if took > 0 and newest.nbytes > 0:
                 rate = newest.nbytes / took
@@ -408,14 +461,26 @@ def build_status(
             eta = round(j.pending_bytes / rate, 3)
         else:
             eta = None
+        found = [p for sr in sorted(j.series) for p in problems.get(sr, [])]
         rows.append(
             {
                 "job": j.job,
                 "user": j.user,
+                "problems": [
+                    {
+                        "key": p.get("key"),
+                        "step": p.get("step"),
+                        "state": p.get("state"),
+                        "hold": p.get("hold"),
+                        "reason": p.get("reason"),
+                    }
+                    for p in found[:5]
+                ],
                 "keys": keys,
                 "slurm_state": state,
                 "nodes": sorted(j.nodes),
                 "tiers": tiers,
+                "data_version": data_version,
                 "steps_at_risk": steps_at_risk,
                 "checkpoints_at_risk": j.pending,
                 "bytes_at_risk": j.pending_bytes,
@@ -436,6 +501,8 @@ def build_status(
         "version": STATUS_VERSION,
         "time": now,
         "pfs_root": pfs_root,
+        "warm_tier": warm,
+        "node_statuses": statuses_at,
         "slurm": {"available": slurm.available, "note": slurm.note},
         "filters": {
             "user": user,
@@ -460,6 +527,8 @@ def build_status(
         },
         "jobs": rows,
         "nodes": nodes_out,
+        "squatted": list(squatted or []),
+        "notes": list(notes or []),
     }
 
 
@@ -488,22 +557,32 @@ def collect_status(
         validate_key(key)
     for name in [node] if isinstance(node, str) else node or ():
         validate_node(name)
-    pfs_root = str(cfg.tiers.pfs.root)
-    pfs = scan_catalog(pfs_root, user=user, key=key)
-    cold = None
-    if cfg.tiers.cold is not None:
-        cold = scan_catalog(str(cfg.tiers.cold.root), user=user, key=key)
-    statuses = read_node_statuses(cfg.tiers.pfs.root)
+    pfs_root = None if cfg.tiers.pfs is None else str(cfg.tiers.pfs.root)
+    squatted: List[Dict[str, Any]] = []
+    # Every shared tier: pfs, object, cold (squatted user directories on the POSIX ones).
+    shared = shared_heads(cfg, user=user, key=key, squatted=squatted)
+    notes: List[str] = []
+    store = status_store(cfg)  # the PFS, or signed objects in the bucket without one
+    statuses = store.read(notes)
+    owners = sorted(
+        {u for heads in shared.values() for u, _k in heads} | ({user} if user else set())
+    )
+    # Jobs publish their own status in their user's directory on the PFS (none without).
+    user_docs = [] if pfs_root is None else read_user_statuses(cfg.tiers.pfs.root, owners)
     snapshot = (query or slurm_query)()
     return build_status(
         now=time.time() if now is None else now,
         pfs_root=pfs_root,
-        pfs=pfs,
-        cold=cold,
+        shared=shared,
+        warm=cfg.tiers.warm,
+        statuses_at=store.where,
         node_statuses=statuses,
         slurm=snapshot,
         user=user,
         job=job,
         key=key,
         node=node,
+        user_statuses=user_docs,
+        squatted=squatted,
+        notes=notes,
     )

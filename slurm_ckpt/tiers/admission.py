@@ -60,9 +60,15 @@ _LOCK_POLL_S = 0.01
 
 
 def slots_dir(cfg: Config) -> Path:
-    """Where the slots live: ``[admission] dir``, else ``<pfs root>/.slurm_ckpt/slots``."""
+    """Where the slots live: ``[admission] dir``, else ``<pfs root>/.slurm_ckpt/slots``.
+    A site without a PFS must name a shared directory (an object store has no ``flock``
+    and no owners to trust): AdmissionError without one (the config check says so too)."""
     if cfg.admission.dir is not None:
         return Path(cfg.admission.dir)
+    if cfg.tiers.pfs is None:
+        raise AdmissionError(
+            "admission slots need a shared directory on a site without a PFS: set [admission] dir"
+        )
     return Path(cfg.tiers.pfs.root) / LEDGER_SUBDIR / SLOTS_SUBDIR
 
 
@@ -201,12 +207,18 @@ class PosixSlotStore:
     # -- the state ----------------------------------------------------------------------
     def _read(self, dfd: int) -> SlotState:
         where = f"{self.directory}/{STATE_NAME}"
-        try:
-            fd = os.open(STATE_NAME, os.O_RDONLY | _O_FILE, dir_fd=dfd)
-        except FileNotFoundError:
-            return SlotState()
-        except OSError as exc:
-            raise AdmissionError(f"admission store {where}: {exc.strerror or exc}") from None
+        for _attempt in range(8):
+            try:
+                fd = os.open(STATE_NAME, os.O_RDONLY | _O_FILE, dir_fd=dfd)
+            except FileNotFoundError:
+                return SlotState()
+            except OSError as exc:
+                raise AdmissionError(f"admission store {where}: {exc.strerror or exc}") from None
+            if os.fstat(fd).st_nlink != 0 or _attempt == 7:
+                break
+            # Replaced by a writer between our open and fstat (a lock-free peek): the
+            # old inode is unlinked, read the new one.
+            os.close(fd)
         try:
             st = _trusted_file(fd, where, self.uid)
             if st.st_size > _MAX_STATE:

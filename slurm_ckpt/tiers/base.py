@@ -106,6 +106,11 @@ class RangeSink(Protocol):
         """Every byte of the file has been written: make it durable."""
         ...
 
+    # A sink may also offer ``buffer_for(offset, n) -> memoryview`` (its own memory for
+    # those bytes, within one chunk) and ``wrote(view, offset)`` (they are there): the
+    # copy engine then reads the source straight into the sink's memory (the object
+    # tier's part buffers) instead of copying between two buffers.
+
 
 class TierReader(Protocol):
     """A committed checkpoint open for reading (a context manager)."""

@@ -170,7 +170,11 @@ def _copy_files(
 
         def op(fi: int, ci: int, off: int, n: int) -> str:
             src, sink = sources[fi], sinks[fi]
-            got = hash_pieces(src.readinto, off, n, sink.write, limiter, piece)  # type: ignore[union-attr]
+            # A sink with memory of its own (an object-store part) is read into directly:
+            # no copy between two buffers on the way to the socket.
+            into = getattr(sink, "buffer_for", None)
+            write = sink.write if into is None else sink.wrote  # type: ignore[union-attr]
+            got = hash_pieces(src.readinto, off, n, write, limiter, piece, into=into)  # type: ignore[union-attr]
             if got != entries[fi].chunks[ci]:
                 raise SourceCorrupt(
                     f"source {entries[fi].path}: bytes {off}-{off + n} do not match the manifest"

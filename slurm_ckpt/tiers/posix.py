@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator, List, Optional, Tuple
 
-from slurm_ckpt.core import fsio
+from slurm_ckpt.core import fsio, trust
 from slurm_ckpt.core.chunks import PIECE, BandwidthLimiter
 from slurm_ckpt.core.commit import CheckpointWriter, read_manifest
 from slurm_ckpt.core.hashing import DEFAULT_CHUNK_SIZE
@@ -87,7 +87,7 @@ class PosixTier:
         validate_key(key)
         root = self._root_fd()
         try:
-            fd = fsio.open_beneath(root, [user, key], create=create)
+            fd = trust.open_user_subdir(root, user, [key], create, f"{self.name}:{self.root}")
         except FileNotFoundError:
             raise NotFound(f"{self.where(user, key)}: no such series") from None
         except OSError as exc:
@@ -165,6 +165,9 @@ class PosixTier:
             return
         if not stat.S_ISDIR(st.st_mode) or not os.access(udir, os.W_OK | os.X_OK):
             raise TierError(f"{self.name} tier {udir}: not a directory you can write")
+        owner = trust.squatter(st, user)  # another user made it first: refuse, as root does
+        if owner is not None:
+            raise trust.Squatted(trust.squat_message(f"{self.name}:{udir}", user, owner))
 
     def free_bytes(self) -> int:
         return shutil.disk_usage(self.root).free

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.tiers.base import Tier
@@ -13,9 +13,14 @@ from slurm_ckpt.tiers.s3 import S3Tier
 ORDER = ("local", "pfs", "object", "cold")
 
 
-def tiers_from_config(cfg: Config) -> Dict[str, Tier]:
+def tiers_from_config(cfg: Config, credentials: Optional[Dict[str, str]] = None) -> Dict[str, Tier]:
     """The tiers the config names, hot to cold: local; pfs and/or object (the warm
-    tier: ``cfg.tiers.warm``); cold when configured. Dict order is :data:`ORDER`."""
+    tier: ``cfg.tiers.warm``); cold when configured. Dict order is :data:`ORDER`.
+
+    ``credentials`` (boto3's ``aws_access_key_id``/``aws_secret_access_key``/
+    ``aws_session_token``) are the object tier's, given explicitly: root resolves its
+    own before a child becomes the checkpoint's owner (:mod:`slurm_ckpt.node.warm`), so
+    the child never reads the credentials or profile of the user it has become."""
     common = {
         "chunk_size": cfg.copy.chunk_size,
         "streams": cfg.copy.streams,
@@ -34,17 +39,25 @@ def tiers_from_config(cfg: Config) -> Dict[str, Tier]:
             bucket=o.bucket,
             prefix=o.prefix,
             region=o.region,
-            profile=o.profile,
+            profile=None if credentials else o.profile,
             part_size=o.part_size,
             concurrency=o.concurrency,
             chunk_size=cfg.copy.chunk_size,
             bandwidth=o.bandwidth_limit,
             buffer_size=cfg.copy.buffer_size,
+            credentials=credentials,
+            credentials_file=None if o.credentials_file is None else str(o.credentials_file),
         )
     c = cfg.tiers.cold
     if c is not None:
         tiers["cold"] = PosixTier("cold", str(c.root), bandwidth=c.bandwidth_limit, **common)
     return tiers
+
+
+def warm_tier(cfg: Config, tiers: Dict[str, Tier]) -> Tier:
+    """The tier every flush goes to (``cfg.tiers.warm``): the PFS, or the object store on
+    a site without one."""
+    return tiers[cfg.tiers.warm]
 
 
 def warm_tiers(cfg: Config) -> List[str]:

@@ -56,13 +56,14 @@ class S3Tier:
         prefix: str = "",
         region: str = "us-east-1",
         profile: Optional[str] = None,
-        part_size: int = 64 * 2**20,
+        part_size: int = 16 * 2**20,
         concurrency: int = 8,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         bandwidth: Optional[float] = None,
         buffer_size: int = PIECE,
         credentials: Optional[Dict[str, str]] = None,
         min_part: int = MIN_PART,
+        credentials_file: Optional[str] = None,
     ) -> None:
         self.name = name
         self.endpoint = endpoint
@@ -75,7 +76,9 @@ class S3Tier:
         self.chunk_size = chunk_size
         self.buffer_size = buffer_size
         self.limiter = BandwidthLimiter(bandwidth) if bandwidth else None
-        self.client = ClientFactory(endpoint, region, profile, concurrency * 2 + 4, credentials)
+        self.client = ClientFactory(
+            endpoint, region, profile, concurrency * 2 + 4, credentials, credentials_file
+        )
 
     def __repr__(self) -> str:
         return f"S3Tier({self.name!r}, {self.endpoint!r}, {self.bucket!r}, {self.prefix!r})"
@@ -104,9 +107,17 @@ class S3Tier:
         """The step's location as a URL (what ``list`` prints as its path)."""
         return f"s3://{self.bucket}/{self.step_prefix(user, key, step)}"
 
-    def part_len(self, chunk_size: int) -> int:
-        """The part size for a manifest chunk size: a whole number of chunks, at least
-        ``min_part`` (S3's minimum) and about ``part_size``."""
+    def part_len(self, chunk_size: int, split: bool = False) -> int:
+        """The part size for a manifest chunk size: about ``part_size`` and at least
+        ``min_part`` (S3's minimum). A whole number of chunks; or, with ``split`` (a copy,
+        where each chunk arrives front to back from one thread) and chunks of at least
+        twice ``part_size``, a whole fraction of one chunk: smaller parts keep more
+        requests in flight and leave a shorter tail at the end of an upload."""
+        if split and chunk_size >= 2 * self.part_size:
+            d = max(1, round(chunk_size / self.part_size))
+            while d > 1 and (chunk_size % d or chunk_size // d < self.min_part):
+                d -= 1
+            return chunk_size // d
         k = max(1, round(self.part_size / chunk_size), -(-self.min_part // chunk_size))
         return k * chunk_size
 
@@ -116,6 +127,10 @@ class S3Tier:
             return getattr(self.client(), op)(Bucket=self.bucket, **kw)
         except (bexc.ClientError, bexc.BotoCoreError, OSError) as exc:
             raise s3_error(exc, where, self.endpoint) from None
+
+    #: One request about the bucket (boto3's ``op``), any failure one line; for the few
+    #: objects that are not checkpoints (:mod:`slurm_ckpt.ledger.status_store`).
+    request = _call
 
     def list_objects(
         self, prefix: str, delimiter: Optional[str] = None

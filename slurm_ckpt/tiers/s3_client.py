@@ -10,6 +10,7 @@ tier does with flock.
 
 from __future__ import annotations
 
+import configparser
 import errno
 import fcntl
 import hashlib
@@ -26,7 +27,7 @@ from botocore.config import Config as BotoConfig
 
 from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
 
-__all__ = ["ClientFactory", "FULL_HINT", "s3_error", "step_lock"]
+__all__ = ["ClientFactory", "FULL_HINT", "resolve_credentials", "s3_error", "step_lock"]
 
 #: What SeaweedFS (and other stores) answer a write with when their disks are full: a
 #: plain HTTP 500 ("failed to find writable volumes" is only in the server's log).
@@ -117,12 +118,14 @@ class ClientFactory:
         profile: Optional[str] = None,
         pool: int = 16,
         credentials: Optional[Dict[str, str]] = None,
+        credentials_file: Optional[str] = None,
     ) -> None:
         self.endpoint = endpoint
         self.region = region
         self.profile = profile
         self.pool = pool
         self.credentials = credentials
+        self.credentials_file = credentials_file
         self._lock = threading.Lock()
         self._client: Any = None
         self._pid = -1
@@ -136,9 +139,15 @@ class ClientFactory:
                     self._pid = pid
         return self._client
 
+    def resolved(self) -> Optional[Dict[str, str]]:
+        """The credentials this factory's clients use (explicit, the credentials file,
+        or boto3's chain), frozen; None when there are none."""
+        return self.credentials or resolve_credentials(self.profile, self.credentials_file)
+
     def _build(self) -> Any:
+        explicit = self.credentials or read_credentials_file(self.credentials_file, self.profile)
         try:
-            session = boto3.session.Session(profile_name=self.profile)
+            session = boto3.session.Session(profile_name=None if explicit else self.profile)
         except bexc.BotoCoreError as exc:
             raise s3_error(exc, "object tier", self.endpoint) from None
         cfg = BotoConfig(
@@ -151,8 +160,63 @@ class ClientFactory:
             # check of every part, so the SigV4 payload hash would be a third pass.
             s3={"addressing_style": "path", "payload_signing_enabled": False},
         )
-        kw = dict(self.credentials or {})
+        kw = dict(explicit or {})
         return session.client("s3", endpoint_url=self.endpoint, config=cfg, **kw)
+
+
+def read_credentials_file(
+    path: Optional[str], profile: Optional[str] = None
+) -> Optional[Dict[str, str]]:
+    """Keys from a credentials file (``~/.aws/credentials`` format, section ``profile``
+    or ``default``); None when there is no such file, or this process may not read it
+    (a job reading root's file), or it has no keys in that section."""
+    if not path:
+        return None
+    parser = configparser.RawConfigParser()
+    try:
+        fd = os.open(str(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, encoding="utf-8") as fh:
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                return None
+            parser.read_string(fh.read(1 << 20))
+    except (OSError, UnicodeDecodeError, configparser.Error):
+        return None
+    section = profile or "default"
+    if not parser.has_section(section):
+        return None
+    sec = parser[section]
+    if not sec.get("aws_access_key_id") or not sec.get("aws_secret_access_key"):
+        return None
+    out = {
+        "aws_access_key_id": sec["aws_access_key_id"].strip(),
+        "aws_secret_access_key": sec["aws_secret_access_key"].strip(),
+    }
+    if sec.get("aws_session_token"):
+        out["aws_session_token"] = sec["aws_session_token"].strip()
+    return out
+
+
+def resolve_credentials(
+    profile: Optional[str] = None, credentials_file: Optional[str] = None
+) -> Optional[Dict[str, str]]:
+    """This process's S3 credentials (``credentials_file`` when it can read it, else the
+    environment, ``profile``, boto3's default chain), frozen into the keyword arguments
+    of :meth:`boto3.session.Session.client`; None when there are none (or the profile is
+    missing: the client reports it when used)."""
+    got = read_credentials_file(credentials_file, profile)
+    if got is not None:
+        return got
+    try:
+        creds = boto3.session.Session(profile_name=profile).get_credentials()
+    except bexc.BotoCoreError:
+        return None
+    if creds is None:
+        return None
+    frozen = creds.get_frozen_credentials()
+    out = {"aws_access_key_id": frozen.access_key, "aws_secret_access_key": frozen.secret_key}
+    if frozen.token:
+        out["aws_session_token"] = frozen.token
+    return out
 
 
 def _lock_dir() -> str:

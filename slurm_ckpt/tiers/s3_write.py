@@ -10,10 +10,11 @@ Commit protocol on S3 (the same promise as :mod:`slurm_ckpt.core.commit`):
 3. ``manifest.json`` is PUT last, with ``If-None-Match: *`` so that a committed step is
    never overwritten. A listing shows a step only once that object exists.
 
-A part is always a whole number of hash chunks (the chunk size of the manifest), so the
-bytes of a part are exactly the chunks the copy engine has hashed; within a chunk they
-arrive in order from one thread (the Tier protocol's promise), so one buffer per part in
-flight is all the memory a copy needs.
+A part is a whole number of hash chunks (the chunk size of the manifest), or, in a copy
+of large chunks, a whole fraction of one (:meth:`S3Tier.part_len`); within a chunk the
+bytes arrive in order from one thread (the Tier protocol's promise), so one buffer per
+part in flight is all the memory a copy needs, and a part inside one chunk is filled
+front to back (its CRC32 is computed on the way in).
 
 A copy killed midway leaves completed objects (each tagged with its manifest hash and
 size) and interrupted multipart uploads. The next copy of the same step keeps the
@@ -26,7 +27,6 @@ from __future__ import annotations
 import base64
 import io
 import threading
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Set
@@ -53,9 +53,22 @@ META_HASH = "ckpt-hash"
 META_SIZE = "ckpt-size"
 
 
-def crc32_b64(data: Any) -> str:
-    """The CRC32 of a buffer as S3's ``x-amz-checksum-crc32`` header wants it."""
-    return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+try:  # zlib-ng's CRC32 uses the CPU's carry-less multiply: 3-4x the stdlib's speed
+    from zlib_ng.zlib_ng import crc32 as _crc32
+except ImportError:  # pragma: no cover - zlib-ng is a dependency; the stdlib is correct
+    from zlib import crc32 as _crc32
+
+
+def crc32_of(data: Any, value: int = 0) -> int:
+    """CRC32 (zlib's) of a buffer, continuing from ``value``."""
+    return _crc32(data, value)
+
+
+def crc32_b64(data: Any = None, crc: Optional[int] = None) -> str:
+    """The CRC32 of a buffer (or an already computed ``crc``) as S3's
+    ``x-amz-checksum-crc32`` header wants it."""
+    value = crc if crc is not None else crc32_of(data)
+    return base64.b64encode(value.to_bytes(4, "big")).decode()
 
 
 class _Upload:
@@ -74,6 +87,11 @@ class _Upload:
         self.crcs: Dict[int, str] = {}
         self._bufs: Dict[int, bytearray] = {}
         self._filled: Dict[int, int] = {}
+        #: Running CRC32 of each part being filled, when its bytes arrive in order (a
+        #: part of one hash chunk: one thread fills it front to back): computed on the
+        #: way in, while the bytes are fresh, instead of a pass over the part at the end.
+        self._crc: Dict[int, int] = {}
+        self._in_order = w.chunk_size % self.part_len == 0
         self._lock = threading.Lock()
         self.meta: Dict[str, str] = {}
         if entry is not None:
@@ -97,9 +115,10 @@ class _Upload:
                 self.w._track_upload(self)
             return self.upload_id
 
-    def put_part(self, pn: int, data: Any) -> None:
-        """Upload part ``pn`` (0-based) from ``data``, its CRC32 checked by the store."""
-        crc = crc32_b64(data)
+    def put_part(self, pn: int, data: Any, crc_value: Optional[int] = None) -> None:
+        """Upload part ``pn`` (0-based) from ``data``, its CRC32 (``crc_value``, else
+        computed here) checked by the store."""
+        crc = crc32_b64(data, crc_value)
         view = data if isinstance(data, (bytes, bytearray)) else _ViewBody(data)
         if self.nparts == 1:
             self.w.call(
@@ -144,26 +163,51 @@ class _Upload:
         self.w._untrack_upload(self)
 
     # -- RangeSink (copy mode) ---------------------------------------------------------
-    def write(self, data: memoryview, offset: int) -> None:
+    def buffer_for(self, offset: int, n: int) -> memoryview:
+        """The part buffer's memory for bytes ``offset .. offset + n``, or fewer: up to
+        the end of that part. The copy engine reads the source straight into it, so the
+        bytes are never copied in memory on their way to the socket. Hand the bytes over
+        with :meth:`wrote`."""
         pn = offset // self.part_len
-        psize = self._part_size(pn)
+        start = offset - pn * self.part_len
+        n = min(n, self._part_size(pn) - start)  # up to the end of this part
         with self._lock:
             buf = self._bufs.get(pn)
             if buf is None:
                 buf = self._bufs[pn] = self.w._buffer()
                 self._filled[pn] = 0
-        start = offset - pn * self.part_len
-        buf[start : start + len(data)] = data
+                self._crc[pn] = 0
+        return memoryview(buf)[start : start + n]
+
+    def wrote(self, view: memoryview, offset: int) -> None:
+        """Bytes ``offset .. offset + len(view)`` are in the buffer :meth:`buffer_for`
+        gave; a part that is complete goes up now."""
+        pn = offset // self.part_len
+        psize = self._part_size(pn)
+        crc = crc32_of(view, self._crc.get(pn, 0)) if self._in_order else None
         with self._lock:
-            self._filled[pn] += len(data)
+            self._filled[pn] += len(view)
+            if crc is not None:
+                self._crc[pn] = crc
             full = self._filled[pn] >= psize
+            buf = self._bufs[pn]
         if full:
             try:
-                self.put_part(pn, buf if psize == len(buf) else memoryview(buf)[:psize])
+                body = buf if psize == len(buf) else memoryview(buf)[:psize]
+                self.put_part(pn, body, self._crc.get(pn) if self._in_order else None)
             finally:
                 with self._lock:
                     self._bufs.pop(pn, None)
+                    self._crc.pop(pn, None)
                 self.w._release(buf)
+
+    def write(self, data: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(data):  # part by part
+            into = self.buffer_for(offset + done, len(data) - done)
+            into[:] = data[done : done + len(into)]
+            self.wrote(into, offset + done)
+            done += len(into)
 
     def finish(self) -> None:
         """Every byte is in: complete the upload and check the object's size."""
@@ -301,7 +345,7 @@ class S3Writer:
             copy_of.chunk_size if copy_of is not None else (chunk_size or tier.chunk_size)
         )
         self.streams = streams or tier.streams
-        self.part_len = tier.part_len(self.chunk_size)
+        self.part_len = tier.part_len(self.chunk_size, split=copy_of is not None)
         if copy_of is not None and (copy_of.user, copy_of.key, copy_of.step) != (user, key, step):
             raise CkptError(f"{self.where}: manifest names another checkpoint")
         self._lock = threading.Lock()

@@ -1,0 +1,260 @@
+"""What root's children do *as the checkpoint's owner* (:func:`~slurm_ckpt.node.asuser.run_as`).
+
+Every function here runs in a child process that has become the user whose data it
+touches, so the kernel applies that user's permissions and a planted link can reach
+nothing the user could not. Each calls :func:`~slurm_ckpt.node.asuser.alive` as it makes
+progress: the parent kills a child that stops showing signs of life (its user may have
+stopped it) and goes on with other users. Results go back as JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+import time
+from typing import Any, Dict, List
+
+from slurm_ckpt.core import fsio
+from slurm_ckpt.core.config import LEDGER_SUBDIR, Config
+from slurm_ckpt.core.layout import LOCK_PREFIX, parse_step_dirname
+from slurm_ckpt.core.manifest import MANIFEST_NAME, manifest_facts
+from slurm_ckpt.core.names import validate_key
+from slurm_ckpt.errors import CkptError, InvalidName, NotFound, TierError
+from slurm_ckpt.node.asuser import alive, describe
+from slurm_ckpt.node.guard import UnsafeCheckpoint, check_step_files, check_user_dir
+from slurm_ckpt.node.warm import committed_manifest, guard_user_dir, owner_tiers, warm_of
+from slurm_ckpt.tiers.copy import copy_checkpoint
+from slurm_ckpt.tiers.posix import PosixTier
+from slurm_ckpt.tiers.registry import tiers_from_config
+
+__all__ = [
+    "delete_as_user",
+    "delete_many_as_user",
+    "flush_as_user",
+    "flush_many_as_user",
+    "reclaim_as_user",
+    "scan_local",
+]
+
+
+def scan_local(root: str, user: str, budget_s: float) -> Dict[str, Any]:
+    """``{"rows": [[key, step, nbytes, job], ...], "partial": bool}``: the committed
+    checkpoints of ``user``, as many as ``budget_s`` allows (``partial`` then: what was
+    not read is not known to be gone). Manifests are read with the fast fact reader
+    (checksum checked; the flush validates each one fully before any byte moves)."""
+    end = time.monotonic() + budget_s
+    tier = PosixTier("local", root)
+    out: List[List[Any]] = []
+    for key in tier.keys(user):
+        try:
+            validate_key(key)
+        except InvalidName:
+            continue
+        try:
+            ctx = tier.key_fd(user, key)
+            kfd = ctx.__enter__()
+        except (NotFound, TierError):
+            continue
+        try:
+            for name in os.listdir(kfd):
+                alive()
+                if time.monotonic() >= end:
+                    return {"rows": out, "partial": True}
+                step = parse_step_dirname(name)
+                if step is None:
+                    continue
+                try:
+                    sfd = os.open(name, fsio.O_DIR, dir_fd=kfd)
+                except OSError:
+                    continue
+                try:
+                    facts = manifest_facts(fsio.read_small(sfd, MANIFEST_NAME))
+                except (OSError, CkptError):
+                    continue
+                finally:
+                    os.close(sfd)
+                if (facts.user, facts.key, facts.step) == (user, key, step):
+                    out.append([key, step, facts.nbytes, facts.job])
+        finally:
+            ctx.__exit__(None, None, None)
+    return {"rows": out, "partial": False}
+
+
+def flush_as_user(cfg: Config, user: str, key: str, step: int, uid: int) -> Dict[str, Any]:
+    tiers = owner_tiers(cfg)  # the object tier with root's lent keys (node.warm)
+    warm = warm_of(cfg, tiers)  # the PFS, or the object store on a site without one
+    alive()
+    check_user_dir(tiers["local"], user, uid)
+    guard_user_dir(warm, user, uid)  # POSIX: the user's own dir; object: we are the user
+    check_step_files(tiers["local"], user, key, step, uid)
+    alive()
+    try:
+        res = copy_checkpoint(
+            tiers["local"],
+            warm,
+            user,
+            key,
+            step,
+            replace_older=True,
+            progress=lambda _n: alive(),
+        )
+    except fsio.RefusedPath as exc:
+        # A symlink at its PFS step directory (or anything else refused): the owner's doing.
+        raise UnsafeCheckpoint(str(exc)) from None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EINVAL, errno.EMFILE):
+            # A symlink (or FIFO...) at the step's lock file, too many files: theirs too.
+            where = tiers["local"].where(user, key, step)
+            raise UnsafeCheckpoint(str(fsio.tier_error(exc, where))) from None
+        raise
+    return {
+        "nbytes": res.nbytes,
+        "copied": res.copied_bytes,
+        "seconds": res.seconds,
+        "already": res.already_present,
+    }
+
+
+def flush_many_as_user(
+    cfg: Config, user: str, uid: int, items: List[List[Any]], budget_s: float
+) -> List[Dict[str, Any]]:
+    """:func:`flush_as_user` for several checkpoints of one user in one child (a fork
+    of a large root process costs more than copying a tiny checkpoint): one result per
+    item done, in order - ``{"ok": {...}}`` or ``{"err": ...}`` (:func:`describe`) -
+    stopping when ``budget_s`` is spent (the rest are not in the list)."""
+    end = time.monotonic() + budget_s
+    out: List[Dict[str, Any]] = []
+    for key, step in items:
+        if out and time.monotonic() >= end:
+            break
+        try:
+            out.append({"ok": flush_as_user(cfg, user, str(key), int(step), uid)})
+        except Exception as exc:  # noqa: BLE001 - each item's own outcome, to the parent
+            out.append({"err": describe(exc)})
+    return out
+
+
+def delete_as_user(cfg: Config, user: str, key: str, step: int, uid: int, need_pfs: bool) -> bool:
+    """Delete a local checkpoint; with ``need_pfs`` only if the PFS holds the very same
+    committed checkpoint (identical manifest bytes) - the ledger is a cache, this is the
+    last word before bytes disappear."""
+    tiers = owner_tiers(cfg)
+    local, warm = tiers["local"], warm_of(cfg, tiers)  # warm: the PFS or the object store
+    alive()
+    check_step_files(local, user, key, step, uid)
+    if need_pfs:
+        mine = committed_manifest(local, user, key, step)
+        theirs = committed_manifest(warm, user, key, step)
+        if mine is None or mine != theirs:
+            raise CkptError(
+                f"{local.where(user, key, step)}: no identical committed copy on the "
+                f"{'PFS' if warm.name == 'pfs' else warm.name + ' tier'}; kept"
+            )
+    local.delete(user, key, step)
+    return True
+
+
+def delete_many_as_user(
+    cfg: Config, user: str, uid: int, items: List[List[Any]], budget_s: float
+) -> List[Dict[str, Any]]:
+    """:func:`delete_as_user` for several checkpoints (``[key, step, need_pfs]``): one
+    result per item done, in order (``{"ok": true}`` or ``{"err": ...}``), stopping when
+    ``budget_s`` is spent."""
+    end = time.monotonic() + budget_s
+    out: List[Dict[str, Any]] = []
+    for key, step, need_pfs in items:
+        if out and time.monotonic() >= end:
+            break
+        try:
+            out.append({"ok": delete_as_user(cfg, user, str(key), int(step), uid, bool(need_pfs))})
+        except Exception as exc:  # noqa: BLE001 - each item's own outcome, to the parent
+            out.append({"err": describe(exc)})
+    return out
+
+
+def _free(root: str) -> int:
+    sv = os.statvfs(root)
+    return sv.f_bavail * sv.f_frsize
+
+
+def _remove(dfd: int, name: str) -> None:
+    """Remove ``name`` below ``dfd`` whatever it is (never following a symlink)."""
+    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    if stat.S_ISDIR(st.st_mode):
+        fsio.remove_tree(dfd, name)
+    else:
+        os.unlink(name, dir_fd=dfd)
+
+
+def reclaim_as_user(
+    cfg: Config, user: str, uid: int, junk: List[List[Any]], safe: List[List[Any]], need: int
+) -> Dict[str, int]:
+    """Free local space of a user who has left this node (see
+    :mod:`slurm_ckpt.node.reclaim`). Removes everything in ``<local>/<user>`` that is
+    not a committed checkpoint - debris, stray files - plus the committed checkpoints
+    root listed in ``junk`` (found unflushable); then, while less than ``need`` bytes are
+    free, the checkpoints in ``safe`` (oldest first), each only if the PFS holds the very
+    same committed checkpoint. A committed checkpoint in neither list is never touched.
+    Returns counts: ``entries`` and ``checkpoints`` removed."""
+    tiers = tiers_from_config(cfg)
+    local = tiers["local"]
+    drop = {(str(k), int(s_)) for k, s_ in junk}
+    out = {"entries": 0, "checkpoints": 0}
+    rfd = fsio.open_dir(local.root)
+    try:
+        ufd = fsio.open_beneath(rfd, [user])
+    finally:
+        os.close(rfd)
+    try:
+        for name in sorted(os.listdir(ufd)):
+            alive()
+            if name == LEDGER_SUBDIR:
+                continue  # the user's own ledger: small, and theirs
+            try:
+                validate_key(name)
+                kfd = os.open(name, fsio.O_DIR, dir_fd=ufd)
+            except (InvalidName, OSError):
+                _remove(ufd, name)  # not a series: junk
+                out["entries"] += 1
+                continue
+            try:
+                for entry in sorted(os.listdir(kfd)):
+                    alive()
+                    step = parse_step_dirname(entry)
+                    if step is None:
+                        if not entry.startswith(LOCK_PREFIX):
+                            _remove(kfd, entry)  # debris of writers and copies, strays
+                            out["entries"] += 1
+                        continue
+                    if (name, step) in drop or not _committed(local, user, name, step):
+                        _remove(kfd, entry)
+                        fsio.unlink_quiet(kfd, LOCK_PREFIX + entry)
+                        out["checkpoints" if (name, step) in drop else "entries"] += 1
+                left = os.listdir(kfd)
+            finally:
+                os.close(kfd)
+            if not left:
+                with contextlib.suppress(OSError):
+                    os.rmdir(name, dir_fd=ufd)  # a series with nothing left
+    finally:
+        os.close(ufd)
+    for key, step in safe:
+        if _free(local.root) >= need:
+            break
+        alive()
+        try:
+            delete_as_user(cfg, user, str(key), int(step), uid, True)
+            out["checkpoints"] += 1
+        except CkptError:
+            continue  # not identical on the PFS after all (or unsafe): kept
+    return out
+
+
+def _committed(tier: PosixTier, user: str, key: str, step: int) -> bool:
+    try:
+        tier.manifest(user, key, step)
+        return True
+    except (CkptError, OSError):
+        return False

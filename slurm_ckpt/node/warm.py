@@ -1,0 +1,131 @@
+"""The warm tier as every root-run flusher reaches it: the PFS, or the object store on a
+site without one (``cfg.tiers.warm``).
+
+The flushers (epilog, prolog rescue and staging, stager, root and user ``ckpt-slurm
+flush``, ckpt-srun) name the warm tier through :func:`warm_of`, never ``tiers["pfs"]``,
+and guard it through :func:`guard_user_dir` and :func:`guard_step_files`: the POSIX
+guards of :mod:`slurm_ckpt.node.guard` for a POSIX tier (they look at owners, modes and
+links, which an object store does not have), the object store's own rule for an object
+tier.
+
+The object store's rule
+-----------------------
+Its keys hold the owner (``<prefix>/<user>/<key>/step-N/...``) and the store itself has
+no owners: whoever holds the credentials may write any key. So root never writes user
+data there itself. A copy runs in a child that has become the checkpoint's owner
+(:func:`~slurm_ckpt.node.asuser.run_as`), and :func:`guard_user_dir` refuses unless that
+process *is* the user whose prefix it is about to write (its uid is the owner's, and the
+owner's name maps to that uid): data read with one user's permissions lands under that
+user's prefix only.
+
+The credentials in that child are root's, resolved by root before the fork
+(:func:`lend_credentials`, called by :class:`~slurm_ckpt.node.work.NodeWork`): the child
+has the user's ``HOME``, and must not read that user's ``~/.aws`` (a profile of the same
+name there would send root's flush through the user's keys, and the user's config file
+would shape the client), so it is pointed at no AWS files at all. A process that changed
+its uid is not dumpable, so the user cannot read root's keys out of its memory.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+from typing import Dict, Optional
+
+from slurm_ckpt.core import fsio
+from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.manifest import MANIFEST_NAME
+from slurm_ckpt.errors import CkptError, TierError
+from slurm_ckpt.node.guard import check_step_files, check_user_dir
+from slurm_ckpt.tiers.base import Tier
+from slurm_ckpt.tiers.posix import PosixTier
+from slurm_ckpt.tiers.registry import tiers_from_config, warm_tier
+from slurm_ckpt.tiers.s3_client import resolve_credentials
+
+__all__ = [
+    "committed_manifest",
+    "guard_step_files",
+    "guard_user_dir",
+    "lend_credentials",
+    "owner_tiers",
+    "warm_of",
+]
+
+#: Root's object-store credentials, resolved before forking owner children (see the
+#: module docstring); ``_LENT_SET`` says root has resolved them (even to nothing).
+_LENT: Optional[Dict[str, str]] = None
+_LENT_SET = False
+
+
+def warm_of(cfg: Config, tiers: Dict[str, Tier]) -> Tier:
+    """The tier every flush goes to: ``tiers["pfs"]``, or ``tiers["object"]`` on a site
+    without a PFS."""
+    return warm_tier(cfg, tiers)
+
+
+def lend_credentials(cfg: Config) -> None:
+    """Root, before it forks children that become a checkpoint's owner: resolve the object
+    tier's credentials (root's environment or profile) once, for :func:`owner_tiers` in
+    those children. Nothing to do without an object tier or when not root. Resolved
+    again by every NodeWork, so a long-running stager picks up rotated keys."""
+    global _LENT, _LENT_SET
+    if cfg.tiers.object is None or os.geteuid() != 0:
+        return
+    o = cfg.tiers.object
+    _LENT = resolve_credentials(
+        o.profile, None if o.credentials_file is None else str(o.credentials_file)
+    )
+    _LENT_SET = True
+
+
+def owner_tiers(cfg: Config) -> Dict[str, Tier]:
+    """The configured tiers for a child running as a checkpoint's owner: with root's lent
+    object-store credentials and no AWS files of the user's (see the module docstring).
+    Outside such a child (root itself, a user's own process) the plain tiers."""
+    if not _LENT_SET or os.geteuid() == 0:
+        return tiers_from_config(cfg)
+    os.environ["AWS_CONFIG_FILE"] = os.devnull
+    os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
+    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE"):
+        os.environ.pop(name, None)
+    return tiers_from_config(cfg, credentials=_LENT or None)
+
+
+def guard_user_dir(tier: Tier, user: str, uid: int) -> None:
+    """Before writing ``user``'s checkpoint to ``tier``: on a POSIX tier ``<root>/<user>``
+    must be the user's own (:func:`~slurm_ckpt.node.guard.check_user_dir`); on an object
+    tier this process must be that user (see the module docstring). TierError if not."""
+    if isinstance(tier, PosixTier):
+        check_user_dir(tier, user, uid)
+        return
+    try:
+        known = pwd.getpwnam(user).pw_uid
+    except KeyError:
+        known = None
+    if known != uid or os.geteuid() != uid:
+        raise TierError(
+            f"{tier.where(user, '*')}: this process (uid {os.geteuid()}) is not {user} "
+            f"(uid {known if known is not None else '?'}); refusing to write under "
+            "that user's prefix"
+        )
+
+
+def guard_step_files(tier: Tier, user: str, key: str, step: int, uid: int) -> None:
+    """Before root's child reads a checkpoint of ``tier``: on a POSIX tier every file must
+    be a regular file of the user with one link
+    (:func:`~slurm_ckpt.node.guard.check_step_files`). An object store has no links nor
+    owners, and every byte read from it is hashed against the manifest: nothing to check."""
+    if isinstance(tier, PosixTier):
+        check_step_files(tier, user, key, step, uid)
+
+
+def committed_manifest(tier: Tier, user: str, key: str, step: int) -> Optional[bytes]:
+    """The committed manifest's exact bytes, or None when there is none (or it cannot be
+    read): on a POSIX tier read without following a link, else through the tier."""
+    try:
+        if isinstance(tier, PosixTier):
+            with tier.step_fd(user, key, step) as sfd:
+                return fsio.read_small(sfd, MANIFEST_NAME)
+        return tier.manifest_bytes(user, key, step)
+    except (CkptError, OSError):
+        return None

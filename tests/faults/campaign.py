@@ -194,8 +194,14 @@ class Run:
                 proc.wait()
                 self.fault("stager SIGKILL")
             self.tracker.observe(f"after killed stager on {node}")
-        proc = self.site.stager(node)
-        out, _ = proc.communicate(timeout=300)
+        # A failed flush is retried after hooks.retry_backoff (1 s here, doubling): the
+        # stager daemon passes again until nothing is owed; a few passes at most.
+        for attempt in range(4):
+            time.sleep(2**attempt)
+            proc = self.site.stager(node)
+            out, _ = proc.communicate(timeout=300)
+            if not self.tracker.unflushed(node, self.key, committed):
+                break
         self.tracker.observe(f"after stager on {node}")
         missing = self.tracker.unflushed(node, self.key, committed)
         self.check(

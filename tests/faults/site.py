@@ -338,7 +338,9 @@ class Site:
             data: Dict[str, Dict[str, Any]] = {
                 "tiers.local": {"root": str(local), "min_free": "1MiB"},
                 "tiers.pfs": {"root": str(self.pfs)},
-                "hooks": {"budget": "8s", "stage_on_requeue": False},
+                # retry_backoff 1 s: the campaign's stager pass after a fault is healed
+                # stands for the stager's pass once the backoff (60 s by default) is over
+                "hooks": {"budget": "8s", "stage_on_requeue": False, "retry_backoff": "1s"},
                 "retention": {"keep_local": 2},
                 "copy": {"chunk_size": "256KiB", "streams": 2},
             }

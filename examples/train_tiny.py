@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -214,6 +215,26 @@ def write_reached(path: Optional[str], step: int) -> None:
     os.replace(tmp, path)
 
 
+def average_gradients(model: nn.Module, world: int) -> None:
+    """Data parallelism by hand: sum each gradient over the ranks, one parameter at a time,
+    always in the same order.
+
+    Not ``DistributedDataParallel``: DDP rebuilds its gradient buckets after the first
+    iteration of a process, so the first step after every restart would all-reduce with
+    another bucket layout than the uninterrupted run did at that step. With more than two
+    ranks the layout decides the order in which the ranks' values are added, and float
+    addition is not associative: the resumed run would drift from the uninterrupted one
+    in the last bits. Per-parameter all-reduces in a fixed order add every value the same
+    way in every process, so a resume stays bitwise exact at any world size.
+    """
+    import torch.distributed as dist
+
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+
+
 def setup_distributed(args: argparse.Namespace) -> Tuple[int, int]:
     """Join a gloo process group when launched as several ranks.
 
@@ -235,19 +256,38 @@ def setup_distributed(args: argparse.Namespace) -> Tuple[int, int]:
 
 
 def _master_addr() -> str:
-    nodes = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
-    if nodes:
-        import subprocess
+    """The address of the job's first node, where rank 0 listens for the rendezvous.
 
+    The first host name of the allocation when it resolves; else that node's ``NodeAddr``
+    as SLURM knows it (``scontrol show node``): on clusters whose node names are not in
+    DNS - the dev cluster runs every node on 127.0.0.1 - only SLURM knows where a node is.
+    """
+    import socket
+    import subprocess
+
+    nodes = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodes:
+        return "127.0.0.1"
+
+    def scontrol(*args: str) -> str:
         try:
             out = subprocess.run(
-                ["scontrol", "show", "hostnames", nodes], capture_output=True, text=True, timeout=30
+                ["scontrol", *args], capture_output=True, text=True, timeout=30, check=False
             )
-            if out.returncode == 0 and out.stdout.split():
-                return out.stdout.split()[0]
         except (OSError, subprocess.SubprocessError):
-            pass
-    return "127.0.0.1"
+            return ""
+        return out.stdout if out.returncode == 0 else ""
+
+    hosts = scontrol("show", "hostnames", nodes).split()
+    if not hosts:
+        return "127.0.0.1"
+    try:
+        socket.getaddrinfo(hosts[0], None)
+        return hosts[0]
+    except OSError:
+        pass
+    m = re.search(r"\bNodeAddr=(\S+)", scontrol("-o", "show", "node", hosts[0]))
+    return m.group(1) if m else hosts[0]
 
 
 def make_checkpointer(args: argparse.Namespace, rank: int, world: int) -> Any:
@@ -336,9 +376,6 @@ def main(argv: Optional[list] = None) -> int:
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + 1000 + rank)  # dropout differs per rank, as in real DP
     sampler = Sampler(make_corpus(args.seed), args.batch, args.seed, rank, world)
-    ddp: nn.Module = model
-    if world > 1:
-        ddp = nn.parallel.DistributedDataParallel(model)
 
     ckpt = make_checkpointer(args, rank, world)
     tc = None if ckpt is None else sct.TorchCheckpointer(ckpt, model, opt, sched)
@@ -359,9 +396,11 @@ def main(argv: Optional[list] = None) -> int:
     preempted = False
     while step < args.steps:
         x, y = sampler.next()
-        loss = F.cross_entropy(ddp(x), y)
+        loss = F.cross_entropy(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if world > 1:
+            average_gradients(model, world)
         opt.step()
         sched.step()
         step += 1

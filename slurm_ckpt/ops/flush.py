@@ -18,6 +18,7 @@ skipped as ``busy`` unless ``wait``, which waits for that copy and then makes su
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -221,26 +222,35 @@ def flush_own(
 
 
 def flush_series(cfg: Config, user: str, key: str, timeout: Optional[float] = None) -> List[str]:
-    """Copy every committed local checkpoint of ``user/key`` not yet on the PFS; returns
-    one line per checkpoint (copied, already there, or why not). Newest first: if time
-    runs out, the newest is what a restart wants; the epilog flushes the rest."""
+    """Copy every committed local checkpoint of ``user/key`` - and of its per-rank series
+    ``key.rankNNNNN`` (a multi-rank job) - not yet on the PFS; returns one line per
+    checkpoint (copied, already there, or why not). Newest first: if time runs out, the
+    newest is what a restart wants; the epilog flushes the rest."""
     tiers = tiers_from_config(cfg)
     local, pfs = tiers["local"], warm_of(cfg, tiers)  # the warm tier: PFS or object store
     guard_user_dir(pfs, user, os.getuid())
     flusher = Flusher(copy_in_process(local, pfs), hand_off_note=LEFT_TO_EPILOG)
     deadline = None if timeout is None else time.monotonic() + timeout
     lines = []
-    for info in reversed(local.steps(user, key)):
-        res = flusher.flush_one((user, key, info.step), deadline=deadline, nbytes=info.nbytes)
-        if res.status == "handed":
-            lines.append(f"step {info.step}: not flushed (flush timeout; the epilog will)")
-        elif res.ok:
-            state = (
-                ("already on the PFS" if pfs.name == "pfs" else f"already on the {pfs.name} tier")
-                if res.status == "already"
-                else f"flushed in {res.seconds:.1f}s"
-            )
-            lines.append(f"step {info.step}: {state}")
-        else:
-            lines.append(f"step {info.step}: flush failed: {res.error}")
+    # A multi-rank job saves one series per rank (<key>.rankNNNNN, see job.restore): the
+    # rank(s) on this node are flushed too.
+    shard = re.compile(re.escape(key) + r"\.rank[0-9]{5}")
+    for series in sorted(k for k in local.keys(user) if k == key or shard.fullmatch(k)):
+        name = "" if series == key else f"{series[len(key) + 1 :]} "
+        for info in reversed(local.steps(user, series)):
+            ident = (user, series, info.step)
+            res = flusher.flush_one(ident, deadline=deadline, nbytes=info.nbytes)
+            what = f"{name}step {info.step}"
+            if res.status == "handed":
+                lines.append(f"{what}: not flushed (flush timeout; the epilog will)")
+            elif res.ok:
+                there = "the PFS" if pfs.name == "pfs" else f"the {pfs.name} tier"
+                state = (
+                    f"already on {there}"
+                    if res.status == "already"
+                    else f"flushed in {res.seconds:.1f}s"
+                )
+                lines.append(f"{what}: {state}")
+            else:
+                lines.append(f"{what}: flush failed: {res.error}")
     return lines

@@ -173,6 +173,15 @@ class DevCluster:
     def down(self) -> None:
         self._script("down")
 
+    def power_off(self, node: str, wipe_local: bool = False) -> None:
+        """Kill ``node`` (its slurmd and every process on it, SIGKILL) and leave it off;
+        ``wipe_local``: its local disk is lost too. See ``dev-cluster power-off``."""
+        self._script("power-off", node, *(["--wipe-local"] if wipe_local else []))
+
+    def reboot_node(self, node: str, wipe_local: bool = False) -> None:
+        """Start ``node`` again (or power-cycle it): a fresh slurmd that reports a boot."""
+        self._script("reboot-node", node, *(["--wipe-local"] if wipe_local else []))
+
     def status(self) -> subprocess.CompletedProcess:
         return subprocess.run(
             ["bash", str(self.script), "status"],

@@ -1,0 +1,104 @@
+"""The campaign's invariants, checked from the outside (files on the tiers, SLURM).
+
+I1  no partial or corrupt checkpoint is ever listed or restored: every step a tier lists
+    verifies (except copies the scenario damaged on purpose), and every restart loads a
+    state bitwise equal to the uninterrupted run's state at that step;
+I2  no checkpoint that was verified on any tier is lost: a step once seen verified on a
+    tier stays verified there or on the PFS - unless a newer step is kept there instead
+    (retention) - except copies the scenario destroyed (damage, a wiped node);
+I3  every checkpoint committed locally when a job ended is verified on the PFS once the
+    epilog (or, after it, the stager) has run - or the node is still drained with our
+    reason (``slurm_ckpt:``), and then verified once the fault is gone and the stager ran;
+I4  a restart resumes at the newest step that verifies on a tier it can read (local
+    first, the PFS) and loses no more than one interval of work when the newest save
+    before the fault had been committed - none at all after SIGTERM.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Set, Tuple
+
+from tests.faults.site import Site
+
+Snapshot = Dict[str, Dict[int, bool]]
+
+
+class Tracker:
+    """What the tiers held over a run; records violations instead of raising, so that a
+    campaign reports all of them."""
+
+    def __init__(self, site: Site, key: str, keys: Optional[List[str]] = None) -> None:
+        self.site = site
+        self.keys = keys or [key]
+        self.ever: Set[Tuple[str, str, int]] = set()
+        self.damaged: Set[Tuple[str, str, int]] = set()
+        self.lost_tiers: Set[str] = set()
+        #: tiers whose reads fail on purpose for a while (EIO): not judged meanwhile
+        self.unreadable: Set[str] = set()
+        self.violations: List[str] = []
+        self.last: Dict[str, Snapshot] = {}
+
+    def violation(self, text: str) -> None:
+        self.violations.append(text)
+
+    def snapshot(self, key: str) -> Snapshot:
+        return {tid: self.site.verified(tier, key) for tid, tier in self.site.tiers().items()}
+
+    def observe(self, when: str) -> Dict[str, Snapshot]:
+        """I1 and I2 over every tier; returns the snapshot per key."""
+        out: Dict[str, Snapshot] = {}
+        for key in self.keys:
+            snap = out[key] = self.snapshot(key)
+            good = set()
+            for tid, steps in snap.items():
+                for step, ok in steps.items():
+                    if ok:
+                        good.add((tid, step))
+                    elif (tid, key, step) not in self.damaged and tid not in self.unreadable:
+                        self.violation(
+                            f"I1 {when}: {tid} lists {key} step {step}, which does not verify"
+                        )
+            for tid, k, step in sorted(self.ever):
+                if k != key or tid in self.lost_tiers or (tid, k, step) in self.damaged:
+                    continue
+                if tid in self.unreadable:
+                    continue
+                if not any(s2 >= step and t2 in (tid, "pfs") for t2, s2 in good):
+                    self.violation(
+                        f"I2 {when}: {key} step {step} was verified on {tid} and is gone, "
+                        "with nothing as new kept there or on the PFS"
+                    )
+            self.ever |= {(tid, key, step) for tid, step in good}
+        self.last = out
+        return out
+
+    def newest_readable(self, node: str, key: str) -> Optional[int]:
+        """The step a restart on ``node`` must resume at (I4), from the last snapshot."""
+        snap = self.last.get(key) or self.snapshot(key)
+        ok = [s for tid in (f"local:{node}", "pfs") for s, v in snap.get(tid, {}).items() if v]
+        return max(ok, default=None)
+
+    def committed_local(self, node: str, key: str) -> Set[int]:
+        snap = self.last.get(key) or self.snapshot(key)
+        return {s for s, ok in snap.get(f"local:{node}", {}).items() if ok}
+
+    def unflushed(self, node: str, key: str, committed: Set[int]) -> Set[int]:
+        """Of ``committed``, the steps with no verified PFS copy now (damaged ones aside)."""
+        pfs = self.snapshot(key)["pfs"]
+        return {
+            s for s in committed if not pfs.get(s) and (f"local:{node}", key, s) not in self.damaged
+        }
+
+    def check_flushed(self, node: str, key: str, committed: Set[int], when: str) -> bool:
+        """I3 after an epilog or stager: True when all of ``committed`` is on the PFS;
+        False (no violation) while the node is drained with our reason."""
+        missing = self.unflushed(node, key, committed)
+        if not missing:
+            return True
+        reason = self.site.node_reason(node) or ""
+        if not reason.startswith("slurm_ckpt:"):
+            self.violation(
+                f"I3 {when}: {key} steps {sorted(missing)} committed on {node} are not on the "
+                f"PFS and the node is not drained by us (reason {reason or None!r})"
+            )
+        return False

@@ -14,6 +14,7 @@ import pytest
 from slurm_ckpt.errors import VerifyError
 from slurm_ckpt.job import Checkpointer
 from slurm_ckpt.ledger import State
+from slurm_ckpt.tiers.copy import copy_checkpoint
 
 STEP_DIR = "step-{:010d}"
 
@@ -369,3 +370,24 @@ def test_multi_rank_weights_first_rolls_every_rank_back(tmp_path: Path) -> None:
         step, tier, w0, _ = got[r]
         assert (step, tier, w0) == (2, "local", r * 1000 + 2)
     assert sorted(got[1][3]) == [(3, "local"), (3, "pfs")]
+
+
+def test_a_rotten_pfs_copy_is_uncommitted_so_a_good_local_copy_is_flushed_again(
+    tmp_path: Path,
+) -> None:
+    """Node A wrote steps 1-2 and flushed them; the PFS copy of 2 rots. Node B (empty
+    local tier) restores: step 2 fails verification on the PFS, B falls back to step 1,
+    and the rotten copy is no longer committed. So node A's good local copy of step 2 is
+    owed to the PFS again (a re-flush copies it; had the rotten copy stayed committed, the
+    identical manifest would make the flush copy nothing, and A's retention could drop
+    the only good copy)."""
+    save_steps(tmp_path, [1, 2], flush_every=1)
+    flip(payload(tmp_path, "pfs", 2) / "data-0001.bin")
+    b = make(tmp_path, local=tmp_path / "local-b")
+    check(b.restore(), 1, "pfs")
+    b.close()
+    assert [s.step for s in b.pfs.steps(b.user, "run")] == [1]
+    a = make(tmp_path)
+    res = copy_checkpoint(a.local, a.pfs, a.user, "run", 2)
+    assert not res.already_present and a.pfs.verify(a.user, "run", 2).ok
+    a.close()

@@ -64,6 +64,7 @@ from slurm_ckpt.ledger.record import State
 from slurm_ckpt.slurm.client import job_end_time_provider
 from slurm_ckpt.slurm.env import job_env, resolve_rank
 from slurm_ckpt.slurm.requeue import requeue_job, requeue_reason
+from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.registry import tiers_from_config
 
 log = logging.getLogger("slurm_ckpt")
@@ -468,6 +469,28 @@ class Checkpointer:
     def _mark_bad(self, key: str, tier: str, step: int, reason: str) -> None:
         self._books.set_state(step, tier, State.BAD, reason, code="verify_failed", key=key)
 
+    def _uncommit_corrupt(self, tier: Tier, key: str, step: int) -> None:
+        """A shared-tier copy whose bytes do not match its manifest is not a checkpoint:
+        it is removed (manifest first), so that every node still holding a good local
+        copy of that step sees it gone at its next reconcile and flushes it again, and
+        no node's retention takes the copy that rotted for the safe one (while it stayed
+        committed, a re-flush would find the identical manifest and copy nothing). This
+        node's own good copy, if any, is owed again too: the ledger says BAD there."""
+        if tier.name == self.local.name:
+            return  # the job's own local copy: retention and the next save deal with it
+        try:
+            tier.delete(self.user, key, step)
+        except CkptError as exc:
+            log.warning(
+                "[ckpt] could not remove the corrupt %s: %s", tier.where(self.user, key, step), exc
+            )
+            return
+        log.warning(
+            "[ckpt] removed the corrupt %s; it is flushed again from a good copy",
+            tier.where(self.user, key, step),
+        )
+        self._books.emit("corrupt_removed", step=step, tier=tier.name)
+
     def _make_restorer(
         self,
         tiers: Optional[Sequence[str]] = None,
@@ -482,6 +505,7 @@ class Checkpointer:
             self.rank,
             self.world_size,
             mark_bad=self._mark_bad,
+            on_corrupt=self._uncommit_corrupt,
             agree=self._agree or dist_agree(),
             step=step,
             expect_data_version=expect_data_version,

@@ -125,6 +125,7 @@ class Restorer:
         world_size: int = 1,
         *,
         mark_bad: Optional[Callable[[str, str, int, str], None]] = None,
+        on_corrupt: Optional[Callable[[Tier, str, int], None]] = None,
         streams: int = READ_STREAMS,
         agree: Optional[Callable[[int], int]] = None,
         step: Optional[int] = None,
@@ -145,6 +146,7 @@ class Restorer:
         self.own_key = shard_key(key, rank, world_size)
         self.prefix = shard_prefix(rank)
         self.mark_bad = mark_bad
+        self.on_corrupt = on_corrupt
         self.streams = streams
         self.agree = agree
         self._bad: Set[Tuple[str, int]] = set()
@@ -266,6 +268,9 @@ class Restorer:
         log.warning("[ckpt] restore: skipping %s", exc)
         if self.mark_bad is not None:
             self.mark_bad(self.own_key, tier.name, step, str(exc))
+        if isinstance(exc, VerifyError) and self.on_corrupt is not None:
+            # The bytes do not match the manifest (not a read error that may pass).
+            self.on_corrupt(tier, self.own_key, step)
 
     def _best_own(
         self,

@@ -516,10 +516,15 @@ def test_corrupt_or_partial_checkpoints_are_never_restored(tmp_path: Path) -> No
     got, m = restore(weights_first=True)
     assert (got.step, got.tier) == (10, "local") and sct.state_digest(m) == digests[10]
 
-    # truncated on both tiers: the previous step
-    for root in (local, pfs):
-        blob = _blob(root, 20, "weights")
-        os.truncate(blob, blob.stat().st_size - 1)
+    # the PFS copy whose bytes did not match its manifest was uncommitted (manifest first),
+    # so no later restore or retention counts it; the local copy stays for the node's owner
+    pfs_step = pfs / _user() / "tiny" / f"step-{20:010d}"
+    assert not (pfs_step / "manifest.json").exists()
+    assert (local / _user() / "tiny" / f"step-{20:010d}" / "manifest.json").exists()
+
+    # truncated where it is left: the previous step
+    blob = _blob(local, 20, "weights")
+    os.truncate(blob, blob.stat().st_size - 1)
     got, m = restore()
     assert got.step == 10 and sct.state_digest(m) == digests[10]
 

@@ -66,11 +66,10 @@ from slurm_ckpt.core.config_schema import (  # noqa: F401 - the section classes 
     PfsTierConfig,
     RetentionConfig,
     TiersConfig,
-    field_of,
+    section_to_dict,
+    tiers_to_dict,
 )
 from slurm_ckpt.core.units import (
-    format_bytes,
-    format_duration,
     parse_bandwidth,
     parse_duration,
     parse_size,
@@ -163,14 +162,14 @@ class Config:
                 problems.append(_unknown(STANDALONE_SOURCE, "", name, TOP_KEYS))
                 continue
             if isinstance(value, TiersConfig):
-                value = _tiers_to_dict(value)
+                value = tiers_to_dict(value)
             elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-                value = _section_to_dict(value)
+                value = section_to_dict(value)
             if name == "tiers" and isinstance(value, Mapping):
                 tiers = data["tiers"]
                 for tier, tvalue in value.items():
                     if dataclasses.is_dataclass(tvalue) and not isinstance(tvalue, type):
-                        tvalue = _section_to_dict(tvalue)
+                        tvalue = section_to_dict(tvalue)
                     if isinstance(tiers.get(tier), dict) and isinstance(tvalue, Mapping):
                         tiers[tier] = {**tiers[tier], **tvalue}
                     else:
@@ -191,9 +190,9 @@ class Config:
         tiers. ``Config.from_dict(cfg.to_dict()) == cfg``. With ``human=True`` sizes,
         bandwidths and durations are formatted for people instead (not parseable back).
         """
-        out: Dict[str, Any] = {"tiers": _tiers_to_dict(self.tiers, human)}
+        out: Dict[str, Any] = {"tiers": tiers_to_dict(self.tiers, human)}
         for name in SECTION_CLASSES:
-            out[name] = _section_to_dict(getattr(self, name), human)
+            out[name] = section_to_dict(getattr(self, name), human)
         return out
 
     @property
@@ -566,39 +565,3 @@ def _build(data: Mapping[str, Any], src: str) -> Config:
         cold=tiers_objs.get("cold"),
     )
     return Config(tiers=tiers, source=src, **sections)
-
-
-# --------------------------------------------------------------------------- output
-
-
-def _value_out(kind: str, value: Any, human: bool) -> Any:
-    if value is None:
-        return None
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, tuple):
-        return list(value)
-    if human:
-        if kind == KIND_SIZE:
-            return format_bytes(value)
-        if kind == KIND_BANDWIDTH:
-            return format_bytes(value) + "/s"
-        if kind == KIND_DURATION:
-            return format_duration(value)
-    return value
-
-
-def _section_to_dict(obj: Any, human: bool = False) -> Dict[str, Any]:
-    return {
-        f.name: _value_out(f.metadata.get("kind", ""), getattr(obj, f.name), human)
-        for f in dataclasses.fields(obj)
-    }
-
-
-def _tiers_to_dict(tiers: TiersConfig, human: bool = False) -> Dict[str, Any]:
-    return {
-        name: (
-            None if getattr(tiers, name) is None else _section_to_dict(getattr(tiers, name), human)
-        )
-        for name in TIER_CLASSES
-    }

@@ -12,7 +12,9 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
+
+from slurm_ckpt.core.units import format_bytes, format_duration
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",
@@ -281,3 +283,40 @@ SECTION_CLASSES = {
     "admission": AdmissionConfig,
 }
 TOP_KEYS = ["tiers", *SECTION_CLASSES]
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _value_out(kind: str, value: Any, human: bool) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple):
+        return list(value)
+    if human:
+        if kind == KIND_SIZE:
+            return format_bytes(value)
+        if kind == KIND_BANDWIDTH:
+            return format_bytes(value) + "/s"
+        if kind == KIND_DURATION:
+            return format_duration(value)
+    return value
+
+
+def section_to_dict(obj: Any, human: bool = False) -> Dict[str, Any]:
+    """A section as plain data; ``human`` writes sizes, rates and durations with units."""
+    return {
+        f.name: _value_out(f.metadata.get("kind", ""), getattr(obj, f.name), human)
+        for f in dataclasses.fields(obj)
+    }
+
+
+def tiers_to_dict(tiers: TiersConfig, human: bool = False) -> Dict[str, Any]:
+    return {
+        name: (
+            None if getattr(tiers, name) is None else section_to_dict(getattr(tiers, name), human)
+        )
+        for name in TIER_CLASSES
+    }

@@ -44,6 +44,7 @@ from slurm_ckpt.ledger.record import (
     Ident,
     Record,
     State,
+    apply_fields,
     check_ident,
     check_tier,
     merge_durations,
@@ -310,13 +311,7 @@ class Ledger:
                 else:
                     rec = from_raw(raw)
                 rec.set_state(tier, st, now, reason)
-                for name, value in fields.items():
-                    if name == "durations":
-                        merge_durations(rec, value)
-                    elif name == "job":
-                        rec.job = None if value is None else str(value)
-                    else:
-                        setattr(rec, name, value)
+                apply_fields(rec, fields)
                 rec.updated_at = now
                 self._put(data, rec)
                 out.append(rec)

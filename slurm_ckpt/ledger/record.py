@@ -27,6 +27,7 @@ __all__ = [
     "check_tier",
     "is_held",
     "is_pending",
+    "apply_fields",
     "merge_durations",
     "one_line",
 ]
@@ -184,3 +185,15 @@ def merge_durations(rec: Record, durations: Optional[Dict[str, float]]) -> None:
         v = float(value)
         if math.isfinite(v):
             rec.durations[str(name)] = v
+
+
+def apply_fields(rec: Record, fields: Dict[str, Any]) -> None:
+    """Set the mutable fields a mark carries: durations merge (a later phase adds its own
+    timing without erasing the earlier ones), a job id is stored as text."""
+    for name, value in fields.items():
+        if name == "durations":
+            merge_durations(rec, value)
+        elif name == "job":
+            rec.job = None if value is None else str(value)
+        else:
+            setattr(rec, name, value)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ledger import Ident, Ledger, Record, State
 from slurm_ckpt.ledger.codec import MUTABLE_FIELDS
-from slurm_ckpt.ledger.record import merge_durations
+from slurm_ckpt.ledger.record import apply_fields
 
 log = logging.getLogger("slurm_ckpt.flush")
 
@@ -48,13 +48,7 @@ def set_state(
         if rec is None:
             rec = Record(*ident, created_at=now)
         rec.set_state(tier, state, now, reason)
-        for name, value in fields.items():
-            if name == "durations":
-                merge_durations(rec, value)
-            elif name == "job":
-                rec.job = None if value is None else str(value)
-            else:
-                setattr(rec, name, value)
+        apply_fields(rec, fields)
         if then is not None:
             then(rec, now)
         return rec

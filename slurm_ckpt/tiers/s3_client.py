@@ -21,9 +21,7 @@ import threading
 from contextlib import contextmanager, suppress
 from typing import Any, Dict, Iterator, Optional
 
-import boto3
 import botocore.exceptions as bexc
-from botocore.config import Config as BotoConfig
 
 from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
 
@@ -107,6 +105,17 @@ def s3_error(
     return TierError(f"{where}: {type(exc).__name__}: {exc}")
 
 
+def _boto3_session() -> Any:
+    """boto3's Session class, imported on first use: boto3 takes a fifth of a second to
+    import, which every ``ckpt-slurm`` command and every job paid for when it was loaded
+    with the module, on sites that have no object tier at all. A flusher resolves its
+    credentials (:func:`resolve_credentials`) before it forks, so its children inherit
+    the module."""
+    import boto3.session
+
+    return boto3.session.Session
+
+
 class ClientFactory:
     """A boto3 S3 client for this process, built on first use and again after a fork
     (connection pools must not be shared with a child)."""
@@ -146,10 +155,13 @@ class ClientFactory:
 
     def _build(self) -> Any:
         explicit = self.credentials or read_credentials_file(self.credentials_file, self.profile)
+        session_cls = _boto3_session()
         try:
-            session = boto3.session.Session(profile_name=None if explicit else self.profile)
+            session = session_cls(profile_name=None if explicit else self.profile)
         except bexc.BotoCoreError as exc:
             raise s3_error(exc, "object tier", self.endpoint) from None
+        from botocore.config import Config as BotoConfig  # see _boto3_session
+
         cfg = BotoConfig(
             region_name=self.region,
             max_pool_connections=self.pool,
@@ -206,8 +218,9 @@ def resolve_credentials(
     got = read_credentials_file(credentials_file, profile)
     if got is not None:
         return got
+    session_cls = _boto3_session()
     try:
-        creds = boto3.session.Session(profile_name=profile).get_credentials()
+        creds = session_cls(profile_name=profile).get_credentials()
     except bexc.BotoCoreError:
         return None
     if creds is None:

@@ -41,6 +41,9 @@ def test_planner_agrees_with_the_simulation_within_10_percent(nodes: int, seed: 
     }
     off = {k: v for k, v in figures.items() if not _close(*v)}
     assert not off, off
+    # The wait for a slot alone, a few seconds inside the flush times above, is the
+    # model's roughest part: within 15 % (the README says so).
+    assert _close(plan.mean_wait_s, sim.wait_mean, 0.15), (plan.mean_wait_s, sim.wait_mean)
     # The simulation really queued (the comparison is not between two idle systems).
     assert sim.wait_mean > 1.0 and sim.refused == 0
     # And without admission the same site overruns the PFS, as the planner says.

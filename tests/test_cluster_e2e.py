@@ -24,8 +24,9 @@ from typing import Dict, Iterator, List, Optional
 
 import pytest
 from helpers.cluster import DevCluster
+from helpers.site import write_config
 
-from slurm_ckpt.core.config import Config, load_config
+from slurm_ckpt.core.config import Config
 from slurm_ckpt.errors import NotFound
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.tiers.posix import PosixTier
@@ -121,21 +122,7 @@ class E2E:
         }
         for name, values in sections.items():
             data.setdefault(name.replace("_", "."), {}).update(values)
-
-        def val(v: object) -> str:
-            if isinstance(v, bool):
-                return "true" if v else "false"
-            return str(v) if isinstance(v, (int, float)) else f'"{v}"'
-
-        text = "".join(
-            f"[{name}]\n" + "".join(f"{k} = {val(v)}\n" for k, v in values.items())
-            for name, values in data.items()
-        )
-        tmp = self.config.with_suffix(".tmp")
-        tmp.write_text(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, self.config)
-        return load_config(self.config)
+        return write_config(self.config, data)
 
     def local_dir(self, node: str) -> Path:
         """Host-side path of this test's local tier on ``node``."""

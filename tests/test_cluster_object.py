@@ -24,6 +24,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
 from helpers.cluster import DevCluster
+from helpers.site import write_config
 from test_cluster_e2e import CKPT_SLURM, hooked_site
 from test_cluster_train import STEPS, USER, TrainSite
 
@@ -67,21 +68,7 @@ class ObjectSite(TrainSite):
         }
         for name, values in sections.items():
             data.setdefault(name.replace("_", "."), {}).update(values)
-
-        def val(v: object) -> str:
-            if isinstance(v, bool):
-                return "true" if v else "false"
-            return str(v) if isinstance(v, (int, float)) else f'"{v}"'
-
-        text = "".join(
-            f"[{name}]\n" + "".join(f"{k} = {val(v)}\n" for k, v in values.items())
-            for name, values in data.items()
-        )
-        tmp = self.config.with_suffix(".tmp")
-        tmp.write_text(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, self.config)
-        return load_config(self.config)
+        return write_config(self.config, data)
 
     def job(self, body: str, user: str = USER, args: List[str] = ()) -> str:
         """The job's own keys in its environment (see the module docstring)."""

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Dict, Iterable, Mapping, Optional
 
-from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.config import Config, load_config
 from slurm_ckpt.core.layout import step_dirname
 from slurm_ckpt.core.manifest import Manifest
 from slurm_ckpt.ledger import Ledger
@@ -108,3 +108,24 @@ class Site:
         dst: str = "pfs",
     ) -> CopyResult:
         return copy_checkpoint(self.tier(src), self.tier(dst), user, key, step)
+
+
+def write_config(path: Path, data: Mapping[str, Mapping[str, object]]) -> Config:
+    """Write ``{"tiers.local": {...}, ...}`` as the site's TOML config at ``path`` (mode
+    0644: the job users read it; replaced atomically, as a running hook may read it) and
+    load it back: the cluster sites' one way to (re)configure."""
+
+    def val(v: object) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        return str(v) if isinstance(v, (int, float)) else f'"{v}"'
+
+    text = "".join(
+        f"[{name}]\n" + "".join(f"{k} = {val(v)}\n" for k, v in values.items())
+        for name, values in data.items()
+    )
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+    return load_config(path)

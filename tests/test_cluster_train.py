@@ -26,6 +26,7 @@ Every wait polls SLURM, the job's output or files; nothing sleeps for a fixed ti
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -33,7 +34,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import pytest
 from helpers.cluster import FINAL_JOB_STATES, DevCluster
@@ -168,6 +169,30 @@ class TrainSite(E2E):
     def run_of(self, jobid: str) -> Run:
         return Run(self.c.job_output(jobid))
 
+    @contextlib.contextmanager
+    def preempted_and_moved(
+        self, key: str, first: str = "n2", second: str = "n3", timeout: float = 150
+    ) -> Iterator[Tuple[str, Run]]:
+        """Train ``key`` on ``first``, preempt it once it has committed, move the requeued
+        job to ``second`` (whose disk has nothing of the series) and wait for it to end:
+        yields the job id and its run, checked to have run once on each node."""
+        victim = self.train_job(key, ["-p", "low", "-w", first, "--requeue", "--open-mode=append"])
+        high = None
+        try:
+            self.wait_output(victim, r"^COMMITTED step=")
+            high = self.preempt(first)
+            self.wait_requeued(victim)
+            # SLURM keeps the node list of a requeued job: move it while it waits (a
+            # requeued job is held for cred_expire before it may start again).
+            self.c.run(["scontrol", "update", f"jobid={victim}", f"ReqNodeList={second}"])
+            info = self.c.wait_job_state(victim, "COMPLETED", timeout=timeout)
+            run = self.run_of(victim)
+            assert info["Restarts"] == "1", run.text
+            assert run.runs == [(victim, "0", first), (victim, "1", second)], run.text
+            yield victim, run
+        finally:
+            self.c.run(["scancel", victim] + ([high] if high else []), check=False)
+
     def wait_output(self, jobid: str, pattern: str, timeout: float = 90) -> Run:
         """Poll the job's output until ``pattern`` (a regex, multiline) appears."""
 
@@ -272,30 +297,15 @@ def test_preempted_requeued_on_another_node_resumes_from_pfs(t: TrainSite) -> No
     of this series, so the restart reads the checkpoint the preempted run flushed to the
     PFS (the prolog stages nothing here: hooks.stage_on_requeue is off)."""
     key = f"moved-{t.tok}"
-    first, second = "n2", "n3"
-    victim = t.train_job(key, ["-p", "low", "-w", first, "--requeue", "--open-mode=append"])
-    high = None
-    try:
-        t.wait_output(victim, r"^COMMITTED step=")
-        high = t.preempt(first)
-        t.wait_requeued(victim)
-        # SLURM keeps the node list of a requeued job: move it while it waits (a
-        # requeued job is held for cred_expire before it may start again).
-        t.c.run(["scontrol", "update", f"jobid={victim}", f"ReqNodeList={second}"])
-        info = t.c.wait_job_state(victim, "COMPLETED", timeout=150)
-        run = t.run_of(victim)
+    with t.preempted_and_moved(key) as (victim, run):
         out = run.text
-        assert info["Restarts"] == "1", out
-        assert run.runs == [(victim, "0", first), (victim, "1", second)], out
         [saved] = run.preempted
         [res] = run.resumed
         assert res["tier"] == "pfs", out  # nothing of this key on the new node's disk
         assert res["step"] == saved and res["lost"] == "0", out
         assert run.done == [(STEPS, t.reference_digest())], out
-        t.wait_hook("epilog", victim, second)
+        t.wait_hook("epilog", victim, "n3")
         t.assert_verified_on_pfs(key, saved, STEPS)
-    finally:
-        t.c.run(["scancel", victim] + ([high] if high else []), check=False)
 
 
 @pytest.mark.parametrize("how", ["scancel", "time-limit"])

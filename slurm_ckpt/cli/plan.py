@@ -16,6 +16,7 @@ import click
 
 from slurm_ckpt.cli.output import print_error
 from slurm_ckpt.cli.plan_cluster import run_cluster_plan
+from slurm_ckpt.cli.plan_strategies import StrategyOptions, checkpoint_bytes, run_strategy_plan
 from slurm_ckpt.cli.table import Column, Listing, OutputFormat, output_options, print_json_doc, warn
 from slurm_ckpt.core.planner import (
     Plan,
@@ -324,6 +325,23 @@ def _nodes(value: str) -> int:
 @click.option("--tenants", metavar="RATE", help="--cluster: other tenants' PFS demand.")
 @click.option("--cap", metavar="N", help="--cluster: evaluate this max_nodes cap.")
 @click.option("--jitter", metavar="DURATION", help="--cluster: evaluate this jitter.")
+@click.option(
+    "--strategies",
+    is_flag=True,
+    help="Goodput of PFS only, local + PFS, + partner copies, + restart in the allocation.",
+)
+@click.option("--node-mtbf", metavar="DURATION", help="--strategies: one node's MTBF: 150d.")
+@click.option(
+    "--node-loss-share", metavar="PCT", help="--strategies: failures that lose a node's disk [50%]."
+)
+@click.option("--queue-wait", metavar="DURATION", help="--strategies: requeue wait [10min].")
+@click.option("--relaunch", metavar="DURATION", help="--strategies: relaunch on a spare [1min].")
+@click.option("--init", metavar="DURATION", help="--strategies: job start-up per restart [2min].")
+@click.option("--partner-bw", metavar="RATE", help="--strategies: node-to-node rate [--local-bw].")
+@click.option("--pfs-node-bw", metavar="RATE", help="--strategies: one node's PFS read [--pfs-bw].")
+@click.option("--gpus-per-node", metavar="N", help="--strategies: for GPU-hours [8].")
+@click.option("--days", metavar="N", help="--strategies: run length for GPU-hours [30].")
+@click.option("--gpu-hour-cost", metavar="PRICE", help="--strategies: price of a GPU-hour.")
 @output_options
 @click.pass_context
 def plan(
@@ -351,6 +369,17 @@ def plan(
     tenants: Optional[str],
     cap: Optional[str],
     jitter: Optional[str],
+    strategies: bool,
+    node_mtbf: Optional[str],
+    node_loss_share: Optional[str],
+    queue_wait: Optional[str],
+    relaunch: Optional[str],
+    init: Optional[str],
+    partner_bw: Optional[str],
+    pfs_node_bw: Optional[str],
+    gpus_per_node: Optional[str],
+    days: Optional[str],
+    gpu_hour_cost: Optional[str],
     out: OutputFormat,
 ) -> None:
     """Size the checkpoint, time each tier and choose how often to save.
@@ -361,6 +390,11 @@ def plan(
     With --cluster: do all the site's checkpoint flushes fit the PFS, and which
     [admission] cap and jitter keep them within a share of it. Example:
     ckpt-slurm plan --cluster --jobs site.toml --pfs-bw 1TB/s --node-bw 5GB/s --share 70%
+
+    With --strategies: expected loss per failure, time to resume and goodput of PFS
+    only, local + PFS, local + partner + PFS and a restart inside the allocation.
+    Example: ckpt-slurm plan --strategies --params 70e9 --nodes 1024 --node-mtbf 150d
+    --local-bw 3GB/s --pfs-bw 100GB/s --pfs-node-bw 500MB/s --partner-bw 12.5GB/s
     """
     if cluster:
         try:
@@ -374,6 +408,37 @@ def plan(
                 cap=cap,
                 jitter=jitter,
                 as_json=out.json,
+            )
+        except CkptError as e:
+            print_error(e)
+            ctx.exit(e.exit_code)
+        return
+    if strategies:
+        try:
+            if pfs_bw is None:
+                raise PlanInputError("--pfs-bw is required (PFS bandwidth, e.g. 500MB/s)")
+            run_strategy_plan(
+                size_bytes=checkpoint_bytes(params, size, precision, optimizer, master_weights),
+                nodes=_nodes(nodes),
+                sharded=sharded,
+                mtbi=mtbi,
+                pfs_bw=pfs_bw,
+                local_bw=local_bw,
+                stall=stall,
+                max_loss=max_loss,
+                opts=StrategyOptions(
+                    node_mtbf=node_mtbf,
+                    node_loss_share=node_loss_share,
+                    queue_wait=queue_wait,
+                    relaunch=relaunch,
+                    init=init,
+                    partner_bw=partner_bw,
+                    pfs_node_bw=pfs_node_bw,
+                    gpus_per_node=gpus_per_node,
+                    days=days,
+                    gpu_hour_cost=gpu_hour_cost,
+                ),
+                out=out,
             )
         except CkptError as e:
             print_error(e)

@@ -42,7 +42,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import numpy as np
 import torch
@@ -401,14 +401,20 @@ def save(
     extra: Optional[Mapping[str, Any]] = None,
     rng: bool = True,
     data_version: Optional[str] = None,
+    lazy: Any = False,
 ) -> Any:
     """``ckpt.save(capture(...), step=, tokens=)``: returns once the snapshot is taken (the
     job layer copies every tensor before returning), so training may go on at once.
-    ``data_version`` (see :func:`data_version`) is recorded in the manifest."""
+    ``data_version`` (see :func:`data_version`) is recorded in the manifest. ``lazy``
+    (a predicate over tensors) defers their copy: see :class:`TorchCheckpointer`, which
+    makes the optimizer wait for it."""
     state = capture(model, optimizer, scheduler, scaler, data_position, extra, rng=rng)
-    if data_version is None:
-        return ckpt.save(state, step=step, tokens=tokens)
-    return ckpt.save(state, step=step, tokens=tokens, data_version=data_version)
+    kw: Dict[str, Any] = {}
+    if data_version is not None:
+        kw["data_version"] = data_version
+    if lazy:
+        kw["lazy"] = lazy
+    return ckpt.save(state, step=step, tokens=tokens, **kw)
 
 
 def restore(
@@ -485,6 +491,15 @@ class TorchCheckpointer:
     "wants to save" and "got a signal") per step: all ranks save at the same step, and
     once any rank got a signal all of them stop after that save (:attr:`preempted`).
     Without torch.distributed it is a plain pass-through.
+
+    **Lazy snapshot** (``lazy=True``, the default when an optimizer is given):
+    :meth:`save` returns before the parameters and the optimizer state are copied; the
+    copy runs during the next forward and backward pass, and the next
+    ``optimizer.step()`` (or a ``load_state_dict`` of the model or optimizer) waits for
+    it through pre-hooks registered here. The checkpoint holds exactly the values at
+    :meth:`save`; an in-place write that bypasses those paths is detected by the
+    tensors' version counters and the checkpoint is refused (``p.data`` writes are not
+    seen: call :meth:`wait_snapshot` first). See :mod:`slurm_ckpt.job.lazy`.
     """
 
     def __init__(
@@ -496,6 +511,7 @@ class TorchCheckpointer:
         scaler: Optional[Any] = None,
         *,
         rng: bool = True,
+        lazy: Optional[bool] = None,
     ) -> None:
         self.ckpt = ckpt
         self.model, self.optimizer = model, optimizer
@@ -504,6 +520,41 @@ class TorchCheckpointer:
         self._peer_signal = False
         self._saved_after_signal = False
         self.last_save: Any = None
+        self.lazy = (optimizer is not None) if lazy is None else bool(lazy)
+        if self.lazy and optimizer is None:
+            raise ValueError("TorchCheckpointer(lazy=True) needs the optimizer, whose step waits")
+        self._hooks: List[Any] = []
+        if self.lazy:
+            wait = self._wait_hook
+            self._hooks.append(optimizer.register_step_pre_hook(wait))
+            self._hooks.append(optimizer.register_load_state_dict_pre_hook(wait))
+            if model is not None:
+                self._hooks.append(model.register_load_state_dict_pre_hook(wait))
+
+    def _wait_hook(self, *_args: Any, **_kwargs: Any) -> None:
+        self.ckpt.wait_snapshot()
+
+    def wait_snapshot(self) -> float:
+        """Wait for the newest save's background copy; returns the seconds waited."""
+        return float(self.ckpt.wait_snapshot())
+
+    def _guarded(self) -> Callable[[Any], bool]:
+        """The tensors whose only writers wait for the drain: the model's parameters and
+        the optimizer's state (by storage, since ``state_dict()`` hands out detached
+        views of them)."""
+        ptrs = set()
+        if self.model is not None:
+            ptrs.update(p.untyped_storage().data_ptr() for p in self.model.parameters())
+        if self.optimizer is not None:
+            for st in self.optimizer.state.values():
+                for v in st.values():
+                    if isinstance(v, torch.Tensor):
+                        ptrs.add(v.untyped_storage().data_ptr())
+
+        def pred(t: Any) -> bool:
+            return isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in ptrs
+
+        return pred
 
     def restore(
         self,
@@ -555,6 +606,7 @@ class TorchCheckpointer:
             extra=extra,
             rng=self.rng,
             data_version=data_version,
+            lazy=self._guarded() if self.lazy else False,
         )
         if self._peer_signal:
             self._saved_after_signal = True
@@ -566,6 +618,9 @@ class TorchCheckpointer:
         return bool(self.ckpt.preempted) or self._saved_after_signal
 
     def close(self) -> Any:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
         return self.ckpt.close()
 
     def __enter__(self) -> TorchCheckpointer:

@@ -63,6 +63,8 @@ class SaveRecord:
     buffers: Any = field(default=None, repr=False)
     index_data: bytes = field(default=b"", repr=False)
     direct: Any = field(default=None, repr=False)
+    #: The background copy of a lazy snapshot (:class:`slurm_ckpt.job.lazy.Drain`).
+    drain: Any = field(default=None, repr=False)
     meta: Dict[str, Any] = field(default_factory=dict, repr=False)
     logged: bool = field(default=False, repr=False)
 
@@ -120,6 +122,12 @@ class Bookkeeper:
     # -- events ------------------------------------------------------------------------
     def emit(self, name: str, **info: Any) -> None:
         """One progress event: the event log, the metrics textfile, the user's callback."""
+        self.log_event(name, info)
+        self.notify(name, info)
+
+    def log_event(self, name: str, info: Dict[str, Any]) -> None:
+        """The event log and metrics part of :meth:`emit` (file writes: milliseconds,
+        which is why ``save()`` leaves its own to the background writer)."""
         if self.events is not None:
             self._event_cb(name, info)
             if name in _METRIC_EVENTS and self.ledger is not None and self.metrics_ok:
@@ -127,6 +135,9 @@ class Bookkeeper:
                     refresh_textfile(self.ledger, self.cfg)
                 except (CkptError, OSError) as exc:
                     log.warning("[ckpt] metrics textfile not written: %s", exc)
+
+    def notify(self, name: str, info: Dict[str, Any]) -> None:
+        """The user's ``on_event`` callback part of :meth:`emit`."""
         if self.on_event is None:
             return
         try:

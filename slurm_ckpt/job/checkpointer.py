@@ -47,6 +47,7 @@ from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, TierError
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord
 from slurm_ckpt.job.dist import dist_agree
+from slurm_ckpt.job.lazy import Drain, defer_mask
 from slurm_ckpt.job.options import UNSET, Options, build_config
 from slurm_ckpt.job.pipeline import (
     DEADLINE_MARGIN_S,
@@ -79,6 +80,10 @@ __all__ = [
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
+
+
+def _accept_all(_tensor: Any) -> bool:
+    return True
 
 
 def _finish_at_exit(ref: Callable[[], Optional[Checkpointer]]) -> None:
@@ -188,6 +193,7 @@ class Checkpointer:
         self._closed = False
         self._seq = 0
         self._restorer: Optional[Restorer] = None
+        self._drain: Optional[Drain] = None
         self.restored: Optional[Restored] = None
         # A script that ends without close() must not lose the checkpoint being written.
         # threading's own exit hooks run (in reverse order) *before* concurrent.futures
@@ -318,6 +324,7 @@ class Checkpointer:
         meta: Optional[Dict[str, Any]] = None,
         preemption: Optional[bool] = None,
         data_version: Optional[str] = None,
+        lazy: Union[bool, Callable[[Any], bool]] = False,
     ) -> SaveRecord:
         """Snapshot ``state`` and return; the write and the flush go on in the background.
 
@@ -331,6 +338,12 @@ class Checkpointer:
         ``data_version`` names the data this state was trained on (any string, e.g.
         :func:`slurm_ckpt.torch.data_version`); it goes into the manifest, ``list`` and
         ``status`` show it, and ``restore(expect_data_version=...)`` checks it.
+
+        ``lazy`` (True, or a predicate over tensors) defers the copy of the tensors it
+        accepts to a background thread: ``save()`` then returns before they are copied,
+        and the caller must not write them in place until :meth:`wait_snapshot` returns
+        (:class:`slurm_ckpt.torch.TorchCheckpointer` makes the optimizer step wait by
+        itself; see :mod:`slurm_ckpt.job.lazy`).
         """
         if data_version is not None and not isinstance(data_version, str):
             raise CkptError(f"save(): data_version must be a string, got {data_version!r}")
@@ -376,7 +389,16 @@ class Checkpointer:
         books.emit("snapshot_start", step=step)
         t1 = time.monotonic()
         if self._staging.ensure([b["nbytes"] for b in blobs], tensors):
-            rec.buffers = self._staging.snapshot(index, tensors)
+            mask = defer_mask(tensors, _accept_all if lazy is True else lazy) if lazy else None
+            if mask is not None and any(mask):
+                self._staging.snapshot(index, tensors, select=[not m for m in mask])
+                rec.drain = self._drain = Drain(
+                    functools.partial(self._staging.snapshot, index, tensors, mask),
+                    tensors,
+                    mask,
+                ).start()
+            else:
+                rec.buffers = self._staging.snapshot(index, tensors)
             rec.snapshot_s = time.monotonic() - t1
             rec.stall_s = time.monotonic() - t0
             books.emit("snapshot_done", step=step)
@@ -402,15 +424,38 @@ class Checkpointer:
             last_stall_s=stall,
             last_snapshot_s=rec.snapshot_s,
         )
-        books.emit("save_returned", step=step, stall_s=stall)
+        info = {"step": step, "stall_s": stall}
+        books.notify("save_returned", info)
+        if rec.synchronous:
+            books.log_event("save_returned", info)
+        else:
+            pipe.defer_event("save_returned", info)
+            if rec.local_status != "pending":  # the writer was quicker than this line
+                pipe.log_deferred()
         return rec
 
     # ------------------------------------------------------------------ waiting and closing
+    def wait_snapshot(self) -> float:
+        """Block until the newest lazy snapshot is copied (at once when none is pending);
+        returns the seconds waited. Call it before writing parameters or optimizer state
+        in place outside ``optimizer.step()`` (e.g. through ``p.data``)."""
+        drain = self._drain
+        if drain is None:
+            return 0.0
+        waited = drain.wait()
+        if waited > 0:
+            self._pipeline.count(snapshot_waits=1, snapshot_wait_s=waited)
+        if drain.done:
+            self._drain = None
+        return waited
+
     def wait(self, flush: bool = True, timeout: Optional[float] = None) -> bool:
         """Block until the local write (and, with ``flush``, every queued flush) is done.
         Returns False on timeout."""
         until = None if timeout is None else time.time() + timeout
-        return self._pipeline.wait_for(lambda: self._pipeline.idle(flush), until)
+        done = self._pipeline.wait_for(lambda: self._pipeline.idle(flush), until)
+        self._pipeline.log_deferred()
+        return done
 
     def close(self) -> CheckpointStats:
         """Wait for the local write and the PFS flushes, flush the newest checkpoint if it

@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Deque, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from slurm_ckpt.core.commit import AlreadyCommitted
 from slurm_ckpt.core.retention import CkptInfo, RetentionPolicy, plan_local_deletions
@@ -82,6 +82,11 @@ class CheckpointStats:
     last_step: Optional[int] = None
     last_flushed_step: Optional[int] = None
     last_error: Optional[str] = None
+    #: Lazy snapshots: how often and how long training waited for a drain to end (the
+    #: optimizer step's extra wait), and the last drain's background copy time.
+    snapshot_waits: int = 0
+    snapshot_wait_s: float = 0.0
+    last_drain_s: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,9 @@ class Pipeline:
         self._threads: List[threading.Thread] = []
         self._stop = False
         self._retention_lock = threading.Lock()
+        # Event-log lines of the caller's thread (save()), written by the background
+        # threads: appending to the log and its summary costs milliseconds of file I/O.
+        self._deferred_events: List[Tuple[str, Dict[str, Any]]] = []
         self._flush_rate: Optional[float] = None
 
     # -- state -------------------------------------------------------------------------
@@ -202,6 +210,18 @@ class Pipeline:
         with self.cv:
             while self.flush_current is not None or self.flush_queue:
                 self.cv.wait()
+
+    def defer_event(self, name: str, info: Dict[str, Any]) -> None:
+        """Log ``name`` from a background thread, in order, before the next local event."""
+        with self.cv:
+            self._deferred_events.append((name, info))
+
+    def log_deferred(self) -> None:
+        """Write the deferred event-log lines (background threads, wait(), close())."""
+        with self.cv:
+            pending, self._deferred_events = self._deferred_events, []
+        for name, info in pending:
+            self.books.log_event(name, info)
 
     def submit(self, rec: SaveRecord) -> None:
         """Hand a snapshotted save to the local writer thread."""
@@ -288,7 +308,12 @@ class Pipeline:
         """Phase two of a save (background thread, or the caller's for a sync write)."""
         t0 = time.monotonic()
         try:
+            if rec.drain is not None:  # a lazy snapshot: its copy must be complete first
+                rec.buffers = rec.drain.result()
+                with self.cv:
+                    self._stats.last_drain_s = rec.drain.copy_s
             self._check_space(rec.nbytes)
+            self.log_deferred()
             self.books.emit("local_start", step=rec.step)
             self._write_local(rec)
         except Exception as exc:  # noqa: BLE001 - a failed save must never kill training
@@ -299,6 +324,7 @@ class Pipeline:
         finally:
             rec.buffers = None
             rec.direct = None
+            rec.drain = None
         rec.local_s = time.monotonic() - t0
         rec.local_status = "committed"
         with self.cv:
@@ -310,6 +336,7 @@ class Pipeline:
             s.last_step = rec.step
             self.newest = rec
         self.books.commit_local(rec)
+        self.log_deferred()
         self.books.emit("local_done", step=rec.step, local_s=rec.local_s)
         if rec.selected:
             self.queue_flush(rec)
@@ -318,6 +345,7 @@ class Pipeline:
             self._log(rec)
 
     def _local_failed(self, rec: SaveRecord, exc: BaseException, seconds: float) -> None:
+        self.log_deferred()
         reason = reason_of(exc)
         rec.local_status = "failed"
         rec.local_s = seconds
@@ -472,6 +500,7 @@ class Pipeline:
         awaited until ``until`` (epoch; None: no limit) and what is still open then is
         left to the epilog. Stops the threads; returns whether every flush finished."""
         self.wait_for(lambda: self.local_job is None, None)
+        self.log_deferred()
         newest = self.newest
         if newest is not None and newest.flush_status in ("not selected", "skipped"):
             newest.forced = newest.selected = True
@@ -503,6 +532,7 @@ class Pipeline:
         if writing:
             log.warning("[ckpt] exiting without close(): finishing the local write")
         self.wait_for(lambda: self.idle(flush=False), None)
+        self.log_deferred()
         with self.cv:
             owed = list(self.flush_queue)
             self.flush_queue.clear()

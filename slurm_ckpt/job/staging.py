@@ -27,7 +27,7 @@ import mmap
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import psutil
@@ -132,11 +132,18 @@ class StagingArea:
         return self._pool
 
     # -- the snapshot ------------------------------------------------------------------
-    def snapshot(self, index: Dict[str, Any], tensors: List[TensorLeaf]) -> Dict[str, memoryview]:
+    def snapshot(
+        self,
+        index: Dict[str, Any],
+        tensors: List[TensorLeaf],
+        select: Optional[Sequence[bool]] = None,
+    ) -> Dict[str, memoryview]:
         """Copy every leaf to its place in the staging buffers; returns ``{blob: view}``.
 
         :meth:`ensure` must have succeeded for this layout. When this returns, the
         buffers hold the state and nothing refers to the caller's objects any more.
+        ``select`` (one flag per leaf) copies only those leaves: the lazy snapshot copies
+        the eager ones here and the deferred ones later (:mod:`slurm_ckpt.job.lazy`).
         """
         names = [b["name"] for b in index["blobs"]]
         where = dict(zip(names, self._views))
@@ -145,9 +152,10 @@ class StagingArea:
         small: List[Callable[[], None]] = []
         cuda_stream = None
         torch = sys.modules.get("torch")
-        for entry, leaf in zip(index["tensors"], tensors):
+        flags = select if select is not None else [True] * len(tensors)
+        for entry, leaf, wanted in zip(index["tensors"], tensors, flags):
             n = entry["nbytes"]
-            if not n:
+            if not n or not wanted:
                 continue
             dst = where[entry["blob"]][entry["offset"] : entry["offset"] + n]
             obj = leaf.buffer

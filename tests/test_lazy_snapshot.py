@@ -1,0 +1,275 @@
+"""The lazy snapshot (job/lazy.py): save() returns before the big tensors are copied.
+
+What is proven, without timing: the background copy is held on a gate the test opens, so
+the optimizer step, the scheduler step, the GradScaler update and in-place writes
+provably happen *while* the copy is pending; the checkpoint must still hold exactly the
+values at save() time (every tensor torch.equal to a deep copy taken then), or be
+refused when a write bypassed the guarded paths.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from typing import Any, Dict, Tuple
+
+import pytest
+import torch
+
+from slurm_ckpt import Checkpointer
+from slurm_ckpt import torch as sct
+
+REPO = Path(__file__).resolve().parents[1]
+WAIT = 60.0
+
+
+def make_ckpt(tmp_path: Path, **kw: Any) -> Checkpointer:
+    for d in ("local", "pfs"):
+        os.makedirs(tmp_path / d, exist_ok=True)
+    kw.setdefault("install_signals", False)
+    kw.setdefault("end_time_fn", None)
+    return Checkpointer(local=tmp_path / "local", pfs=tmp_path / "pfs", key="lazy", **kw)
+
+
+def objects(seed: int = 0) -> Tuple[Any, Any, Any, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256),  # 64 KiB of weight: deferred
+        torch.nn.BatchNorm1d(256),  # running stats change in forward: copied eagerly
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 128),  # 128 KiB: deferred
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    return model, opt, sched, scaler
+
+
+def step(model: Any, opt: Any, sched: Any, scaler: Any) -> None:
+    loss = model(torch.randn(16, 64)).pow(2).mean()
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    sched.step()
+
+
+class Gate:
+    """Holds the deferred half of a snapshot until opened (wraps StagingArea.snapshot)."""
+
+    def __init__(self, ckpt: Checkpointer) -> None:
+        self.opened = threading.Event()
+        self.entered = threading.Event()
+        self._orig = ckpt._staging.snapshot
+
+        def snapshot(index: Any, tensors: Any, select: Any = None) -> Any:
+            if select is not None and threading.current_thread().name == "ckpt-drain":
+                self.entered.set()
+                assert self.opened.wait(WAIT), "test gate never opened"
+            return self._orig(index, tensors, select)
+
+        ckpt._staging.snapshot = snapshot  # type: ignore[method-assign]
+
+
+def expected_state(model: Any, opt: Any, sched: Any, scaler: Any) -> Dict[str, Any]:
+    return copy.deepcopy(
+        {
+            "model": model.state_dict(),
+            "opt": opt.state_dict(),
+            "sched": sched.state_dict(),
+            "scaler": scaler.state_dict(),
+        }
+    )
+
+
+def assert_same(a: Any, b: Any, path: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert set(a) == set(b), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+def restored_state(tmp_path: Path, step_no: int) -> Dict[str, Any]:
+    model, opt, sched, scaler = objects(seed=99)  # different values everywhere
+    ck = make_ckpt(tmp_path)
+    got = sct.restore(ck, model, opt, sched, scaler)
+    ck.close()
+    assert got is not None and got.step == step_no
+    return expected_state(model, opt, sched, scaler)
+
+
+def test_optimizer_step_waits_and_the_checkpoint_holds_the_values_at_save(tmp_path):
+    model, opt, sched, scaler = objects()
+    for _ in range(3):
+        step(model, opt, sched, scaler)
+    ck = make_ckpt(tmp_path)
+    tc = sct.TorchCheckpointer(ck, model, opt, sched, scaler)
+    gate = Gate(ck)
+    want = expected_state(model, opt, sched, scaler)
+    rec = tc.save(step=3)
+    assert rec.drain is not None and rec.drain.deferred_bytes >= 64 * 1024 * 4
+    assert gate.entered.wait(WAIT)
+    # Forward, backward and the scheduler/scaler go on while the copy is held ...
+    loss = model(torch.randn(16, 64)).pow(2).mean()
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    # ... and the optimizer step waits for it (its pre-hook).
+    stepper = threading.Thread(target=lambda: (scaler.step(opt), scaler.update(), sched.step()))
+    stepper.start()
+    stepper.join(0.3)
+    assert stepper.is_alive(), "optimizer.step() ran while the snapshot was still pending"
+    for name, p in model.named_parameters():  # no parameter written yet
+        assert torch.equal(want["model"][name], p.detach()), name
+    gate.opened.set()
+    stepper.join(WAIT)
+    assert not stepper.is_alive()
+    assert not torch.equal(want["model"]["0.weight"], model.state_dict()["0.weight"])
+    assert ck.stats.snapshot_waits >= 1 and ck.stats.snapshot_wait_s > 0
+    tc.close()
+    assert ck.stats.committed == 1 and ck.stats.failures == 0
+    assert_same(want, restored_state(tmp_path, 3))
+
+
+def test_optimizer_step_at_once_after_save_every_tensor_equal(tmp_path):
+    """The issue's exactness check: save, step at once, compare with a deep copy."""
+    model, opt, sched, scaler = objects(1)
+    ck = make_ckpt(tmp_path)
+    tc = sct.TorchCheckpointer(ck, model, opt, sched, scaler)
+    for s in range(6):
+        step(model, opt, sched, scaler)
+        if s in (2, 5):
+            want = expected_state(model, opt, sched, scaler)
+            tc.save(step=s)
+            step(model, opt, sched, scaler)  # at once: the pre-hook orders it after the copy
+    tc.close()
+    assert ck.stats.committed == 2
+    assert_same(want, restored_state(tmp_path, 5))
+
+
+def test_in_place_write_outside_the_guard_refuses_the_checkpoint(tmp_path):
+    model, opt, sched, scaler = objects(2)
+    step(model, opt, sched, scaler)
+    ck = make_ckpt(tmp_path)
+    tc = sct.TorchCheckpointer(ck, model, opt, sched, scaler)
+    tc.save(step=1)
+    ck.wait(flush=False)
+    gate = Gate(ck)
+    tc.save(step=2)
+    assert gate.entered.wait(WAIT)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # seen by the version counter
+    gate.opened.set()
+    ck.wait(flush=False)
+    s = ck.stats
+    assert s.failures == 1 and s.committed == 1
+    assert "written in place" in (s.last_error or "")
+    tc.close()
+    # Step 2 was never committed: the newest checkpoint is still step 1.
+    assert restored_state(tmp_path, 1)
+
+
+def test_wait_snapshot_makes_a_manual_write_safe(tmp_path):
+    model, opt, sched, scaler = objects(3)
+    step(model, opt, sched, scaler)
+    ck = make_ckpt(tmp_path)
+    tc = sct.TorchCheckpointer(ck, model, opt, sched, scaler)
+    want = expected_state(model, opt, sched, scaler)
+    tc.save(step=1)
+    tc.wait_snapshot()
+    with torch.no_grad():
+        model[0].weight.data.copy_(torch.zeros_like(model[0].weight))
+    tc.close()
+    assert ck.stats.failures == 0
+    assert_same(want, restored_state(tmp_path, 1))
+
+
+def test_load_state_dict_waits_for_the_copy(tmp_path):
+    model, opt, sched, scaler = objects(4)
+    step(model, opt, sched, scaler)
+    ck = make_ckpt(tmp_path)
+    tc = sct.TorchCheckpointer(ck, model, opt, sched, scaler)
+    gate = Gate(ck)
+    want = expected_state(model, opt, sched, scaler)
+    tc.save(step=1)
+    assert gate.entered.wait(WAIT)
+    other, _, _, _ = objects(5)
+    loader = threading.Thread(target=lambda: model.load_state_dict(other.state_dict()))
+    loader.start()
+    loader.join(0.3)
+    assert loader.is_alive(), "load_state_dict ran while the snapshot was pending"
+    gate.opened.set()
+    loader.join(WAIT)
+    tc.close()
+    assert ck.stats.failures == 0
+    assert_same(want, restored_state(tmp_path, 1))
+
+
+def test_without_an_optimizer_the_snapshot_stays_eager(tmp_path):
+    model, _, _, _ = objects(6)
+    ck = make_ckpt(tmp_path)
+    tc = sct.TorchCheckpointer(ck, model)
+    assert tc.lazy is False
+    rec = tc.save(step=0)
+    assert rec.drain is None
+    with pytest.raises(ValueError):
+        sct.TorchCheckpointer(ck, model, lazy=True)
+    tc.close()
+
+
+KILLED = textwrap.dedent(
+    """
+    import os, sys, threading
+    sys.path.insert(0, {repo!r})
+    import torch
+    from slurm_ckpt import Checkpointer
+    from slurm_ckpt import torch as sct
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ck = Checkpointer(local={local!r}, pfs={pfs!r}, key="lazy", install_signals=False,
+                      end_time_fn=None)
+    tc = sct.TorchCheckpointer(ck, model, opt)
+    model(torch.randn(4, 256)).sum().backward(); opt.step()
+    tc.save(step=1); ck.wait()
+    orig = ck._staging.snapshot
+    def held(index, tensors, select=None):
+        if select is not None and threading.current_thread().name == "ckpt-drain":
+            print("DRAINING", flush=True)
+            threading.Event().wait()
+        return orig(index, tensors, select)
+    ck._staging.snapshot = held
+    tc.save(step=2)
+    threading.Event().wait()
+    """
+)
+
+
+def test_sigkill_during_the_drain_leaves_nothing_committed(tmp_path):
+    for d in ("local", "pfs"):
+        os.makedirs(tmp_path / d)
+    script = KILLED.format(repo=str(REPO), local=str(tmp_path / "local"), pfs=str(tmp_path / "pfs"))
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == "DRAINING"
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(WAIT)
+    ck = make_ckpt(tmp_path)
+    got = ck.restore()
+    ck.close()
+    assert got is not None and got.step == 1

@@ -63,6 +63,9 @@ class SaveRecord:
     buffers: Any = field(default=None, repr=False)
     index_data: bytes = field(default=b"", repr=False)
     direct: Any = field(default=None, repr=False)
+    #: A directory of files already written into an open local-tier writer
+    #: (:mod:`slurm_ckpt.job.output`): the local write hashes and commits it.
+    prepared: Any = field(default=None, repr=False)
     meta: Dict[str, Any] = field(default_factory=dict, repr=False)
     logged: bool = field(default=False, repr=False)
 

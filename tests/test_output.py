@@ -284,3 +284,19 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(CkptError, match="no files"):
         ckpt.adopt(1, tmp_path / "empty")
     ckpt.close()
+
+
+def test_preemption_pending_until_the_directory_save_is_taken(tmp_path: Path) -> None:
+    import signal
+
+    ckpt = make(tmp_path, install_signals=True)
+    try:
+        assert not ckpt.preemption_pending
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered to this (main) thread at once
+        assert ckpt.preemption_pending and ckpt.signal_received == signal.SIGTERM
+        with ckpt.output(step=4) as path:
+            (path / "x").write_bytes(b"x")
+        assert not ckpt.preemption_pending and ckpt.preempted
+    finally:
+        ckpt.close()
+    assert ckpt.pfs.verify(ckpt.user, ckpt.shard_key, 4).ok  # the preemption save: flushed

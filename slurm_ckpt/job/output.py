@@ -425,17 +425,19 @@ class DirRestorer(Restorer):
 
     def _fetch(self, tier: Tier, m: Manifest) -> None:
         """Copy the step from ``tier`` to the local tier (every chunk checked against the
-        manifest on the way). A local copy that is not this very checkpoint (it failed
-        verification, or is of an abandoned timeline) is replaced."""
+        manifest on the way). A local copy that failed verification is not a checkpoint:
+        it is replaced; one of an older, abandoned timeline too (the copy engine's
+        ``replace_older``); a sound identical one is kept and nothing is copied."""
         user, key, step = self.user, self.own_key, m.step
         try:
-            if (
-                self.local.manifest_bytes(user, key, step) != tier.manifest_bytes(user, key, step)
-                or (self.local.name, step) in self._bad
-            ):
-                self.local.delete(user, key, step)
+            self.local.manifest_bytes(user, key, step)
+            here = True
         except NotFound:
-            pass
+            here = False
+        if here and (
+            (self.local.name, step) in self._bad or not self.local.verify(user, key, step).ok
+        ):
+            self.local.delete(user, key, step)
         try:
             copy_checkpoint(tier, self.local, user, key, step, replace_older=True)
         except (VerifyError, TierError, NotFound):

@@ -300,3 +300,21 @@ def test_preemption_pending_until_the_directory_save_is_taken(tmp_path: Path) ->
     finally:
         ckpt.close()
     assert ckpt.pfs.verify(ckpt.user, ckpt.shard_key, 4).ok  # the preemption save: flushed
+
+
+def test_restore_path_from_the_pfs_only_keeps_a_sound_local_copy(tmp_path: Path) -> None:
+    ckpt = make(tmp_path)
+    with ckpt.output(step=6) as path:
+        (path / "w.bin").write_bytes(b"w" * 5000)
+    ckpt.close()
+    user, key = ckpt.user, ckpt.shard_key
+    local_file = Path(ckpt.local.location(user, key, 6)) / "rank-00000" / "w.bin"
+    ino = local_file.stat().st_ino
+    r = make(tmp_path)
+    got = r.restore_path(tiers=["pfs"])
+    assert got == local_file.parent and local_file.stat().st_ino == ino  # kept, not copied
+    local_file.write_bytes(b"x" * 5000)  # rots
+    got = r.restore_path(tiers=["pfs"])
+    assert got is not None and (got / "w.bin").read_bytes() == b"w" * 5000  # fetched anew
+    assert r.local.verify(user, key, 6).ok
+    r.close()

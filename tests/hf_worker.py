@@ -4,7 +4,7 @@ no hub download; CPU), protected by :class:`slurm_ckpt.hf.SlurmCkptCallback`.
     python tests/hf_worker.py WORKDIR LOCAL PFS [--sigterm-at N | --kill-in-save-at N]
 
 It resumes from ``ckpt.restore_path()``, records which samples every optimizer step
-trained on (``WORKDIR/batches.jsonl``: the data position), and writes ``WORKDIR/final.pt``
+trained on (``WORKDIR/batches.<rank>.jsonl``: the data position), and writes ``WORKDIR/final.pt``
 (the weights) when it reaches the last step and ``WORKDIR/result.json``.
 
 ``--sigterm-at N`` sends this process SIGTERM at the end of step N (a real signal,
@@ -74,13 +74,13 @@ def main() -> int:
     p.add_argument("local")
     p.add_argument("pfs")
     p.add_argument("--sigterm-at", type=int)
+    p.add_argument("--sigterm-rank", type=int, default=0, help="the rank that gets it")
     p.add_argument("--kill-in-save-at", type=int)
     a = p.parse_args()
     for d in (a.workdir, Path(a.local), Path(a.pfs)):
         d.mkdir(parents=True, exist_ok=True)
 
     ckpt = Checkpointer(local=a.local, pfs=a.pfs, key="hf-run", end_time_fn=None)
-    resume = ckpt.restore_path()
 
     set_seed(0)
     torch.set_num_threads(1)  # tiny matrices: threads only contend on a shared machine
@@ -109,12 +109,15 @@ def main() -> int:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
+    # After TrainingArguments: under torchrun they set up torch.distributed, so that the
+    # ranks agree on the step.
+    resume = ckpt.restore_path()
     callbacks: list = []
-    if a.sigterm_at is not None:
+    if a.sigterm_at is not None and ckpt.rank == a.sigterm_rank:
         callbacks.append(SigtermAt(a.sigterm_at))  # before ours: ours sees the flag at once
     callbacks.append(SlurmCkptCallback(ckpt))
     trainer = Recording(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
-    trainer.log_path = a.workdir / "batches.jsonl"
+    trainer.log_path = a.workdir / f"batches.{args.process_index}.jsonl"
     if a.kill_in_save_at is not None:
         orig = trainer._save_rng_state
 
@@ -128,7 +131,7 @@ def main() -> int:
 
     trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
     done = trainer.state.global_step == trainer.state.max_steps
-    if done:
+    if done and ckpt.rank == 0:
         torch.save(model.state_dict(), a.workdir / "final.pt")
     ckpt.close()
     result = {
@@ -141,7 +144,8 @@ def main() -> int:
         "user": ckpt.user,
         "key": ckpt.shard_key,
     }
-    (a.workdir / "result.json").write_text(json.dumps(result))
+    name = "result.json" if ckpt.world_size == 1 else f"result-{ckpt.rank}.json"
+    (a.workdir / name).write_text(json.dumps(result))
     return 0
 
 

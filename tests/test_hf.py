@@ -45,9 +45,9 @@ def run(workdir: Path, local: Path, pfs: Path, *extra: str, rc: int = 0) -> Dict
     return json.loads(res.read_text()) if rc == 0 else {}
 
 
-def batches(workdir: Path) -> Dict[int, List[int]]:
+def batches(workdir: Path, rank: int = 0) -> Dict[int, List[int]]:
     out: Dict[int, List[int]] = {}
-    for line in (workdir / "batches.jsonl").read_text().splitlines():
+    for line in (workdir / f"batches.{rank}.jsonl").read_text().splitlines():
         row = json.loads(line)
         out[row["step"]] = row["ids"]
     return out
@@ -75,7 +75,7 @@ def test_sigterm_resume_and_kill_mid_save_end_bitwise_equal(tmp_path: Path) -> N
     assert first == {s: ref_batches[s] for s in range(1, 8)}
 
     # 3. Another node: fetched from the PFS; killed inside the save of step 8.
-    (work / "batches.jsonl").unlink()
+    (work / "batches.0.jsonl").unlink()
     run(work, node_b, pfs, "--kill-in-save-at", "8", rc=-9)
     assert batches(work) == {8: ref_batches[8]}  # resumed at step 8: the data continued
     incomplete = work / "out" / "checkpoint-8"
@@ -85,7 +85,7 @@ def test_sigterm_resume_and_kill_mid_save_end_bitwise_equal(tmp_path: Path) -> N
     assert [i.step for i in local_b.steps(user, key)] == [7]  # fetched, nothing of 8
 
     # 4. Resumed on that node: step 7 from its local tier, never the incomplete 8.
-    (work / "batches.jsonl").unlink()
+    (work / "batches.0.jsonl").unlink()
     r4 = run(work, node_b, pfs)
     assert r4["resumed_step"] == 7 and r4["resumed_tier"] == "local" and r4["done"]
     assert Path(r4["resumed_from"]).is_relative_to(node_b)
@@ -95,3 +95,49 @@ def test_sigterm_resume_and_kill_mid_save_end_bitwise_equal(tmp_path: Path) -> N
     for name in want:
         assert torch.equal(got[name], want[name]), name
     assert warm.verify(user, key, 12).ok
+
+
+def torchrun(workdir: Path, local: Path, pfs: Path, *extra: str) -> List[Dict[str, Any]]:
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    p = subprocess.run(
+        [*cmd, str(WORKER), str(workdir), str(local), str(pfs), *extra],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return [json.loads((workdir / f"result-{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_ddp_ranks_save_at_one_step_and_resume_agreed(tmp_path: Path) -> None:
+    """Two DDP ranks (gloo, CPU): SIGTERM reaches rank 1 only, at step 2, mid-epoch (3
+    steps an epoch): both ranks save step 2 and stop. Resumed on other nodes (empty local
+    tiers) both take step 2 from the PFS, and the first epoch's samples over both ranks
+    are every sample exactly once: no batch replayed or skipped by the resume."""
+    work, pfs = tmp_path / "job", tmp_path / "pfs"
+    first = torchrun(work, tmp_path / "a", pfs, "--sigterm-at", "2", "--sigterm-rank", "1")
+    assert [(r["global_step"], r["preempted"]) for r in first] == [(2, True), (2, True)]
+    warm = PosixTier("pfs", str(pfs))
+    for r in first:
+        assert [i.step for i in warm.steps(r["user"], r["key"])] == [2]
+        assert warm.verify(r["user"], r["key"], 2).ok
+    before = [batches(work, r) for r in (0, 1)]
+    for r in (0, 1):
+        (work / f"batches.{r}.jsonl").unlink()
+    again = torchrun(work, tmp_path / "b", pfs)
+    assert [(r["resumed_step"], r["resumed_tier"], r["done"]) for r in again] == [
+        (2, "pfs", True),
+        (2, "pfs", True),
+    ]
+    after = [batches(work, r) for r in (0, 1)]
+    assert all(sorted(b) == [1, 2] for b in before) and all(
+        sorted(a) == [3, 4, 5, 6] for a in after
+    )
+    epoch1 = [i for r in (0, 1) for s in (1, 2) for i in before[r][s]] + [
+        i for r in (0, 1) for i in after[r][3]
+    ]
+    assert sorted(epoch1) == list(range(24))
+    for r in again:
+        assert warm.verify(r["user"], r["key"], 6).ok

@@ -51,7 +51,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Set, Tuple, Union
 
 from slurm_ckpt.core import fsio
 from slurm_ckpt.core.hashing import ChunkedHasher
@@ -123,6 +123,8 @@ class PreparedDir:
             streams = max(1, min(HASH_STREAMS, len(files)))
             with ThreadPoolExecutor(streams, thread_name_prefix="ckpt-hash") as pool:
                 entries = list(pool.map(lambda f: self._own_and_hash(f[0]), files))
+            parts = [rel.split("/")[:-1] for rel, _ in files]
+            self._sync_dirs({"/".join(p[:i]) for p in parts for i in range(1, len(p) + 1)})
             for e in entries:
                 w.add_entry(e)
             return w.commit()
@@ -132,6 +134,16 @@ class PreparedDir:
 
     def abort(self) -> None:
         self.writer.abort()
+
+    def _sync_dirs(self, dirs: Set[str]) -> None:
+        """fsync every directory that holds a file (the writer syncs only the ones it
+        made itself): the names must be durable before the manifest is."""
+        for d in sorted(dirs, key=len, reverse=True):
+            fd = fsio.open_beneath(self.writer.work_fd, d.split("/"))
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def _own_and_hash(self, rel: str) -> FileEntry:
         parts = rel.split("/")
@@ -145,7 +157,9 @@ class PreparedDir:
                 if st.st_nlink == 1:
                     hasher = _hash_fd(fd, self.writer.chunk_size)
                     os.fsync(fd)
-                    if rel in self.linked and self.linked[rel] != (st.st_size, st.st_mtime_ns):
+                    after = os.fstat(fd)
+                    seen = {(st.st_size, st.st_mtime_ns), (after.st_size, after.st_mtime_ns)}
+                    if rel in self.linked and seen != {self.linked[rel]}:
                         raise CkptError(f"{self.writer.where}/{rel}: changed while being adopted")
                 else:
                     hasher = self._copy_apart(pfd, parts[-1], fd, rel, st)

@@ -318,3 +318,34 @@ def test_restore_path_from_the_pfs_only_keeps_a_sound_local_copy(tmp_path: Path)
     assert got is not None and (got / "w.bin").read_bytes() == b"w" * 5000  # fetched anew
     assert r.local.verify(user, key, 6).ok
     r.close()
+
+
+def test_list_and_verify_see_a_directory_checkpoint(tmp_path: Path) -> None:
+    """The operator CLI treats a directory checkpoint as any other: listed on both
+    tiers, verified, and a flipped byte on the PFS copy is caught (exit status 1)."""
+    import json
+
+    from helpers.cli import ckpt_slurm
+    from helpers.site import Site
+
+    site = Site(tmp_path, extra=f'[ledger]\ndir = "{tmp_path / "ledger"}"\n')
+    ckpt = Checkpointer(
+        config=site.load(), key="run", user="alice", install_signals=False, end_time_fn=None
+    )
+    with ckpt.output(step=3, tokens=30) as path:
+        write_tree(path, 3)
+    ckpt.close()
+    r = ckpt_slurm("list", "run", "--user", "alice", "--json", config=site.cfg_path)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["checkpoints"]
+    assert sorted((x["tier"], x["step"], x["tokens"]) for x in rows) == [
+        ("local", 3, 30),
+        ("pfs", 3, 30),
+    ]
+    assert ckpt_slurm("verify", "run", "--user", "alice", config=site.cfg_path).returncode == 0
+    bad = site.step_dir(3, tier="pfs") / "rank-00000" / "model.bin"
+    data = bytearray(bad.read_bytes())
+    data[0] ^= 1
+    bad.write_bytes(bytes(data))
+    r = ckpt_slurm("verify", "run", "--user", "alice", "--tier", "pfs", config=site.cfg_path)
+    assert r.returncode == 1, r.stdout + r.stderr

@@ -349,3 +349,75 @@ def test_list_and_verify_see_a_directory_checkpoint(tmp_path: Path) -> None:
     bad.write_bytes(bytes(data))
     r = ckpt_slurm("verify", "run", "--user", "alice", "--tier", "pfs", config=site.cfg_path)
     assert r.returncode == 1, r.stdout + r.stderr
+
+
+CRASH_SCRIPT = """
+import sys
+from pathlib import Path
+from slurm_ckpt import Checkpointer
+
+local, pfs, src = sys.argv[1:4]
+# No ledger (a supported mode): its own crash points are proven elsewhere, and these
+# runs enumerate the checkpoint's.
+c = Checkpointer(
+    local=local, pfs=pfs, key="run", install_signals=False, end_time_fn=None,
+    ledger_dir="/dev/null/no-ledger",
+)
+with c.output(step=1) as p:  # written in place
+    (p / "a.bin").write_bytes(bytes([1]) * 3000)
+    (p / "sub").mkdir()
+    (p / "sub" / "b.txt").write_text("step 1")
+c.wait()
+s = Path(src)
+(s / "sub").mkdir(parents=True, exist_ok=True)
+(s / "a.bin").write_bytes(bytes([2]) * 3000)
+(s / "sub" / "b.txt").write_text("step 2")
+c.adopt(2, s)  # hard links, copied apart in the background
+c.close()
+"""
+
+
+def test_a_kill_at_any_point_of_output_or_adopt_commits_whole_or_nothing(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL at every crash point in turn (the local write, the copy-apart of linked
+    files, the flush): afterwards each tier lists only whole checkpoints, and
+    restore_path() hands out step 2 or 1 with exactly the bytes written, or nothing."""
+    import subprocess
+    import sys
+
+    from slurm_ckpt.tiers.posix import PosixTier
+
+    repo = Path(__file__).resolve().parents[1]
+    n, seen = 0, set()
+    while True:
+        n += 1
+        assert n < 200, "the crash points never ran out"
+        base = tmp_path / f"crash-{n}"
+        local, pfs, src = base / "local", base / "pfs", base / "src"
+        for d in (local, pfs, src):
+            d.mkdir(parents=True)
+        env = dict(os.environ, PYTHONPATH=str(repo), SLURM_CKPT_CRASH_AT=str(n))
+        env["SLURM_CKPT_CRASH_LOG"] = str(base / "crash.log")
+        p = subprocess.run(
+            [sys.executable, "-c", CRASH_SCRIPT, str(local), str(pfs), str(src)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if p.returncode == 0:
+            break
+        assert p.returncode == -9, p.stderr[-2000:]
+        seen.add((base / "crash.log").read_text().split()[1])
+        for root, name in ((local, "local"), (pfs, "pfs")):
+            tier = PosixTier(name, str(root))
+            for info in tier.steps("root" if os.geteuid() == 0 else os.environ["USER"], "run"):
+                assert tier.verify(info.manifest.user, "run", info.step).ok
+        ck = make(base, local=local, pfs=pfs)
+        got = ck.restore_path()
+        if got is not None:
+            s = ck.restored.step  # type: ignore[union-attr]
+            assert read_tree(got) == {"a.bin": bytes([s]) * 3000, "sub/b.txt": b"step %d" % s}
+        ck.close()
+    assert {"output:file-hashed", "output:copied-apart", "commit:manifest"} <= seen

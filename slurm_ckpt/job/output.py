@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Set, Tuple, Union
 
 from slurm_ckpt.core import fsio
+from slurm_ckpt.core.faults import crashpoint
 from slurm_ckpt.core.hashing import ChunkedHasher
 from slurm_ckpt.core.manifest import FileEntry, Manifest
 from slurm_ckpt.core.retention import selected_for_flush
@@ -125,6 +126,7 @@ class PreparedDir:
                 entries = list(pool.map(lambda f: self._own_and_hash(f[0]), files))
             parts = [rel.split("/")[:-1] for rel, _ in files]
             self._sync_dirs({"/".join(p[:i]) for p in parts for i in range(1, len(p) + 1)})
+            crashpoint("output:dirs-synced")
             for e in entries:
                 w.add_entry(e)
             return w.commit()
@@ -169,6 +171,7 @@ class PreparedDir:
             raise fsio.tier_error(exc, f"{self.writer.where}/{rel}") from None
         finally:
             os.close(pfd)
+        crashpoint("output:file-hashed")
         digest, chunks = hasher.finish()
         return FileEntry(rel, hasher.size, digest, chunks)
 
@@ -200,6 +203,7 @@ class PreparedDir:
         if (after.st_size, after.st_mtime_ns) != was or hasher.size != after.st_size:
             fsio.unlink_quiet(pfd, tmp)
             raise CkptError(f"{self.writer.where}/{rel}: changed while being adopted")
+        crashpoint("output:copied-apart")
         os.rename(tmp, name, src_dir_fd=pfd, dst_dir_fd=pfd)
         return hasher
 

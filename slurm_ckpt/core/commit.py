@@ -130,6 +130,9 @@ class CheckpointWriter:
             if (copy_of.user, copy_of.key, copy_of.step) != (user, key, step):
                 raise CkptError(f"{self.where}: manifest names another checkpoint")
             self.tmp_name = partial_dirname(step)
+        #: The work directory by path (for producers that write files themselves, e.g.
+        #: :mod:`slurm_ckpt.job.output`); it is renamed to ``step-N`` at the commit.
+        self.work_path = os.path.join(root, user, key, self.tmp_name)
         try:
             root_fd = fsio.open_dir(root)
         except OSError as exc:
@@ -198,6 +201,22 @@ class CheckpointWriter:
 
     def _add(self, entry: FileEntry) -> None:
         with self._lock:
+            self._entries[entry.path] = entry
+
+    # -- files placed by others ----------------------------------------------------------
+    @property
+    def work_fd(self) -> int:
+        """The open work directory (files placed into it by a producer are then hashed
+        and recorded with :meth:`add_entry`)."""
+        return self._tmp_fd
+
+    def add_entry(self, entry: FileEntry) -> None:
+        """Fresh mode: record a file that is already in the work directory (hashed and
+        made durable by the caller)."""
+        validate_relpath(entry.path)
+        with self._lock:
+            if entry.path in self._entries:
+                raise CkptError(f"{self.where}: file {entry.path!r} recorded twice")
             self._entries[entry.path] = entry
 
     # -- fresh mode ------------------------------------------------------------

@@ -65,6 +65,9 @@ class SaveRecord:
     direct: Any = field(default=None, repr=False)
     #: The background copy of a lazy snapshot (:class:`slurm_ckpt.job.lazy.Drain`).
     drain: Any = field(default=None, repr=False)
+    #: A directory of files already written into an open local-tier writer
+    #: (:mod:`slurm_ckpt.job.output`): the local write hashes and commits it.
+    prepared: Any = field(default=None, repr=False)
     meta: Dict[str, Any] = field(default_factory=dict, repr=False)
     logged: bool = field(default=False, repr=False)
 

@@ -38,13 +38,15 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Dict, Optional, Sequence, Union
 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import current_user, node_name, validate_key, validate_user
 from slurm_ckpt.core.retention import RetentionPolicy, selected_for_flush
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, TierError
+from slurm_ckpt.job import output as _output
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord
 from slurm_ckpt.job.dist import dist_agree
 from slurm_ckpt.job.lazy import Drain, defer_mask
@@ -616,3 +618,57 @@ class Checkpointer:
             self.restored = got
             self._schedule.restored(got.step, got.tokens)
         return got
+
+    # ------------------------------------------------------------------ directories of files
+    def output(
+        self,
+        *,
+        step: int,
+        tokens: Optional[int] = None,
+        meta: Optional[Dict[str, Any]] = None,
+        preemption: Optional[bool] = None,
+    ) -> ContextManager[Path]:
+        """``with ckpt.output(step=...) as path:`` a directory on the local tier for a
+        framework to write its own checkpoint files into; on a clean exit they are hashed,
+        committed (manifest last) and flushed like any save, a body that raises commits
+        nothing (:mod:`slurm_ckpt.job.output`). ``meta``/``preemption`` as in :meth:`save`."""
+        return _output.output(self, step, tokens, meta, preemption)
+
+    def adopt(
+        self,
+        step: int,
+        path: PathLike,
+        *,
+        tokens: Optional[int] = None,
+        meta: Optional[Dict[str, Any]] = None,
+        preemption: Optional[bool] = None,
+    ) -> SaveRecord:
+        """Snapshot a checkpoint directory a framework already wrote (reflinks, hard
+        links or a copy) and commit it like :meth:`output`; when this returns the
+        framework may delete its directory."""
+        return _output.adopt(self, step, path, tokens, meta, preemption)
+
+    def restore_path(
+        self,
+        *,
+        step: Optional[int] = None,
+        tiers: Optional[Sequence[str]] = None,
+        expect_data_version: Optional[str] = None,
+        on_data_change: str = "warn",
+    ) -> Optional[Path]:
+        """This rank's directory of the newest complete directory checkpoint that
+        verifies, on the local tier (fetched there, verified, when only a warm or cold
+        tier holds it); None when there is none. Read it; never write into it."""
+        return _output.restore_path(
+            self, step, None if tiers is None else list(tiers), expect_data_version, on_data_change
+        )
+
+    @property
+    def preemption_pending(self) -> bool:
+        """True from a preemption signal (or the job's end coming closer than a save and
+        its flush) until the save answering it is taken: a framework integration asks
+        this at each step boundary and has its trainer save there (the save it then
+        hands to :meth:`adopt`/:meth:`output` is the preemption save: always flushed)."""
+        if self._schedule.preempt_saved:
+            return False
+        return self._schedule.preempt_pending or self._near_end()

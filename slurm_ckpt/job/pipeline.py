@@ -41,13 +41,20 @@ from slurm_ckpt.errors import CkptError, TierError
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord, reason_of
 from slurm_ckpt.job.signals import Deadline
 from slurm_ckpt.job.staging import write_direct
+from slurm_ckpt.job.state import STATE_FORMAT
 from slurm_ckpt.ledger.record import State
 from slurm_ckpt.node.flush import LEFT_TO_EPILOG, Flusher, FlushResult, copy_in_process
-from slurm_ckpt.tiers.base import Tier
+from slurm_ckpt.tiers.base import Tier, TierWriter
 
 log = logging.getLogger("slurm_ckpt")
 
-__all__ = ["DEADLINE_MARGIN_S", "CheckpointFailed", "CheckpointStats", "Pipeline", "Shard"]
+__all__ = [
+    "DEADLINE_MARGIN_S",
+    "CheckpointFailed",
+    "CheckpointStats",
+    "Pipeline",
+    "Shard",
+]
 
 #: Work planned to end this long before the deadline (clock skew, process teardown).
 DEADLINE_MARGIN_S = 5.0
@@ -272,7 +279,9 @@ class Pipeline:
                 f"{format_bytes(self.min_free)} to keep free"
             )
 
-    def _write_local(self, rec: SaveRecord) -> None:
+    def open_local(self, rec: SaveRecord, state_format: str = STATE_FORMAT) -> TierWriter:
+        """A fresh writer of ``rec``'s step on the local tier, with this shard's manifest
+        fields; a step of an abandoned timeline (committed by an older run) is replaced."""
         sh = self.shard
         meta = dict(rec.meta)
         meta.update(
@@ -280,11 +289,11 @@ class Pipeline:
             world_size=sh.world_size,
             base_key=sh.base_key,
             reason=rec.reason,
-            state_format="slurm_ckpt.state/1",
+            state_format=state_format,
         )
         kw = dict(tokens=rec.tokens, job=sh.job, node=sh.node, meta=meta)
         try:
-            w = self.local.writer(sh.user, sh.key, rec.step, **kw)
+            return self.local.writer(sh.user, sh.key, rec.step, **kw)
         except AlreadyCommitted:
             # A step of an abandoned timeline (we restored from an older step and came
             # back to this one): the current state supersedes it.
@@ -293,8 +302,14 @@ class Pipeline:
                 rec.step,
             )
             self.local.delete(sh.user, sh.key, rec.step)
-            w = self.local.writer(sh.user, sh.key, rec.step, **kw)
-        with w:
+            return self.local.writer(sh.user, sh.key, rec.step, **kw)
+
+    def _write_local(self, rec: SaveRecord) -> None:
+        if rec.prepared is not None:
+            rec.prepared.commit()  # files already in its writer: hash them, commit
+            return
+        sh = self.shard
+        with self.open_local(rec) as w:
             if rec.direct is not None:
                 index, tensors = rec.direct
                 write_direct(w, sh.prefix, index, tensors)
@@ -312,7 +327,8 @@ class Pipeline:
                 rec.buffers = rec.drain.result()
                 with self.cv:
                     self._stats.last_drain_s = rec.drain.copy_s
-            self._check_space(rec.nbytes)
+            if rec.prepared is None:  # a prepared directory's bytes are already there
+                self._check_space(rec.nbytes)
             self.log_deferred()
             self.books.emit("local_start", step=rec.step)
             self._write_local(rec)
@@ -325,6 +341,7 @@ class Pipeline:
             rec.buffers = None
             rec.direct = None
             rec.drain = None
+            rec.prepared = None
         rec.local_s = time.monotonic() - t0
         rec.local_status = "committed"
         with self.cv:

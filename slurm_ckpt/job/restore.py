@@ -55,7 +55,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 from slurm_ckpt.core.fastread import READ_STREAMS
 from slurm_ckpt.core.manifest import Manifest
 from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
-from slurm_ckpt.job.state import GROUP_REST, GROUP_WEIGHTS
+from slurm_ckpt.job.state import GROUP_REST, GROUP_WEIGHTS, INDEX_NAME, STATE_FORMAT
 from slurm_ckpt.job.state_reader import StateReader
 from slurm_ckpt.tiers.base import Tier
 
@@ -64,6 +64,7 @@ log = logging.getLogger("slurm_ckpt")
 __all__ = [
     "DATA_CHANGE_ACTIONS",
     "DataVersionMismatch",
+    "NotThisFormat",
     "Restored",
     "Restorer",
     "shard_key",
@@ -77,6 +78,24 @@ DATA_CHANGE_ACTIONS = ("warn", "refuse")
 class DataVersionMismatch(CkptError):
     """The checkpoint was trained on other data than the job has now, and the caller
     asked to refuse such a restore."""
+
+
+class NotThisFormat(CkptError):
+    """A committed checkpoint that is sound but holds another payload than the one asked
+    for (a directory of files from :meth:`Checkpointer.output`, a ``torch.save`` file, a
+    DCP checkpoint, where ``restore()`` wants a ``save()`` state): skipped, never marked
+    bad, never removed."""
+
+
+def payload_format(m: Manifest, prefix: str) -> Optional[str]:
+    """What a checkpoint holds: ``meta.state_format``, or for a manifest without one (a
+    writer that recorded none) the state format when the rank's index is there, else
+    None (files of an unknown kind)."""
+    fmt = m.meta.get("state_format")
+    if isinstance(fmt, str):
+        return fmt
+    index = f"{prefix}/{INDEX_NAME}" if prefix else INDEX_NAME
+    return STATE_FORMAT if any(f.path == index for f in m.files) else None
 
 
 def shard_key(key: str, rank: int, world_size: int) -> str:
@@ -219,6 +238,9 @@ class Restorer:
         the background (:class:`_RestLoad`) while the caller uses the weights."""
         t0 = time.monotonic()
         where = tier.where(self.user, self.own_key, m.step)
+        fmt = payload_format(m, self.prefix)
+        if fmt != STATE_FORMAT:
+            raise NotThisFormat(f"{where}: holds {fmt or 'files'}, not a slurm_ckpt state")
         self._check_data(m, where)
         with tier.reader(self.user, self.own_key, m.step) as tr:
             reader = StateReader(tr, tr.manifest, self.prefix, streams=self.streams, where=where)
@@ -259,12 +281,28 @@ class Restorer:
                 continue
             try:
                 return self._load(tier, m, weights_only)
+            except NotThisFormat as exc:
+                self._bad.add((tier.name, step))
+                log.info("[ckpt] restore: skipping %s", exc)
             except (VerifyError, TierError, NotFound) as exc:
                 self._note_bad(tier, step, exc)
         return None
 
+    def _bytes_verify(self, tier: Tier, step: int) -> bool:
+        """Whether the copy's bytes match its manifest after all (re-read, every byte):
+        then what failed was reading it as a state, and the copy is kept."""
+        try:
+            return tier.verify(self.user, self.own_key, step).ok
+        except (CkptError, OSError):
+            return False
+
     def _note_bad(self, tier: Tier, step: int, exc: BaseException) -> None:
         self._bad.add((tier.name, step))
+        if isinstance(exc, VerifyError) and self._bytes_verify(tier, step):
+            # Never delete or uncommit a copy whose bytes are what was committed: it is
+            # not readable the way this restore reads (a payload of another format).
+            log.warning("[ckpt] restore: skipping %s (its bytes verify: kept)", exc)
+            return
         log.warning("[ckpt] restore: skipping %s", exc)
         if self.mark_bad is not None:
             self.mark_bad(self.own_key, tier.name, step, str(exc))

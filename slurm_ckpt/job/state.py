@@ -47,6 +47,8 @@ __all__ = [
 
 FORMAT = "slurm_ckpt.state"
 VERSION = 1
+#: ``meta.state_format`` of a checkpoint that ``save()`` wrote (an index and blobs).
+STATE_FORMAT = "slurm_ckpt.state/1"
 INDEX_NAME = "index.json"
 #: Tensor offsets inside a blob are multiples of this (lets readers view any dtype).
 ALIGN = 64

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional
 import click
 
 from slurm_ckpt.cli.output import CliState, pass_state
+from slurm_ckpt.cli.params import USER
 from slurm_ckpt.cli.progress import ByteProgress
 from slurm_ckpt.cli.table import (
     Column,
@@ -31,6 +32,7 @@ from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import NotFound, UsageError
 from slurm_ckpt.ops.catalog import series_rows, step_rows, verify_targets
 from slurm_ckpt.ops.damage import COMMITTED, CORRUPT, UNREADABLE
+from slurm_ckpt.ops.tier_roots import require_roots
 from slurm_ckpt.ops.verify_path import verify_path
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.registry import ORDER, tiers_from_config
@@ -38,7 +40,10 @@ from slurm_ckpt.tiers.registry import ORDER, tiers_from_config
 tier_choice = click.Choice(["all", *ORDER])
 
 user_option = click.option(
-    "-u", "--user", help="Owner of the checkpoints (default: you; root: list every user's)."
+    "-u",
+    "--user",
+    type=USER,
+    help="Owner of the checkpoints (default: you; root: list every user's).",
 )
 tier_option = click.option(
     "--tier", type=tier_choice, default="all", show_default=True, help="Only this tier."
@@ -50,6 +55,7 @@ def _user(user: Optional[str]) -> str:
 
 
 def _selected(state: CliState, tier: str) -> Dict[str, Tier]:
+    require_roots(state.config, None if tier == "all" else tier)
     tiers = tiers_from_config(state.config)
     if tier == "all":
         return tiers
@@ -216,6 +222,17 @@ def verify_cmd(
     each get their own message. Exit status 0 when everything verifies, 1 otherwise.
     """
     if _is_path(target):
+        given = [
+            flag
+            for flag, value in (("--step", step), ("--user", user), ("--tier", tier != "all"))
+            if value not in (None, False)
+        ]
+        if given:
+            raise UsageError(
+                f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} to a KEY; "
+                f"{target} is one checkpoint directory "
+                f"(its manifest names its user, key and step)"
+            )
         return _verify_path(target, 4, out)
     checks, broken = verify_targets(_selected(state, tier), target, _user(user), step)
     reports = []

@@ -33,7 +33,12 @@ from slurm_ckpt.errors import NotFound, UsageError
 from slurm_ckpt.ops.catalog import series_rows, step_rows, verify_targets
 from slurm_ckpt.ops.damage import COMMITTED, CORRUPT, UNREADABLE
 from slurm_ckpt.ops.tier_roots import require_roots
-from slurm_ckpt.ops.verify_path import verify_path
+from slurm_ckpt.ops.verify_path import (
+    UNLISTED_NOTE,
+    note_unlisted,
+    unlisted_on_tier,
+    verify_path,
+)
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.registry import ORDER, tiers_from_config
 
@@ -158,12 +163,19 @@ VERIFY_COLUMNS = [
 ]
 
 
+#: ``verify``'s state for a checkpoint whose listed bytes verify but whose directory also
+#: holds files the manifest does not list.
+UNLISTED = "UNLISTED"
+
+
 def _result_state(ok: bool, problems: List[str]) -> str:
     """OK, or why not: a read refused for permissions is UNREADABLE, not CORRUPT."""
     if ok:
         return "OK"
     if problems and all("permission denied" in p for p in problems):
         return UNREADABLE
+    if problems and all(p.endswith(": " + UNLISTED_NOTE) for p in problems):
+        return UNLISTED  # the listed bytes verify; the directory holds more than them
     return CORRUPT
 
 
@@ -239,7 +251,9 @@ def verify_cmd(
     with ByteProgress("verify", total=sum(c[4] for c in checks)) as bar:
         for t, u, k, s, _size in checks:
             bar.set_description(f"verify {t.name} {u}/{k} step {s}")
-            reports.append((t, u, k, t.verify(u, k, s, progress=bar.advance)))
+            rep = t.verify(u, k, s, progress=bar.advance)
+            note_unlisted(rep, unlisted_on_tier(t, u, k, s))
+            reports.append((t, u, k, rep))
     rows = [
         {
             "tier": t.name,

@@ -207,6 +207,14 @@ def _add_config_option(cmd: click.Command) -> None:
     )
 
 
+#: Help of the tier flags (user commands without a site config, :mod:`.sources`).
+TIER_FLAG_HELP = {
+    "local": "The local tier's directory (a Checkpointer's local=), instead of a config file.",
+    "pfs": "The warm tier's directory (a Checkpointer's pfs=); with --local.",
+    "cold": "The cold (archive) tier's directory; with --local.",
+}
+
+
 def _set_tier_root(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> None:
     """``--local/--pfs/--cold DIR`` of a user command: the tiers without a config file."""
     if value is not None:
@@ -235,8 +243,7 @@ def _add_tier_flags(cmd: click.Command, words: Tuple[str, ...] = ()) -> None:
                 expose_value=False,
                 callback=_set_tier_root,
                 type=click.Path(exists=True, file_okay=False, resolve_path=False),
-                help=f"The {tier} tier's directory, instead of a config file"
-                + (" (e.g. a Checkpointer's local=)." if tier == "local" else "."),
+                help=TIER_FLAG_HELP[tier],
             )
         )
 

@@ -235,3 +235,19 @@ def test_same_step_saved_twice_in_one_run(tmp_path: Path, caplog: Any) -> None:
     user = ckpt.user
     assert pfs.manifest_bytes(user, "run", 5) == local.manifest_bytes(user, "run", 5)
     assert pfs.verify(user, "run", 5).ok
+
+
+def test_missing_cold_root_is_left_out_with_a_warning(site: Site) -> None:
+    """The archive is often not mounted on login nodes: the other tiers are read, and a
+    warning says the cold tier was not; asking for the cold tier alone is the error."""
+    cfg = site.base / "cold.toml"
+    cfg.write_text(site.cfg_path.read_text() + '[tiers.cold]\nroot = "/nonexistent/cold"\n')
+    code, out, err = run_here(["--config", str(cfg), "list", "run", "-u", "alice", "--json"])
+    assert code == 0, err
+    assert {c["tier"] for c in json.loads(out)["checkpoints"]} == {"local", "pfs"}
+    assert err == (
+        "warning: tiers.cold.root /nonexistent/cold does not exist on this node: "
+        "the cold tier is not read\n"
+    )
+    code, out, err = run_here(["--config", str(cfg), "list", "--tier", "cold"])
+    assert code == 2 and "tiers.cold.root /nonexistent/cold does not exist" in _one_line(err)

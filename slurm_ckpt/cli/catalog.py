@@ -60,7 +60,8 @@ def _user(user: Optional[str]) -> str:
 
 
 def _selected(state: CliState, tier: str) -> Dict[str, Tier]:
-    require_roots(state.config, None if tier == "all" else tier)
+    for note in require_roots(state.config, None if tier == "all" else tier):
+        warn(note)
     tiers = tiers_from_config(state.config)
     if tier == "all":
         return tiers

@@ -41,7 +41,8 @@ def drill_cmd(
     """
     if scratch is not None and not os.path.isdir(scratch):
         raise UsageError(f"--scratch {scratch}: not a directory")
-    require_roots(state.config)
+    for note in require_roots(state.config):
+        warn(note)
     with ByteProgress(f"drill {key}: copy + verify") as bar:
         report = run_drill(state.config, key, user, scratch, progress=bar.advance)
     if as_json:

@@ -17,7 +17,14 @@ import click
 
 from slurm_ckpt.cli.output import CliState, pass_state
 from slurm_ckpt.cli.params import USER
-from slurm_ckpt.cli.table import Column, Listing, OutputFormat, output_options, print_json_doc
+from slurm_ckpt.cli.table import (
+    Column,
+    Listing,
+    OutputFormat,
+    output_options,
+    print_json_doc,
+    warn,
+)
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import UsageError
 from slurm_ckpt.ops.restore import restore_to
@@ -84,7 +91,8 @@ def restore_cmd(
     every byte checked against its manifest; a copy that does not verify is skipped for
     the next tier. Exit status 1 when none verifies, 2 when DIR cannot take it."""
     cfg = state.config
-    require_roots(cfg, tier)
+    for note in require_roots(cfg, tier):
+        warn(note)
     dest = check_destination(to)
     doc = restore_to(cfg, key, dest, user=user, tier=tier, step=step)
     if out.json:

@@ -282,7 +282,8 @@ def status_cmd(
     node: Any = None
     if nodelist is not None:
         node = nodelist[0] if len(nodelist) == 1 else frozenset(nodelist)
-    require_roots(state.config)
+    for note in require_roots(state.config):
+        warn(note)
     doc = collect_status(state.config, user=user, job=job, key=key, node=node, query=query)
     if out.json:
         write_json(doc)

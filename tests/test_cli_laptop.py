@@ -101,9 +101,11 @@ def _as_nobody(argv: List[str], env: Dict[str, str], no_site: bool = True) -> Tu
             os.environ.pop("SLURM_CKPT_CONFIG", None)
             os.environ.update(env)
             import slurm_ckpt.cli.sources as sources
+            import slurm_ckpt.core.config as core_config
 
-            if no_site:
-                sources.DEFAULT_CONFIG_PATH = Path(env["XDG_CONFIG_HOME"]) / "no-site.toml"
+            if no_site:  # this child only: a host with a real site config reads as none
+                nowhere = Path(env["XDG_CONFIG_HOME"]) / "no-site.toml"
+                sources.DEFAULT_CONFIG_PATH = core_config.DEFAULT_CONFIG_PATH = nowhere
             code, out, err = run_here(argv)
             result = [str(code), out, err]
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
@@ -168,16 +170,26 @@ def test_user_config_for_user_commands(open_tmp: Path) -> None:
     assert "--local DIR" in err and str(home / "slurm-ckpt" / "config.toml") in err
 
 
-def test_root_keeps_requiring_a_root_owned_site_config(open_tmp: Path) -> None:
+def test_root_keeps_requiring_a_root_owned_site_config(
+    open_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    need_root()
     s, home = _user_site(open_tmp)
     user_cfg = home / "slurm-ckpt" / "config.toml"
     # Root checking that same file as a site config: refused, the roots are not root's.
     code, out, err = run_here(["config", "check", "--config", str(user_cfg)])
     assert code == 2 and "not root" in err, (out, err)
     # Root never reads a user's config, even with XDG_CONFIG_HOME pointing at it.
-    r = ckpt_slurm("list", env={"XDG_CONFIG_HOME": str(home)})
-    assert r.returncode == 2 and "no config" in r.stderr, r.stderr
-    assert str(user_cfg) not in r.stderr
+    import slurm_ckpt.cli.sources as sources
+    import slurm_ckpt.core.config as core_config
+
+    for mod in (sources, core_config):  # a host with a real site config reads as none
+        monkeypatch.setattr(mod, "DEFAULT_CONFIG_PATH", open_tmp / "no-site.toml")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home))
+    monkeypatch.delenv("SLURM_CKPT_CONFIG", raising=False)
+    code, out, err = run_here(["list"])
+    assert code == 2 and "no config" in err, err
+    assert str(user_cfg) not in err
     # A hook (root-run) run by nobody with a user config present does not take it.
     code, out, err = _as_nobody(["gc", "--dry-run"], {"XDG_CONFIG_HOME": str(home)})
     assert code == 2 and "no config" in err, err

@@ -35,7 +35,8 @@ EXIT_TABLE_DOC = REPO / "README.md"
 
 #: Cases a row names that another test runs, with where (never silent: listed here).
 ELSEWHERE = {
-    "`maint`": "tests/test_ops_cli.py (maint against a fake SLURM; needs its scontrol shim)",
+    "`maint`": "tests/test_ops_cli.py::test_maint_timeout_refuses_with_exit_4_and_stays_drained"
+    " (a SLURM client that drains) and tests/test_maint_cluster.py (the dev cluster)",
 }
 
 

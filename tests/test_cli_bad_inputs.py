@@ -201,7 +201,7 @@ SRUN_CASES: List[Tuple[List[str], int, str]] = [
     (["--signal", "KILL", "--", "true"], EXIT_USAGE, "uncatchable"),
     (["--max-requeues", "-1", "--", "true"], EXIT_USAGE, "--max-requeues"),
     (["--key", "../x", "--", "true"], EXIT_USAGE, "invalid key"),
-    (["--key", "k", "--", "true"], EXIT_SLURM, "SLURM_JOB_ID"),  # not inside a job
+    (["--key", "k", "--", "true"], EXIT_USAGE, "SLURM_JOB_ID"),  # not inside a job: usage
 ]
 
 

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional
 import click
 
 from slurm_ckpt.cli.output import CliState, pass_state
+from slurm_ckpt.cli.params import USER
 from slurm_ckpt.cli.progress import ByteProgress
 from slurm_ckpt.cli.table import (
     Column,
@@ -31,14 +32,23 @@ from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import NotFound, UsageError
 from slurm_ckpt.ops.catalog import series_rows, step_rows, verify_targets
 from slurm_ckpt.ops.damage import COMMITTED, CORRUPT, UNREADABLE
-from slurm_ckpt.ops.verify_path import verify_path
+from slurm_ckpt.ops.tier_roots import require_roots
+from slurm_ckpt.ops.verify_path import (
+    UNLISTED_NOTE,
+    note_unlisted,
+    unlisted_on_tier,
+    verify_path,
+)
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.registry import ORDER, tiers_from_config
 
 tier_choice = click.Choice(["all", *ORDER])
 
 user_option = click.option(
-    "-u", "--user", help="Owner of the checkpoints (default: you; root: list every user's)."
+    "-u",
+    "--user",
+    type=USER,
+    help="Owner of the checkpoints (default: you; root: list every user's).",
 )
 tier_option = click.option(
     "--tier", type=tier_choice, default="all", show_default=True, help="Only this tier."
@@ -50,6 +60,8 @@ def _user(user: Optional[str]) -> str:
 
 
 def _selected(state: CliState, tier: str) -> Dict[str, Tier]:
+    for note in require_roots(state.config, None if tier == "all" else tier):
+        warn(note)
     tiers = tiers_from_config(state.config)
     if tier == "all":
         return tiers
@@ -152,12 +164,19 @@ VERIFY_COLUMNS = [
 ]
 
 
+#: ``verify``'s state for a checkpoint whose listed bytes verify but whose directory also
+#: holds files the manifest does not list.
+UNLISTED = "UNLISTED"
+
+
 def _result_state(ok: bool, problems: List[str]) -> str:
     """OK, or why not: a read refused for permissions is UNREADABLE, not CORRUPT."""
     if ok:
         return "OK"
     if problems and all("permission denied" in p for p in problems):
         return UNREADABLE
+    if problems and all(p.endswith(": " + UNLISTED_NOTE) for p in problems):
+        return UNLISTED  # the listed bytes verify; the directory holds more than them
     return CORRUPT
 
 
@@ -216,13 +235,26 @@ def verify_cmd(
     each get their own message. Exit status 0 when everything verifies, 1 otherwise.
     """
     if _is_path(target):
+        given = [
+            flag
+            for flag, value in (("--step", step), ("--user", user), ("--tier", tier != "all"))
+            if value not in (None, False)
+        ]
+        if given:
+            raise UsageError(
+                f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} to a KEY; "
+                f"{target} is one checkpoint directory "
+                f"(its manifest names its user, key and step)"
+            )
         return _verify_path(target, 4, out)
     checks, broken = verify_targets(_selected(state, tier), target, _user(user), step)
     reports = []
     with ByteProgress("verify", total=sum(c[4] for c in checks)) as bar:
         for t, u, k, s, _size in checks:
             bar.set_description(f"verify {t.name} {u}/{k} step {s}")
-            reports.append((t, u, k, t.verify(u, k, s, progress=bar.advance)))
+            rep = t.verify(u, k, s, progress=bar.advance)
+            note_unlisted(rep, unlisted_on_tier(t, u, k, s))
+            reports.append((t, u, k, rep))
     rows = [
         {
             "tier": t.name,

@@ -10,6 +10,7 @@ from typing import Optional
 import click
 
 from slurm_ckpt.cli.output import CliState, pass_state, print_json, print_table
+from slurm_ckpt.cli.params import USER
 from slurm_ckpt.cli.progress import ByteProgress
 from slurm_ckpt.cli.table import warn
 from slurm_ckpt.core.units import format_bytes, format_duration
@@ -17,11 +18,12 @@ from slurm_ckpt.errors import NotFound, UsageError
 from slurm_ckpt.ops.drill import (
     run_drill,
 )
+from slurm_ckpt.ops.tier_roots import require_roots
 
 
 @click.command("drill")
 @click.argument("key")
-@click.option("-u", "--user", help="Owner of the checkpoints (default: you).")
+@click.option("-u", "--user", type=USER, help="Owner of the checkpoints (default: you).")
 @click.option(
     "--scratch",
     metavar="DIR",
@@ -39,6 +41,8 @@ def drill_cmd(
     """
     if scratch is not None and not os.path.isdir(scratch):
         raise UsageError(f"--scratch {scratch}: not a directory")
+    for note in require_roots(state.config):
+        warn(note)
     with ByteProgress(f"drill {key}: copy + verify") as bar:
         report = run_drill(state.config, key, user, scratch, progress=bar.advance)
     if as_json:

@@ -9,6 +9,7 @@ from typing import List, Optional, Sequence
 import click
 
 from slurm_ckpt.cli.output import CliState, pass_state, print_error
+from slurm_ckpt.cli.params import USER
 from slurm_ckpt.cli.progress import ByteProgress
 from slurm_ckpt.cli.table import (
     Column,
@@ -74,7 +75,7 @@ def _gc_columns(dry_run: bool) -> List[Column]:
 
 @click.command("gc")
 @click.option("--dry-run", is_flag=True, help="Only report what would be deleted.")
-@click.option("-u", "--user", help="Only this user's checkpoints (default: everyone's).")
+@click.option("-u", "--user", type=USER, help="Only this user's checkpoints (default: everyone's).")
 @click.option("-k", "--key", help="Only this key.")
 @output_options
 @pass_state

@@ -37,11 +37,13 @@ EXAMPLES: Dict[str, List[str]] = {
         "ckpt-slurm list",
         "ckpt-slurm list my-run",
         "ckpt-slurm list my-run -u alice --tier pfs --parsable",
+        "ckpt-slurm list my-run --local ./ckpt/local --pfs ./ckpt/pfs   (no site config)",
     ],
     "verify": [
         "ckpt-slurm verify my-run",
         "ckpt-slurm verify my-run --step 4000 --tier pfs",
         "ckpt-slurm verify /lustre/checkpoints/alice/my-run/step-0000004000",
+        "ckpt-slurm verify my-run --local ./ckpt/local   (no site config)",
     ],
     "gc": ["ckpt-slurm gc --dry-run", "ckpt-slurm gc -u alice -k my-run --json"],
     "flush": ["ckpt-slurm flush", "ckpt-slurm flush -j 123456 --wait"],
@@ -49,6 +51,7 @@ EXAMPLES: Dict[str, List[str]] = {
     "restore": [
         "ckpt-slurm restore my-run --to /scratch/alice/restore",
         "ckpt-slurm restore my-run --tier cold --step 4000 --to /scratch/alice/3-days-ago",
+        "ckpt-slurm restore my-run --local ./ckpt/local --pfs ./ckpt/pfs --to ./back",
     ],
     "plan": [
         "ckpt-slurm plan --params 70e9 --local-bw 3GB/s --pfs-bw 500MB/s --mtbi 6h "

@@ -51,8 +51,10 @@ def _setup_logging(kind: str) -> None:
 
 
 def _need_root(what: str) -> None:
+    """A hook run by anyone but root is a usage error (exit 2, as the README's exit-code
+    table has it for a hook run outside SLURM), not a failed operation."""
     if os.geteuid() != 0:
-        raise CkptError(f"{what} must run as root (it switches to the job's user)")
+        raise UsageError(f"{what} must run as root (it switches to the job's user)")
 
 
 def _client(timeout: float = 15.0):  # noqa: ANN202 - SlurmClient, imported lazily

@@ -93,7 +93,10 @@ USER_ERRNOS = frozenset(
     if hasattr(errno, name)
 )
 
-CONFIG_HELP = "Site config file (default: $SLURM_CKPT_CONFIG, else /etc/slurm-ckpt/config.toml)."
+CONFIG_HELP = (
+    "Config file (default: $SLURM_CKPT_CONFIG, else /etc/slurm-ckpt/config.toml; user "
+    "commands without one: ~/.config/slurm-ckpt/config.toml)."
+)
 
 
 @click.group(
@@ -153,15 +156,16 @@ def config_check(state: CliState, offline: bool) -> None:
     The roots must exist, be directories (not symlinks), be owned by root and not be
     writable by others (unless sticky); the local root must be a mount of its own when
     required and have min_free free. A missing local root and low free space are
-    warnings (stderr); anything else exits 2 with one line.
+    warnings (stderr); anything else exits 2 with one line. A user's own config (their
+    file, or tier flags; not as root) may have roots owned by that user.
     """
     from slurm_ckpt.cli.table import warn
     from slurm_ckpt.errors import ConfigError
-    from slurm_ckpt.ops.config_check import ERROR, check_roots
+    from slurm_ckpt.ops.config_check import ERROR, check_roots, own_config
 
     cfg = state.config
     if not offline:
-        findings = check_roots(cfg)
+        findings = check_roots(cfg, owner=own_config(cfg))
         errors = [f.text for f in findings if f.level == ERROR]
         if errors:
             raise ConfigError(f"{cfg.source}: " + "; ".join(errors))
@@ -203,12 +207,54 @@ def _add_config_option(cmd: click.Command) -> None:
     )
 
 
+#: Help of the tier flags (user commands without a site config, :mod:`.sources`).
+TIER_FLAG_HELP = {
+    "local": "The local tier's directory (a Checkpointer's local=), instead of a config file.",
+    "pfs": "The warm tier's directory (a Checkpointer's pfs=); with --local.",
+    "cold": "The cold (archive) tier's directory; with --local.",
+}
+
+
+def _set_tier_root(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> None:
+    """``--local/--pfs/--cold DIR`` of a user command: the tiers without a config file."""
+    if value is not None:
+        state = ctx.find_object(CliState) or ctx.ensure_object(CliState)
+        state.tier_roots[str(param.name)] = value
+        state._config = None
+
+
+def _add_tier_flags(cmd: click.Command, words: Tuple[str, ...] = ()) -> None:
+    """Give the user commands (:data:`slurm_ckpt.cli.sources.USER_COMMANDS`) tier flags."""
+    from slurm_ckpt.cli.sources import TIER_FLAGS, is_user_command
+
+    words = (*words, cmd.name or "")
+    if isinstance(cmd, click.Group):
+        for sub in cmd.commands.values():
+            _add_tier_flags(sub, words)
+        return
+    if not is_user_command(words):
+        return
+    for flag, tier in TIER_FLAGS:
+        cmd.params.append(
+            click.Option(
+                [flag, tier],
+                metavar="DIR",
+                default=None,
+                expose_value=False,
+                callback=_set_tier_root,
+                type=click.Path(exists=True, file_okay=False, resolve_path=False),
+                help=TIER_FLAG_HELP[tier],
+            )
+        )
+
+
 def _register() -> None:
     """Attach ``config`` and every command listed in :data:`COMMANDS` to :data:`cli`."""
     cli.add_command(config_group)
     for module_name, attr in COMMANDS:
         cli.add_command(getattr(importlib.import_module(module_name), attr))
     for cmd in cli.commands.values():
+        _add_tier_flags(cmd)
         _add_config_option(cmd)
         attach_examples(cmd)
 

@@ -35,15 +35,19 @@ class CliState:
 
     def __init__(self, config_path: Optional[str] = None) -> None:
         self.config_path = config_path
+        #: Tier flags of a user command (``{"local": DIR, ...}``, :mod:`.sources`).
+        self.tier_roots: dict = {}
         self._config: Optional[Config] = None
 
     @property
     def config(self) -> Config:
-        """The site configuration, loaded and validated on first use (ConfigError if bad)."""
+        """The configuration, loaded and validated on first use (ConfigError if bad): the
+        site's, or for user commands tier flags or the user's own (:mod:`.sources`)."""
         if self._config is None:
-            from slurm_ckpt.core.config import load_config
+            from slurm_ckpt.cli.sources import command_words, load_cli_config
 
-            self._config = load_config(self.config_path)
+            words = command_words(click.get_current_context(silent=True))
+            self._config = load_cli_config(self.config_path, self.tier_roots, words)
         return self._config
 
 

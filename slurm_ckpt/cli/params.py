@@ -27,9 +27,11 @@ __all__ = [
     "RATE",
     "SECONDS_COMPAT",
     "SIZE",
+    "USER",
     "Duration",
     "JobId",
     "NodeList",
+    "UserName",
 ]
 
 
@@ -164,6 +166,25 @@ class JobId(click.ParamType):
         return str(int(text))
 
 
+class UserName(click.ParamType):
+    """A user name (``-u``): ``-u ''`` is refused, not taken as "no user given"."""
+
+    name = "user"
+
+    def get_metavar(self, param: click.Parameter, ctx: Optional[click.Context] = None) -> str:
+        return "USER"
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Any) -> str:
+        from slurm_ckpt.core.names import validate_user
+
+        text = str(value)
+        if not text.strip():
+            from slurm_ckpt.errors import UsageError
+
+            raise UsageError(f"{_what(param)}: empty user name (leave it out for yourself)")
+        return validate_user(text)  # InvalidName: "invalid user name ..." (exit 2)
+
+
 def _what(param: Optional[click.Parameter]) -> str:
     if param is None:
         return "value"
@@ -185,6 +206,7 @@ RATE = _Rate()
 NODELIST = NodeList()
 NODE = NodeList(single=True)
 JOB_ID = JobId()
+USER = UserName()
 
 
 def node_names(value: Optional[List[str]]) -> Optional[List[str]]:

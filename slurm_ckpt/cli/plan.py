@@ -246,6 +246,10 @@ def _plot(plt, plan: Plan, path: str) -> None:
         plt.close(fig)
 
 
+#: The largest --nodes a plan takes: beyond any cluster (a typo, not a plan).
+MAX_NODES = 1_000_000
+
+
 def _nodes(value: str) -> int:
     try:
         n = int(str(value).strip())
@@ -253,6 +257,8 @@ def _nodes(value: str) -> int:
         raise PlanInputError(f"--nodes: expected a whole number >= 1, got {value!r}") from None
     if n < 1:
         raise PlanInputError(f"--nodes: expected a whole number >= 1, got {value!r}")
+    if n > MAX_NODES:
+        raise PlanInputError(f"--nodes: at most {MAX_NODES:_} (no cluster is larger), got {value}")
     return n
 
 

@@ -1,17 +1,67 @@
 """``ckpt-slurm restore KEY [--tier T] [--step N] --to DIR``: bring a checkpoint back
-from any tier (the cold archive included), verified (:mod:`slurm_ckpt.ops.restore`)."""
+from any tier (the cold archive included), verified (:mod:`slurm_ckpt.ops.restore`).
+
+``--to`` is checked before anything is read: DIR, or the nearest part of it that exists,
+must be a directory the caller can create entries in. Whatever is wrong with it (a file
+on the way, a parent that does not exist and cannot be made, no permission) is one usage
+error, exit status 2, as for every other malformed value: the same code for
+``--to /nonexistent/dir`` as for ``--to afile/x``.
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import click
 
 from slurm_ckpt.cli.output import CliState, pass_state
-from slurm_ckpt.cli.table import OutputFormat, output_options, print_json_doc
-from slurm_ckpt.core.units import format_bytes
+from slurm_ckpt.cli.params import USER
+from slurm_ckpt.cli.table import (
+    Column,
+    Listing,
+    OutputFormat,
+    output_options,
+    print_json_doc,
+    warn,
+)
+from slurm_ckpt.core.units import format_bytes, format_duration
+from slurm_ckpt.errors import UsageError
 from slurm_ckpt.ops.restore import restore_to
+from slurm_ckpt.ops.tier_roots import require_roots
 from slurm_ckpt.tiers.registry import ORDER
+
+RESTORE_COLUMNS = [
+    Column("user", "user"),
+    Column("key", "key"),
+    Column("step", "step", right=True),
+    Column("tier", "from"),
+    Column("bytes", "size", fmt=format_bytes, right=True),
+    Column("seconds", "time", fmt=format_duration, right=True),
+    Column("path", "path", wrap=True),
+]
+
+
+def check_destination(to: str) -> str:
+    """``to`` made absolute, once it is known that a restore can be put there (see the
+    module docstring); UsageError (exit 2) with the reason otherwise."""
+    path = os.path.abspath(to)
+    probe = path
+    while not os.path.lexists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if probe != path and not os.path.isdir(probe):
+        raise UsageError(f"--to {to}: {probe} is not a directory")
+    if os.path.islink(path):
+        raise UsageError(f"--to {to}: a symbolic link (give the directory it points to)")
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise UsageError(f"--to {to}: not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        what = "cannot write in it" if probe == path else f"cannot create it in {probe}"
+        raise UsageError(f"--to {to}: {what} (permission denied)")
+    return path
 
 
 @click.command("restore")
@@ -22,10 +72,10 @@ from slurm_ckpt.tiers.registry import ORDER
     "--to",
     "to",
     required=True,
-    type=click.Path(file_okay=False),
-    help="Directory to put it in (as DIR/<user>/<key>/step-N).",
+    metavar="DIR",
+    help="Directory to put it in (as DIR/<user>/<key>/step-N; made when missing).",
 )
-@click.option("-u", "--user", help="Owner of the checkpoint (default: you).")
+@click.option("-u", "--user", type=USER, help="Owner of the checkpoint (default: you).")
 @output_options
 @pass_state
 def restore_cmd(
@@ -39,10 +89,17 @@ def restore_cmd(
 ) -> None:
     """Copy a checkpoint of KEY from the fastest tier holding it (or --tier) into DIR,
     every byte checked against its manifest; a copy that does not verify is skipped for
-    the next tier. Exit status 1 when none verifies."""
-    doc = restore_to(state.config, key, to, user=user, tier=tier, step=step)
+    the next tier. Exit status 1 when none verifies, 2 when DIR cannot take it."""
+    cfg = state.config
+    for note in require_roots(cfg, tier):
+        warn(note)
+    dest = check_destination(to)
+    doc = restore_to(cfg, key, dest, user=user, tier=tier, step=step)
     if out.json:
         print_json_doc(doc)
+        return
+    if out.parsable or not out.decorated:
+        Listing(RESTORE_COLUMNS, [doc], "restore").print(out)
         return
     click.echo(
         f"restored {doc['user']}/{doc['key']} step {doc['step']} from {doc['tier']} "

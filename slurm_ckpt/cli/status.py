@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 import click
 
 from slurm_ckpt.cli.output import CliState, pass_state
-from slurm_ckpt.cli.params import JOB_ID, NODELIST
+from slurm_ckpt.cli.params import JOB_ID, NODELIST, USER
 from slurm_ckpt.cli.table import (
     Column,
     Listing,
@@ -34,6 +34,7 @@ from slurm_ckpt.cli.table import (
 from slurm_ckpt.core.units import format_bytes, format_duration, format_rate
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ops.status import SlurmSnapshot, collect_status, no_slurm
+from slurm_ckpt.ops.tier_roots import require_roots
 from slurm_ckpt.slurm.hostlist import compress
 
 __all__ = ["status_cmd"]
@@ -241,7 +242,7 @@ def print_status(
 
 
 @click.command("status")
-@click.option("-u", "--user", help="Only this user's jobs.")
+@click.option("-u", "--user", type=USER, help="Only this user's jobs.")
 @click.option("-j", "--job", type=JOB_ID, help="Only this SLURM job id.")
 @click.option("-k", "--key", help="Only jobs writing this key.")
 @click.option(
@@ -281,6 +282,8 @@ def status_cmd(
     node: Any = None
     if nodelist is not None:
         node = nodelist[0] if len(nodelist) == 1 else frozenset(nodelist)
+    for note in require_roots(state.config):
+        warn(note)
     doc = collect_status(state.config, user=user, job=job, key=key, node=node, query=query)
     if out.json:
         write_json(doc)

@@ -114,6 +114,17 @@ ReadAt = Callable[[memoryview, int], int]
 WriteAt = Callable[[memoryview, int], None]
 
 
+class ShortRead(OSError):
+    """A read ended at ``at``, before the bytes the manifest promises: the file is shorter
+    than its manifest says (truncated), or shrank under us. An ``OSError`` with EIO (what
+    callers caught before), with the offset kept so that a copy can say what ``verify``
+    says of the same file: ``size AT != SIZE``."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__(errno.EIO, f"unexpected end of file at offset {at}")
+        self.at = at
+
+
 def hash_pieces(
     read: ReadAt,
     offset: int,
@@ -144,7 +155,7 @@ def hash_pieces(
         target = buf[:n] if buf is not None else into(pos, n)  # type: ignore[misc]
         got = read(target, pos)
         if got <= 0:
-            raise OSError(errno.EIO, f"unexpected end of file at offset {pos}")
+            raise ShortRead(pos)
         view = target[:got]
         h.update(view)
         if write is not None:

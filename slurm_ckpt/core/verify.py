@@ -7,6 +7,7 @@ no payload path may be a symlink or special file (those fail the ``O_NOFOLLOW`` 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import time
@@ -16,7 +17,7 @@ from typing import List, Optional
 from slurm_ckpt.core import fsio
 from slurm_ckpt.core.chunks import PIECE, BandwidthLimiter, hash_range, run_chunks
 from slurm_ckpt.core.hashing import combine
-from slurm_ckpt.core.manifest import Manifest
+from slurm_ckpt.core.manifest import MANIFEST_NAME, Manifest
 from slurm_ckpt.core.progress import ProgressFn, report
 
 
@@ -112,6 +113,49 @@ def verify_files(
             if fd is not None:
                 os.close(fd)
     return verdict(manifest, where, [fd is not None for fd in fds], digests, problems, t0)
+
+
+#: At most this many unlisted entries are named (a directory full of debris is one finding).
+UNLISTED_MAX = 20
+
+
+def unlisted_files(step_fd: int, manifest: Manifest, limit: int = UNLISTED_MAX) -> List[str]:
+    """Entries of the step directory that the manifest does not list (besides the
+    manifest itself): a file dropped in after the commit, a directory of stray output.
+
+    Their bytes are not part of the checkpoint, so they do not make it CORRUPT (a restore
+    ignores them and the listed bytes may verify), but ``verify`` names them: a directory
+    that is not exactly its manifest is a finding. Read without following symlinks; an
+    unlisted directory is named once (``dir/``), not walked; a listed directory that cannot
+    be opened is left to :func:`verify_files`, which names its missing files.
+    """
+    listed = {f.path for f in manifest.files} | {MANIFEST_NAME}
+    dirs = {p.rsplit("/", i)[0] for p in listed for i in range(1, p.count("/") + 1)}
+    out: List[str] = []
+    stack = [(os.dup(step_fd), "")]
+    try:
+        while stack and len(out) < limit:
+            fd, prefix = stack.pop()
+            try:
+                for name in sorted(os.listdir(fd)):
+                    rel = prefix + name
+                    if rel in listed:
+                        continue
+                    if rel in dirs:
+                        with contextlib.suppress(OSError):
+                            stack.append((os.open(name, fsio.O_DIR, dir_fd=fd), rel + "/"))
+                        continue
+                    try:
+                        mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+                    except OSError:
+                        mode = 0
+                    out.append(rel + ("/" if stat.S_ISDIR(mode) else ""))
+            finally:
+                os.close(fd)
+    finally:
+        for fd, _ in stack:
+            os.close(fd)
+    return out[:limit]
 
 
 def verdict(

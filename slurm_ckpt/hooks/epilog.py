@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from slurm_ckpt.core.config import Config
-from slurm_ckpt.core.units import format_bytes, format_duration
+from slurm_ckpt.core.units import format_duration
 from slurm_ckpt.errors import SlurmError
 from slurm_ckpt.node.flush import FlushOutcome
 from slurm_ckpt.node.work import RESERVE_FRACTION, RESERVE_MAX_S, NodeWork, drain_reason
@@ -62,7 +62,7 @@ class EpilogReport:
         f = self.flush
         parts = [
             f"epilog job {self.job_id} on {self.node}:",
-            f"flushed {len(f.flushed)} ({format_bytes(f.flushed_bytes)})",
+            f.summary(),
         ]
         if f.handed:
             parts.append(f"handed {len(f.handed)} to the stager")

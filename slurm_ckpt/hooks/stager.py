@@ -60,7 +60,7 @@ class StagerReport:
 
     def line(self) -> str:
         f = self.flush
-        parts = [f"flushed {len(f.flushed)} ({format_bytes(f.flushed_bytes)})"]
+        parts = [f.summary()]
         if f.failed:
             parts.append(f"{len(f.failed)} failed ({f.failed[0][1]})")
         if self.deleted:

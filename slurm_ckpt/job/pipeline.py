@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 from slurm_ckpt.core.commit import AlreadyCommitted
 from slurm_ckpt.core.retention import CkptInfo, RetentionPolicy, plan_local_deletions
@@ -157,6 +157,9 @@ class Pipeline:
         # threads: appending to the log and its summary costs milliseconds of file I/O.
         self._deferred_events: List[Tuple[str, Dict[str, Any]]] = []
         self._flush_rate: Optional[float] = None
+        #: Steps this pipeline committed on the local tier (a second save of one of them
+        #: replaces this run's own copy, not an older run's).
+        self._own_steps: Set[int] = set()
 
     # -- state -------------------------------------------------------------------------
     @property
@@ -212,6 +215,13 @@ class Pipeline:
         with self.cv:
             while self.local_job is not None:
                 self.cv.wait()
+
+    def _flush_pending(self, step: int) -> bool:
+        """A flush of ``step`` is queued or running (call with ``self.cv`` held)."""
+        cur = self.flush_current
+        return (cur is not None and cur.step == step) or any(
+            r.step == step for r in self.flush_queue
+        )
 
     def wait_flushes(self) -> None:
         with self.cv:
@@ -295,12 +305,23 @@ class Pipeline:
         try:
             return self.local.writer(sh.user, sh.key, rec.step, **kw)
         except AlreadyCommitted:
-            # A step of an abandoned timeline (we restored from an older step and came
-            # back to this one): the current state supersedes it.
-            log.warning(
-                "[ckpt] step=%d already committed on the local tier (older run): replacing it",
-                rec.step,
-            )
+            if rec.step in self._own_steps:
+                # The same step saved twice in this run: the newer save replaces ours, once
+                # the earlier one's flush (queued or running) is done with the local copy;
+                # deleting it under that flush made the flush fail.
+                with self.cv:
+                    while self._flush_pending(rec.step) and not self._stop:
+                        self.cv.wait()
+                log.info(
+                    "[ckpt] step=%d saved again in this run: replacing the earlier save", rec.step
+                )
+            else:
+                # A step of an abandoned timeline (we restored from an older step and came
+                # back to this one): the current state supersedes it.
+                log.warning(
+                    "[ckpt] step=%d already committed on the local tier (older run): replacing it",
+                    rec.step,
+                )
             self.local.delete(sh.user, sh.key, rec.step)
             return self.local.writer(sh.user, sh.key, rec.step, **kw)
 
@@ -345,6 +366,7 @@ class Pipeline:
         rec.local_s = time.monotonic() - t0
         rec.local_status = "committed"
         with self.cv:
+            self._own_steps.add(rec.step)
             s = self._stats
             s.committed += 1
             s.consecutive_failures = 0

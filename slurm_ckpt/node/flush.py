@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from slurm_ckpt.core.progress import ProgressFn
+from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, NotFound, TierError, TimedOut
 from slurm_ckpt.ledger import Ident, Ledger, Record, State
 from slurm_ckpt.node.marks import MarkBuffer, set_state
@@ -129,6 +130,17 @@ class FlushOutcome:
     @property
     def flushed_bytes(self) -> int:
         return sum(r.copied for r in self._with("flushed", "already"))
+
+    def summary(self) -> str:
+        """``flushed 1 (8.0MiB), 1 already on the warm tier``: what was copied now, apart
+        from what the warm tier already held (a copy of 0 bytes is not a flush; the epilog
+        once said ``flushed 2 (0B)`` of two checkpoints ckpt-srun had flushed before)."""
+        new = self._with("flushed")
+        text = f"flushed {len(new)} ({format_bytes(sum(r.copied for r in new))})"
+        already = self._with("already")
+        if already:
+            text += f", {len(already)} already on the warm tier"
+        return text
 
     @property
     def handed(self) -> List[Ident]:

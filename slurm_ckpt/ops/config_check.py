@@ -38,7 +38,7 @@ from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ops.object_check import object_findings
 
-__all__ = ["ERROR", "WARNING", "Finding", "check_roots", "check_trust"]
+__all__ = ["ERROR", "WARNING", "Finding", "check_roots", "check_trust", "own_config"]
 
 ERROR = "error"
 WARNING = "warning"
@@ -53,7 +53,7 @@ class Finding:
 
 
 def _root(
-    name: str, key: str, root: str, local: bool, out: List[Finding]
+    name: str, key: str, root: str, local: bool, out: List[Finding], owner: Optional[int] = None
 ) -> Optional[os.stat_result]:
     try:
         st = os.lstat(root)
@@ -85,7 +85,7 @@ def _root(
     if not stat.S_ISDIR(st.st_mode):
         out.append(Finding(ERROR, f"{key} {root} is not a directory"))
         return None
-    if st.st_uid != 0:
+    if st.st_uid != 0 and st.st_uid != owner:
         out.append(
             Finding(
                 ERROR,
@@ -105,12 +105,18 @@ def _root(
     return st
 
 
-def check_roots(cfg: Config) -> List[Finding]:
-    """Check the configured roots on this node (see the module docstring)."""
+def check_roots(cfg: Config, owner: Optional[int] = None) -> List[Finding]:
+    """Check the configured roots on this node (see the module docstring).
+
+    ``owner``: a user's own configuration (:func:`own_config`), checked for that user's
+    commands: roots owned by that uid are fine too (they hold only that user's
+    checkpoints; no one else writes there) and the config file's trust is not asked
+    (root never reads a user's config). Root-run code passes nothing: roots must be root's.
+    """
     out: List[Finding] = []
     local = cfg.tiers.local
     lroot = str(local.root)
-    st = _root("local", "tiers.local.root", lroot, True, out)
+    st = _root("local", "tiers.local.root", lroot, True, out, owner)
     if st is not None:
         if local.require_mount and st.st_dev == os.stat("/").st_dev:
             out.append(
@@ -137,27 +143,42 @@ def check_roots(cfg: Config) -> List[Finding]:
                 )
             )
     if cfg.tiers.pfs is not None:
-        _root("pfs", "tiers.pfs.root", str(cfg.tiers.pfs.root), False, out)
+        _root("pfs", "tiers.pfs.root", str(cfg.tiers.pfs.root), False, out, owner)
     for sev, msg, _fix in object_findings(cfg):  # the object tier answers (warm or not)
         if sev != "ok":
             out.append(Finding(ERROR if sev == "error" else WARNING, msg))
     if cfg.tiers.cold is not None:
-        _root("cold", "tiers.cold.root", str(cfg.tiers.cold.root), False, out)
+        _root("cold", "tiers.cold.root", str(cfg.tiers.cold.root), False, out, owner)
     ledger_parent = os.path.dirname(str(cfg.ledger.dir).rstrip("/")) or "/"
     if st is not None and not os.path.isdir(ledger_parent):
         out.append(Finding(ERROR, f"ledger.dir {cfg.ledger.dir}: {ledger_parent} does not exist"))
-    out.extend(check_trust(cfg))
+    out.extend(check_trust(cfg, own=owner is not None))
     return out
 
 
-def check_trust(cfg: Config) -> List[Finding]:
+def own_config(cfg: Config) -> Optional[int]:
+    """The caller's uid when ``cfg`` is their own (not root; the file is theirs, or the
+    tiers came from tier flags): what :func:`check_roots` accepts as ``owner``."""
+    uid = os.geteuid()
+    if uid == 0:
+        return None
+    if cfg.source.startswith("<"):
+        return uid
+    try:
+        return uid if os.stat(cfg.source).st_uid == uid else None
+    except OSError:
+        return None
+
+
+def check_trust(cfg: Config, own: bool = False) -> List[Finding]:
     """The config file and the running ckpt-slurm must be root's alone (see the module
-    docstring): errors as root, warnings for anyone else."""
+    docstring): errors as root, warnings for anyone else. ``own``: a user's own config,
+    whose file root never reads (so its trust is not asked)."""
     from slurm_ckpt.ops.install import ckpt_slurm_path, interpreter_of
 
     level = ERROR if os.geteuid() == 0 else WARNING
     problems: List[str] = []
-    if not cfg.source.startswith("<"):  # a file, not a dict or the standalone config
+    if not cfg.source.startswith("<") and not own:  # a file, not a dict or the standalone config
         problems += trust.path_problems(os.path.abspath(cfg.source), "config")
     try:
         exe: Optional[str] = ckpt_slurm_path()

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import current_user, validate_key, validate_user
-from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
+from slurm_ckpt.errors import NotFound, TierError, UsageError, VerifyError
 from slurm_ckpt.tiers.copy import copy_checkpoint
 from slurm_ckpt.tiers.posix import PosixTier
 from slurm_ckpt.tiers.registry import ORDER, tiers_from_config
@@ -40,7 +40,7 @@ def restore_to(
     tiers = tiers_from_config(cfg)
     if tier is not None:
         if tier not in tiers:
-            raise CkptError(f"--tier {tier}: not configured (configured: {', '.join(tiers)})")
+            raise UsageError(f"--tier {tier}: not configured (configured: {', '.join(tiers)})")
         tiers = {tier: tiers[tier]}
     holders: Dict[int, List[Any]] = {}
     for t in tiers.values():

@@ -49,7 +49,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from slurm_ckpt.core.config import load_config, resolve_config_path
 from slurm_ckpt.core.names import validate_key
-from slurm_ckpt.errors import CkptError, InvalidName, UsageError
+from slurm_ckpt.errors import CkptError, InvalidName, SlurmError, UsageError
 from slurm_ckpt.ops.flush import flush_series
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.env import job_end_time, job_env
@@ -227,6 +227,14 @@ def _flush_everywhere(
         say("flush step timed out; the epilog flushes what is left")
 
 
+def _inside_job(env: Dict[str, str]) -> Any:
+    """The job's environment, or UsageError when ckpt-srun runs outside a SLURM job."""
+    try:
+        return job_env(env)
+    except SlurmError as exc:
+        raise UsageError(f"{exc}: ckpt-srun wraps srun inside a batch script or salloc") from None
+
+
 def run_wrapper(opts: SrunOptions, srun_args: Sequence[str], say: Say) -> int:
     """Run the step, then flush and maybe requeue (see the module docstring); returns the
     step's exit status."""
@@ -234,6 +242,9 @@ def run_wrapper(opts: SrunOptions, srun_args: Sequence[str], say: Say) -> int:
     user = pwd.getpwuid(os.getuid()).pw_name if os.getuid() else getpass.getuser()
     warn_sig = warning_signal(opts.sig_name)
     key = resolve_key(opts.key, env)
+    # Outside a job first, and as a usage error (exit 2, like a hook run outside SLURM):
+    # SLURM is not unreachable, ckpt-srun was run where it has no job to wrap.
+    jenv = None if opts.flush_local else _inside_job(env)
     cfg = None
     cfg_file: Optional[str] = None
     try:
@@ -250,7 +261,7 @@ def run_wrapper(opts: SrunOptions, srun_args: Sequence[str], say: Say) -> int:
             say(f"{env.get('SLURMD_NODENAME', '?')}: flush {key} {line}")
         return 0
 
-    jenv = job_env(env)  # must run inside a job
+    assert jenv is not None  # not the flush_local path
     if not srun_args:
         raise UsageError("nothing to run: give srun options and the training command")
     srun = shutil.which(opts.srun_path) or opts.srun_path

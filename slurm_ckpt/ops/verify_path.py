@@ -21,13 +21,13 @@ import errno
 import os
 import stat
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from slurm_ckpt.core import fsio
 from slurm_ckpt.core.layout import step_dirname
 from slurm_ckpt.core.manifest import Manifest
 from slurm_ckpt.core.progress import ProgressFn
-from slurm_ckpt.core.verify import VerifyReport, verify_files
+from slurm_ckpt.core.verify import VerifyReport, unlisted_files, verify_files
 from slurm_ckpt.errors import CkptError, VerifyError
 from slurm_ckpt.ops.damage import _read_manifest
 
@@ -130,6 +130,7 @@ def verify_path(
             expected_size.append(m.total_bytes)
         try:
             rep = verify_files(sfd, m, f"path:{path}", streams, progress=progress)
+            note_unlisted(rep, unlisted_files(sfd, m))
         except PermissionError:
             raise PathProblem(f"{path}: permission denied reading its files") from None
     finally:
@@ -143,3 +144,29 @@ def verify_path(
         where = f" (written on {m.node}" + (f" by job {m.job})" if m.job else ")") if m.node else ""
         out.notes.append(f"moved: this is {origin}{where}")
     return out
+
+
+#: How ``verify`` words a file in a step directory that the manifest does not list.
+UNLISTED_NOTE = "not in the manifest"
+
+
+def note_unlisted(rep: VerifyReport, extra: List[str]) -> None:
+    """Add each unlisted entry of a step directory to ``rep`` as a problem (``verify``
+    exits 1 on them; see :func:`~slurm_ckpt.core.verify.unlisted_files`)."""
+    if extra:
+        rep.problems.extend(f"{p}: {UNLISTED_NOTE}" for p in extra)
+        rep.ok = False
+
+
+def unlisted_on_tier(tier: Any, user: str, key: str, step: int) -> List[str]:
+    """:func:`~slurm_ckpt.core.verify.unlisted_files` of a checkpoint on a directory tier
+    (none on the object tier, whose keys under a step are all read by its verify)."""
+    step_fd = getattr(tier, "step_fd", None)
+    if step_fd is None:
+        return []
+    try:
+        m = tier.manifest(user, key, step)
+        with step_fd(user, key, step) as sfd:
+            return unlisted_files(sfd, m)
+    except (CkptError, OSError):
+        return []  # the verify report already says what is wrong with it

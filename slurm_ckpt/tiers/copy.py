@@ -22,12 +22,13 @@ bounded batches, so a checkpoint of 100,000 files needs no more descriptors than
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import List, Optional
 
 from slurm_ckpt.core import fsio
-from slurm_ckpt.core.chunks import BandwidthLimiter, hash_pieces, run_chunks
+from slurm_ckpt.core.chunks import BandwidthLimiter, ShortRead, hash_pieces, run_chunks
 from slurm_ckpt.core.faults import crashpoint
 from slurm_ckpt.core.manifest import FileEntry
 from slurm_ckpt.core.progress import ProgressFn, report
@@ -174,7 +175,13 @@ def _copy_files(
             # no copy between two buffers on the way to the socket.
             into = getattr(sink, "buffer_for", None)
             write = sink.write if into is None else sink.wrote  # type: ignore[union-attr]
-            got = hash_pieces(src.readinto, off, n, write, limiter, piece, into=into)  # type: ignore[union-attr]
+            try:
+                got = hash_pieces(src.readinto, off, n, write, limiter, piece, into=into)  # type: ignore[union-attr]
+            except ShortRead as exc:  # truncated: say it as verify does ("size A != B")
+                raise SourceCorrupt(
+                    f"source {entries[fi].path}: size {_size_now(src, exc.at)} != "
+                    f"{entries[fi].size}"
+                ) from None
             if got != entries[fi].chunks[ci]:
                 raise SourceCorrupt(
                     f"source {entries[fi].path}: bytes {off}-{off + n} do not match the manifest"
@@ -192,3 +199,14 @@ def _copy_files(
         for s in sources:
             if s is not None:
                 s.close()
+
+
+def _size_now(src: Optional[RangeSource], at: int) -> int:
+    """The source file's size now (a POSIX file: its fstat), else where the read ended."""
+    fd = src.fileno() if src is not None else None
+    if fd is not None:
+        try:
+            return os.fstat(fd).st_size
+        except OSError:
+            pass
+    return at

@@ -1,0 +1,195 @@
+"""The CLI on a user's own checkpoints without a site config (issue 18, laptop mode).
+
+* tier flags ``--local DIR [--pfs DIR] [--cold DIR]`` on ``list``, ``verify``, ``restore``,
+  ``drill``, ``status`` and ``config check``;
+* a per-user config (``$XDG_CONFIG_HOME/slurm-ckpt/config.toml``), read by a non-root
+  user's user commands when the site has none; ``config check`` accepts its user-owned
+  roots, while root keeps refusing them (and never reads a user's config).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Dict, Iterator, List, Tuple
+
+import pytest
+from conftest import need_root
+from helpers.cli import ckpt_slurm, run_here
+from helpers.site import Site
+
+NOBODY = 65534
+
+
+@pytest.fixture
+def laptop(tmp_path: Path) -> Site:
+    """A user's two directories with two checkpoints, the older one copied to 'pfs'."""
+    s = Site(tmp_path / "me")
+    for step in (1, 2):
+        s.write(step, user="alice", key="run", files={"w.bin": os.urandom(3000)})
+    s.copy(1, user="alice", key="run")
+    return s
+
+
+def _flags(s: Site, *tiers: str) -> List[str]:
+    out: List[str] = []
+    for t in tiers or ("local", "pfs"):
+        out += [f"--{t}", str(s.roots[t])]
+    return out
+
+
+def test_tier_flags_list_verify_restore_drill(laptop: Site, tmp_path: Path) -> None:
+    f = _flags(laptop)
+    r = ckpt_slurm("list", "run", "-u", "alice", "--json", *f)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["checkpoints"]
+    assert sorted((x["tier"], x["step"]) for x in rows) == [("local", 1), ("local", 2), ("pfs", 1)]
+    # A local tier alone is enough (a laptop with one disk).
+    r = ckpt_slurm("list", "run", "-u", "alice", "--json", *_flags(laptop, "local"))
+    assert r.returncode == 0, r.stderr
+    assert {x["tier"] for x in json.loads(r.stdout)["checkpoints"]} == {"local"}
+    assert ckpt_slurm("verify", "run", "-u", "alice", *f).returncode == 0
+    back = tmp_path / "back"
+    r = ckpt_slurm("restore", "run", "-u", "alice", "--tier", "pfs", "--to", str(back), *f)
+    assert r.returncode == 0, r.stderr
+    assert (back / "alice" / "run").is_dir()
+    r = ckpt_slurm("drill", "run", "-u", "alice", "--json", *f)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["step"] == 2
+    r = ckpt_slurm("status", "--no-slurm", "-u", "alice", "--json", *f)
+    assert r.returncode == 0, r.stderr
+    r = ckpt_slurm("config", "check", *f)
+    assert (r.returncode, r.stdout.strip()) == (0, "ok: <tier flags>"), r.stderr
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["list", "--pfs", "{pfs}"], "--pfs needs --local DIR too"),
+        (["list", "--local", "{base}/absent"], "does not exist"),
+        (["list", "--local", "{base}/c.toml"], "is a file"),
+        (["list", "--local", "{local}", "--config", "{base}/c.toml"], "not both"),
+        (["--config", "", "list"], "--config: empty path"),
+        (["list", "--config", ""], "--config: empty path"),
+        (["gc", "--local", "{local}"], "No such option"),  # root-run commands: site only
+    ],
+)
+def test_tier_flag_errors(laptop: Site, argv: List[str], needle: str) -> None:
+    subst = {"pfs": laptop.roots["pfs"], "local": laptop.roots["local"], "base": laptop.base}
+    code, out, err = run_here([a.format(**subst) for a in argv])
+    assert code == 2, (out, err)
+    assert len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def _as_nobody(argv: List[str], env: Dict[str, str], no_site: bool = True) -> Tuple[int, str, str]:
+    """``ckpt-slurm argv`` in a forked child that became nobody, with ``env`` set and (when
+    ``no_site``) the site config path pointing where nothing is: a laptop."""
+    need_root()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        result = ["99", "", "unexpected"]
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            os.environ.pop("SLURM_CKPT_CONFIG", None)
+            os.environ.update(env)
+            import slurm_ckpt.cli.sources as sources
+            import slurm_ckpt.core.config as core_config
+
+            if no_site:  # this child only: a host with a real site config reads as none
+                nowhere = Path(env["XDG_CONFIG_HOME"]) / "no-site.toml"
+                sources.DEFAULT_CONFIG_PATH = core_config.DEFAULT_CONFIG_PATH = nowhere
+            code, out, err = run_here(argv)
+            result = [str(code), out, err]
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            result = ["98", "", f"{type(exc).__name__}: {exc}"]
+        finally:
+            os.write(w, json.dumps(result).encode())
+            os._exit(0)
+    os.close(w)
+    with io.FileIO(r, "r") as fh:
+        data = fh.readall().decode()
+    os.waitpid(pid, 0)
+    code, out, err = json.loads(data)
+    return int(code), out, err
+
+
+def _user_site(tmp_path: Path) -> Tuple[Site, Path]:
+    """nobody's own tiers and config file ($XDG_CONFIG_HOME/slurm-ckpt/config.toml)."""
+    home = tmp_path / "home"
+    cfgdir = home / "slurm-ckpt"
+    cfgdir.mkdir(parents=True)
+    s = Site(tmp_path / "tiers", config_name="site-shape.toml")
+    s.write(7, user="nobody", key="run")
+    (cfgdir / "config.toml").write_text(s.cfg_path.read_text())
+    for p in (tmp_path, home, cfgdir, cfgdir / "config.toml", s.base, *s.roots.values()):
+        os.chown(p, NOBODY, NOBODY)
+    for dirpath, dirnames, filenames in os.walk(s.base):
+        for n in dirnames + filenames:
+            os.chown(os.path.join(dirpath, n), NOBODY, NOBODY)
+    os.chmod(tmp_path, 0o755)
+    return s, home
+
+
+@pytest.fixture
+def open_tmp() -> Iterator[Path]:
+    """A temporary directory nobody can reach (pytest's tmp_path sits below a 0700 one)."""
+    d = Path(tempfile.mkdtemp(prefix="ckpt-laptop-"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_user_config_for_user_commands(open_tmp: Path) -> None:
+    tmp_path = open_tmp
+    s, home = _user_site(tmp_path)
+    env = {"XDG_CONFIG_HOME": str(home), "HOME": str(tmp_path)}
+    code, out, err = _as_nobody(["list", "run", "--json"], env)
+    assert code == 0, err
+    assert [(c["tier"], c["step"]) for c in json.loads(out)["checkpoints"]] == [("local", 7)]
+    # config check accepts the user's own roots (owned by the user, not root) ...
+    code, out, err = _as_nobody(["config", "check"], env)
+    assert code == 0, err
+    assert out.strip() == f"ok: {home}/slurm-ckpt/config.toml"
+    assert "not root" not in err and "root must not use it: config" not in err
+    # ... and as tier flags too.
+    code, out, err = _as_nobody(["config", "check", "--local", str(s.roots["local"])], env)
+    assert (code, out.strip()) == (0, "ok: <tier flags>"), err
+    # Without a site config and without a user config: one line naming every way out.
+    os.unlink(home / "slurm-ckpt" / "config.toml")
+    code, out, err = _as_nobody(["list"], env)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "--local DIR" in err and str(home / "slurm-ckpt" / "config.toml") in err
+
+
+def test_root_keeps_requiring_a_root_owned_site_config(
+    open_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    need_root()
+    s, home = _user_site(open_tmp)
+    user_cfg = home / "slurm-ckpt" / "config.toml"
+    # Root checking that same file as a site config: refused, the roots are not root's.
+    code, out, err = run_here(["config", "check", "--config", str(user_cfg)])
+    assert code == 2 and "not root" in err, (out, err)
+    # Root never reads a user's config, even with XDG_CONFIG_HOME pointing at it.
+    import slurm_ckpt.cli.sources as sources
+    import slurm_ckpt.core.config as core_config
+
+    for mod in (sources, core_config):  # a host with a real site config reads as none
+        monkeypatch.setattr(mod, "DEFAULT_CONFIG_PATH", open_tmp / "no-site.toml")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home))
+    monkeypatch.delenv("SLURM_CKPT_CONFIG", raising=False)
+    code, out, err = run_here(["list"])
+    assert code == 2 and "no config" in err, err
+    assert str(user_cfg) not in err
+    # A hook (root-run) run by nobody with a user config present does not take it.
+    code, out, err = _as_nobody(["gc", "--dry-run"], {"XDG_CONFIG_HOME": str(home)})
+    assert code == 2 and "no config" in err, err

@@ -43,6 +43,11 @@ class Schedule:
             not self.auto
         ):
             self.interval_tokens = DEFAULT_INTERVAL_TOKENS
+        #: No interval was given anywhere: the default (tokens) is in force.
+        self.defaulted = self.interval_tokens == DEFAULT_INTERVAL_TOKENS and not (
+            jc.interval_tokens or self.auto
+        )
+        self._checked_reachable = False
         self.mtbi_s = jc.mtbi
         self.flag = flag
         #: The save answering a preemption signal has been taken.
@@ -67,6 +72,15 @@ class Schedule:
         been taken yet."""
         warned = self.flag.received is not None or self.deadline_due
         return warned and not self.preempt_saved
+
+    def unreachable(self, step: Optional[int], tokens: Optional[int]) -> bool:
+        """True once, at the first question, when the default interval (tokens) can never
+        be reached because the caller counts steps and passes no ``tokens``: without this
+        a job would run for ever without a save and nobody would notice."""
+        if self._checked_reachable:
+            return False
+        self._checked_reachable = True
+        return self.defaulted and tokens is None
 
     def due(self, step: Optional[int] = None, tokens: Optional[int] = None) -> bool:
         """True when an interval is reached or a preemption save is pending."""

@@ -21,6 +21,7 @@ Layout of the tree (top-level keys)::
     scaler         the GradScaler's state_dict
     rng            {"python": ..., "numpy": ..., "torch": tensor, "cuda": {"0": tensor}}
     data_position  the caller's dict (sampler epoch/index, tokens seen, ...)
+    data_loader    the data loader's position (:mod:`slurm_ckpt.torch_data`)
     extra          anything else the caller wants kept (same value rules)
     torch_format   {"name": "slurm_ckpt.torch", "version": 1}
 
@@ -57,23 +58,17 @@ from slurm_ckpt.torch_codec import (
     encode,
     tensors_in,
 )
+from slurm_ckpt.torch_data import apply_loader, capture_loader
 
+# The public API: one way in (TorchCheckpointer, for one rank and many), the two halves
+# it is built on, and two helpers. The pieces (capture_rng, apply_model, the codec's
+# encode/decode, the module-level save/restore) stay importable for tests and tools.
 __all__ = [
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
     "Resumed",
     "TorchCheckpointer",
-    "UnsupportedState",
     "apply",
-    "apply_model",
-    "apply_rng",
     "capture",
-    "capture_rng",
     "data_version",
-    "decode",
-    "encode",
-    "restore",
-    "save",
     "state_digest",
 ]
 
@@ -203,8 +198,14 @@ def capture(
     extra: Optional[Mapping[str, Any]] = None,
     *,
     rng: bool = True,
+    loader: Optional[Any] = None,
 ) -> Dict[str, Any]:
     """The complete training state as a pickle-free tree, ready for ``Checkpointer.save``.
+
+    ``loader``: the data loader, whose position is kept so that a resume continues at
+    the same sample (torchdata's ``StatefulDataLoader``, or a ``DataLoader`` whose
+    sampler has ``state_dict()``; a plain ``DataLoader`` is warned about once, with the
+    fix: see :mod:`slurm_ckpt.torch_data`).
 
     Tensors are *references* into the live model/optimizer (detached, not copied): hand
     the result to ``save()`` straight away, which snapshots them before returning, and do
@@ -229,6 +230,8 @@ def capture(
         state["rng"] = capture_rng()
     if data_position is not None:
         state["data_position"] = encode(dict(data_position), "data_position")
+    if loader is not None:
+        state["data_loader"] = encode(capture_loader(loader), "data_loader")
     if extra is not None:
         state["extra"] = encode(dict(extra), "extra")
     state["torch_format"] = {"name": FORMAT_NAME, "version": FORMAT_VERSION}
@@ -265,8 +268,12 @@ def apply(
     *,
     rng: bool = True,
     strict: bool = True,
+    loader: Optional[Any] = None,
 ) -> Optional[Dict[str, Any]]:
     """Restore what :func:`capture` saved into the given objects; return the data position.
+
+    ``loader``: a fresh data loader built like the saved one; its next iterator
+    continues where the saved one stood.
 
     Order matters for exactness: model, then optimizer (its ``load_state_dict`` casts
     state to the parameters' device/dtype), scheduler, scaler, and the RNGs last so that
@@ -292,6 +299,10 @@ def apply(
         if "scaler" not in state:
             raise UnsupportedState("checkpoint holds no GradScaler state ('scaler' missing)")
         scaler.load_state_dict(tensors_in(decode(state["scaler"])))
+    if loader is not None:
+        if "data_loader" not in state:
+            raise UnsupportedState("checkpoint holds no data loader position ('data_loader')")
+        apply_loader(tensors_in(decode(state["data_loader"])), loader)
     if rng and "rng" in state:
         apply_rng(state["rng"])
     pos = state.get("data_position")
@@ -401,11 +412,14 @@ def save(
     extra: Optional[Mapping[str, Any]] = None,
     rng: bool = True,
     data_version: Optional[str] = None,
+    loader: Optional[Any] = None,
 ) -> Any:
     """``ckpt.save(capture(...), step=, tokens=)``: returns once the snapshot is taken (the
     job layer copies every tensor before returning), so training may go on at once.
     ``data_version`` (see :func:`data_version`) is recorded in the manifest."""
-    state = capture(model, optimizer, scheduler, scaler, data_position, extra, rng=rng)
+    state = capture(
+        model, optimizer, scheduler, scaler, data_position, extra, rng=rng, loader=loader
+    )
     if data_version is None:
         return ckpt.save(state, step=step, tokens=tokens)
     return ckpt.save(state, step=step, tokens=tokens, data_version=data_version)
@@ -423,6 +437,7 @@ def restore(
     strict: bool = True,
     expect_data_version: Optional[str] = None,
     on_data_change: str = "warn",
+    loader: Optional[Any] = None,
 ) -> Optional[Resumed]:
     """Restore the newest complete, verified checkpoint into the given objects.
 
@@ -452,13 +467,17 @@ def restore(
             apply_model(state, model, strict=strict)  # type: ignore[arg-type]
             weights_s = time.monotonic() - t0
             got = rest
-        pos = apply(state, None, optimizer, scheduler, scaler, rng=rng, strict=strict)
+        pos = apply(
+            state, None, optimizer, scheduler, scaler, rng=rng, strict=strict, loader=loader
+        )
     else:
         state = got.state
         if model is not None:
             apply_model(state, model, strict=strict)
             weights_s = time.monotonic() - t0
-        pos = apply(state, None, optimizer, scheduler, scaler, rng=rng, strict=strict)
+        pos = apply(
+            state, None, optimizer, scheduler, scaler, rng=rng, strict=strict, loader=loader
+        )
     extra = state.get("extra")
     return Resumed(
         step=got.step,
@@ -474,7 +493,23 @@ def restore(
 
 
 class TorchCheckpointer:
-    """A Checkpointer bound to a model/optimizer/scheduler/scaler, consistent across ranks.
+    """The one way to checkpoint a PyTorch job: a Checkpointer bound to the model, the
+    optimizer, the scheduler, the scaler and the data loader, consistent across ranks.
+
+    ::
+
+        tc = TorchCheckpointer.from_env(model=model, optimizer=opt, scheduler=sched,
+                                        loader=loader, interval_steps=500)
+        # standalone (a laptop needs only local=):
+        #   TorchCheckpointer(Checkpointer(local="/tmp/ckpt", key="run"), model, opt, ...)
+        got = tc.restore()                  # None: a fresh start; else .step, .tokens ...
+        for batch in loader:
+            ...
+            if tc.should_save(step=step, tokens=tokens):
+                tc.save(step=step, tokens=tokens)
+            if tc.preempted:
+                break
+        tc.close()
 
     Why a wrapper: under data parallelism every rank must take the same decision at the
     same step boundary. A preemption signal reaches the ranks at slightly different
@@ -484,7 +519,10 @@ class TorchCheckpointer:
     :meth:`should_save` combines the ranks' answers with one tiny all-reduce (MAX of
     "wants to save" and "got a signal") per step: all ranks save at the same step, and
     once any rank got a signal all of them stop after that save (:attr:`preempted`).
-    Without torch.distributed it is a plain pass-through.
+    Without torch.distributed it is a plain pass-through: the same code serves one rank.
+
+    ``loader``: its position is saved and restored (see :func:`capture`), so a resume
+    mid-epoch continues at the same sample with the same worker seeds.
     """
 
     def __init__(
@@ -495,15 +533,51 @@ class TorchCheckpointer:
         scheduler: Optional[Any] = None,
         scaler: Optional[Any] = None,
         *,
+        loader: Optional[Any] = None,
         rng: bool = True,
     ) -> None:
         self.ckpt = ckpt
         self.model, self.optimizer = model, optimizer
         self.scheduler, self.scaler = scheduler, scaler
+        self.loader = loader
+        if loader is not None:
+            capture_loader(loader)  # at once: the warning about a plain DataLoader, or the error
         self.rng = rng
         self._peer_signal = False
         self._saved_after_signal = False
         self.last_save: Any = None
+
+    @classmethod
+    def from_env(
+        cls,
+        key: Optional[str] = None,
+        *,
+        model: Optional[torch.nn.Module] = None,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        scheduler: Optional[Any] = None,
+        scaler: Optional[Any] = None,
+        loader: Optional[Any] = None,
+        rng: bool = True,
+        **options: Any,
+    ) -> TorchCheckpointer:
+        """``Checkpointer.from_env(key, **options)`` (site config, SLURM job, ckpt-srun's
+        signal) bound to these objects."""
+        from slurm_ckpt.job.checkpointer import Checkpointer
+
+        ckpt = Checkpointer.from_env(key, **options)
+        return cls(ckpt, model, optimizer, scheduler, scaler, loader=loader, rng=rng)
+
+    @property
+    def rank(self) -> int:
+        return int(self.ckpt.rank)
+
+    @property
+    def world_size(self) -> int:
+        return int(self.ckpt.world_size)
+
+    @property
+    def stats(self) -> Any:
+        return self.ckpt.stats
 
     def restore(
         self,
@@ -512,6 +586,8 @@ class TorchCheckpointer:
         expect_data_version: Optional[str] = None,
         on_data_change: str = "warn",
     ) -> Optional[Resumed]:
+        """The newest step every rank holds verified, put back into the bound objects
+        (None: no checkpoint, every rank starts fresh)."""
         return restore(
             self.ckpt,
             self.model,
@@ -523,9 +599,12 @@ class TorchCheckpointer:
             strict=strict,
             expect_data_version=expect_data_version,
             on_data_change=on_data_change,
+            loader=self.loader,
         )
 
     def should_save(self, step: Optional[int] = None, tokens: Optional[int] = None) -> bool:
+        """True on every rank at once when any rank's interval is due or any rank got a
+        preemption signal."""
         want = bool(self.ckpt.should_save(step=step, tokens=tokens))
         if process_group() is None:
             return want
@@ -543,6 +622,8 @@ class TorchCheckpointer:
         extra: Optional[Mapping[str, Any]] = None,
         data_version: Optional[str] = None,
     ) -> Any:
+        """Snapshot the bound objects (and the loader's position); returns the frozen
+        ``slurm_ckpt.Saved`` once the snapshot is taken."""
         self.last_save = save(
             self.ckpt,
             self.model,
@@ -555,6 +636,7 @@ class TorchCheckpointer:
             extra=extra,
             rng=self.rng,
             data_version=data_version,
+            loader=self.loader,
         )
         if self._peer_signal:
             self._saved_after_signal = True
@@ -564,6 +646,9 @@ class TorchCheckpointer:
     def preempted(self) -> bool:
         """True once the state was saved after a preemption signal (on any rank)."""
         return bool(self.ckpt.preempted) or self._saved_after_signal
+
+    def wait(self, flush: bool = True, timeout: Optional[float] = None) -> bool:
+        return bool(self.ckpt.wait(flush=flush, timeout=timeout))
 
     def close(self) -> Any:
         return self.ckpt.close()

@@ -13,7 +13,7 @@ the job layer. The exceptions a user may catch are all importable from here: the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, List
+from typing import TYPE_CHECKING, Any, List, Tuple
 
 __version__ = "0.1.0"
 
@@ -58,7 +58,18 @@ __all__ = [
     "UnsupportedState",
     "VerifyError",
     "__version__",
+    "rank_and_world_size",
 ]
+
+
+def rank_and_world_size() -> Tuple[int, int]:
+    """This process's ``(rank, world_size)`` by the rule every Checkpointer uses
+    (``RANK``/``WORLD_SIZE`` as torchrun sets them, else ``SLURM_PROCID`` and the srun
+    step's task count, else ``(0, 1)``), so a job's process group and its checkpoint
+    shards always agree."""
+    from slurm_ckpt.slurm.env import resolve_rank
+
+    return resolve_rank()
 
 
 def __getattr__(name: str) -> Any:

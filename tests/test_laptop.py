@@ -1,0 +1,66 @@
+"""A new user's first hour, end to end on a laptop: the example with one local tier
+(no SLURM, no site config, no PFS), preempted by SIGTERM and started again, ends with
+weights bitwise equal to an uninterrupted run; and the example uses only the public API.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import signal
+from pathlib import Path
+
+from test_torch_resume import TRAIN, TrainProc
+
+STEPS = 200
+
+
+def test_the_example_on_a_laptop_resumes_bitwise_exact(tmp_path: Path) -> None:
+    # a small sleep per step keeps the first run far from its end when the signal comes
+    common = ["--steps", str(STEPS), "--interval-steps", "10", "--sleep-per-step", "0.005"]
+    ref = TrainProc([*common, "--no-ckpt", "--digest-out", str(tmp_path / "ref")], tmp_path)
+    local = tmp_path / "home" / "ckpt"  # does not exist yet: made, mode 0700
+    args = [*common, "--local", str(local), "--key", "laptop", "--digest-out", str(tmp_path / "d")]
+    first = TrainProc(args, tmp_path)
+    assert first.expect(r"^START fresh").group(0)
+    first.expect(r"^COMMITTED step=10$")
+    first.expect(r"^STEP 13 ")
+    first.signal(signal.SIGTERM)
+    stopped = int(first.expect(r"^PREEMPTED step=(\d+)$").group(1))
+    assert first.finish() == 0
+    again = TrainProc(args, tmp_path)
+    resumed = again.expect(r"^RESUMED step=(\d+) .*tier=local")
+    assert int(resumed.group(1)) == stopped  # a preemption loses no step
+    done = again.expect(rf"^DONE step={STEPS} digest=([0-9a-f]{{64}})$").group(1)
+    assert again.finish() == 0 and ref.finish() == 0
+    assert done == (tmp_path / "ref").read_text().strip()
+    assert not any("FLUSHED" in line for line in first.lines + again.lines)  # no warm tier
+    assert (local.stat().st_mode & 0o777) == 0o700
+
+
+def test_the_example_imports_only_public_names() -> None:
+    tree = ast.parse(Path(TRAIN).read_text())
+    seen = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("slurm_ckpt"):
+            module = importlib.import_module(node.module)  # type: ignore[arg-type]
+            for alias in node.names:
+                target = f"{node.module}.{alias.name}"
+                try:
+                    importlib.import_module(target)  # a public submodule (slurm_ckpt.torch)
+                    public = target in ("slurm_ckpt.torch",)
+                except ImportError:
+                    public = alias.name in module.__all__
+                assert public, f"examples/train_tiny.py uses {target}, not public API"
+                seen.append(target)
+        elif isinstance(node, ast.Import):
+            assert not any(a.name.startswith("slurm_ckpt.") for a in node.names)
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "sct"  # slurm_ckpt.torch as sct
+        ):
+            import slurm_ckpt.torch as sct
+
+            assert node.attr in sct.__all__, f"sct.{node.attr} is not public"
+    assert "slurm_ckpt.Checkpointer" in seen and "slurm_ckpt.torch" in seen

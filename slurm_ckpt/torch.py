@@ -48,8 +48,6 @@ from typing import Any, Dict, Iterable, Optional
 import numpy as np
 import torch
 
-from slurm_ckpt.errors import CkptError
-from slurm_ckpt.job.dataversion import fingerprint_files, fingerprint_manifest
 from slurm_ckpt.job.dist import all_reduce_ints, process_group
 from slurm_ckpt.torch_codec import (
     UnsupportedState,
@@ -58,7 +56,7 @@ from slurm_ckpt.torch_codec import (
     encode,
     tensors_in,
 )
-from slurm_ckpt.torch_data import apply_loader, capture_loader
+from slurm_ckpt.torch_data import apply_loader, capture_loader, data_version
 
 # The public API: one way in (TorchCheckpointer, for one rank and many), the two halves
 # it is built on, and two helpers. The pieces (capture_rng, apply_model, the codec's
@@ -333,49 +331,6 @@ def _flat_items(sd: Mapping[str, Any], prefix: str = "") -> Iterable[Any]:
             yield name, torch.from_numpy(np.ascontiguousarray(v))
         elif isinstance(v, Mapping):
             yield from _flat_items(v, name + ".")
-
-
-# ---------------------------------------------------------------------------------------
-# data version
-# ---------------------------------------------------------------------------------------
-_SOURCE_ATTRS = ("files", "paths", "file_paths", "data_files", "filenames", "root", "data_dir")
-
-
-def data_version(source: Any = None, *, manifest: Any = None) -> str:
-    """A fingerprint of the data a job trains on, for ``save(..., data_version=...)`` and
-    ``restore(expect_data_version=...)`` (see :mod:`slurm_ckpt.job.dataversion`).
-
-    ``source``: a path or a list of paths (files, directories), or a
-    ``torch.utils.data.DataLoader``/``Dataset``: its dataset's ``data_version`` (a string,
-    or a method returning one) if it has one, else the paths named by
-    ``data_sources()`` or one of the attributes ``files``, ``paths``, ``file_paths``,
-    ``data_files``, ``filenames``, ``root``, ``data_dir``. ``manifest``: a data manifest
-    the pipeline already has (JSON-able, or its text) instead of the files."""
-    if manifest is not None:
-        return fingerprint_manifest(manifest)
-    if source is None:
-        raise CkptError("data_version(): give the data paths, a data loader or manifest=")
-    if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
-        return fingerprint_files([source])  # type: ignore[list-item]
-    dataset = getattr(source, "dataset", source)
-    given = getattr(dataset, "data_version", None)
-    if given is not None:
-        value = given() if callable(given) else given
-        if not isinstance(value, str):
-            raise CkptError(f"data_version(): the dataset's data_version is {value!r}")
-        return value
-    if callable(getattr(dataset, "data_sources", None)):
-        return fingerprint_files(list(dataset.data_sources()))
-    for attr in _SOURCE_ATTRS:
-        paths = getattr(dataset, attr, None)
-        if paths:
-            return fingerprint_files([paths] if isinstance(paths, (str, bytes)) else paths)
-    if isinstance(source, (list, tuple)):
-        return fingerprint_files(source)
-    raise CkptError(
-        f"data_version(): cannot find the data sources of {type(dataset).__name__}: pass "
-        "the paths, or give the dataset a data_sources() method or a data_version"
-    )
 
 
 # ---------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, TierError
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord
 from slurm_ckpt.job.dist import dist_agree
-from slurm_ckpt.job.options import OPTION_NAMES, UNSET, Options, build_config, make_roots
+from slurm_ckpt.job.options import OPTION_NAMES, UNSET, Options, build_config
 from slurm_ckpt.job.pipeline import (
     DEADLINE_MARGIN_S,
     CheckpointFailed,
@@ -56,11 +56,23 @@ from slurm_ckpt.job.pipeline import (
     Pipeline,
     Shard,
 )
-from slurm_ckpt.job.restore import Restored, Restorer, shard_key, shard_prefix
+from slurm_ckpt.job.restore import (
+    Restored,
+    Restorer,
+    check_tier_names,
+    shard_key,
+    shard_prefix,
+)
 from slurm_ckpt.job.saved import Saved, check_save_args
-from slurm_ckpt.job.schedule import BOOTSTRAP_COST_S, DEFAULT_INTERVAL_TOKENS, Schedule
+from slurm_ckpt.job.schedule import (
+    BOOTSTRAP_COST_S,
+    DEFAULT_INTERVAL_TOKENS,
+    Schedule,
+    unreachable_message,
+)
 from slurm_ckpt.job.signals import Deadline, SignalFlag, relayed_signal, signal_number
 from slurm_ckpt.job.staging import StagingArea
+from slurm_ckpt.job.standalone import make_roots, sweep_debris
 from slurm_ckpt.job.state import flatten, index_bytes, layout
 from slurm_ckpt.ledger.record import State
 from slurm_ckpt.slurm.client import job_end_time_provider
@@ -216,7 +228,7 @@ class Checkpointer:
             except TierError as exc:
                 log.warning("[ckpt] PFS tier not usable now (flushes will fail): %s", exc)
         if standalone:
-            self._sweep_debris()
+            sweep_debris(self.local, self.user, self.shard_key)
 
         self._flag = SignalFlag()
         self._deadline = Deadline(
@@ -272,21 +284,6 @@ class Checkpointer:
             register(hook)
         except RuntimeError:  # pragma: no cover - other interpreters
             atexit.register(hook)
-
-    def _sweep_debris(self) -> None:
-        """Standalone use has no epilog to clean up after a killed process: remove this
-        series' ``.tmp-step-*`` whose writer is gone (its pid is dead on this node, or it
-        is older than an hour), as the hooks do on a site. A live writer's is kept."""
-        sweep = getattr(self.local, "sweep", None)
-        if sweep is None:
-            return
-        try:
-            removed = sweep(self.user, self.shard_key)
-        except (CkptError, OSError) as exc:
-            log.warning("[ckpt] could not sweep the debris of killed saves: %s", exc)
-            return
-        if removed:
-            log.info("[ckpt] removed the debris of %d killed save(s): %s", len(removed), removed)
 
     @classmethod
     def from_env(
@@ -376,14 +373,7 @@ class Checkpointer:
         failures in a row."""
         self._raise_if_failed()
         if self._schedule.unreachable(step, tokens):
-            warnings.warn(
-                f"Checkpointer {self.key!r}: no interval given, so a save is due every "
-                f"{DEFAULT_INTERVAL_TOKENS:,} tokens, but should_save() gets no tokens=: "
-                "it will only ever save on a signal. Pass tokens=, or give "
-                "interval_steps= / interval_seconds= / interval_tokens=",
-                UserWarning,
-                stacklevel=2,
-            )
+            warnings.warn(unreachable_message(self.key), UserWarning, stacklevel=2)
         if not self._schedule.preempt_saved and self._near_end():
             return True
         return self._schedule.due(step, tokens)
@@ -613,7 +603,7 @@ class Checkpointer:
         on_data_change: str = "warn",
     ) -> Restorer:
         if tiers is not None:
-            tiers = self._check_tier_names(tiers)
+            tiers = check_tier_names(tiers, [t.name for t in self.tiers])
         return Restorer(
             self.tiers if tiers is None else [t for t in self.tiers if t.name in tiers],
             self.user,
@@ -627,19 +617,6 @@ class Checkpointer:
             expect_data_version=expect_data_version,
             on_data_change=on_data_change,
         )
-
-    def _check_tier_names(self, tiers: Sequence[str]) -> Sequence[str]:
-        """``restore(tiers=[...])``: a name that is no tier of this Checkpointer raises
-        (a typo such as ``"nvme"`` must not read as "no checkpoint" and a fresh start)."""
-        if isinstance(tiers, str):
-            tiers = [tiers]
-        have = [t.name for t in self.tiers]
-        for name in tiers:
-            if name not in have:
-                raise CkptError(
-                    f"restore(): no tier {name!r} here (this Checkpointer has: {', '.join(have)})"
-                )
-        return tiers
 
     def restore(
         self,

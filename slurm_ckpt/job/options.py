@@ -19,7 +19,7 @@ from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.config_schema import STANDALONE_SOURCE
 from slurm_ckpt.errors import CkptError
 
-__all__ = ["FLUSH_POLICIES", "OPTION_NAMES", "UNSET", "Options", "build_config", "make_roots"]
+__all__ = ["FLUSH_POLICIES", "OPTION_NAMES", "UNSET", "Options", "build_config"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 FLUSH_POLICIES = ("skip", "wait")
@@ -100,30 +100,6 @@ class Options:
 #: The option names in declaration order: ``Checkpointer.__init__`` lists exactly these as
 #: keyword-only parameters, with the same defaults (tests/test_api_surface.py holds it).
 OPTION_NAMES = tuple(f.name for f in fields(Options))
-
-
-def make_roots(config: Config) -> None:
-    """Standalone use only: create missing POSIX tier roots as ``torch.save`` would, owned
-    by the user running the job and mode 0700 (nobody else needs into a laptop's
-    checkpoints). Never used for a site config: there a missing root is the admin's to
-    fix, and root-run code refuses it."""
-    for tier in (config.tiers.local, config.tiers.pfs):
-        if tier is None:
-            continue
-        root = os.fspath(tier.root)
-        if os.path.lexists(root):
-            continue
-        parent = os.path.dirname(root)
-        try:
-            os.makedirs(parent, exist_ok=True)
-            os.mkdir(root, 0o700)
-            os.chmod(root, 0o700)  # mkdir's mode passes through the umask
-        except FileExistsError:
-            continue  # another rank made it first
-        except OSError as exc:
-            raise CkptError(
-                f"Checkpointer: cannot create the tier root {root}: {exc.strerror}"
-            ) from None
 
 
 def build_config(

@@ -18,12 +18,22 @@ from slurm_ckpt.core.config import JobConfig
 from slurm_ckpt.core.planner import auto_interval
 from slurm_ckpt.job.signals import SignalFlag
 
-__all__ = ["BOOTSTRAP_COST_S", "DEFAULT_INTERVAL_TOKENS", "Schedule"]
+__all__ = ["BOOTSTRAP_COST_S", "DEFAULT_INTERVAL_TOKENS", "Schedule", "unreachable_message"]
 
 #: The interval when none is configured anywhere.
 DEFAULT_INTERVAL_TOKENS = 50_000_000
 #: Assumed save cost for ``interval="auto"`` until the first save has been measured.
 BOOTSTRAP_COST_S = 1.0
+
+
+def unreachable_message(key: str) -> str:
+    """The warning for a job that counts steps under the default token interval."""
+    return (
+        f"Checkpointer {key!r}: no interval given, so a save is due every "
+        f"{DEFAULT_INTERVAL_TOKENS:,} tokens, but should_save() gets no tokens=: it will "
+        "only ever save on a signal. Pass tokens=, or give interval_steps= / "
+        "interval_seconds= / interval_tokens="
+    )
 
 
 def _crossed(every: Optional[int], now: Optional[int], ref: Optional[int]) -> bool:

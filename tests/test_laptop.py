@@ -27,8 +27,7 @@ def test_the_example_on_a_laptop_resumes_bitwise_exact(tmp_path: Path) -> None:
     args = [*common, "--local", str(local), "--key", "laptop", "--digest-out", str(tmp_path / "d")]
     first = TrainProc(args, tmp_path)
     assert first.expect(r"^START fresh").group(0)
-    first.expect(r"^COMMITTED step=10$")
-    first.expect(r"^STEP 13 ")
+    first.expect(r"^COMMITTED step=10$")  # a checkpoint exists; the run is near step 10
     first.signal(signal.SIGTERM)
     stopped = int(first.expect(r"^PREEMPTED step=(\d+)$").group(1))
     assert first.finish() == 0

@@ -23,8 +23,17 @@ __all__ = ["FLUSH_POLICIES", "OPTION_NAMES", "UNSET", "Options", "build_config"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 FLUSH_POLICIES = ("skip", "wait")
+
+
+class _Unset:
+    """The default of ``end_time_fn``: SLURM's end time (None would mean no deadline)."""
+
+    def __repr__(self) -> str:  # what help() and an IDE show as the default
+        return "<SLURM's end time>"
+
+
 #: "Not given" where None means something (``end_time_fn=None``: no deadline at all).
-UNSET: Any = object()
+UNSET: Any = _Unset()
 _INTERVALS = ("interval_tokens", "interval_steps", "interval_seconds", "interval")
 
 

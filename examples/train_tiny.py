@@ -244,9 +244,9 @@ def setup_distributed(args: argparse.Namespace) -> Tuple[int, int]:
     """
     import torch.distributed as dist
 
-    from slurm_ckpt.slurm.env import resolve_rank
+    from slurm_ckpt import rank_and_world_size
 
-    rank, world = resolve_rank()
+    rank, world = rank_and_world_size()
     if world <= 1:
         return 0, 1
     os.environ.setdefault("MASTER_ADDR", _master_addr())
@@ -290,13 +290,18 @@ def _master_addr() -> str:
     return m.group(1) if m else hosts[0]
 
 
-def make_checkpointer(args: argparse.Namespace, rank: int, world: int) -> Any:
+def make_checkpointer(
+    args: argparse.Namespace, rank: int, world: int, model: nn.Module, opt: Any, sched: Any
+) -> Optional[sct.TorchCheckpointer]:
+    """Standalone: the tiers given on the command line (``--local`` alone is a laptop).
+    Under ckpt-srun (examples/sbatch_train.sh): the site config, the key and the warning
+    signal ckpt-srun relays all come from the environment (``from_env``)."""
     from slurm_ckpt import Checkpointer
 
     if args.no_ckpt:
         return None
     if args.local or args.pfs:
-        return Checkpointer(
+        ckpt = Checkpointer(
             local=args.local,
             pfs=args.pfs,
             key=args.key,
@@ -305,23 +310,13 @@ def make_checkpointer(args: argparse.Namespace, rank: int, world: int) -> Any:
             world_size=world,
             on_event=on_event,
         )
-    # Under ckpt-srun (examples/sbatch_train.sh): the site config and the key come from
-    # the environment, and the warning signal it relays (SLURM_CKPT_SIGNAL, USR1 by
-    # default) must be one the Checkpointer reacts to, whatever the config lists.
-    from slurm_ckpt.core.config import Config
-
-    config = Config.load()
-    signals = list(config.job.signals)
-    relayed = os.environ.get("SLURM_CKPT_SIGNAL", "").strip().upper()
-    if relayed:
-        relayed = relayed if relayed.startswith("SIG") else "SIG" + relayed
-        if relayed not in signals:
-            signals.append(relayed)
-    return Checkpointer.from_env(
-        key=args.key,
-        config=config,
+        return sct.TorchCheckpointer(ckpt, model, opt, sched)
+    return sct.TorchCheckpointer.from_env(
+        args.key,
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
         interval_steps=args.interval_steps,
-        signals=signals,
         on_event=on_event,
     )
 
@@ -377,8 +372,7 @@ def main(argv: Optional[list] = None) -> int:
     torch.manual_seed(args.seed + 1000 + rank)  # dropout differs per rank, as in real DP
     sampler = Sampler(make_corpus(args.seed), args.batch, args.seed, rank, world)
 
-    ckpt = make_checkpointer(args, rank, world)
-    tc = None if ckpt is None else sct.TorchCheckpointer(ckpt, model, opt, sched)
+    tc = make_checkpointer(args, rank, world, model, opt, sched)
     step, tokens = 0, 0
     got = None if tc is None else tc.restore(weights_first=args.weights_first)  # ranks agree
     if got is None:

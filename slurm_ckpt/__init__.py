@@ -6,21 +6,70 @@ Layers, each importing only those below it (README: "Layout of the code"):
 
 ``from slurm_ckpt import Checkpointer`` is resolved lazily (PEP 562), so that
 ``import slurm_ckpt`` - done by the CLI and the SLURM hooks - does not pull in numpy and
-the job layer.
+the job layer. The exceptions a user may catch are all importable from here: the ones of
+:mod:`slurm_ckpt.errors` at once, the job layer's (``CheckpointFailed``,
+``DataVersionMismatch``) and the torch codec's (``UnsupportedState``) lazily.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, List
+from typing import TYPE_CHECKING, Any, List, Tuple
 
 __version__ = "0.1.0"
 
+# The errors a training job may catch, all from one place (the base class catches all).
+from slurm_ckpt.errors import (  # noqa: E402 - after __version__ on purpose
+    CkptError,
+    ConfigError,
+    InvalidName,
+    NotFound,
+    TierError,
+    UnsupportedState,
+    VerifyError,
+)
+
 if TYPE_CHECKING:  # pragma: no cover
     from slurm_ckpt.job.checkpointer import Checkpointer
+    from slurm_ckpt.job.pipeline import CheckpointFailed
+    from slurm_ckpt.job.restore import DataVersionMismatch, Restored
+    from slurm_ckpt.job.saved import Saved
 
-_LAZY = {"Checkpointer": "slurm_ckpt.job.checkpointer"}
+_LAZY = {
+    "Checkpointer": "slurm_ckpt.job.checkpointer",
+    "Saved": "slurm_ckpt.job.saved",
+    "Restored": "slurm_ckpt.job.restore",
+    # raised by save() after too many failures in a row
+    "CheckpointFailed": "slurm_ckpt.job.pipeline",
+    # raised by restore(expect_data_version=..., on_data_change="refuse")
+    "DataVersionMismatch": "slurm_ckpt.job.restore",
+}
 
-__all__ = ["Checkpointer", "__version__"]
+__all__ = [
+    "CheckpointFailed",
+    "Checkpointer",
+    "CkptError",
+    "ConfigError",
+    "DataVersionMismatch",
+    "InvalidName",
+    "NotFound",
+    "Restored",
+    "Saved",
+    "TierError",
+    "UnsupportedState",
+    "VerifyError",
+    "__version__",
+    "rank_and_world_size",
+]
+
+
+def rank_and_world_size() -> Tuple[int, int]:
+    """This process's ``(rank, world_size)`` by the rule every Checkpointer uses
+    (``RANK``/``WORLD_SIZE`` as torchrun sets them, else ``SLURM_PROCID`` and the srun
+    step's task count, else ``(0, 1)``), so a job's process group and its checkpoint
+    shards always agree."""
+    from slurm_ckpt.slurm.env import resolve_rank
+
+    return resolve_rank()
 
 
 def __getattr__(name: str) -> Any:

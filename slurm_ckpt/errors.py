@@ -100,3 +100,11 @@ class NotReady(CkptError):
     """Jobs or unflushed checkpoints are still on the node(s): not safe to go ahead."""
 
     exit_code = EXIT_NOT_READY
+
+
+class UnsupportedState(CkptError):
+    """A value in the training state cannot be stored without pickle (lambda, object...).
+    Raised by ``slurm_ckpt.torch.capture``; defined here so that catching it needs no
+    torch."""
+
+    exit_code = EXIT_USAGE

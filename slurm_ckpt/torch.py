@@ -21,6 +21,7 @@ Layout of the tree (top-level keys)::
     scaler         the GradScaler's state_dict
     rng            {"python": ..., "numpy": ..., "torch": tensor, "cuda": {"0": tensor}}
     data_position  the caller's dict (sampler epoch/index, tokens seen, ...)
+    data_loader    the data loader's position (:mod:`slurm_ckpt.torch_data`)
     extra          anything else the caller wants kept (same value rules)
     torch_format   {"name": "slurm_ckpt.torch", "version": 1}
 
@@ -47,8 +48,6 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 import numpy as np
 import torch
 
-from slurm_ckpt.errors import CkptError
-from slurm_ckpt.job.dataversion import fingerprint_files, fingerprint_manifest
 from slurm_ckpt.job.dist import all_reduce_ints, process_group
 from slurm_ckpt.torch_codec import (
     UnsupportedState,
@@ -57,23 +56,17 @@ from slurm_ckpt.torch_codec import (
     encode,
     tensors_in,
 )
+from slurm_ckpt.torch_data import apply_loader, capture_loader, data_version
 
+# The public API: one way in (TorchCheckpointer, for one rank and many), the two halves
+# it is built on, and two helpers. The pieces (capture_rng, apply_model, the codec's
+# encode/decode, the module-level save/restore) stay importable for tests and tools.
 __all__ = [
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
     "Resumed",
     "TorchCheckpointer",
-    "UnsupportedState",
     "apply",
-    "apply_model",
-    "apply_rng",
     "capture",
-    "capture_rng",
     "data_version",
-    "decode",
-    "encode",
-    "restore",
-    "save",
     "state_digest",
 ]
 
@@ -203,8 +196,14 @@ def capture(
     extra: Optional[Mapping[str, Any]] = None,
     *,
     rng: bool = True,
+    loader: Optional[Any] = None,
 ) -> Dict[str, Any]:
     """The complete training state as a pickle-free tree, ready for ``Checkpointer.save``.
+
+    ``loader``: the data loader, whose position is kept so that a resume continues at
+    the same sample (torchdata's ``StatefulDataLoader``, or a ``DataLoader`` whose
+    sampler has ``state_dict()``; a plain ``DataLoader`` is warned about once, with the
+    fix: see :mod:`slurm_ckpt.torch_data`).
 
     Tensors are *references* into the live model/optimizer (detached, not copied): hand
     the result to ``save()`` straight away, which snapshots them before returning, and do
@@ -229,6 +228,8 @@ def capture(
         state["rng"] = capture_rng()
     if data_position is not None:
         state["data_position"] = encode(dict(data_position), "data_position")
+    if loader is not None:
+        state["data_loader"] = encode(capture_loader(loader), "data_loader")
     if extra is not None:
         state["extra"] = encode(dict(extra), "extra")
     state["torch_format"] = {"name": FORMAT_NAME, "version": FORMAT_VERSION}
@@ -265,8 +266,12 @@ def apply(
     *,
     rng: bool = True,
     strict: bool = True,
+    loader: Optional[Any] = None,
 ) -> Optional[Dict[str, Any]]:
     """Restore what :func:`capture` saved into the given objects; return the data position.
+
+    ``loader``: a fresh data loader built like the saved one; its next iterator
+    continues where the saved one stood.
 
     Order matters for exactness: model, then optimizer (its ``load_state_dict`` casts
     state to the parameters' device/dtype), scheduler, scaler, and the RNGs last so that
@@ -292,6 +297,10 @@ def apply(
         if "scaler" not in state:
             raise UnsupportedState("checkpoint holds no GradScaler state ('scaler' missing)")
         scaler.load_state_dict(tensors_in(decode(state["scaler"])))
+    if loader is not None:
+        if "data_loader" not in state:
+            raise UnsupportedState("checkpoint holds no data loader position ('data_loader')")
+        apply_loader(tensors_in(decode(state["data_loader"])), loader)
     if rng and "rng" in state:
         apply_rng(state["rng"])
     pos = state.get("data_position")
@@ -322,49 +331,6 @@ def _flat_items(sd: Mapping[str, Any], prefix: str = "") -> Iterable[Any]:
             yield name, torch.from_numpy(np.ascontiguousarray(v))
         elif isinstance(v, Mapping):
             yield from _flat_items(v, name + ".")
-
-
-# ---------------------------------------------------------------------------------------
-# data version
-# ---------------------------------------------------------------------------------------
-_SOURCE_ATTRS = ("files", "paths", "file_paths", "data_files", "filenames", "root", "data_dir")
-
-
-def data_version(source: Any = None, *, manifest: Any = None) -> str:
-    """A fingerprint of the data a job trains on, for ``save(..., data_version=...)`` and
-    ``restore(expect_data_version=...)`` (see :mod:`slurm_ckpt.job.dataversion`).
-
-    ``source``: a path or a list of paths (files, directories), or a
-    ``torch.utils.data.DataLoader``/``Dataset``: its dataset's ``data_version`` (a string,
-    or a method returning one) if it has one, else the paths named by
-    ``data_sources()`` or one of the attributes ``files``, ``paths``, ``file_paths``,
-    ``data_files``, ``filenames``, ``root``, ``data_dir``. ``manifest``: a data manifest
-    the pipeline already has (JSON-able, or its text) instead of the files."""
-    if manifest is not None:
-        return fingerprint_manifest(manifest)
-    if source is None:
-        raise CkptError("data_version(): give the data paths, a data loader or manifest=")
-    if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
-        return fingerprint_files([source])  # type: ignore[list-item]
-    dataset = getattr(source, "dataset", source)
-    given = getattr(dataset, "data_version", None)
-    if given is not None:
-        value = given() if callable(given) else given
-        if not isinstance(value, str):
-            raise CkptError(f"data_version(): the dataset's data_version is {value!r}")
-        return value
-    if callable(getattr(dataset, "data_sources", None)):
-        return fingerprint_files(list(dataset.data_sources()))
-    for attr in _SOURCE_ATTRS:
-        paths = getattr(dataset, attr, None)
-        if paths:
-            return fingerprint_files([paths] if isinstance(paths, (str, bytes)) else paths)
-    if isinstance(source, (list, tuple)):
-        return fingerprint_files(source)
-    raise CkptError(
-        f"data_version(): cannot find the data sources of {type(dataset).__name__}: pass "
-        "the paths, or give the dataset a data_sources() method or a data_version"
-    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -401,6 +367,7 @@ def save(
     extra: Optional[Mapping[str, Any]] = None,
     rng: bool = True,
     data_version: Optional[str] = None,
+    loader: Optional[Any] = None,
     lazy: Any = False,
 ) -> Any:
     """``ckpt.save(capture(...), step=, tokens=)``: returns once the snapshot is taken (the
@@ -408,7 +375,9 @@ def save(
     ``data_version`` (see :func:`data_version`) is recorded in the manifest. ``lazy``
     (a predicate over tensors) defers their copy: see :class:`TorchCheckpointer`, which
     makes the optimizer wait for it."""
-    state = capture(model, optimizer, scheduler, scaler, data_position, extra, rng=rng)
+    state = capture(
+        model, optimizer, scheduler, scaler, data_position, extra, rng=rng, loader=loader
+    )
     kw: Dict[str, Any] = {}
     if data_version is not None:
         kw["data_version"] = data_version
@@ -429,6 +398,7 @@ def restore(
     strict: bool = True,
     expect_data_version: Optional[str] = None,
     on_data_change: str = "warn",
+    loader: Optional[Any] = None,
 ) -> Optional[Resumed]:
     """Restore the newest complete, verified checkpoint into the given objects.
 
@@ -458,13 +428,17 @@ def restore(
             apply_model(state, model, strict=strict)  # type: ignore[arg-type]
             weights_s = time.monotonic() - t0
             got = rest
-        pos = apply(state, None, optimizer, scheduler, scaler, rng=rng, strict=strict)
+        pos = apply(
+            state, None, optimizer, scheduler, scaler, rng=rng, strict=strict, loader=loader
+        )
     else:
         state = got.state
         if model is not None:
             apply_model(state, model, strict=strict)
             weights_s = time.monotonic() - t0
-        pos = apply(state, None, optimizer, scheduler, scaler, rng=rng, strict=strict)
+        pos = apply(
+            state, None, optimizer, scheduler, scaler, rng=rng, strict=strict, loader=loader
+        )
     extra = state.get("extra")
     return Resumed(
         step=got.step,
@@ -480,7 +454,23 @@ def restore(
 
 
 class TorchCheckpointer:
-    """A Checkpointer bound to a model/optimizer/scheduler/scaler, consistent across ranks.
+    """The one way to checkpoint a PyTorch job: a Checkpointer bound to the model, the
+    optimizer, the scheduler, the scaler and the data loader, consistent across ranks.
+
+    ::
+
+        tc = TorchCheckpointer.from_env(model=model, optimizer=opt, scheduler=sched,
+                                        loader=loader, interval_steps=500)
+        # standalone (a laptop needs only local=):
+        #   TorchCheckpointer(Checkpointer(local="/tmp/ckpt", key="run"), model, opt, ...)
+        got = tc.restore()                  # None: a fresh start; else .step, .tokens ...
+        for batch in loader:
+            ...
+            if tc.should_save(step=step, tokens=tokens):
+                tc.save(step=step, tokens=tokens)
+            if tc.preempted:
+                break
+        tc.close()
 
     Why a wrapper: under data parallelism every rank must take the same decision at the
     same step boundary. A preemption signal reaches the ranks at slightly different
@@ -490,7 +480,10 @@ class TorchCheckpointer:
     :meth:`should_save` combines the ranks' answers with one tiny all-reduce (MAX of
     "wants to save" and "got a signal") per step: all ranks save at the same step, and
     once any rank got a signal all of them stop after that save (:attr:`preempted`).
-    Without torch.distributed it is a plain pass-through.
+    Without torch.distributed it is a plain pass-through: the same code serves one rank.
+
+    ``loader``: its position is saved and restored (see :func:`capture`), so a resume
+    mid-epoch continues at the same sample with the same worker seeds.
 
     **Lazy snapshot** (``lazy=True``, the default when an optimizer is given):
     :meth:`save` returns before the parameters and the optimizer state are copied; the
@@ -510,12 +503,16 @@ class TorchCheckpointer:
         scheduler: Optional[Any] = None,
         scaler: Optional[Any] = None,
         *,
+        loader: Optional[Any] = None,
         rng: bool = True,
         lazy: Optional[bool] = None,
     ) -> None:
         self.ckpt = ckpt
         self.model, self.optimizer = model, optimizer
         self.scheduler, self.scaler = scheduler, scaler
+        self.loader = loader
+        if loader is not None:
+            capture_loader(loader)  # at once: the warning about a plain DataLoader, or the error
         self.rng = rng
         self._peer_signal = False
         self._saved_after_signal = False
@@ -556,6 +553,38 @@ class TorchCheckpointer:
 
         return pred
 
+    @classmethod
+    def from_env(
+        cls,
+        key: Optional[str] = None,
+        *,
+        model: Optional[torch.nn.Module] = None,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        scheduler: Optional[Any] = None,
+        scaler: Optional[Any] = None,
+        loader: Optional[Any] = None,
+        rng: bool = True,
+        **options: Any,
+    ) -> TorchCheckpointer:
+        """``Checkpointer.from_env(key, **options)`` (site config, SLURM job, ckpt-srun's
+        signal) bound to these objects."""
+        from slurm_ckpt.job.checkpointer import Checkpointer
+
+        ckpt = Checkpointer.from_env(key, **options)
+        return cls(ckpt, model, optimizer, scheduler, scaler, loader=loader, rng=rng)
+
+    @property
+    def rank(self) -> int:
+        return int(self.ckpt.rank)
+
+    @property
+    def world_size(self) -> int:
+        return int(self.ckpt.world_size)
+
+    @property
+    def stats(self) -> Any:
+        return self.ckpt.stats
+
     def restore(
         self,
         weights_first: bool = False,
@@ -563,6 +592,8 @@ class TorchCheckpointer:
         expect_data_version: Optional[str] = None,
         on_data_change: str = "warn",
     ) -> Optional[Resumed]:
+        """The newest step every rank holds verified, put back into the bound objects
+        (None: no checkpoint, every rank starts fresh)."""
         return restore(
             self.ckpt,
             self.model,
@@ -574,9 +605,12 @@ class TorchCheckpointer:
             strict=strict,
             expect_data_version=expect_data_version,
             on_data_change=on_data_change,
+            loader=self.loader,
         )
 
     def should_save(self, step: Optional[int] = None, tokens: Optional[int] = None) -> bool:
+        """True on every rank at once when any rank's interval is due or any rank got a
+        preemption signal."""
         want = bool(self.ckpt.should_save(step=step, tokens=tokens))
         if process_group() is None:
             return want
@@ -594,6 +628,8 @@ class TorchCheckpointer:
         extra: Optional[Mapping[str, Any]] = None,
         data_version: Optional[str] = None,
     ) -> Any:
+        """Snapshot the bound objects (and the loader's position); returns the frozen
+        ``slurm_ckpt.Saved`` once the snapshot is taken."""
         self.last_save = save(
             self.ckpt,
             self.model,
@@ -607,6 +643,7 @@ class TorchCheckpointer:
             rng=self.rng,
             data_version=data_version,
             lazy=self._guarded() if self.lazy else False,
+            loader=self.loader,
         )
         if self._peer_signal:
             self._saved_after_signal = True
@@ -616,6 +653,9 @@ class TorchCheckpointer:
     def preempted(self) -> bool:
         """True once the state was saved after a preemption signal (on any rank)."""
         return bool(self.ckpt.preempted) or self._saved_after_signal
+
+    def wait(self, flush: bool = True, timeout: Optional[float] = None) -> bool:
+        return bool(self.ckpt.wait(flush=flush, timeout=timeout))
 
     def close(self) -> Any:
         for h in self._hooks:

@@ -17,19 +17,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from slurm_ckpt.errors import CkptError
+from slurm_ckpt.errors import UnsupportedState
 
 __all__ = ["TAG", "UnsupportedState", "as_tensor", "decode", "encode", "has_blob", "tensors_in"]
 
 TAG = "__sc__"
 
 _JSON_SCALARS = (str, int, float, bool, type(None))
-
-
-class UnsupportedState(CkptError):
-    """A value in the training state cannot be stored without pickle (lambda, object...)."""
-
-    exit_code = 2
 
 
 # ---------------------------------------------------------------------------------------

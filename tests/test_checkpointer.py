@@ -167,10 +167,10 @@ def test_save_returns_after_the_snapshot_not_after_the_write(tmp_path: Path) -> 
     # save() returned while the local write is held at its start: nothing committed yet.
     assert ("snapshot_done", 1) in ev.names()
     assert ("local_done", 1) not in ev.names()
-    assert steps(ckpt, "local") == [] and rec.local_status == "pending"
+    assert steps(ckpt, "local") == [] and ckpt.stats.committed == 0 and rec.step == 1
     ev.gate.set()
     assert ckpt.wait()
-    assert steps(ckpt, "local") == [1] and rec.local_status == "committed"
+    assert steps(ckpt, "local") == [1] and ckpt.stats.committed == 1
     ckpt.close()
 
 
@@ -280,7 +280,7 @@ def test_sync_write_when_staging_memory_is_short(tmp_path: Path, caplog: Any) ->
     state = sample_state()
     rec = ckpt.save(state, step=7)
     # Synchronous: committed before save() returned.
-    assert rec.synchronous and rec.local_status == "committed"
+    assert rec.synchronous and ckpt.stats.committed == 1
     assert steps(ckpt, "local") == [7]
     assert "writing synchronously" in caplog.text
     stats = ckpt.close()

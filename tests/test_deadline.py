@@ -39,7 +39,7 @@ def test_the_last_save_comes_before_the_end_time_without_a_signal(tmp_path: Path
         end[0] = time.time() + 5.0  # less than 1.5 x (save + flush) + margin away
         assert ck.should_save(step=3)
         rec = ck.save({"x": np.arange(1000)}, step=3)
-        assert rec.forced  # always flushed, like the answer to a warning signal
+        assert rec.preemption  # always flushed, like the answer to a warning signal
         assert ck.preempted  # the training loop stops after it
         ck.wait(flush=True)
         assert ck.stats.last_flushed_step == 3

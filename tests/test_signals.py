@@ -60,7 +60,7 @@ def test_signal_sets_a_flag_chains_and_saves_at_the_next_step(tmp_path: Path) ->
     assert ckpt.should_save(step=2)  # no interval is due: the signal asks for the save
     assert ckpt.should_save(step=2)  # still, until the save is taken
     rec = ckpt.save(STATE, step=2)
-    assert rec.reason == "signal" and rec.forced
+    assert rec.preemption
     assert ckpt.preempted
     assert not ckpt.should_save(step=3)
     ckpt.close()

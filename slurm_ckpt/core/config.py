@@ -340,6 +340,8 @@ def _convert(kind: str, value: Any, key: str, minimum: float) -> Any:
             raise ValueError(f"{key}: expected an integer, got {_type_name(value)} {value!r}")
         if value < minimum:
             raise ValueError(f"{key}: must be at least {int(minimum)}, got {value}")
+        if value > MAX_CONFIG_INT:  # e.g. keep_local = 99999999999999999999999
+            raise ValueError(f"{key}: must be at most {MAX_CONFIG_INT}, got {value}")
         return value
     if kind in (KIND_SIZE, KIND_DURATION, KIND_BANDWIDTH):
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
@@ -469,6 +471,11 @@ def _overlap(a: Path, b: Path) -> bool:
     return a == b or a in b.parents or b in a.parents
 
 
+#: The largest whole number a config value may hold (a signed 64-bit integer: what the
+#: ledger and the manifest can store; anything larger is a typo, not a setting).
+MAX_CONFIG_INT = 2**63 - 1
+
+
 def _build(data: Mapping[str, Any], src: str) -> Config:
     problems: List[str] = []
     if not isinstance(data, Mapping):
@@ -492,7 +499,12 @@ def _build(data: Mapping[str, Any], src: str) -> Config:
         for name, cls in TIER_CLASSES.items():
             raw = tiers_raw.get(name)
             if raw is None:
-                if name == "local" or (name == "pfs" and tiers_raw.get("object") is None):
+                # Library use on a laptop (Checkpointer(local=...) alone, no site file)
+                # may have no warm tier; a site always has one.
+                no_warm_ok = src == STANDALONE_SOURCE
+                if name == "local" or (
+                    name == "pfs" and tiers_raw.get("object") is None and not no_warm_ok
+                ):
                     hint = " (or [tiers.object] for a site without one)" if name == "pfs" else ""
                     problems.append(f"{src}: [tiers.{name}] is missing (required){hint}")
                 continue

@@ -199,7 +199,9 @@ class Bookkeeper:
             rec.seq,
             self.job,
             rec.selected,
-            rec.forced,
+            # forced means "must reach the warm tier": never where there is none (a
+            # preemption save in laptop mode is kept by keep_local like any other)
+            rec.forced and rec.selected,
             {"snapshot_s": rec.snapshot_s, "local_s": rec.local_s},
         )
 

@@ -37,6 +37,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Dict, Optional, Sequence, Union
@@ -50,7 +51,7 @@ from slurm_ckpt.job import output as _output
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord
 from slurm_ckpt.job.dist import dist_agree
 from slurm_ckpt.job.lazy import Drain, defer_mask
-from slurm_ckpt.job.options import UNSET, Options, build_config
+from slurm_ckpt.job.options import OPTION_NAMES, UNSET, Options, build_config
 from slurm_ckpt.job.pipeline import (
     DEADLINE_MARGIN_S,
     CheckpointFailed,
@@ -58,10 +59,23 @@ from slurm_ckpt.job.pipeline import (
     Pipeline,
     Shard,
 )
-from slurm_ckpt.job.restore import Restored, Restorer, shard_key, shard_prefix
-from slurm_ckpt.job.schedule import BOOTSTRAP_COST_S, DEFAULT_INTERVAL_TOKENS, Schedule
-from slurm_ckpt.job.signals import Deadline, SignalFlag
+from slurm_ckpt.job.restore import (
+    Restored,
+    Restorer,
+    check_tier_names,
+    shard_key,
+    shard_prefix,
+)
+from slurm_ckpt.job.saved import Saved, check_save_args
+from slurm_ckpt.job.schedule import (
+    BOOTSTRAP_COST_S,
+    DEFAULT_INTERVAL_TOKENS,
+    Schedule,
+    unreachable_message,
+)
+from slurm_ckpt.job.signals import Deadline, SignalFlag, relayed_signal, signal_number
 from slurm_ckpt.job.staging import StagingArea
+from slurm_ckpt.job.standalone import make_roots, sweep_debris
 from slurm_ckpt.job.state import flatten, index_bytes, layout
 from slurm_ckpt.ledger.record import State
 from slurm_ckpt.slurm.client import job_end_time_provider
@@ -79,6 +93,7 @@ __all__ = [
     "Checkpointer",
     "Restored",
     "SaveRecord",
+    "Saved",
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -99,20 +114,51 @@ def _finish_at_exit(ref: Callable[[], Optional[Checkpointer]]) -> None:
 class Checkpointer:
     """Fast, verified, tiered checkpoints from inside a training job.
 
-    Standalone (no SLURM, no config file)::
+    Standalone (no SLURM, no config file; a laptop needs only ``local``)::
 
-        Checkpointer(local="/nvme/ckpt", pfs="/pfs/ckpt", key="my-run",
-                     interval_tokens=50_000_000)
+        Checkpointer(local="/nvme/ckpt", pfs="/pfs/ckpt", key="my-run", interval_steps=500)
 
-    ``config`` is a site :class:`Config` (else one is built with
-    :meth:`Config.standalone` from ``local``/``pfs``); keyword ``options`` are
-    :class:`~slurm_ckpt.job.options.Options` (intervals, retention, identity, providers,
-    callbacks: that class lists them all). Interval: any of ``interval_tokens``,
-    ``interval_steps``, ``interval_seconds`` or ``interval="auto"`` (Young/Daly from the
-    measured save stall and ``mtbi``); a save is due when the first one is reached.
-    Given here, they replace the config's interval settings; with none anywhere, every
-    50M tokens. ``on_event(name, info)`` is called from the background threads too:
-    keep it quick, never call the Checkpointer from it.
+    Under SLURM: :meth:`from_env` (site config, job id, rank, ckpt-srun's signal).
+    Every option is keyword-only; given here, a site setting overrides the config's.
+    docs/user-guide-options.md explains each one at more length.
+
+    Where:
+      local: node-local tier root (made, mode 0700, when missing in standalone use).
+      pfs: warm tier root (a parallel filesystem); without it nothing is flushed.
+      key: the checkpoint series (one per training run), required.
+      config: a site :class:`Config` instead of ``local``/``pfs``.
+    When to save (the first one reached; none anywhere: every 50M tokens):
+      interval_tokens: save every N tokens (pass ``tokens=`` to should_save).
+      interval_steps: save every N steps.
+      interval_seconds: save every N seconds (a number or "30min").
+      interval: "auto": Young/Daly's optimum from the measured stall and ``mtbi``.
+      mtbi: mean time between interruptions for ``interval="auto"`` (e.g. "6h").
+      signals: preemption signals that trigger a save (default SIGTERM, SIGUSR1, SIGUSR2).
+    Retention and resources:
+      keep_local: newest checkpoints kept on the local tier.
+      flush_every: every Mth checkpoint is copied to the warm tier.
+      flush_policy: "skip" (a newer save replaces a queued flush) or "wait" (save waits).
+      max_consecutive_failures: failed saves in a row before save() raises.
+      staging_memory_limit: cap on the snapshot buffers (bytes or "8GiB").
+      pfs_bandwidth: cap on flush bandwidth (bytes/s or "500MB/s").
+      ledger_dir: where the node ledger lives.
+    Identity (defaults from the environment):
+      rank: this process's rank (RANK, else SLURM_PROCID).
+      world_size: number of ranks (WORLD_SIZE, else the step's task count).
+      user: owner of the checkpoints (the current user).
+      node: node name (the host name).
+      job: SLURM job id, recorded in manifests and the ledger.
+    SLURM integration and callbacks:
+      install_signals: install handlers for ``signals`` (False: you call nothing else).
+      requeue: requeue the job after a save caused by the time limit.
+      requeue_fn: ``fn(reason)`` that requeues (default: scontrol requeue).
+      job_state_fn: ``fn() -> state`` of the job (why the signal came).
+      end_time_fn: ``fn() -> epoch`` of the job's end (default SLURM_JOB_END_TIME).
+      kill_wait_s: seconds between SIGTERM and SIGKILL (SLURM's KillWait).
+      signal_lead_s: seconds before the end at which the warning signal comes.
+      agree: ``fn(value) -> min over ranks`` for restore (default torch.distributed).
+      on_event: ``fn(name, info)``, called from background threads too: keep it quick,
+        never call the Checkpointer from it.
     """
 
     def __init__(
@@ -122,12 +168,43 @@ class Checkpointer:
         key: Optional[str] = None,
         *,
         config: Optional[Config] = None,
-        **options: Any,
+        interval_tokens: Optional[int] = None,
+        interval_steps: Optional[int] = None,
+        interval_seconds: Optional[Union[float, str]] = None,
+        interval: Optional[str] = None,
+        mtbi: Optional[Union[float, str]] = None,
+        signals: Optional[Sequence[Union[str, int]]] = None,
+        keep_local: Optional[int] = None,
+        flush_every: Optional[int] = None,
+        flush_policy: str = "skip",
+        max_consecutive_failures: Optional[int] = None,
+        staging_memory_limit: Optional[Union[int, str]] = None,
+        pfs_bandwidth: Optional[Union[float, str]] = None,
+        ledger_dir: Optional[PathLike] = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        user: Optional[str] = None,
+        node: Optional[str] = None,
+        job: Optional[Union[str, int]] = None,
+        install_signals: bool = True,
+        requeue: bool = False,
+        requeue_fn: Optional[Callable[[str], None]] = None,
+        job_state_fn: Optional[Callable[[], Optional[str]]] = None,
+        end_time_fn: Optional[Callable[[], Optional[float]]] = UNSET,
+        kill_wait_s: float = 30.0,
+        signal_lead_s: Optional[float] = None,
+        agree: Optional[Callable[[int], int]] = None,
+        on_event: Optional[Callable[[str, Dict[str, Any]], None]] = None,
     ) -> None:
+        given = dict(locals())
+        options = {name: given[name] for name in OPTION_NAMES}
         if key is None:
             raise CkptError("Checkpointer: key= is required (or use Checkpointer.from_env())")
-        opts = Options.from_kwargs(options)
+        opts = Options(**options).validate()
         self.config = cfg = build_config(config, local, pfs, opts)
+        standalone = config is None
+        if standalone:
+            make_roots(cfg)
         self.rank, self.world_size = resolve_rank(opts.rank, opts.world_size)
         self.key = validate_key(key)
         self.shard_key = validate_key(shard_key(key, self.rank, self.world_size))
@@ -146,13 +223,19 @@ class Checkpointer:
         tiers = tiers_from_config(cfg)
         # The warm tier every flush goes to: the PFS, or the object store on a site
         # without one (the ledger keeps its state in the "pfs" slot either way).
-        self.local, self.pfs = tiers["local"], tiers[cfg.tiers.warm]
+        # Laptop mode (standalone, local= alone): no warm tier, nothing is ever flushed,
+        # and local retention keeps the newest keep_local.
+        self.local = tiers["local"]
+        self.pfs: Optional[Tier] = tiers.get(cfg.tiers.warm)
         self.tiers = list(tiers.values())  # restore looks at all of them, hot to cold
         self.local.check_user(self.user)
-        try:
-            self.pfs.check_user(self.user)
-        except TierError as exc:
-            log.warning("[ckpt] PFS tier not usable now (flushes will fail): %s", exc)
+        if self.pfs is not None:
+            try:
+                self.pfs.check_user(self.user)
+            except TierError as exc:
+                log.warning("[ckpt] PFS tier not usable now (flushes will fail): %s", exc)
+        if standalone:
+            sweep_debris(self.local, self.user, self.shard_key)
 
         self._flag = SignalFlag()
         self._deadline = Deadline(
@@ -220,22 +303,33 @@ class Checkpointer:
         **kwargs: Any,
     ) -> Checkpointer:
         """The site config (``SLURM_CKPT_CONFIG`` or /etc/slurm-ckpt/config.toml) plus the
-        SLURM environment: the key defaults to the job id, the node to SLURMD_NODENAME,
-        rank/world to SLURM_PROCID and the step's task count."""
+        SLURM environment: the key defaults to ``SLURM_CKPT_KEY`` (ckpt-srun exports it),
+        else the job id; the node to SLURMD_NODENAME, rank/world to SLURM_PROCID and the
+        step's task count. The warning signal ckpt-srun relays (``SLURM_CKPT_SIGNAL``) is
+        added to the signals saved on, so the job reacts to it whatever the config lists.
+        ``kwargs``: any option of :class:`Checkpointer` (an unknown one is a one-line
+        error naming the nearest)."""
+        Options.from_kwargs(kwargs)  # a one-line error (with a hint) for a misspelt option
         senv = job_env(required=False)
         cfg = config if config is not None else Config.load(config_path)
-        key = key or senv.job_id
+        key = key or os.environ.get("SLURM_CKPT_KEY") or senv.job_id
         if not key:
             raise CkptError("Checkpointer.from_env(): no key given and SLURM_JOB_ID is not set")
         kwargs.setdefault("job", senv.job_id)
         if senv.node:
             kwargs.setdefault("node", senv.node)
+        relayed = relayed_signal()
+        if relayed is not None:
+            signals = list(kwargs.get("signals") or cfg.job.signals)
+            if relayed not in {signal_number(s) for s in signals}:
+                signals.append(relayed.name)
+            kwargs["signals"] = signals
         return cls(key=key, config=cfg, **kwargs)
 
     def __repr__(self) -> str:
         return (
             f"Checkpointer(key={self.shard_key!r}, local={self.local.root!r}, "
-            f"warm={self.pfs.where(self.user, self.shard_key)!r}, "
+            f"warm={None if self.pfs is None else self.pfs.where(self.user, self.shard_key)!r}, "
             f"rank={self.rank}/{self.world_size})"
         )
 
@@ -286,6 +380,8 @@ class Checkpointer:
         preemption save is taken). Raises :class:`CheckpointFailed` after too many
         failures in a row."""
         self._raise_if_failed()
+        if self._schedule.unreachable(step, tokens):
+            warnings.warn(unreachable_message(self.key), UserWarning, stacklevel=2)
         if not self._schedule.preempt_saved and self._near_end():
             return True
         return self._schedule.due(step, tokens)
@@ -327,8 +423,12 @@ class Checkpointer:
         preemption: Optional[bool] = None,
         data_version: Optional[str] = None,
         lazy: Union[bool, Callable[[Any], bool]] = False,
-    ) -> SaveRecord:
+    ) -> Saved:
         """Snapshot ``state`` and return; the write and the flush go on in the background.
+
+        Returns a frozen :class:`~slurm_ckpt.job.saved.Saved` (step, tokens, nbytes,
+        stall_s, preemption, synchronous). Arguments are checked here: a step outside
+        0..9999999999, negative tokens or a meta that is not JSON raise at once.
 
         ``state`` may be changed as soon as this returns. A state that cannot be
         serialised raises ``TypeError`` at once; storage failures never raise here
@@ -347,13 +447,10 @@ class Checkpointer:
         (:class:`slurm_ckpt.torch.TorchCheckpointer` makes the optimizer step wait by
         itself; see :mod:`slurm_ckpt.job.lazy`).
         """
-        if data_version is not None and not isinstance(data_version, str):
-            raise CkptError(f"save(): data_version must be a string, got {data_version!r}")
+        meta = check_save_args(step, tokens, meta, preemption, data_version)
         self._raise_if_failed()
         if self._closed:
             raise CkptError("Checkpointer.save(): already closed")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise CkptError(f"save(): step must be a whole number >= 0, got {step!r}")
         t0 = time.monotonic()
         preempt = self._schedule.preempt_pending if preemption is None else bool(preemption)
         reason = "signal" if preempt else "interval"
@@ -382,14 +479,15 @@ class Checkpointer:
             reason=reason,
             nbytes=nbytes,
             forced=preempt,
-            selected=preempt or selected_for_flush(seq, self.policy),
+            selected=self.pfs is not None and (preempt or selected_for_flush(seq, self.policy)),
             index_data=data,
-            meta=dict(meta or {}),
+            meta=meta,
         )
         if data_version is not None:
             rec.meta["data_version"] = data_version
         books.emit("snapshot_start", step=step)
         t1 = time.monotonic()
+        deferred = 0
         if self._staging.ensure([b["nbytes"] for b in blobs], tensors):
             mask = defer_mask(tensors, _accept_all if lazy is True else lazy) if lazy else None
             if mask is not None and any(mask):
@@ -399,6 +497,7 @@ class Checkpointer:
                     tensors,
                     mask,
                 ).start()
+                deferred = self._drain.deferred_bytes
             else:
                 rec.buffers = self._staging.snapshot(index, tensors)
             rec.snapshot_s = time.monotonic() - t1
@@ -434,7 +533,15 @@ class Checkpointer:
             pipe.defer_event("save_returned", info)
             if rec.local_status != "pending":  # the writer was quicker than this line
                 pipe.log_deferred()
-        return rec
+        return Saved(
+            step=step,
+            tokens=tokens,
+            nbytes=nbytes,
+            stall_s=stall,
+            preemption=preempt,
+            synchronous=rec.synchronous,
+            deferred_bytes=deferred,
+        )
 
     # ------------------------------------------------------------------ waiting and closing
     def wait_snapshot(self) -> float:
@@ -545,6 +652,8 @@ class Checkpointer:
         expect_data_version: Optional[str] = None,
         on_data_change: str = "warn",
     ) -> Restorer:
+        if tiers is not None:
+            tiers = check_tier_names(tiers, [t.name for t in self.tiers])
         return Restorer(
             self.tiers if tiers is None else [t for t in self.tiers if t.name in tiers],
             self.user,

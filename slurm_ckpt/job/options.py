@@ -1,11 +1,11 @@
 """The Checkpointer's keyword options, in one typed place, and the Config they become.
 
 ``Checkpointer(local=..., pfs=..., key=..., interval_tokens=..., ...)`` takes a site
-config (or the two tier paths) plus keyword options. Options that are site settings
-(intervals, retention, staging memory, bandwidth, ledger directory) are folded into a
-:class:`~slurm_ckpt.core.config.Config` through :meth:`Config.from_dict`, so they are
-checked with the same one-line errors as the config file; the rest (identity, providers,
-callbacks) stay here. An unknown keyword is a one-line error that names the nearest one.
+config (or the tier paths: ``local`` alone is laptop mode) plus keyword-only options.
+Options that are site settings (intervals, retention, staging memory, bandwidth, ledger
+directory) are folded into a :class:`~slurm_ckpt.core.config.Config` through
+:meth:`Config.from_dict`, so they are checked with the same one-line errors as the config
+file; the rest (identity, providers, callbacks) stay here.
 """
 
 from __future__ import annotations
@@ -16,20 +16,33 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.config_schema import STANDALONE_SOURCE
 from slurm_ckpt.errors import CkptError
 
-__all__ = ["FLUSH_POLICIES", "UNSET", "Options", "build_config"]
+__all__ = ["FLUSH_POLICIES", "OPTION_NAMES", "UNSET", "Options", "build_config"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 FLUSH_POLICIES = ("skip", "wait")
+
+
+class _Unset:
+    """The default of ``end_time_fn``: SLURM's end time (None would mean no deadline)."""
+
+    def __repr__(self) -> str:  # what help() and an IDE show as the default
+        return "<SLURM's end time>"
+
+
 #: "Not given" where None means something (``end_time_fn=None``: no deadline at all).
-UNSET: Any = object()
+UNSET: Any = _Unset()
 _INTERVALS = ("interval_tokens", "interval_steps", "interval_seconds", "interval")
 
 
 @dataclass
 class Options:
-    """Every keyword option of :class:`~slurm_ckpt.job.checkpointer.Checkpointer`.
+    """Every keyword option of :class:`~slurm_ckpt.job.checkpointer.Checkpointer`, which
+    lists them as explicit keyword-only parameters (one line each in its docstring) and
+    carries them here; ``Checkpointer.from_env(**options)`` checks its own through
+    :meth:`from_kwargs`.
 
     Site settings (override the config): ``interval_tokens``, ``interval_steps``,
     ``interval_seconds``, ``interval`` (``"auto"``: Young/Daly), ``mtbi``,
@@ -50,20 +63,20 @@ class Options:
     interval_seconds: Optional[Union[float, str]] = None
     interval: Optional[str] = None
     mtbi: Optional[Union[float, str]] = None
+    signals: Optional[Sequence[Union[str, int]]] = None
     keep_local: Optional[int] = None
     flush_every: Optional[int] = None
-    signals: Optional[Sequence[Union[str, int]]] = None
+    flush_policy: str = "skip"
     max_consecutive_failures: Optional[int] = None
     staging_memory_limit: Optional[Union[int, str]] = None
     pfs_bandwidth: Optional[Union[float, str]] = None
     ledger_dir: Optional[PathLike] = None
-    flush_policy: str = "skip"
-    install_signals: bool = True
     rank: Optional[int] = None
     world_size: Optional[int] = None
     user: Optional[str] = None
     node: Optional[str] = None
     job: Optional[Union[str, int]] = None
+    install_signals: bool = True
     requeue: bool = False
     requeue_fn: Optional[Callable[[str], None]] = None
     job_state_fn: Optional[Callable[[], Optional[str]]] = None
@@ -72,6 +85,14 @@ class Options:
     signal_lead_s: Optional[float] = None
     agree: Optional[Callable[[int], int]] = None
     on_event: Optional[Callable[[str, Dict[str, Any]], None]] = None
+
+    def validate(self) -> Options:
+        """One-line errors for values no config check sees (the identity, the policy)."""
+        if self.flush_policy not in FLUSH_POLICIES:
+            raise CkptError(
+                f"flush_policy must be one of {FLUSH_POLICIES}, got {self.flush_policy!r}"
+            )
+        return self
 
     @classmethod
     def from_kwargs(cls, kwargs: Dict[str, Any]) -> Options:
@@ -82,12 +103,12 @@ class Options:
                 close = difflib.get_close_matches(name, sorted(known), n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise CkptError(f"Checkpointer: unknown option {name!r}{hint}")
-        opts = cls(**kwargs)
-        if opts.flush_policy not in FLUSH_POLICIES:
-            raise CkptError(
-                f"flush_policy must be one of {FLUSH_POLICIES}, got {opts.flush_policy!r}"
-            )
-        return opts
+        return cls(**kwargs).validate()
+
+
+#: The option names in declaration order: ``Checkpointer.__init__`` lists exactly these as
+#: keyword-only parameters, with the same defaults (tests/test_api_surface.py holds it).
+OPTION_NAMES = tuple(f.name for f in fields(Options))
 
 
 def build_config(
@@ -101,10 +122,11 @@ def build_config(
     job's "every 500 steps").
     """
     if config is None:
-        if local is None or pfs is None:
-            raise CkptError("Checkpointer: give local= and pfs= (or config=)")
+        if local is None:
+            raise CkptError("Checkpointer: give local= (and pfs= for a warm tier), or config=")
+        # local= alone is laptop mode: one tier, no flushes (STANDALONE_SOURCE allows it)
         base = Config.standalone(local, pfs).to_dict()
-        source = "<standalone>"
+        source = STANDALONE_SOURCE
     else:
         base = config.to_dict()
         source = config.source
@@ -115,6 +137,8 @@ def build_config(
     if opts.ledger_dir is not None:
         base["ledger"]["dir"] = os.path.abspath(os.fspath(opts.ledger_dir))
     if opts.pfs_bandwidth is not None:
+        if base["tiers"].get("pfs") is None:
+            raise CkptError("Checkpointer: pfs_bandwidth= needs a PFS tier (pfs=)")
         base["tiers"]["pfs"]["bandwidth_limit"] = opts.pfs_bandwidth
     job = {
         "interval_tokens": opts.interval_tokens,

@@ -116,7 +116,7 @@ class Pipeline:
     def __init__(
         self,
         local: Tier,
-        warm: Tier,
+        warm: Optional[Tier],
         shard: Shard,
         books: Bookkeeper,
         policy: RetentionPolicy,
@@ -134,15 +134,18 @@ class Pipeline:
         self.flush_policy = flush_policy
         self.min_free = min_free
         self.max_consecutive_failures = max_consecutive_failures
-        self.flusher = Flusher(
-            copy_in_process(local, warm),
-            books.ledger,
-            src=local.name,
-            # The ledger's warm-tier slot is "pfs" whatever the warm tier is (an object
-            # store on a site without a PFS): local retention and the hooks read it there.
-            dst="pfs",
-            hand_off_note=LEFT_TO_EPILOG,
-        )
+        # No warm tier (laptop mode): nothing is selected for a flush, so no flusher.
+        self.flusher: Optional[Flusher] = None
+        if warm is not None:
+            self.flusher = Flusher(
+                copy_in_process(local, warm),
+                books.ledger,
+                src=local.name,
+                # The ledger's warm-tier slot is "pfs" whatever the warm tier is (an object
+                # store on a site without a PFS): local retention and the hooks read it there.
+                dst="pfs",
+                hand_off_note=LEFT_TO_EPILOG,
+            )
         self.cv = threading.Condition()
         self._stats = CheckpointStats()
         self.fatal: Optional[CheckpointFailed] = None
@@ -448,7 +451,7 @@ class Pipeline:
     def estimate_flush_s(self, nbytes: int) -> float:
         if self._flush_rate:
             return nbytes / self._flush_rate
-        if self.warm.limiter is not None:
+        if self.warm is not None and self.warm.limiter is not None:
             return nbytes / self.warm.limiter.rate
         return 0.0
 
@@ -457,6 +460,7 @@ class Pipeline:
         if left is not None and left - DEADLINE_MARGIN_S < self.estimate_flush_s(rec.nbytes):
             self.leave_to_epilog(rec, left)
             return
+        assert self.flusher is not None  # only selected saves get here (a warm tier exists)
         self.books.emit("flush_start", step=rec.step)
         res = self.flusher.flush_one((self.shard.user, self.shard.key, rec.step), nbytes=rec.nbytes)
         rec.flush_s = res.seconds
@@ -489,7 +493,8 @@ class Pipeline:
         with self.cv:
             rec.flush_status = "left to epilog"
             self._stats.left_to_epilog += 1
-        self.flusher.hand_off([(self.shard.user, self.shard.key, rec.step)])
+        if self.flusher is not None:
+            self.flusher.hand_off([(self.shard.user, self.shard.key, rec.step)])
         log.warning(
             "[ckpt] step=%d: %s left before the job ends, flush needs ~%.1fs: left to the epilog",
             rec.step,
@@ -541,7 +546,11 @@ class Pipeline:
         self.wait_for(lambda: self.local_job is None, None)
         self.log_deferred()
         newest = self.newest
-        if newest is not None and newest.flush_status in ("not selected", "skipped"):
+        if (
+            self.flusher is not None
+            and newest is not None
+            and newest.flush_status in ("not selected", "skipped")
+        ):
             newest.forced = newest.selected = True
             self.books.set_state(newest.step, "pfs", State.FLUSH_PENDING, forced=True)
             self.queue_flush(newest)
@@ -578,7 +587,8 @@ class Pipeline:
             current = self.flush_current
             self._stop = True
             self.cv.notify_all()
-        self.flusher.hand_off([(self.shard.user, self.shard.key, r.step) for r in owed])
+        if self.flusher is not None:
+            self.flusher.hand_off([(self.shard.user, self.shard.key, r.step) for r in owed])
         steps = [r.step for r in owed]
         if current is not None:
             steps.append(current.step)  # in flight: killed with the interpreter (FLUSHING)

@@ -67,6 +67,7 @@ __all__ = [
     "NotThisFormat",
     "Restored",
     "Restorer",
+    "check_tier_names",
     "shard_key",
     "shard_prefix",
 ]
@@ -106,6 +107,18 @@ def shard_key(key: str, rank: int, world_size: int) -> str:
 def shard_prefix(rank: int) -> str:
     """The directory of a rank's payload inside its step directory."""
     return f"rank-{rank:05d}"
+
+
+def check_tier_names(tiers: Sequence[str], have: Sequence[str]) -> List[str]:
+    """``restore(tiers=[...])``: a name that is no tier of this Checkpointer raises (a typo
+    such as ``"nvme"`` must not read as "no checkpoint" and a fresh start)."""
+    names = [tiers] if isinstance(tiers, str) else list(tiers)
+    for name in names:
+        if name not in have:
+            raise CkptError(
+                f"restore(): no tier {name!r} here (this Checkpointer has: {', '.join(have)})"
+            )
+    return names
 
 
 @dataclass

@@ -18,12 +18,22 @@ from slurm_ckpt.core.config import JobConfig
 from slurm_ckpt.core.planner import auto_interval
 from slurm_ckpt.job.signals import SignalFlag
 
-__all__ = ["BOOTSTRAP_COST_S", "DEFAULT_INTERVAL_TOKENS", "Schedule"]
+__all__ = ["BOOTSTRAP_COST_S", "DEFAULT_INTERVAL_TOKENS", "Schedule", "unreachable_message"]
 
 #: The interval when none is configured anywhere.
 DEFAULT_INTERVAL_TOKENS = 50_000_000
 #: Assumed save cost for ``interval="auto"`` until the first save has been measured.
 BOOTSTRAP_COST_S = 1.0
+
+
+def unreachable_message(key: str) -> str:
+    """The warning for a job that counts steps under the default token interval."""
+    return (
+        f"Checkpointer {key!r}: no interval given, so a save is due every "
+        f"{DEFAULT_INTERVAL_TOKENS:,} tokens, but should_save() gets no tokens=: it will "
+        "only ever save on a signal. Pass tokens=, or give interval_steps= / "
+        "interval_seconds= / interval_tokens="
+    )
 
 
 def _crossed(every: Optional[int], now: Optional[int], ref: Optional[int]) -> bool:
@@ -43,6 +53,11 @@ class Schedule:
             not self.auto
         ):
             self.interval_tokens = DEFAULT_INTERVAL_TOKENS
+        #: No interval was given anywhere: the default (tokens) is in force.
+        self.defaulted = self.interval_tokens == DEFAULT_INTERVAL_TOKENS and not (
+            jc.interval_tokens or self.auto
+        )
+        self._checked_reachable = False
         self.mtbi_s = jc.mtbi
         self.flag = flag
         #: The save answering a preemption signal has been taken.
@@ -67,6 +82,15 @@ class Schedule:
         been taken yet."""
         warned = self.flag.received is not None or self.deadline_due
         return warned and not self.preempt_saved
+
+    def unreachable(self, step: Optional[int], tokens: Optional[int]) -> bool:
+        """True once, at the first question, when the default interval (tokens) can never
+        be reached because the caller counts steps and passes no ``tokens``: without this
+        a job would run for ever without a save and nobody would notice."""
+        if self._checked_reachable:
+            return False
+        self._checked_reachable = True
+        return self.defaulted and tokens is None
 
     def due(self, step: Optional[int] = None, tokens: Optional[int] = None) -> bool:
         """True when an interval is reached or a preemption save is pending."""

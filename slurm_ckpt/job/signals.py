@@ -21,6 +21,7 @@ than be killed halfway through it.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -33,6 +34,20 @@ __all__ = ["DEFAULT_SIGNALS", "Deadline", "SignalFlag", "signal_number"]
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
 
 Handler = Union[Callable[[int, Any], Any], int, None]
+
+
+def relayed_signal() -> Optional[signal.Signals]:
+    """The warning signal ckpt-srun relays to the job's tasks (``SLURM_CKPT_SIGNAL``, e.g.
+    ``USR1``), or None outside ckpt-srun. A value that names no catchable signal is
+    logged and ignored: the job then saves on its configured signals only."""
+    raw = os.environ.get("SLURM_CKPT_SIGNAL", "").strip()
+    if not raw:
+        return None
+    try:
+        return signal_number(raw)
+    except ValueError:
+        log.warning("[ckpt] SLURM_CKPT_SIGNAL=%r names no signal that can be caught", raw)
+        return None
 
 
 def signal_number(sig: Union[str, int, signal.Signals]) -> signal.Signals:

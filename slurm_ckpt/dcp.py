@@ -237,7 +237,11 @@ class SlurmDcpWriter(StorageWriter):
                 for wr in wrs:
                     info: ItemInfo = wr.storage_data
                     items[wr.index] = info
-                    parts[info.rank] = {"file": info.file, "hash": info.part_hash, "node": info.node}
+                    parts[info.rank] = {
+                        "file": info.file,
+                        "hash": info.part_hash,
+                        "node": info.node,
+                    }
             if metadata.version is None:
                 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
@@ -465,7 +469,9 @@ def _qualify(parts: _Parts, step: int, holders0: List[Tuple[Tier, Manifest]]) ->
             continue
         chosen.holders[r] = parts.holders(part_key(parts.key, r), step, info["file"], info["hash"])
         if not chosen.holders[r]:
-            log.warning("[ckpt] dcp restore: step %d: part %d is on no tier this rank sees", step, r)
+            log.warning(
+                "[ckpt] dcp restore: step %d: part %d is on no tier this rank sees", step, r
+            )
             return None
     me, world = _group()
     for r in sorted(decoded.parts):

@@ -2,11 +2,11 @@
 
 Started by tests/test_dcp.py once per rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the
 environment, as torchrun or srun set them). Lines on stdout for the test:
-``RESUMED step=N tiers=...`` / ``START fresh``, ``SAVED step=N``, ``PREEMPTED step=N``,
-``CHILD_DIED step=N``, ``DONE digest=...``, ``LOADED step=N``, ``NOTHING``.
+``RESUMED key=K step=N tiers=<part>:<tier>,...`` / ``NOTHING key=K``, ``SAVED step=N``,
+``PREEMPTED step=N``, ``CHILD_DIED ...``, ``DONE digest=...``.
 
-Dumps (rank 0, ``--dump DIR``): ``saved-<step>.pt`` is every full tensor and value that a
-save put into the checkpoint, ``loaded-<world>.pt`` everything a load put back; the test
+Dumps (rank 0, ``--dump DIR``): ``saved-<key>-<step>.pt`` is every full tensor and value
+that a save put into the checkpoint, ``loaded-<key>-<world>.pt`` everything a load put back; the test
 compares them with ``torch.equal``.
 
 The guard at the bottom matters: DCP's process mode starts its child with ``spawn``,
@@ -35,16 +35,6 @@ from torch.distributed.tensor import DTensor
 from slurm_ckpt import Checkpointer
 
 DIM = 16
-
-
-class Evil:
-    """A pickle that runs code when unpickled without weights_only."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> Any:
-        return (os.system, (f"touch {self.marker}",))
 
 
 def build(world: int) -> Any:
@@ -113,6 +103,22 @@ def train_step(model: Any, opt: Any, sched: Any, rank: int, world: int) -> None:
     sched.step()
 
 
+def resume(ckpt: Any, model: Any, opt: Any, sched: Any, key: str) -> Any:
+    """Load the newest DCP step into the model (None: there is none); what was loaded,
+    made whole, for the dumps."""
+    reader = ckpt.dcp_reader()
+    if reader is None:
+        print(f"NOTHING key={key}", flush=True)
+        return None
+    state = state_of(model, opt, sched, 0)
+    dcp.load(state, storage_reader=reader)
+    reader.release()
+    apply(model, opt, sched, state)
+    tiers = ",".join(f"{r}:{t}" for r, t in sorted(reader.read_from.items()))
+    print(f"RESUMED key={key} step={reader.step} tiers={tiers}", flush=True)
+    return full(state)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("cmd", choices=["train", "load"])
@@ -126,38 +132,25 @@ def main() -> int:
     ap.add_argument("--kill-at", type=int, default=0)
     ap.add_argument("--child-term-at", type=int, default=0)
     ap.add_argument("--dump", default="")
-    ap.add_argument("--evil", default="")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    ckpt = Checkpointer(local=args.local, pfs=args.pfs, key=args.key, end_time_fn=None)
+    if args.cmd == "load":  # every key given, one after the other (one launch, several checks)
+        for key in args.key.split(","):
+            ckpt = Checkpointer(local=args.local, pfs=args.pfs, key=key, end_time_fn=None)
+            model, opt, sched = build(world)
+            got = resume(ckpt, model, opt, sched, key)
+            if got is not None and rank == 0 and args.dump:
+                torch.save(got, os.path.join(args.dump, f"loaded-{key}-{world}.pt"))
+            ckpt.close()
+        dist.destroy_process_group()
+        return 0
+    key = args.key
+    ckpt = Checkpointer(local=args.local, pfs=args.pfs, key=key, end_time_fn=None)
     model, opt, sched = build(world)
-
-    reader = ckpt.dcp_reader()
-    start = 0
-    if reader is None:
-        print("START fresh" if args.cmd == "train" else "NOTHING", flush=True)
-        if args.cmd == "load":
-            ckpt.close()
-            dist.destroy_process_group()
-            return 0
-    else:
-        state = state_of(model, opt, sched, 0)
-        dcp.load(state, storage_reader=reader)
-        reader.release()
-        apply(model, opt, sched, state)
-        start = reader.step
-        tiers = ",".join(f"{r}:{t}" for r, t in sorted(reader.read_from.items()))
-        print(f"RESUMED step={start} tiers={tiers}", flush=True)
-        if args.cmd == "load":
-            got = full(state)
-            if rank == 0 and args.dump:
-                torch.save(got, os.path.join(args.dump, f"loaded-{world}.pt"))
-            print(f"LOADED step={start}", flush=True)
-            ckpt.close()
-            dist.destroy_process_group()
-            return 0
+    got = resume(ckpt, model, opt, sched, key)
+    start = 0 if got is None else got["meta"]["step"]
 
     # DCP's thread mode runs its collectives from a background thread: on a CPU-only job
     # they must not share the gloo group that FSDP uses from the training thread.
@@ -191,12 +184,10 @@ def main() -> int:
                 print(f"CHILD_DIED {exc}", flush=True)
                 break
             state = state_of(model, opt, sched, step)
-            if args.evil:
-                state["evil"] = Evil(args.evil)
             if args.dump:
                 snap = full(state)
                 if rank == 0:
-                    torch.save(snap, os.path.join(args.dump, f"saved-{step}.pt"))
+                    torch.save(snap, os.path.join(args.dump, f"saved-{key}-{step}.pt"))
             writer = ckpt.dcp_writer(step=step, tokens=step * 64, preemption=preempt)
             if args.child_term_at == step:
                 os.environ["SLURM_CKPT_DCP_SIGTERM_AT"] = "before_part_commit"
@@ -219,8 +210,11 @@ def main() -> int:
                 print(f"PREEMPTED step={step}", flush=True)
                 break
     else:
-        wait_pending()
-        print(f"DONE digest={digest(model, opt)}", flush=True)
+        try:
+            wait_pending()
+            print(f"DONE digest={digest(model, opt)}", flush=True)
+        except RuntimeError as exc:
+            print(f"CHILD_DIED {exc}", flush=True)
     try:
         wait_pending()
     except RuntimeError as exc:

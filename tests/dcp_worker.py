@@ -6,8 +6,8 @@ environment, as torchrun or srun set them). Lines on stdout for the test:
 ``PREEMPTED step=N``, ``CHILD_DIED ...``, ``DONE digest=...``.
 
 Dumps (rank 0, ``--dump DIR``): ``saved-<key>-<step>.pt`` is every full tensor and value
-that a save put into the checkpoint, ``loaded-<key>-<world>.pt`` everything a load put back; the test
-compares them with ``torch.equal``.
+that a save put into the checkpoint, ``loaded-<key>-<world>.pt`` everything a load put
+back; the test compares them with ``torch.equal``.
 
 The guard at the bottom matters: DCP's process mode starts its child with ``spawn``,
 which imports this file again.
@@ -25,9 +25,9 @@ from typing import Any, Dict
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor

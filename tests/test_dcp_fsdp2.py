@@ -49,7 +49,7 @@ class Site:
         for d in (local, pfs, dump):
             d.mkdir(parents=True, exist_ok=True)
 
-    def copy(self, name: str) -> "Site":
+    def copy(self, name: str) -> Site:
         """The same checkpoints in fresh directories on the same filesystems."""
         site = Site(
             self.local.parent / f"{self.local.name}-{name}",

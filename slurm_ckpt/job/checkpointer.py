@@ -575,7 +575,7 @@ class Checkpointer:
             self._schedule.restored(got.step, got.tokens)
         return got
 
-    # ------------------------------------------------------------------ torch.distributed.checkpoint
+    # ------------------------------------------------------------------ DCP (torch.distributed)
     def _dcp_series(self) -> Any:
         dcp = self.__dict__.get("_dcp")
         if dcp is None:

@@ -38,7 +38,7 @@ log = logging.getLogger("slurm_ckpt")
 __all__ = ["DcpSeries", "notify_committed", "part_key"]
 
 #: Live series of this process, by token; DCP's process-mode child has none.
-_LIVE: Dict[str, "weakref.ref[DcpSeries]"] = {}
+_LIVE: Dict[str, weakref.ref[DcpSeries]] = {}
 _LIVE_LOCK = threading.Lock()
 
 

@@ -146,6 +146,9 @@ class SlurmDcpWriter(StorageWriter):
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.rank, self.is_coordinator = int(rank), bool(is_coordinator)
+        if kwargs.get("use_collectives") is False:
+            # Every rank would write its own metadata: nothing would bind the parts.
+            raise CkptError("dcp_writer(): use_collectives=False is not supported")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan

@@ -17,6 +17,8 @@ import json
 import logging
 import os
 import pickle
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
@@ -103,6 +105,20 @@ def test_save_load_round_trip_metadata_is_json_and_flushed(ckpt: Checkpointer) -
     assert ckpt.pfs.verify(ckpt.user, "run.dcp.rank00000", 7).ok
     rec = ckpt._dcp.books.records()[7]
     assert rec.tiers["local"] == State.COMMITTED and rec.tiers["pfs"] == State.VERIFIED
+    # the operator's tools see the part as any checkpoint: list and verify
+    cfg = Path(ckpt.local.root).parent / "dcp-cli.toml"
+    cfg.write_text(
+        f'[tiers.local]\nroot = "{ckpt.local.root}"\nrequire_mount = false\nmin_free = 0\n'
+        f'[tiers.pfs]\nroot = "{ckpt.pfs.root}"\n[ledger]\ndir = "{cfg.parent / "ledger"}"\n'
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    cli = [sys.executable, "-m", "slurm_ckpt.cli.main", "--config", str(cfg)]
+    out = subprocess.run([*cli, "list"], env=env, capture_output=True, text=True, check=True)
+    assert len([ln for ln in out.stdout.splitlines() if "run.dcp.rank00000" in ln]) == 2
+    out = subprocess.run(
+        [*cli, "verify", "run.dcp.rank00000"], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0 and out.stdout.count(" OK ") == 2, out.stdout + out.stderr
 
 
 def test_malicious_pickle_refused_with_one_line(

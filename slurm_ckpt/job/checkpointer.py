@@ -608,7 +608,9 @@ class Checkpointer:
         preempt = self._schedule.preempt_pending if preemption is None else bool(preemption)
         series = self._dcp_series()
         series.register(step, tokens, preempt)
-        self._schedule.saved(step, tokens, 0.0, preemption=preempt)
+        # DCP measures the stall, not us: keep the schedule's cost estimate as it is.
+        cost = self._schedule.cost_s if self._schedule.cost_s is not None else BOOTSTRAP_COST_S
+        self._schedule.saved(step, tokens, cost, preemption=preempt)
         return SlurmDcpWriter(
             self.local,
             self.user,

@@ -4,8 +4,8 @@ Several ranks on this machine (started as torchrun would: RANK, WORLD_SIZE, MAST
 each running tests/dcp_worker.py, on a tmpfs local tier and a loop-mounted ext4 "PFS".
 What must hold:
 
-* a 2-rank save (``dcp.async_save``, thread mode) and a 4-rank save (process mode, DCP's
-  own stager) load at 1, 3 and 2 ranks with every parameter, optimizer state, scheduler
+* a 2-rank save (``dcp.async_save``, process mode, DCP's own stager) and a 4-rank save
+  (thread mode) load at 1, 3 and 2 ranks with every parameter, optimizer state, scheduler
   value and RNG tensor ``torch.equal`` to what was saved (DCP's planner reshards; at
   another node - an empty local tier - every part comes from the PFS);
 * a run stopped by SIGTERM (preemption save) or killed by SIGKILL mid-save resumes at
@@ -173,14 +173,14 @@ def fs() -> Iterator[Tuple[Path, Path]]:
 
 @pytest.fixture(scope="module")
 def saved(fs: Tuple[Path, Path]) -> Tuple[Site, str]:
-    """Key ``two``: 2 ranks, async_save in thread mode at steps 2, 4, 6; key ``four``:
-    4 ranks, async_save in process mode at step 2. The site, and the final digest of
-    the uninterrupted 2-rank run."""
+    """Key ``two``: 2 ranks, async_save in process mode (DCP's DefaultStager, shared
+    memory) at steps 2, 4, 6; key ``four``: 4 ranks, async_save in thread mode at step 2.
+    The site, and the final digest of the uninterrupted 2-rank run."""
     local, pfs = fs
     site = Site(local / "main", pfs / "main", pfs.parent / "dump")
     two, four = launch_many(
-        (2, site, ("train", "--key", "two", "--steps", "6", "--mode", "thread"), None),
-        (4, site, ("train", "--key", "four", "--steps", "2", "--mode", "process"), None),
+        (2, site, ("train", "--key", "two", "--steps", "6", "--mode", "process"), None),
+        (4, site, ("train", "--key", "four", "--steps", "2", "--mode", "thread"), None),
     )
     digests = {line(o, r"^DONE digest=(\w+)$").group(1) for o in two}
     assert len(digests) == 1

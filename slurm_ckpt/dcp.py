@@ -36,6 +36,7 @@ sees them (a pickle that would run code is refused with one line).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -136,6 +137,14 @@ class SlurmDcpWriter(StorageWriter):
         state = dict(self.__dict__)
         state["_w"] = None  # an open tier writer never travels
         return state
+
+    def __del__(self) -> None:
+        # Rank 0's part when another rank failed (DCP never called finish): its work
+        # directory goes now rather than at the next sweep. Nothing of it was listable.
+        w, self._w = self.__dict__.get("_w"), None
+        if w is not None:
+            with contextlib.suppress(Exception):
+                w.abort()
 
     # -- the StorageWriter protocol ----------------------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:

@@ -89,6 +89,12 @@ BENCHES = [
         3600,
     ),
     (
+        "dcp",
+        "torch.distributed.checkpoint: our backend vs FileSystemWriter/Reader",
+        lambda out, q: ["dcp.py", "--json", out] + (["--quick"] if q else []),
+        1800,
+    ),
+    (
         "fleet_sim",
         "Fleet: 10,000 nodes flushing to one PFS (simulation)",
         lambda out, q: (

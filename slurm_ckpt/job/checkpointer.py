@@ -583,6 +583,9 @@ class Checkpointer:
         if self._flag.received is not None or self._schedule.preempt_saved:
             d = self._deadline.deadline()
             until = None if d is None else d - DEADLINE_MARGIN_S
+        dcp = self.__dict__.get("_dcp")  # DCP parts (dcp_writer): picked up and flushed too
+        if dcp is not None:
+            dcp.finish(until)
         self._pipeline.finish(until)
         self._maybe_requeue()
         self._flag.uninstall()
@@ -781,3 +784,66 @@ class Checkpointer:
         if self._schedule.preempt_saved:
             return False
         return self._schedule.preempt_pending or self._near_end()
+
+    # ------------------------------------------------------------------ DCP (torch.distributed)
+    def _dcp_series(self) -> Any:
+        dcp = self.__dict__.get("_dcp")
+        if dcp is None:
+            from slurm_ckpt.job.dcp_series import DcpSeries
+
+            dcp = self._dcp = DcpSeries(self)
+        return dcp
+
+    def dcp_writer(
+        self,
+        *,
+        step: int,
+        tokens: Optional[int] = None,
+        meta: Optional[Dict[str, Any]] = None,
+        preemption: Optional[bool] = None,
+    ) -> Any:
+        """A ``torch.distributed.checkpoint`` StorageWriter for ``step``: pass it to
+        ``dcp.save`` or ``dcp.async_save`` (thread or process mode). Each rank's bytes are
+        committed on its local tier and flushed like any checkpoint; the step counts once
+        rank 0 has committed the global metadata. See :mod:`slurm_ckpt.dcp` and
+        docs/dcp.md. ``preemption`` as in :meth:`save`."""
+        # The DCP backend needs torch; imported here so that the job layer does not.
+        from slurm_ckpt.dcp import SlurmDcpWriter
+
+        self._raise_if_failed()
+        if self._closed:
+            raise CkptError("Checkpointer.dcp_writer(): already closed")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CkptError(f"dcp_writer(): step must be a whole number >= 0, got {step!r}")
+        preempt = self._schedule.preempt_pending if preemption is None else bool(preemption)
+        series = self._dcp_series()
+        series.register(step, tokens, preempt)
+        # DCP measures the stall, not us: keep the schedule's cost estimate as it is.
+        cost = self._schedule.cost_s if self._schedule.cost_s is not None else BOOTSTRAP_COST_S
+        self._schedule.saved(step, tokens, cost, preemption=preempt)
+        return SlurmDcpWriter(
+            self.local,
+            self.user,
+            self.key,
+            step,
+            tokens=tokens,
+            job=self.job,
+            node=self.node,
+            meta=meta,
+            token=series.token,
+        )
+
+    def dcp_reader(self, *, step: Optional[int] = None) -> Any:
+        """A ``torch.distributed.checkpoint`` StorageReader for the newest DCP step that
+        every rank finds whole and verified, on any tier (or exactly ``step``); None when
+        there is none. Collective: every rank calls it (it agrees over the process
+        group). Loads at any world size (DCP's planner reshards)."""
+        from slurm_ckpt.dcp import select_step
+
+        reader = select_step(self.tiers, self.user, self.key, step=step, mark_bad=self._mark_bad)
+        if reader is None:
+            log.info("[ckpt] dcp_reader: no DCP checkpoint of %s found", self.key)
+            return None
+        self._schedule.restored(reader.step, reader.tokens)
+        log.info("[ckpt] dcp_reader: step=%d tokens=%s", reader.step, reader.tokens)
+        return reader

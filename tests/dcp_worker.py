@@ -1,0 +1,230 @@
+"""One rank of a tiny FSDP2 job (CPU, gloo) that saves and loads through the DCP backend.
+
+Started by tests/test_dcp.py once per rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the
+environment, as torchrun or srun set them). Lines on stdout for the test:
+``RESUMED key=K step=N tiers=<part>:<tier>,...`` / ``NOTHING key=K``, ``SAVED step=N``,
+``PREEMPTED step=N``, ``CHILD_DIED ...``, ``DONE digest=...``.
+
+Dumps (rank 0, ``--dump DIR``): ``saved-<key>-<step>.pt`` is every full tensor and value
+that a save put into the checkpoint, ``loaded-<key>-<world>.pt`` everything a load put
+back; the test compares them with ``torch.equal``.
+
+The guard at the bottom matters: DCP's process mode starts its child with ``spawn``,
+which imports this file again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import signal
+import sys
+from typing import Any, Dict
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from slurm_ckpt import Checkpointer
+
+DIM = 16
+
+
+def build(world: int) -> Any:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(DIM, 3 * DIM), torch.nn.ReLU(), torch.nn.Linear(3 * DIM, 5)
+    )
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return model, opt, sched
+
+
+def state_of(model: Any, opt: Any, sched: Any, step: int) -> Dict[str, Any]:
+    msd, osd = get_state_dict(model, opt)
+    return {
+        "model": msd,
+        "optim": osd,
+        "sched": sched.state_dict(),
+        "rng": torch.get_rng_state(),
+        "meta": {"step": step},
+    }
+
+
+def apply(model: Any, opt: Any, sched: Any, state: Dict[str, Any]) -> None:
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    sched.load_state_dict(state["sched"])
+    torch.set_rng_state(state["rng"])
+
+
+def full(obj: Any) -> Any:
+    """Every DTensor made whole (collective), recursively; the rest as is."""
+    if isinstance(obj, DTensor):
+        return obj.full_tensor().clone()
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: full(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(full(v) for v in obj)
+    return obj
+
+
+def digest(model: Any, opt: Any) -> str:
+    h = hashlib.sha256()
+    msd, osd = get_state_dict(model, opt)
+    for name, t in sorted(full(msd).items()):
+        h.update(name.encode() + t.numpy().tobytes())
+    for pid, st in sorted(full(osd)["state"].items()):
+        for k, t in sorted(st.items()):
+            h.update(f"{pid}{k}".encode() + t.numpy().tobytes())
+    h.update(torch.get_rng_state().numpy().tobytes())
+    return h.hexdigest()
+
+
+def train_step(model: Any, opt: Any, sched: Any, rank: int, world: int) -> None:
+    x = torch.randn(4 * world, DIM)[4 * rank : 4 * (rank + 1)]  # same RNG on every rank
+    loss = model(x).square().mean() + 0.01 * torch.rand(()).item()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step()
+
+
+def resume(ckpt: Any, model: Any, opt: Any, sched: Any, key: str) -> Any:
+    """Load the newest DCP step into the model (None: there is none); what was loaded,
+    made whole, for the dumps."""
+    reader = ckpt.dcp_reader()
+    if reader is None:
+        print(f"NOTHING key={key}", flush=True)
+        return None
+    state = state_of(model, opt, sched, 0)
+    dcp.load(state, storage_reader=reader)
+    reader.release()
+    apply(model, opt, sched, state)
+    tiers = ",".join(f"{r}:{t}" for r, t in sorted(reader.read_from.items()))
+    print(f"RESUMED key={key} step={reader.step} tiers={tiers}", flush=True)
+    return full(state)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cmd", choices=["train", "load"])
+    ap.add_argument("--local", required=True)
+    ap.add_argument("--pfs", required=True)
+    ap.add_argument("--key", default="run")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--every", type=int, default=2)
+    ap.add_argument("--mode", choices=["sync", "thread", "process"], default="thread")
+    ap.add_argument("--term-at", type=int, default=0)
+    ap.add_argument("--kill-at", type=int, default=0)
+    ap.add_argument("--child-term-at", type=int, default=0)
+    ap.add_argument("--dump", default="")
+    args = ap.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.cmd == "load":  # every key given, one after the other (one launch, several checks)
+        for key in args.key.split(","):
+            ckpt = Checkpointer(local=args.local, pfs=args.pfs, key=key, end_time_fn=None)
+            model, opt, sched = build(world)
+            got = resume(ckpt, model, opt, sched, key)
+            if got is not None and rank == 0 and args.dump:
+                torch.save(got, os.path.join(args.dump, f"loaded-{key}-{world}.pt"))
+            ckpt.close()
+        dist.destroy_process_group()
+        return 0
+    key = args.key
+    ckpt = Checkpointer(local=args.local, pfs=args.pfs, key=key, end_time_fn=None)
+    model, opt, sched = build(world)
+    got = resume(ckpt, model, opt, sched, key)
+    start = 0 if got is None else got["meta"]["step"]
+
+    # DCP's thread mode runs its collectives from a background thread: on a CPU-only job
+    # they must not share the gloo group that FSDP uses from the training thread.
+    save_group = dist.new_group(backend="gloo") if args.mode == "thread" else None
+    stager = None
+    if args.mode == "process":  # CPU only: no pinned memory, no non-blocking copies
+        stager = DefaultStager(StagingOptions(False, True, True, False))
+    pending: Any = None
+
+    def wait_pending() -> None:
+        nonlocal pending
+        if pending is not None:
+            fut = getattr(pending, "upload_completion", pending)
+            fut.result()
+            pending = None
+
+    step = start
+    while step < args.steps:
+        train_step(model, opt, sched, rank, world)
+        step += 1
+        if args.term_at == step:
+            os.kill(os.getpid(), signal.SIGTERM)  # as SLURM would, to every rank
+        got_signal = ckpt.signal_received is not None
+        flags = torch.tensor([int(got_signal)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        preempt = bool(flags.item())
+        if step % args.every == 0 or preempt or step == args.steps:
+            try:
+                wait_pending()
+            except RuntimeError as exc:
+                print(f"CHILD_DIED {exc}", flush=True)
+                break
+            state = state_of(model, opt, sched, step)
+            if args.dump:
+                snap = full(state)
+                if rank == 0:
+                    torch.save(snap, os.path.join(args.dump, f"saved-{key}-{step}.pt"))
+            writer = ckpt.dcp_writer(step=step, tokens=step * 64, preemption=preempt)
+            if args.child_term_at == step:
+                os.environ["SLURM_CKPT_DCP_SIGTERM_AT"] = "before_part_commit"
+            if args.mode == "sync":
+                dcp.save(state, storage_writer=writer, process_group=save_group)
+            else:
+                kind = AsyncCheckpointerType[args.mode.upper()]
+                pending = dcp.async_save(
+                    state,
+                    storage_writer=writer,
+                    async_checkpointer_type=kind,
+                    async_stager=stager,
+                    process_group=save_group,
+                )
+            if args.kill_at == step:
+                os.kill(os.getpid(), signal.SIGKILL)  # while the save is in flight
+            print(f"SAVED step={step}", flush=True)
+            if preempt:
+                wait_pending()
+                print(f"PREEMPTED step={step}", flush=True)
+                break
+    else:
+        try:
+            wait_pending()
+            print(f"DONE digest={digest(model, opt)}", flush=True)
+        except RuntimeError as exc:
+            print(f"CHILD_DIED {exc}", flush=True)
+    try:
+        wait_pending()
+    except RuntimeError as exc:
+        print(f"CHILD_DIED {exc}", flush=True)
+    if stager is not None:
+        stager.close()
+    ckpt.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

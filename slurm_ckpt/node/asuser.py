@@ -78,6 +78,13 @@ _beat_fd: Optional[int] = None
 _beat_last = 0.0
 _BEAT_EVERY_S = 0.2
 
+#: A test seam, ``None`` in the product: called in every child once it runs as the user,
+#: just before the callable. The security suite sets it so that a hostile user's process
+#: meets each of root's children at that known point (and may stop it there) instead of
+#: racing to catch it in ``/proc``. It runs with the user's rights only, so it can do
+#: nothing the user could not.
+child_start_hook: Optional[Callable[[], None]] = None
+
 
 def alive() -> None:
     """Tell the parent this child is making progress (cheap; call it as often as you
@@ -192,6 +199,8 @@ def _child(
             os.environ.update(HOME=pw.pw_dir, USER=pw.pw_name, LOGNAME=pw.pw_name)
         except KeyError:
             os.environ["HOME"] = "/"
+        if child_start_hook is not None:
+            child_start_hook()
         result = fn(*args, **kwargs)
         blob = json.dumps({"ok": result}, default=str).encode()
     except BaseException as exc:  # noqa: BLE001 - everything goes to the parent

@@ -27,7 +27,6 @@ stay locked in the child forever.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import gc
 import json
@@ -39,6 +38,7 @@ import sys
 import time
 from typing import Any, Callable, Dict, Optional, Sequence, Type
 
+from slurm_ckpt.core.procs import set_pdeathsig
 from slurm_ckpt.errors import CkptError, TimedOut
 
 __all__ = [
@@ -52,7 +52,6 @@ __all__ = [
     "run_as_user",
 ]
 
-_PR_SET_PDEATHSIG = 1
 _MAX_RESULT = 64 * 2**20
 
 
@@ -129,14 +128,6 @@ def _error_classes() -> Dict[str, Type[CkptError]]:
     return out
 
 
-def _set_pdeathsig() -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
-
-
 def _drop(user: Optional[str], uid: int, gid: int, groups: Optional[Sequence[int]]) -> None:
     """Become ``uid``/``gid`` for good (real, effective and saved ids)."""
     if groups is not None:
@@ -189,7 +180,7 @@ def _child(
         _drop(user, uid, gid, groups)
         # Cleared by the credential change above, so set it now; then make sure the
         # parent did not die before it took effect.
-        _set_pdeathsig()
+        set_pdeathsig()
         if os.getppid() != parent:
             os._exit(1)
         os.umask(umask)

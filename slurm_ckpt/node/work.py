@@ -19,8 +19,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
+from slurm_ckpt.admission.gate import SlotGate
+from slurm_ckpt.admission.policy import Priority
 from slurm_ckpt.core import fsio
-from slurm_ckpt.core.admission import Priority
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.core.units import format_bytes
@@ -43,7 +44,6 @@ from slurm_ckpt.node.owner_tasks import (
     scan_local,
 )
 from slurm_ckpt.node.retry import RetryPolicy, held, retry_due
-from slurm_ckpt.node.slots import SlotGate
 from slurm_ckpt.node.warm import lend_credentials
 from slurm_ckpt.slurm.client import SlurmClient
 

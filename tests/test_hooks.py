@@ -26,6 +26,7 @@ from slurm_ckpt.cli import hooks_cmds
 from slurm_ckpt.cli.main import cli as ckpt_cli
 from slurm_ckpt.cli.main import main as ckpt_main
 from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.names import UserIds, user_ids
 from slurm_ckpt.errors import CkptError, InvalidName, TierError
 from slurm_ckpt.hooks.epilog import run_epilog
 from slurm_ckpt.hooks.prolog import PrologFailed, ensure_user_dir, run_prolog
@@ -34,7 +35,7 @@ from slurm_ckpt.ledger import State
 from slurm_ckpt.node.asuser import AsUserError, AsUserTimeout, run_as, run_as_user
 from slurm_ckpt.node.flush import HANDED_TO_STAGER
 from slurm_ckpt.node.guard import check_local_tier, ensure_ledger_dir
-from slurm_ckpt.node.work import NodeWork, UserIds
+from slurm_ckpt.node.work import NodeWork
 from slurm_ckpt.ops import install as install_mod
 from slurm_ckpt.ops.srun import resolve_key
 from slurm_ckpt.slurm.env import HookEnv
@@ -56,8 +57,7 @@ def _ensure_users() -> None:
 
 
 def ids(user: str) -> UserIds:
-    pw = pwd.getpwnam(user)
-    return UserIds(pw.pw_name, pw.pw_uid, pw.pw_gid)
+    return user_ids(user)
 
 
 class Area:

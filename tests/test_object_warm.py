@@ -21,6 +21,7 @@ from conftest import Mounts, need_root
 from helpers.cli import ckpt_slurm
 
 from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.names import UserIds, user_ids
 from slurm_ckpt.errors import ConfigError
 from slurm_ckpt.hooks.epilog import run_epilog
 from slurm_ckpt.hooks.prolog import ensure_user_dir, run_prolog
@@ -29,7 +30,6 @@ from slurm_ckpt.ledger import Ledger, State
 from slurm_ckpt.ledger.status_store import ObjectStatusStore, sign, status_store
 from slurm_ckpt.node import warm
 from slurm_ckpt.node.asuser import run_as_user
-from slurm_ckpt.node.work import UserIds
 from slurm_ckpt.ops.flush import flush_node, flush_own, flush_series
 from slurm_ckpt.ops.maint import guard
 from slurm_ckpt.ops.status import collect_status, no_slurm
@@ -42,8 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def ids(user: str) -> UserIds:
-    pw = pwd.getpwnam(user)
-    return UserIds(pw.pw_name, pw.pw_uid, pw.pw_gid)
+    return user_ids(user)
 
 
 class Site:

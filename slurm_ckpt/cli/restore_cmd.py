@@ -7,8 +7,8 @@ from typing import Optional
 
 import click
 
-from slurm_ckpt.cli.output import CliState, pass_state
-from slurm_ckpt.cli.table import OutputFormat, output_options, print_json_doc
+from slurm_ckpt.cli.output import CliState, pass_state, print_json
+from slurm_ckpt.cli.table import OutputFormat, output_options
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.ops.restore import restore_to
 from slurm_ckpt.tiers.registry import ORDER
@@ -42,7 +42,7 @@ def restore_cmd(
     the next tier. Exit status 1 when none verifies."""
     doc = restore_to(state.config, key, to, user=user, tier=tier, step=step)
     if out.json:
-        print_json_doc(doc)
+        print_json(doc)
         return
     click.echo(
         f"restored {doc['user']}/{doc['key']} step {doc['step']} from {doc['tier']} "

@@ -37,11 +37,11 @@ from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.hashing import chunk_digest, combine
 from slurm_ckpt.core.layout import step_dirname
 from slurm_ckpt.core.manifest import FileEntry, Manifest
+from slurm_ckpt.core.names import UserIds, user_ids
 from slurm_ckpt.hooks.prolog import ensure_user_dir
 from slurm_ckpt.ledger import Ledger
 from slurm_ckpt.node import asuser
 from slurm_ckpt.node.asuser import run_as_user
-from slurm_ckpt.node.work import UserIds
 from slurm_ckpt.slurm.env import HookEnv
 from slurm_ckpt.slurm.records import NodeInfo
 from slurm_ckpt.tiers.registry import tiers_from_config
@@ -57,8 +57,7 @@ pytestmark = pytest.mark.root
 
 
 def ids(user: str) -> UserIds:
-    pw = pwd.getpwnam(user)
-    return UserIds(pw.pw_name, pw.pw_uid, pw.pw_gid)
+    return user_ids(user)
 
 
 @pytest.fixture(scope="session")

@@ -65,10 +65,6 @@ class SignalFlag:
         self.count = 0
         self._previous: Dict[int, Handler] = {}
 
-    @property
-    def installed(self) -> List[int]:
-        return list(self._previous)
-
     def _handler(self, signum: int, frame: Any) -> None:
         # Only attribute stores here: no locks, no logging, no I/O (see module docstring).
         if self.received is None:

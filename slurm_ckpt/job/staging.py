@@ -67,10 +67,6 @@ class StagingArea:
         self._pinned = False
         self._pool: Optional[ThreadPoolExecutor] = None
 
-    @property
-    def held_bytes(self) -> int:
-        return sum(self._sizes)
-
     def budget(self, state_bytes: int) -> int:
         return self.limit if self.limit > 0 else auto_limit(state_bytes)
 

@@ -141,9 +141,6 @@ class StateReader:
             named |= set(self.files)  # stray blobs are verified too
         return sorted(named)
 
-    def group_bytes(self, groups: Optional[Sequence[str]] = None) -> int:
-        return sum(self.files[n].size for n in self.blobs(groups))
-
     def read(
         self,
         names: Sequence[str],

@@ -79,10 +79,6 @@ class JobInfo:
     raw: Dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
-    def is_final(self) -> bool:
-        return self.state in FINAL_STATES
-
-    @property
     def timed_out(self) -> bool:
         """Ended (or is ending) because it hit its time limit."""
         return self.state == "TIMEOUT" or (self.reason or "") == "TimeLimit"

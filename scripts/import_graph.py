@@ -10,6 +10,8 @@
   helper public.
 * **largest modules**, by lines.
 * **"pfs" literals**: the string ``"pfs"`` in the product, each place listed.
+* **hand-typed logger names** (``getLogger("...")``, not ``__name__``) and **literal exit
+  codes** in exception classes (not the ``EXIT_*`` constants): must be none.
 
 Reads the source with :mod:`ast` only (nothing is imported or run).
 """
@@ -56,6 +58,8 @@ class Facts:
     private: List[str] = field(default_factory=list)
     largest: List[Tuple[str, int]] = field(default_factory=list)
     pfs_literals: List[str] = field(default_factory=list)
+    loggers: List[str] = field(default_factory=list)
+    exit_literals: List[str] = field(default_factory=list)
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -125,6 +129,24 @@ def scan(root: Path = REPO) -> Facts:
             elif isinstance(node, ast.Constant) and node.value == "pfs":
                 facts.pfs_literals.append(f"{rel}:{node.lineno}")
             elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "getLogger"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                facts.loggers.append(f"{rel}:{node.lineno}: getLogger({node.args[0].value!r})")
+            elif isinstance(node, ast.ClassDef):
+                for stmt in node.body:
+                    if (
+                        isinstance(stmt, ast.Assign)
+                        and any(
+                            isinstance(t, ast.Name) and t.id == "exit_code" for t in stmt.targets
+                        )
+                        and isinstance(stmt.value, ast.Constant)
+                    ):
+                        facts.exit_literals.append(f"{rel}:{stmt.lineno}: {node.name}")
+            elif (
                 isinstance(node, ast.Attribute)
                 and isinstance(node.value, ast.Name)
                 and node.value.id in modules
@@ -170,6 +192,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"  {line}")
     print(f"cross-module private imports: {len(f.private)}")
     for line in f.private:
+        print(f"  {line}")
+    print(f"hand-typed logger names: {len(f.loggers)}; literal exit codes: {len(f.exit_literals)}")
+    for line in f.loggers + f.exit_literals:
         print(f"  {line}")
     print("largest modules: " + ", ".join(f"{p} ({n} lines)" for p, n in f.largest))
     print(f'"pfs" string literals: {len(f.pfs_literals)}')

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from slurm_ckpt.errors import CkptError
+from slurm_ckpt.errors import EXIT_USAGE, CkptError
 
 __all__ = ["TAG", "UnsupportedState", "as_tensor", "decode", "encode", "has_blob", "tensors_in"]
 
@@ -29,7 +29,7 @@ _JSON_SCALARS = (str, int, float, bool, type(None))
 class UnsupportedState(CkptError):
     """A value in the training state cannot be stored without pickle (lambda, object...)."""
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
 
 
 # ---------------------------------------------------------------------------------------

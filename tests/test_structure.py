@@ -19,9 +19,14 @@ def test_no_cross_module_private_imports() -> None:
     assert import_graph.scan().private == []
 
 
+def test_loggers_by_module_name_and_exit_codes_by_constant() -> None:
+    facts = import_graph.scan()
+    assert facts.loggers == [] and facts.exit_literals == []
+
+
 def test_the_checker_sees_what_it_must_refuse(tmp_path: Path) -> None:
-    """The same scan over a tiny package that breaks both rules finds both breaks (and
-    the "pfs" literal), so the two tests above can fail."""
+    """The same scan over a tiny package that breaks every rule finds every break (and
+    the "pfs" literal), so the tests above can fail."""
     pkg = tmp_path / "slurm_ckpt"
     for part in ("core", "node", "hooks"):
         (pkg / part).mkdir(parents=True)
@@ -33,7 +38,10 @@ def test_the_checker_sees_what_it_must_refuse(tmp_path: Path) -> None:
         "def f():\n    from slurm_ckpt.node import work\n    return work._helper()\n"
     )
     (pkg / "hooks" / "a.py").write_text("from slurm_ckpt.hooks import b\n")
-    (pkg / "hooks" / "b.py").write_text("")
+    (pkg / "hooks" / "b.py").write_text(
+        'import logging\nlog = logging.getLogger("slurm_ckpt.hooks")\n'
+        "class Bad(Exception):\n    exit_code = 1\n"
+    )
     facts = import_graph.scan(tmp_path)
     assert sorted(u.split(": ", 1)[1] for u in facts.upward) == [
         "a hook imports slurm_ckpt.hooks.b",
@@ -45,3 +53,5 @@ def test_the_checker_sees_what_it_must_refuse(tmp_path: Path) -> None:
         "slurm_ckpt.node.work._helper",
     ]
     assert facts.pfs_literals == ["slurm_ckpt/node/work.py:2"]
+    assert facts.loggers == ["slurm_ckpt/hooks/b.py:2: getLogger('slurm_ckpt.hooks')"]
+    assert facts.exit_literals == ["slurm_ckpt/hooks/b.py:4: Bad"]

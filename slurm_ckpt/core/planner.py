@@ -51,7 +51,7 @@ from typing import Any, Optional
 
 from slurm_ckpt.core.units import format_duration as _d
 from slurm_ckpt.core.units import parse_bandwidth, parse_duration, parse_size
-from slurm_ckpt.errors import CkptError
+from slurm_ckpt.errors import EXIT_USAGE, CkptError
 
 __all__ = [
     "EXTRA_STATE_BYTES",
@@ -89,7 +89,7 @@ _EPS = 1e-9
 class PlanInputError(CkptError):
     """A planner input is missing, malformed or out of range (exit code 2)."""
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
 
 
 # --------------------------------------------------------------------------- inputs

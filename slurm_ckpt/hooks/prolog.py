@@ -60,7 +60,7 @@ from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.env import HookEnv
 from slurm_ckpt.tiers.copy import SourceCorrupt, copy_checkpoint
 
-log = logging.getLogger("slurm_ckpt.hooks")
+log = logging.getLogger(__name__)
 
 __all__ = [
     "PrologFailed",

@@ -67,7 +67,7 @@ from slurm_ckpt.slurm.requeue import requeue_job, requeue_reason
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.registry import tiers_from_config
 
-log = logging.getLogger("slurm_ckpt")
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_INTERVAL_TOKENS",

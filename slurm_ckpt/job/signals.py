@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
-log = logging.getLogger("slurm_ckpt")
+log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_SIGNALS", "Deadline", "SignalFlag", "signal_number"]
 

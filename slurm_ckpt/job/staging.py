@@ -35,7 +35,7 @@ import psutil
 from slurm_ckpt.core.commit import CheckpointWriter
 from slurm_ckpt.job.state import TensorLeaf, index_bytes, leaf_bytes
 
-log = logging.getLogger("slurm_ckpt")
+log = logging.getLogger(__name__)
 
 __all__ = ["PIECE", "StagingArea", "auto_limit", "write_direct"]
 

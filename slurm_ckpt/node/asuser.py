@@ -39,7 +39,7 @@ import time
 from typing import Any, Callable, Dict, Optional, Sequence, Type
 
 from slurm_ckpt.core.procs import set_pdeathsig
-from slurm_ckpt.errors import CkptError, TimedOut
+from slurm_ckpt.errors import EXIT_FAILED, CkptError, TimedOut
 
 __all__ = [
     "AsUserError",
@@ -58,7 +58,7 @@ _MAX_RESULT = 64 * 2**20
 class AsUserError(CkptError):
     """The callable failed (or died) in the child running as the user."""
 
-    exit_code = 1
+    exit_code = EXIT_FAILED
 
 
 class AsUserTimeout(AsUserError, TimedOut):

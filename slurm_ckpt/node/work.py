@@ -45,7 +45,7 @@ from slurm_ckpt.node.retry import RetryPolicy, held, retry_due
 from slurm_ckpt.node.warm import lend_credentials
 from slurm_ckpt.slurm.client import SlurmClient
 
-log = logging.getLogger("slurm_ckpt.hooks")
+log = logging.getLogger(__name__)
 
 __all__ = [
     "HANDED_TO_STAGER",

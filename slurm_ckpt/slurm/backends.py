@@ -38,7 +38,7 @@ from slurm_ckpt.slurm.records import (
     split_state,
 )
 
-log = logging.getLogger("slurm_ckpt.slurm")
+log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_TIMEOUT", "ENV_BACKEND", "CliBackend", "PySlurmBackend", "load_pyslurm"]
 

@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 from conftest import Mounts
+from helpers.site import HookSite
 
 from slurm_ckpt.core import manifest as manifest_mod
 from slurm_ckpt.core.config import Config
@@ -39,10 +40,8 @@ from slurm_ckpt.core.layout import step_dirname
 from slurm_ckpt.core.manifest import FileEntry, Manifest
 from slurm_ckpt.core.names import UserIds, user_ids
 from slurm_ckpt.hooks.prolog import ensure_user_dir
-from slurm_ckpt.ledger import Ledger
 from slurm_ckpt.node import asuser
 from slurm_ckpt.node.asuser import run_as_user
-from slurm_ckpt.slurm.env import HookEnv
 from slurm_ckpt.slurm.records import NodeInfo
 from slurm_ckpt.tiers.registry import tiers_from_config
 
@@ -115,52 +114,20 @@ class Recorder:
 # --------------------------------------------------------------------------- the site
 
 
-class Site:
+class Site(HookSite):
     """One test's tiers and config: a tmpfs local tier, a 1777 PFS on ext4."""
 
+    defaults = {
+        "copy": {"chunk_size": "1MiB", "streams": 2},
+        "hooks": {"budget": 30, "child_timeout": "2s", "retry_backoff": "60s"},
+    }
+
     def __init__(self, base: Path, local: Path, pfs: Path, mounts: Any) -> None:
-        self.base, self.local, self.pfs, self.mounts = base, local, pfs, mounts
+        super().__init__(base, local, NODE)
+        self.pfs, self.mounts = pfs, mounts
 
-    def data(self, **sections: Any) -> Dict[str, Any]:
-        data: Dict[str, Any] = {
-            "tiers": {
-                "local": {"root": str(self.local), "min_free": 0},
-                "pfs": {"root": str(self.pfs)},
-            },
-            "copy": {"chunk_size": "1MiB", "streams": 2},
-            "hooks": {"budget": 30, "child_timeout": "2s", "retry_backoff": "60s"},
-        }
-        for name, values in sections.items():
-            if name in ("local", "pfs"):
-                data["tiers"][name].update(values)
-            else:
-                data.setdefault(name, {}).update(values)
-        return data
-
-    def cfg(self, **sections: Any) -> Config:
-        return Config.from_dict(self.data(**sections))
-
-    def config_file(self, path: Optional[Path] = None, **sections: Any) -> Path:
-        """The config as a TOML file, root's (for the CLI and the hooks)."""
-        path = path or self.base / "site.toml"
-        lines: List[str] = []
-        data = self.data(**sections)
-        for tier, values in data.pop("tiers").items():
-            lines.append(f"[tiers.{tier}]")
-            lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
-        for name, values in data.items():
-            lines.append(f"[{name}]")
-            lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
-        path.write_text("\n".join(lines) + "\n")
-        os.chmod(path, 0o644)
-        return path
-
-    def env(self, user: str, job: str = "100") -> HookEnv:
-        u = ids(user)
-        return HookEnv(job, u.name, u.uid, u.gid, NODE, [NODE], 0)
-
-    def ledger(self, cfg: Config) -> Ledger:
-        return Ledger(cfg.ledger.dir, NODE)
+    def warm_tiers(self) -> Dict[str, Dict[str, Any]]:
+        return {"pfs": {"root": str(self.pfs)}}
 
 
 @pytest.fixture(scope="session")

@@ -17,9 +17,9 @@ What is simulated
   proportion to what they ask), so all checkpoint flows move at one rate and the
   simulation tracks them in "virtual bytes" (processor sharing: O(log n) per event).
 * **Without admission** (today): every node flushes the moment its save is committed.
-* **With admission**: :class:`slurm_ckpt.core.admission.Admission` over a
-  :class:`~slurm_ckpt.core.admission.MemoryStore` on a
-  :class:`~slurm_ckpt.core.admission.SimClock`: the same decision code as on the PFS, with
+* **With admission**: :class:`slurm_ckpt.admission.decisions.Admission` over a
+  :class:`~slurm_ckpt.admission.state.MemoryStore` on a
+  :class:`~slurm_ckpt.admission.state.SimClock`: the same decision code as on the PFS, with
   the cap and jitter that ``ckpt-slurm plan --cluster`` recommends for a 70 % share. A
   waiter is woken when a slot frees up (the real one polls every ``admission.poll``).
 
@@ -49,14 +49,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from slurm_ckpt.core.admission import (  # noqa: E402
-    Admission,
-    AdmissionPolicy,
-    MemoryStore,
-    Priority,
-    SimClock,
-    Ticket,
-)
+from slurm_ckpt.admission.decisions import Admission, Ticket  # noqa: E402
+from slurm_ckpt.admission.policy import AdmissionPolicy, Priority  # noqa: E402
+from slurm_ckpt.admission.state import MemoryStore, SimClock  # noqa: E402
 from slurm_ckpt.core.fleet_plan import ClusterPlan, FleetJob, plan_cluster  # noqa: E402
 
 GB = 1e9

@@ -1,8 +1,8 @@
 """slurm_ckpt: fast, verified, tiered checkpoints for long training jobs on SLURM clusters.
 
 Layers, each importing only those below it (README: "Layout of the code"):
-``errors`` -> ``core`` -> ``tiers`` -> ``ledger`` -> ``slurm`` -> ``node`` -> ``job`` ->
-``hooks``/``ops`` -> ``cli``.
+``errors`` -> ``core`` -> ``tiers`` -> ``ledger`` -> ``admission`` -> ``slurm`` -> ``node`` ->
+``job`` -> ``hooks``/``ops`` -> ``cli``.
 
 ``from slurm_ckpt import Checkpointer`` is resolved lazily (PEP 562), so that
 ``import slurm_ckpt`` - done by the CLI and the SLURM hooks - does not pull in numpy and

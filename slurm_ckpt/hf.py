@@ -50,7 +50,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from slurm_ckpt.job.checkpointer import Checkpointer
 from slurm_ckpt.job.dist import all_reduce_ints, process_group
 
-log = logging.getLogger("slurm_ckpt")
+log = logging.getLogger(__name__)
 
 __all__ = ["SlurmCkptCallback"]
 

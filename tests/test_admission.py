@@ -21,18 +21,13 @@ from typing import Any, List, Tuple
 import pytest
 from conftest import in_child_as
 
-from slurm_ckpt.core.admission import (
-    Admission,
-    AdmissionError,
-    AdmissionPolicy,
-    Heartbeat,
-    MemoryStore,
-    Priority,
-    SimClock,
-)
+from slurm_ckpt.admission.decisions import Admission
+from slurm_ckpt.admission.gate import renewer
+from slurm_ckpt.admission.policy import AdmissionError, AdmissionPolicy, Priority
+from slurm_ckpt.admission.state import MemoryStore, SimClock
+from slurm_ckpt.admission.store import PosixSlotStore, slots_dir
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.errors import ConfigError
-from slurm_ckpt.tiers.admission import PosixSlotStore, slots_dir
 
 
 def _sim(policy: AdmissionPolicy, node: str = "n1", store: MemoryStore = None, clock=None):
@@ -206,7 +201,7 @@ def _node_proc(store_dir: str, node: str, cap: int, rounds: int, out: str, hold:
         d = adm.acquire(budget=120)
         assert d.admitted, d
         start = time.time()
-        with Heartbeat(adm, d.ticket):
+        with renewer(adm, d.ticket):  # the product's renewer, a forked child
             time.sleep(hold)  # the "flush"
         end = time.time()
         adm.release(d.ticket)
@@ -257,9 +252,7 @@ def _hold_forever(store_dir: str, ready: Any, inside_lock: bool) -> None:
         store.transact(lambda st: (ready.set(), time.sleep(3600)))
     d = adm.acquire(budget=30, jitter=False)
     assert d.admitted
-    hb = Heartbeat(adm, d.ticket)
-    hb.__enter__()
-    ready.set()
+    ready.set()  # it holds the slot; whatever it last wrote is what the lease runs from
     time.sleep(3600)
 
 
@@ -270,7 +263,6 @@ def test_a_sigkilled_holders_slot_is_recovered_within_its_lease(pfs: Path) -> No
     holder = ctx.Process(target=_hold_forever, args=(store_dir, ready, False))
     holder.start()
     assert ready.wait(60)
-    time.sleep(0.8)  # let its heartbeat renew at least once
     os.kill(holder.pid, signal.SIGKILL)
     holder.join()
     store = PosixSlotStore(store_dir)
@@ -378,7 +370,7 @@ def test_a_planted_or_unsafe_store_is_refused_without_hanging(pfs: Path, plant: 
 def test_queue_depth_and_wait_are_prometheus_metrics(tmp_path: Path) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from slurm_ckpt.core.admission import decision_event
+    from slurm_ckpt.admission.decisions import decision_event
     from slurm_ckpt.ledger import Ledger
     from slurm_ckpt.ledger.events import EventLog
     from slurm_ckpt.ledger.metrics import refresh_textfile

@@ -22,7 +22,7 @@ from helpers.cluster import DevCluster
 from tests.faults.__main__ import campaign
 from tests.faults.invariants import Tracker
 from tests.faults.scenarios import SCENARIOS
-from tests.faults.site import USER, Site
+from tests.faults.site import USER, FaultSite
 
 pytestmark = pytest.mark.root
 
@@ -30,15 +30,15 @@ CI_SEED = 20240611
 
 
 @pytest.fixture
-def site(slurm_cluster: DevCluster) -> Iterator[Site]:
-    s = Site(slurm_cluster.env, slurm_cluster.nodes[-2:], "checker")
+def site(slurm_cluster: DevCluster) -> Iterator[FaultSite]:
+    s = FaultSite(slurm_cluster.env, slurm_cluster.nodes[-2:], "checker")
     try:
         yield s
     finally:
         s.close()
 
 
-def _commit(site: Site, tid: str, step: int) -> Path:
+def _commit(site: FaultSite, tid: str, step: int) -> Path:
     tier = site.tiers()[tid]
     w = tier.writer(USER, "k", step)
     w.write_buffers({"a.bin": os.urandom(4096)})
@@ -46,7 +46,7 @@ def _commit(site: Site, tid: str, step: int) -> Path:
     return Path(tier.root) / USER / "k" / f"step-{step:010d}"
 
 
-def test_the_checker_reports_each_kind_of_violation(site: Site) -> None:
+def test_the_checker_reports_each_kind_of_violation(site: FaultSite) -> None:
     node = site.add_node("tmpfs", 16)
     site.set_pfs("loop", 16)
     site.configure()

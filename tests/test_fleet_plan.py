@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from slurm_ckpt.admission.policy import AdmissionPolicy
 from slurm_ckpt.cli.plan import plan as plan_cmd
-from slurm_ckpt.core.admission import AdmissionPolicy
 from slurm_ckpt.core.fleet_plan import FleetJob, burst, job_from_flag, plan_cluster
 from slurm_ckpt.core.planner import PlanInputError
 

@@ -11,10 +11,11 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from slurm_ckpt.core.admission import Admission, AdmissionPolicy, Priority
+from slurm_ckpt.admission.decisions import Admission
+from slurm_ckpt.admission.gate import SlotGate
+from slurm_ckpt.admission.policy import AdmissionPolicy, Priority
+from slurm_ckpt.admission.store import PosixSlotStore
 from slurm_ckpt.node.flush import Flusher
-from slurm_ckpt.node.slots import SlotGate
-from slurm_ckpt.tiers.admission import PosixSlotStore
 
 
 def _gate(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import select
 import shutil
 import signal
 import stat
@@ -25,6 +26,7 @@ from slurm_ckpt.cli import hooks_cmds
 from slurm_ckpt.cli.main import cli as ckpt_cli
 from slurm_ckpt.cli.main import main as ckpt_main
 from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.names import UserIds, user_ids
 from slurm_ckpt.errors import CkptError, InvalidName, TierError
 from slurm_ckpt.hooks.epilog import run_epilog
 from slurm_ckpt.hooks.prolog import PrologFailed, ensure_user_dir, run_prolog
@@ -33,7 +35,7 @@ from slurm_ckpt.ledger import State
 from slurm_ckpt.node.asuser import AsUserError, AsUserTimeout, run_as, run_as_user
 from slurm_ckpt.node.flush import HANDED_TO_STAGER
 from slurm_ckpt.node.guard import check_local_tier, ensure_ledger_dir
-from slurm_ckpt.node.work import NodeWork, UserIds
+from slurm_ckpt.node.work import NodeWork
 from slurm_ckpt.ops import install as install_mod
 from slurm_ckpt.ops.srun import resolve_key
 from slurm_ckpt.slurm.env import HookEnv
@@ -55,8 +57,7 @@ def _ensure_users() -> None:
 
 
 def ids(user: str) -> UserIds:
-    pw = pwd.getpwnam(user)
-    return UserIds(pw.pw_name, pw.pw_uid, pw.pw_gid)
+    return user_ids(user)
 
 
 class Area:
@@ -209,7 +210,7 @@ def test_run_as_timeout_kills_the_whole_child_group(tmp_path: Path) -> None:
     os.chmod(pidfile.parent, 0o777)
 
     def spawn_and_hang() -> None:
-        p = subprocess.Popen(["/bin/sleep", "60"])
+        p = subprocess.Popen(["/bin/sleep", "3600"])
         pidfile.write_text(str(p.pid))
         time.sleep(60)
 
@@ -218,17 +219,18 @@ def test_run_as_timeout_kills_the_whole_child_group(tmp_path: Path) -> None:
         run_as_user("ckptuser1", spawn_and_hang, timeout=1)
     assert time.monotonic() - t0 < 5
     grandchild = int(pidfile.read_text())
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{grandchild}/stat") as fh:
-                if fh.read().split(") ", 1)[1].startswith("Z"):
-                    break
-        except FileNotFoundError:
-            break
-        time.sleep(0.05)
+    try:  # a pidfd turns readable once the process has died: a wait, not a poll
+        fd = os.pidfd_open(grandchild)
+    except ProcessLookupError:
+        pass  # dead and reaped already
     else:
-        pytest.fail(f"grandchild {grandchild} survived the timeout")
+        try:
+            ready, _, _ = select.select([fd], [], [], 60)  # a safety net, far below 3600
+        finally:
+            os.close(fd)
+        if not ready:
+            os.kill(grandchild, signal.SIGKILL)
+            pytest.fail(f"grandchild {grandchild} survived the timeout")
     shutil.rmtree(pidfile.parent, ignore_errors=True)
 
 

@@ -19,8 +19,10 @@ from typing import Any, Dict, Iterator
 import pytest
 from conftest import Mounts, need_root
 from helpers.cli import ckpt_slurm
+from helpers.site import HookSite
 
 from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.names import UserIds, user_ids
 from slurm_ckpt.errors import ConfigError
 from slurm_ckpt.hooks.epilog import run_epilog
 from slurm_ckpt.hooks.prolog import ensure_user_dir, run_prolog
@@ -29,11 +31,9 @@ from slurm_ckpt.ledger import Ledger, State
 from slurm_ckpt.ledger.status_store import ObjectStatusStore, sign, status_store
 from slurm_ckpt.node import warm
 from slurm_ckpt.node.asuser import run_as_user
-from slurm_ckpt.node.work import UserIds
 from slurm_ckpt.ops.flush import flush_node, flush_own, flush_series
 from slurm_ckpt.ops.maint import guard
 from slurm_ckpt.ops.status import collect_status, no_slurm
-from slurm_ckpt.slurm.env import HookEnv
 from slurm_ckpt.tiers.registry import tiers_from_config
 
 pytestmark = pytest.mark.root
@@ -42,39 +42,26 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def ids(user: str) -> UserIds:
-    pw = pwd.getpwnam(user)
-    return UserIds(pw.pw_name, pw.pw_uid, pw.pw_gid)
+    return user_ids(user)
 
 
-class Site:
+class Site(HookSite):
     """A tmpfs local tier and a fresh prefix in the test bucket; no PFS."""
 
+    defaults = {
+        "copy": {"chunk_size": "1MiB", "streams": 2},
+        "hooks": {"budget": 60},
+        "retention": {"keep_local": 1},
+    }
+
     def __init__(self, base: Path, mounts: Mounts, s3: Any) -> None:
-        self.base, self.s3 = base, s3
-        self.local = mounts.tmpfs("64m", "local")
+        super().__init__(base, mounts.tmpfs("64m", "local"))
+        self.s3 = s3
         self.bucket = s3.bucket("warm")
         self.prefix = s3.fresh_prefix("warm")
 
-    def cfg(self, **sections: Any) -> Config:
-        data: Dict[str, Any] = {
-            "tiers": {
-                "local": {"root": str(self.local), "min_free": 0},
-                "object": self.s3.object_config(self.bucket, self.prefix, part_size="5MiB"),
-            },
-            "copy": {"chunk_size": "1MiB", "streams": 2},
-            "hooks": {"budget": 60},
-            "retention": {"keep_local": 1},
-        }
-        for name, values in sections.items():
-            if name == "object":
-                data["tiers"]["object"].update(values)
-            else:
-                data.setdefault(name, {}).update(values)
-        return Config.from_dict(data)
-
-    def env(self, user: str, job: str = "100", restart: int = 0) -> HookEnv:
-        u = ids(user)
-        return HookEnv(job, u.name, u.uid, u.gid, "n1", ["n1"], restart)
+    def warm_tiers(self) -> Dict[str, Dict[str, Any]]:
+        return {"object": self.s3.object_config(self.bucket, self.prefix, part_size="5MiB")}
 
     def write_config(self, cfg_text_extra: str = "") -> Path:
         path = self.base / "site.toml"

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 
 import click
 
-from slurm_ckpt.cli.output import CliState, pass_state
+from slurm_ckpt.cli.output import CliState, pass_state, print_json
 from slurm_ckpt.cli.params import USER
 from slurm_ckpt.cli.progress import ByteProgress
 from slurm_ckpt.cli.table import (
@@ -24,7 +24,6 @@ from slurm_ckpt.cli.table import (
     OutputFormat,
     output_options,
     plural,
-    print_json_doc,
     warn,
 )
 from slurm_ckpt.core.names import current_user, validate_key, validate_user
@@ -126,7 +125,7 @@ def list_cmd(
         rows = series_rows(tiers, users)
         bad = sum(r["damaged"] for r in rows)
         if out.json:
-            print_json_doc({"series": rows})
+            print_json({"series": rows})
             return 1 if bad else 0
         title = "checkpoint series" + (f" of {users[0]}" if users else "")
         if not rows and out.decorated:
@@ -141,7 +140,7 @@ def list_cmd(
     rows = step_rows(tiers, user, key)
     bad_rows = [r for r in rows if r["state"] != COMMITTED]
     if out.json:
-        print_json_doc({"user": user, "key": key, "checkpoints": rows})
+        print_json({"user": user, "key": key, "checkpoints": rows})
         return 1 if bad_rows else 0
     if not rows:
         raise NotFound(f"no committed checkpoint for {user}/{key}")
@@ -205,7 +204,7 @@ def _verify_path(target: str, streams: int, out: OutputFormat) -> int:
         "origin": res.origin,
     }
     if out.json:
-        print_json_doc({"ok": rep.ok, "checkpoints": [row]})
+        print_json({"ok": rep.ok, "checkpoints": [row]})
     else:
         Listing(VERIFY_COLUMNS, [row], "verify").print(out)
     return 0 if rep.ok else 1
@@ -279,7 +278,7 @@ def verify_cmd(
         r.pop("reason", None)
     ok = all(r["ok"] for r in rows)
     if out.json:
-        print_json_doc({"ok": ok, "checkpoints": rows})
+        print_json({"ok": ok, "checkpoints": rows})
     else:
         Listing(VERIFY_COLUMNS, rows, "verify").print(out)
     return 0 if ok else 1

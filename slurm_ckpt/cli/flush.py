@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import click
 
-from slurm_ckpt.cli.output import CliState, pass_state
+from slurm_ckpt.cli.output import CliState, pass_state, print_json
 from slurm_ckpt.cli.params import JOB_ID, NODE
 from slurm_ckpt.cli.progress import ByteProgress
 from slurm_ckpt.cli.table import (
@@ -19,11 +19,11 @@ from slurm_ckpt.cli.table import (
     echo_wrapped,
     output_options,
     plural,
-    print_json_doc,
 )
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import CkptError
-from slurm_ckpt.ops.flush import FlushSummary, flush_node, flush_own, node_name
+from slurm_ckpt.ops.flush import FlushSummary, flush_node, flush_own
+from slurm_ckpt.slurm.env import this_node
 
 __all__ = ["flush_cmd"]
 
@@ -97,7 +97,7 @@ def flush_cmd(
     from slurm_ckpt.core.names import current_user
 
     cfg = state.config
-    name = node_name(node)
+    name = this_node(node)
     with ByteProgress("flush") as bar:
         if os.geteuid() == 0:
             client = None
@@ -111,7 +111,7 @@ def flush_cmd(
         else:
             summary = flush_own(cfg, current_user(), name, job, wait, progress=bar.advance)
     if out.json:
-        print_json_doc(summary.to_dict())
+        print_json(summary.to_dict())
     else:
         _print(summary, out)
     return 1 if summary.failed else 0

@@ -8,7 +8,7 @@ from typing import List, Optional, Sequence
 
 import click
 
-from slurm_ckpt.cli.output import CliState, pass_state, print_error
+from slurm_ckpt.cli.output import CliState, pass_state, print_error, print_json
 from slurm_ckpt.cli.params import USER
 from slurm_ckpt.cli.progress import ByteProgress
 from slurm_ckpt.cli.table import (
@@ -18,7 +18,6 @@ from slurm_ckpt.cli.table import (
     echo_wrapped,
     output_options,
     plural,
-    print_json_doc,
     warn,
 )
 from slurm_ckpt.core.units import format_bytes
@@ -101,7 +100,7 @@ def gc_cmd(
     left = sum(s.damaged_left for s in report.series)
     code = 0 if report.ok and not left else 1
     if out.json:
-        print_json_doc(report.to_dict())
+        print_json(report.to_dict())
         return code
     doc = report.to_dict()
     busy = [s for s in report.series if s.delete or s.corrupt or s.errors or s.damaged]

@@ -32,6 +32,8 @@ from slurm_ckpt.errors import CkptError, ConfigError, SlurmError, UsageError
 from slurm_ckpt.ops.install import GRACE_S, install_hooks, render_hook
 from slurm_ckpt.slurm.env import slurmd_nodename, this_node
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "GRACE_S",
     "epilog_cmd",
@@ -70,7 +72,7 @@ def _drain_quietly(client, node: Optional[str], reason: str) -> None:  # noqa: A
         validate_node(node)
         client.drain(node, reason)
     except CkptError as exc:
-        logging.getLogger("slurm_ckpt.hooks").error("could not drain %s: %s", node, exc)
+        log.error("could not drain %s: %s", node, exc)
 
 
 # --------------------------------------------------------------------------- commands

@@ -45,8 +45,8 @@ from slurm_ckpt.errors import (
 )
 
 #: Command modules attached to :data:`cli` besides ``config`` (defined here), as
-#: ``(module, attribute)``, e.g. ``("slurm_ckpt.cli.status", "status")``. The lead edits
-#: this list; a module that fails to import is a bug and is deliberately not hidden.
+#: ``(module, attribute)``, e.g. ``("slurm_ckpt.cli.status", "status")``. A module that
+#: fails to import is a bug and is deliberately not hidden.
 COMMANDS: List[Tuple[str, str]] = [
     ("slurm_ckpt.cli.plan", "plan"),
     ("slurm_ckpt.cli.catalog", "list_cmd"),

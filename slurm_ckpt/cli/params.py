@@ -13,7 +13,7 @@ scripts installed by earlier versions call with a plain number of seconds.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 import click
 
@@ -207,8 +207,3 @@ NODELIST = NodeList()
 NODE = NodeList(single=True)
 JOB_ID = JobId()
 USER = UserName()
-
-
-def node_names(value: Optional[List[str]]) -> Optional[List[str]]:
-    """Normalise an optional NODELIST value (None stays None)."""
-    return None if value is None else list(value)

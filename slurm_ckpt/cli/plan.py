@@ -14,10 +14,10 @@ from typing import Any, List, Optional, Tuple
 
 import click
 
-from slurm_ckpt.cli.output import print_error
+from slurm_ckpt.cli.output import print_error, print_json
 from slurm_ckpt.cli.plan_cluster import run_cluster_plan
 from slurm_ckpt.cli.plan_strategies import StrategyOptions, checkpoint_bytes, run_strategy_plan
-from slurm_ckpt.cli.table import Column, Listing, OutputFormat, output_options, print_json_doc, warn
+from slurm_ckpt.cli.table import Column, Listing, OutputFormat, output_options, warn
 from slurm_ckpt.core.planner import (
     Plan,
     PlanInputError,
@@ -483,7 +483,7 @@ def plan(
         ctx.exit(e.exit_code)
         return
     if out.json:
-        print_json_doc(result.to_dict())
+        print_json(result.to_dict())
         for w in result.warnings:
             warn(w)
     else:

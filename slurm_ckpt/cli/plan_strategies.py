@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from slurm_ckpt.cli.output import print_json
 from slurm_ckpt.cli.plan_cluster import parse_share
-from slurm_ckpt.cli.table import Column, Listing, OutputFormat, print_json_doc
+from slurm_ckpt.cli.table import Column, Listing, OutputFormat
 from slurm_ckpt.core.goodput import GoodputInputs, compare_strategies, lost_gpu_hours
 from slurm_ckpt.core.planner import PlanInputError, checkpoint_size, parse_count
 from slurm_ckpt.core.units import format_duration, parse_bandwidth, parse_duration, parse_size
@@ -173,7 +174,7 @@ def run_strategy_plan(
         d["lost_cost"] = None if price is None else d["lost_gpu_hours"] * price
         rows.append(d)
     if out.json:
-        print_json_doc(
+        print_json(
             {
                 "nodes": nodes,
                 "gpus": gpus,

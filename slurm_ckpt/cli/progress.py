@@ -97,13 +97,6 @@ class ByteProgress:
         if self._progress is not None:
             self._progress.update(self._task, advance=int(nbytes))
 
-    def add_total(self, nbytes: int) -> None:
-        """Grow the total (work discovered on the way)."""
-        with self._lock:
-            self.total = (self.total or 0) + int(nbytes)
-        if self._progress is not None:
-            self._progress.update(self._task, total=self.total)
-
     def set_description(self, text: str) -> None:
         self.description = text
         if self._progress is not None:

@@ -15,14 +15,13 @@ from typing import Optional
 
 import click
 
-from slurm_ckpt.cli.output import CliState, pass_state
+from slurm_ckpt.cli.output import CliState, pass_state, print_json
 from slurm_ckpt.cli.params import USER
 from slurm_ckpt.cli.table import (
     Column,
     Listing,
     OutputFormat,
     output_options,
-    print_json_doc,
     warn,
 )
 from slurm_ckpt.core.units import format_bytes, format_duration
@@ -96,7 +95,7 @@ def restore_cmd(
     dest = check_destination(to)
     doc = restore_to(cfg, key, dest, user=user, tier=tier, step=step)
     if out.json:
-        print_json_doc(doc)
+        print_json(doc)
         return
     if out.parsable or not out.decorated:
         Listing(RESTORE_COLUMNS, [doc], "restore").print(out)

@@ -26,7 +26,7 @@ from slurm_ckpt.ops.srun import SrunOptions, run_wrapper
 __all__ = ["main"]
 
 PROG = "ckpt-srun"
-log = logging.getLogger("slurm_ckpt.srun")
+log = logging.getLogger(__name__)
 _FORWARDED = ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGCONT", "SIGHUP")
 #: How often the end time is asked again (an admin may extend the limit).
 END_TIME_REFRESH_S = 300.0

@@ -30,7 +30,6 @@ in ``_bps`` (bytes per second).
 from __future__ import annotations
 
 import functools
-import json
 import os
 import shutil
 import sys
@@ -354,9 +353,3 @@ class Listing:
         if text:
             stream.write("\n".join(text) + "\n")
         stream.flush()
-
-
-def print_json_doc(doc: Any) -> None:
-    """Indented JSON on stdout (one place, so every command writes it alike)."""
-    sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
-    sys.stdout.flush()

@@ -40,8 +40,6 @@ from slurm_ckpt.core.names import validate_key, validate_relpath, validate_user
 from slurm_ckpt.core.verify import VerifyReport, open_payload, verify_files
 from slurm_ckpt.errors import CkptError, VerifyError
 
-WRITE_PIECE = 16 * 2**20
-
 
 class AlreadyCommitted(CkptError):
     """The step is already committed on this tier; a checkpoint is never overwritten."""

@@ -241,7 +241,7 @@ class AdmissionConfig:
     """``[admission]``: how many nodes may flush to the shared tier at once, cluster-wide.
 
     The slots live on the PFS itself (``dir``, default ``<tiers.pfs.root>/.slurm_ckpt/
-    slots``), root-owned; see :mod:`slurm_ckpt.core.admission`. With neither cap set
+    slots``), root-owned; see :mod:`slurm_ckpt.admission`. With neither cap set
     there is no cap, and only the jitter applies.
     """
 

@@ -51,7 +51,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from slurm_ckpt.core.planner import PlanInputError, _as_bandwidth, _as_duration, _as_size
+from slurm_ckpt.core.planner import PlanInputError, as_bandwidth, as_duration, as_size
 
 __all__ = [
     "ClusterPlan",
@@ -210,9 +210,9 @@ def plan_cluster(
     """
     if not jobs:
         raise PlanInputError("plan --cluster: no jobs given")
-    c = _as_bandwidth(pfs_bw, "--pfs-bw")
-    r = _as_bandwidth(node_bw, "--node-bw")
-    d = 0.0 if tenants is None else _as_bandwidth(tenants, "--tenants")
+    c = as_bandwidth(pfs_bw, "--pfs-bw")
+    r = as_bandwidth(node_bw, "--node-bw")
+    d = 0.0 if tenants is None else as_bandwidth(tenants, "--tenants")
     if not (math.isfinite(share) and 0 < share <= 1):
         raise PlanInputError(f"--share: must be a fraction in (0, 1], got {share!r}")
     warnings: List[str] = []
@@ -239,7 +239,7 @@ def plan_cluster(
         jit = biggest.bytes_per_node / flow
         jitter_basis = f"one flush of the biggest job ({biggest.name})"
     else:
-        jit, jitter_basis = _as_duration(jitter, "--jitter", positive=False), "given"
+        jit, jitter_basis = as_duration(jitter, "--jitter", positive=False), "given"
     nodes = sum(j.nodes * j.count for j in jobs)
     load = sum(j.count * j.nodes * j.bytes_per_node / j.interval_s for j in jobs)
     util = load / c
@@ -363,8 +363,8 @@ def _job_from(raw: Mapping[str, Any], where: str) -> FleetJob:
     return FleetJob(
         name=str(raw.get("name", where)),
         nodes=nodes,
-        bytes_per_node=float(_as_size(raw["size"], f"{where}: size")),
-        interval_s=_as_duration(raw["interval"], f"{where}: interval"),
+        bytes_per_node=float(as_size(raw["size"], f"{where}: size")),
+        interval_s=as_duration(raw["interval"], f"{where}: interval"),
         count=count,
     )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pwd
 import re
+from dataclasses import dataclass
 
 from slurm_ckpt.errors import InvalidName
 
@@ -93,3 +94,23 @@ def current_user() -> str:
         return validate_user(pwd.getpwuid(os.getuid()).pw_name)
     except KeyError:
         raise InvalidName(f"uid {os.getuid()} has no passwd entry") from None
+
+
+@dataclass(frozen=True)
+class UserIds:
+    """A local user: name, uid, primary gid."""
+
+    name: str
+    uid: int
+    gid: int
+
+
+def user_ids(name: str) -> UserIds:
+    """The one passwd lookup by name: a validated user name to its ids; InvalidName when
+    this node does not know the user (a job's user must be known where it runs)."""
+    validate_user(name)
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:
+        raise InvalidName(f"user {name!r} is not known on this node") from None
+    return UserIds(pw.pw_name, pw.pw_uid, pw.pw_gid)

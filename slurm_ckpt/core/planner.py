@@ -51,7 +51,7 @@ from typing import Any, Optional
 
 from slurm_ckpt.core.units import format_duration as _d
 from slurm_ckpt.core.units import parse_bandwidth, parse_duration, parse_size
-from slurm_ckpt.errors import CkptError
+from slurm_ckpt.errors import EXIT_USAGE, CkptError
 
 __all__ = [
     "EXTRA_STATE_BYTES",
@@ -89,7 +89,7 @@ _EPS = 1e-9
 class PlanInputError(CkptError):
     """A planner input is missing, malformed or out of range (exit code 2)."""
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
 
 
 # --------------------------------------------------------------------------- inputs
@@ -132,7 +132,7 @@ def _non_negative(x: float, what: str) -> float:
     return x
 
 
-def _as_size(value: object, what: str) -> int:
+def as_size(value: object, what: str) -> int:
     try:
         n = parse_size(value, what)
     except PlanInputError:
@@ -144,7 +144,7 @@ def _as_size(value: object, what: str) -> int:
     return n
 
 
-def _as_bandwidth(value: object, what: str) -> float:
+def as_bandwidth(value: object, what: str) -> float:
     try:
         return parse_bandwidth(value, what)
     except PlanInputError:
@@ -153,7 +153,7 @@ def _as_bandwidth(value: object, what: str) -> float:
         raise PlanInputError(str(e)) from None
 
 
-def _as_duration(value: object, what: str, *, positive: bool = True) -> float:
+def as_duration(value: object, what: str, *, positive: bool = True) -> float:
     try:
         s = parse_duration(value, what)
     except PlanInputError:
@@ -376,19 +376,19 @@ def make_plan(
         breakdown = checkpoint_size(params, precision, optimizer, master_weights)
         total = breakdown.total
     else:
-        total = _as_size(size, "--size")
+        total = as_size(size, "--size")
     node_bytes = per_node_bytes(total, nodes, sharded)
     nodes = int(nodes)
 
-    pfs = _as_bandwidth(pfs_bw, "--pfs-bw")
-    local = None if local_bw is None else _as_bandwidth(local_bw, "--local-bw")
-    m = _as_duration(mtbi, "--mtbi")
-    loss_cap = None if max_loss is None else _as_duration(max_loss, "--max-loss")
+    pfs = as_bandwidth(pfs_bw, "--pfs-bw")
+    local = None if local_bw is None else as_bandwidth(local_bw, "--local-bw")
+    m = as_duration(mtbi, "--mtbi")
+    loss_cap = None if max_loss is None else as_duration(max_loss, "--max-loss")
     tps = None if tokens_per_s is None else parse_count(tokens_per_s, "--tokens-per-s")
     restart = (
         None
         if restart_cost is None
-        else _as_duration(restart_cost, "--restart-cost", positive=False)
+        else as_duration(restart_cost, "--restart-cost", positive=False)
     )
 
     pfs_write = write_time(total, pfs)
@@ -400,7 +400,7 @@ def make_plan(
 
     warnings: list[str] = []
     if stall is not None:
-        cost = _as_duration(stall, "--stall")
+        cost = as_duration(stall, "--stall")
         basis = "stall"
     elif local_write is not None:
         cost, basis = local_write, "local_write"

@@ -37,7 +37,7 @@ from typing import List, Optional
 from slurm_ckpt.core import fsio
 from slurm_ckpt.errors import TierError
 
-log = logging.getLogger("slurm_ckpt")
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ROOT_UID",

@@ -3,6 +3,9 @@
 Verification is what turns "a directory with files" into "a checkpoint we may resume
 from": sizes, chunk digests and the file hash must all match, no file may be missing, and
 no payload path may be a symlink or special file (those fail the ``O_NOFOLLOW`` open).
+One verifier (:func:`verify_sources`) for every tier: files below a step directory
+(:func:`verify_files`) and objects read by range (the object tier, and what a writer put
+there before its commit) alike.
 """
 
 from __future__ import annotations
@@ -12,13 +15,23 @@ import os
 import stat
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Callable, List, Optional, Protocol
 
 from slurm_ckpt.core import fsio
-from slurm_ckpt.core.chunks import PIECE, BandwidthLimiter, hash_range, run_chunks
+from slurm_ckpt.core.chunks import PIECE, BandwidthLimiter, hash_pieces, run_chunks
 from slurm_ckpt.core.hashing import combine
-from slurm_ckpt.core.manifest import MANIFEST_NAME, Manifest
+from slurm_ckpt.core.manifest import MANIFEST_NAME, FileEntry, Manifest
 from slurm_ckpt.core.progress import ProgressFn, report
+from slurm_ckpt.errors import CkptError
+
+__all__ = [
+    "ChunkSource",
+    "VerifyReport",
+    "open_payload",
+    "verdict",
+    "verify_files",
+    "verify_sources",
+]
 
 
 @dataclass
@@ -51,9 +64,29 @@ def open_payload(step_fd: int, relpath: str) -> int:
         os.close(pfd)
 
 
-def _hashed(digest: str, progress: Optional[ProgressFn], nbytes: int) -> str:
-    report(progress, nbytes)
-    return digest
+class ChunkSource(Protocol):
+    """One payload file open for ranged reads: a file descriptor here, an object's ranged
+    GETs on the object tier (its ``RangeSource`` has this shape)."""
+
+    size: int
+
+    def readinto(self, buf: memoryview, offset: int) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class _FdSource:
+    """A payload file's descriptor as a :class:`ChunkSource` (closes it on ``close``)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.size = os.fstat(fd).st_size
+
+    def readinto(self, buf: memoryview, offset: int) -> int:
+        return os.preadv(self.fd, [buf], offset)
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 def verify_files(
@@ -65,40 +98,65 @@ def verify_files(
     piece: int = PIECE,
     progress: Optional[ProgressFn] = None,
 ) -> VerifyReport:
-    """Check every payload file of ``manifest`` in the open step directory.
+    """Check every payload file of ``manifest`` in the open step directory (each opened
+    with :func:`open_payload`): :func:`verify_sources` over file descriptors."""
+    return verify_sources(
+        lambda entry: _FdSource(open_payload(step_fd, entry.path)),
+        manifest,
+        where,
+        streams,
+        limiter,
+        piece,
+        progress,
+    )
 
-    ``progress(nbytes)`` is called after each chunk is hashed (from the worker threads),
-    so that a command can show how far a multi-GiB verification is.
-    """
+
+def _hashed(digest: str, progress: Optional[ProgressFn], nbytes: int) -> str:
+    report(progress, nbytes)
+    return digest
+
+
+def verify_sources(
+    open_source: Callable[[FileEntry], ChunkSource],
+    manifest: Manifest,
+    where: str,
+    streams: int = 4,
+    limiter: Optional[BandwidthLimiter] = None,
+    piece: int = PIECE,
+    progress: Optional[ProgressFn] = None,
+) -> VerifyReport:
+    """The one chunk verifier: check every payload file of ``manifest`` as opened by
+    ``open_source`` (a file below a step directory, an object in a bucket). Every file
+    must open with its size and every chunk hash to its digest; chunks are read in
+    parallel (``streams``), each in pieces of ``piece`` bytes into a reusable per-thread
+    buffer, hashed as they arrive. ``progress(nbytes)`` hears of every chunk hashed (from
+    the worker threads), so a command can show how far a multi-GiB verification is."""
     t0 = time.monotonic()
     problems: List[str] = []
-    fds: List[Optional[int]] = []
+    sources: List[Optional[ChunkSource]] = []
     sizes: List[int] = []
     for entry in manifest.files:
-        fd: Optional[int] = None
         try:
-            fd = open_payload(step_fd, entry.path)
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                problems.append(f"{entry.path}: not a regular file")
-            elif st.st_size != entry.size:
-                problems.append(f"{entry.path}: size {st.st_size} != {entry.size}")
-            else:
-                fds.append(fd)
-                sizes.append(entry.size)
-                continue
+            src = open_source(entry)
         except OSError as exc:
             problems.append(f"{entry.path}: {fsio.tier_error(exc, 'open')}")
-        if fd is not None:
-            os.close(fd)
-        fds.append(None)
+        except CkptError as exc:
+            problems.append(f"{entry.path}: {exc}")
+        else:
+            if src.size == entry.size:
+                sources.append(src)
+                sizes.append(entry.size)
+                continue
+            problems.append(f"{entry.path}: size {src.size} != {entry.size}")
+            src.close()
+        sources.append(None)
         sizes.append(0)
     try:
         digests = run_chunks(
             sizes,
             manifest.chunk_size,
             lambda fi, ci, off, n: _hashed(
-                hash_range(fds[fi], off, n, limiter=limiter, piece=piece),  # type: ignore[arg-type]
+                hash_pieces(sources[fi].readinto, off, n, None, limiter, piece),  # type: ignore[union-attr]
                 progress,
                 n,
             ),
@@ -108,11 +166,14 @@ def verify_files(
     except OSError as exc:
         problems.append(str(fsio.tier_error(exc, "read")))
         digests = []
+    except CkptError as exc:
+        problems.append(f"read failed: {exc}")
+        digests = []
     finally:
-        for fd in fds:
-            if fd is not None:
-                os.close(fd)
-    return verdict(manifest, where, [fd is not None for fd in fds], digests, problems, t0)
+        for src in sources:
+            if src is not None:
+                src.close()
+    return verdict(manifest, where, [src is not None for src in sources], digests, problems, t0)
 
 
 #: At most this many unlisted entries are named (a directory full of debris is one finding).

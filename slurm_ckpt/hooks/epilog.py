@@ -35,7 +35,7 @@ from slurm_ckpt.node.work import RESERVE_FRACTION, RESERVE_MAX_S, NodeWork, drai
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.env import HookEnv
 
-log = logging.getLogger("slurm_ckpt.hooks")
+log = logging.getLogger(__name__)
 
 #: Share of the budget the scan of the local tier may take at most.
 SCAN_SHARE = 0.5

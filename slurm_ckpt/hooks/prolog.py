@@ -42,7 +42,7 @@ from typing import Any, List, Optional
 
 from slurm_ckpt.core import fsio
 from slurm_ckpt.core.config import Config
-from slurm_ckpt.core.names import validate_key
+from slurm_ckpt.core.names import UserIds, validate_key
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import CkptError, InvalidName, SlurmError, TierError
 from slurm_ckpt.node.asuser import alive, run_as
@@ -55,12 +55,12 @@ from slurm_ckpt.node.guard import (
 )
 from slurm_ckpt.node.reclaim import reclaim_departed
 from slurm_ckpt.node.warm import guard_step_files, guard_user_dir, owner_tiers, warm_of
-from slurm_ckpt.node.work import NodeWork, UserIds
+from slurm_ckpt.node.work import NodeWork
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.env import HookEnv
 from slurm_ckpt.tiers.copy import SourceCorrupt, copy_checkpoint
 
-log = logging.getLogger("slurm_ckpt.hooks")
+log = logging.getLogger(__name__)
 
 __all__ = [
     "PrologFailed",

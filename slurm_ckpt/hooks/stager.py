@@ -38,7 +38,7 @@ from slurm_ckpt.node.guard import check_local_tier
 from slurm_ckpt.node.work import NodeWork, drain_reason
 from slurm_ckpt.slurm.client import SlurmClient
 
-log = logging.getLogger("slurm_ckpt.hooks")
+log = logging.getLogger(__name__)
 
 __all__ = ["StagerReport", "run_stager", "stager_pass"]
 

@@ -30,7 +30,7 @@ from slurm_ckpt.ledger.metrics import refresh_textfile
 from slurm_ckpt.ledger.record import Record, State, one_line
 from slurm_ckpt.ledger.user_status import publish_user_status
 
-log = logging.getLogger("slurm_ckpt")
+log = logging.getLogger(__name__)
 
 __all__ = ["Bookkeeper", "SaveRecord"]
 

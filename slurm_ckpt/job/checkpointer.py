@@ -84,7 +84,7 @@ from slurm_ckpt.slurm.requeue import requeue_job, requeue_reason
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.registry import tiers_from_config
 
-log = logging.getLogger("slurm_ckpt")
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_INTERVAL_TOKENS",
@@ -805,10 +805,10 @@ class Checkpointer:
         """A ``torch.distributed.checkpoint`` StorageWriter for ``step``: pass it to
         ``dcp.save`` or ``dcp.async_save`` (thread or process mode). Each rank's bytes are
         committed on its local tier and flushed like any checkpoint; the step counts once
-        rank 0 has committed the global metadata. See :mod:`slurm_ckpt.dcp` and
+        rank 0 has committed the global metadata. See :mod:`slurm_ckpt.job.dcp_storage` and
         docs/dcp.md. ``preemption`` as in :meth:`save`."""
         # The DCP backend needs torch; imported here so that the job layer does not.
-        from slurm_ckpt.dcp import SlurmDcpWriter
+        from slurm_ckpt.job.dcp_storage import SlurmDcpWriter
 
         self._raise_if_failed()
         if self._closed:
@@ -838,7 +838,7 @@ class Checkpointer:
         every rank finds whole and verified, on any tier (or exactly ``step``); None when
         there is none. Collective: every rank calls it (it agrees over the process
         group). Loads at any world size (DCP's planner reshards)."""
-        from slurm_ckpt.dcp import select_step
+        from slurm_ckpt.job.dcp_storage import select_step
 
         reader = select_step(self.tiers, self.user, self.key, step=step, mark_bad=self._mark_bad)
         if reader is None:

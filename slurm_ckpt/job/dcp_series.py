@@ -1,6 +1,6 @@
 """One rank's torch.distributed.checkpoint parts as a checkpoint series of its own.
 
-A DCP save (:mod:`slurm_ckpt.dcp`) writes each rank's bytes as a *part*: one committed
+A DCP save (:mod:`slurm_ckpt.job.dcp_storage`) writes each rank's bytes as a *part*: one committed
 checkpoint of the series ``<key>.dcp.rank<NNNNN>`` on that rank's local tier (rank 0's
 part also holds the step's global metadata and is committed last). This module is the
 part of a :class:`~slurm_ckpt.job.checkpointer.Checkpointer` that takes such a part from
@@ -33,7 +33,7 @@ from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord
 from slurm_ckpt.job.pipeline import Pipeline, Shard
 
-log = logging.getLogger("slurm_ckpt")
+log = logging.getLogger(__name__)
 
 __all__ = ["DcpSeries", "notify_committed", "part_key"]
 

@@ -68,7 +68,7 @@ from slurm_ckpt.tiers.copy import copy_checkpoint
 if TYPE_CHECKING:  # the facade imports this module
     from slurm_ckpt.job.checkpointer import Checkpointer
 
-log = logging.getLogger("slurm_ckpt")
+log = logging.getLogger(__name__)
 
 __all__ = ["DIR_FORMAT", "DirRestorer", "PreparedDir", "adopt", "output", "restore_path"]
 

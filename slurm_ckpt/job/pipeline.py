@@ -46,7 +46,7 @@ from slurm_ckpt.ledger.record import State
 from slurm_ckpt.node.flush import LEFT_TO_EPILOG, Flusher, FlushResult, copy_in_process
 from slurm_ckpt.tiers.base import Tier, TierWriter
 
-log = logging.getLogger("slurm_ckpt")
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DEADLINE_MARGIN_S",

@@ -59,7 +59,7 @@ from slurm_ckpt.job.state import GROUP_REST, GROUP_WEIGHTS, INDEX_NAME, STATE_FO
 from slurm_ckpt.job.state_reader import StateReader
 from slurm_ckpt.tiers.base import Tier
 
-log = logging.getLogger("slurm_ckpt")
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DATA_CHANGE_ACTIONS",

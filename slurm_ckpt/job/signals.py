@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
-log = logging.getLogger("slurm_ckpt")
+log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_SIGNALS", "Deadline", "SignalFlag", "signal_number"]
 
@@ -79,10 +79,6 @@ class SignalFlag:
         self.last: Optional[int] = None
         self.count = 0
         self._previous: Dict[int, Handler] = {}
-
-    @property
-    def installed(self) -> List[int]:
-        return list(self._previous)
 
     def _handler(self, signum: int, frame: Any) -> None:
         # Only attribute stores here: no locks, no logging, no I/O (see module docstring).

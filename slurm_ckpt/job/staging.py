@@ -35,7 +35,7 @@ import psutil
 from slurm_ckpt.core.commit import CheckpointWriter
 from slurm_ckpt.job.state import TensorLeaf, index_bytes, leaf_bytes
 
-log = logging.getLogger("slurm_ckpt")
+log = logging.getLogger(__name__)
 
 __all__ = ["PIECE", "StagingArea", "auto_limit", "write_direct"]
 
@@ -66,10 +66,6 @@ class StagingArea:
         self._sizes: List[int] = []
         self._pinned = False
         self._pool: Optional[ThreadPoolExecutor] = None
-
-    @property
-    def held_bytes(self) -> int:
-        return sum(self._sizes)
 
     def budget(self, state_bytes: int) -> int:
         return self.limit if self.limit > 0 else auto_limit(state_bytes)

@@ -16,7 +16,7 @@ from slurm_ckpt.core.config import Config
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.tiers.base import Tier
 
-log = logging.getLogger("slurm_ckpt")
+log = logging.getLogger(__name__)
 
 __all__ = ["make_roots", "sweep_debris"]
 

@@ -60,8 +60,8 @@ WEIGHT_KEYS = frozenset(
 )
 GROUP_WEIGHTS = "weights"
 GROUP_REST = "rest"
-_GROUPS = (GROUP_WEIGHTS, GROUP_REST)
-_BLOB_RE = re.compile(r"^data-[0-9]{4,6}\.bin$")
+GROUPS = (GROUP_WEIGHTS, GROUP_REST)
+BLOB_RE = re.compile(r"^data-[0-9]{4,6}\.bin$")
 MAX_INDEX_BYTES = 512 * 2**20
 MAX_DEPTH = 400
 MAX_NDIM = 64
@@ -268,7 +268,7 @@ def layout(
     can be reused from one save to the next.
     """
     blobs: List[Dict[str, Any]] = []
-    for group in _GROUPS:
+    for group in GROUPS:
         cur: Optional[Dict[str, Any]] = None
         for e in index["tensors"]:
             if e["group"] != group:
@@ -342,9 +342,9 @@ def parse_index(data: bytes, blob_sizes: Mapping[str, int], where: str = "index"
         if not isinstance(b, dict):
             raise _bad(where, "blob entry")
         name, group, nbytes = b.get("name"), b.get("group"), b.get("nbytes")
-        if not isinstance(name, str) or not _BLOB_RE.match(name) or name in blob_group:
+        if not isinstance(name, str) or not BLOB_RE.match(name) or name in blob_group:
             raise _bad(where, f"blob name {name!r}")
-        if group not in _GROUPS or not _int_ok(nbytes):
+        if group not in GROUPS or not _int_ok(nbytes):
             raise _bad(where, f"blob {name}")
         if blob_sizes.get(name) != nbytes:
             on_disk = blob_sizes.get(name)
@@ -358,7 +358,7 @@ def parse_index(data: bytes, blob_sizes: Mapping[str, int], where: str = "index"
         blob, off, nbytes = e.get("blob"), e.get("offset"), e.get("nbytes")
         if kind not in _KINDS or not isinstance(dtype, str):
             raise _bad(where, f"tensor {i}: kind {kind!r}")
-        if not isinstance(e.get("name"), str) or e.get("group") not in _GROUPS:
+        if not isinstance(e.get("name"), str) or e.get("group") not in GROUPS:
             raise _bad(where, f"tensor {i}: name or group")
         if (
             not isinstance(shape, list)
@@ -430,7 +430,7 @@ def _check_tree(tree: Any, tensors: List[Dict[str, Any]], where: str) -> None:
             or not isinstance(items, list)
             or not isinstance(groups, list)
             or len(items) != len(groups)
-            or not all(g in _GROUPS for g in groups)
+            or not all(g in GROUPS for g in groups)
         ):
             raise _bad(where, "root")
         for item, g in zip(items, groups):
@@ -504,7 +504,7 @@ def unflatten(
 
     tree = index["tree"]
     if "groups" in tree:
-        wanted = set(_GROUPS if groups is None else groups)
+        wanted = set(GROUPS if groups is None else groups)
         return {k: dec(v) for (k, v), g in zip(tree["dict"], tree["groups"]) if g in wanted}
     if groups is not None and GROUP_REST not in groups:
         return None
@@ -514,7 +514,7 @@ def unflatten(
 # --------------------------------------------------------------------------- reading
 
 
-def _view_leaf(entry: Dict[str, Any], mm: Any) -> Any:
+def view_leaf(entry: Dict[str, Any], mm: Any) -> Any:
     """A leaf as a view into its blob's mapping: no copy, and the view keeps ``mm`` alive.
 
     Each torch view (``torch.frombuffer``) has a storage of exactly its own bytes, so

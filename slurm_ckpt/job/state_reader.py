@@ -24,13 +24,13 @@ from slurm_ckpt.core.fastread import READ_STREAMS, ReadJob, read_files
 from slurm_ckpt.core.manifest import FileEntry, Manifest
 from slurm_ckpt.errors import CkptError, TierError, VerifyError
 from slurm_ckpt.job.state import (
-    _BLOB_RE,
-    _GROUPS,
+    BLOB_RE,
+    GROUPS,
     INDEX_NAME,
     MAX_INDEX_BYTES,
-    _view_leaf,
     parse_index,
     unflatten,
+    view_leaf,
 )
 from slurm_ckpt.tiers.base import RangeSource, TierReader
 
@@ -73,7 +73,7 @@ def _payload_blobs(manifest: Manifest, prefix: str) -> Dict[str, FileEntry]:
     for f in manifest.files:
         if f.path.startswith(pre) and "/" not in f.path[len(pre) :]:
             name = f.path[len(pre) :]
-            if _BLOB_RE.match(name):
+            if BLOB_RE.match(name):
                 out[name] = f
     return out
 
@@ -135,14 +135,11 @@ class StateReader:
 
     def blobs(self, groups: Optional[Sequence[str]] = None) -> List[str]:
         """The blob files holding ``groups`` (all blobs when None)."""
-        wanted = set(_GROUPS if groups is None else groups)
+        wanted = set(GROUPS if groups is None else groups)
         named = {b["name"] for b in self.index["blobs"] if b["group"] in wanted}
         if groups is None:
             named |= set(self.files)  # stray blobs are verified too
         return sorted(named)
-
-    def group_bytes(self, groups: Optional[Sequence[str]] = None) -> int:
-        return sum(self.files[n].size for n in self.blobs(groups))
 
     def read(
         self,
@@ -171,7 +168,7 @@ class StateReader:
         for i, e in enumerate(self.index["tensors"]):
             mm = bufs.get(e["blob"])
             if mm is not None:
-                objs[i] = _view_leaf(e, mm)
+                objs[i] = view_leaf(e, mm)
         return unflatten(self.index, objs, None if groups is None else list(groups))
 
 

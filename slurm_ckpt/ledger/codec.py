@@ -26,7 +26,7 @@ import xxhash
 
 from slurm_ckpt.ledger.record import STATES, Ident, Record, is_pending
 
-log = logging.getLogger("slurm_ckpt.ledger")
+log = logging.getLogger(__name__)
 
 __all__ = [
     "FORMAT",

@@ -98,7 +98,7 @@ __all__ = [
 #: The event types slurm_ckpt itself emits (others are accepted too).
 EVENT_TYPES = ("save", "local_write", "flush", "failure", "hook", "admission", "admission_refused")
 #: A slot for a flush to the PFS granted / not granted within the budget
-#: (:func:`slurm_ckpt.core.admission.decision_event`): ``wait_s``, ``queue_depth``,
+#: (:func:`slurm_ckpt.admission.decisions.decision_event`): ``wait_s``, ``queue_depth``,
 #: ``holders``, ``priority``.
 ADMISSION_TYPES = ("admission", "admission_refused")
 DEFAULT_MAX_BYTES = 16 * 2**20

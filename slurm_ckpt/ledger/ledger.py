@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 from slurm_ckpt.core import fsio
 from slurm_ckpt.core.names import validate_node
-from slurm_ckpt.errors import CkptError, NotFound
+from slurm_ckpt.errors import EXIT_FAILED, CkptError, NotFound
 from slurm_ckpt.ledger import codec
 from slurm_ckpt.ledger.codec import Corrupt, Data, from_raw, raw_pending, to_raw
 from slurm_ckpt.ledger.lockfile import LockBusy, LockFile
@@ -62,7 +62,7 @@ LOCK_NAME = "ledger.lock"
 class LedgerError(CkptError):
     """The ledger cannot be read or written (lock busy, disk full, permission)."""
 
-    exit_code = 1
+    exit_code = EXIT_FAILED
 
 
 class Ledger:

@@ -32,7 +32,7 @@ from slurm_ckpt.ledger.codec import VERSION
 from slurm_ckpt.ledger.ledger import Ledger
 from slurm_ckpt.ledger.record import FAILED_STATES, LIVE_LOCAL, State, is_held, is_pending
 
-log = logging.getLogger("slurm_ckpt.ledger")
+log = logging.getLogger(__name__)
 
 __all__ = [
     "STATUS_FORMAT",

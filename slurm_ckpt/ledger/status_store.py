@@ -42,7 +42,7 @@ from slurm_ckpt.errors import CkptError, TierError
 from slurm_ckpt.ledger.ledger import Ledger
 from slurm_ckpt.ledger.node_status import node_status, publish_status, read_node_statuses
 
-log = logging.getLogger("slurm_ckpt.ledger")
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ObjectStatusStore",

@@ -27,7 +27,6 @@ stay locked in the child forever.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import gc
 import json
@@ -39,7 +38,8 @@ import sys
 import time
 from typing import Any, Callable, Dict, Optional, Sequence, Type
 
-from slurm_ckpt.errors import CkptError, TimedOut
+from slurm_ckpt.core.procs import set_pdeathsig
+from slurm_ckpt.errors import EXIT_FAILED, CkptError, TimedOut
 
 __all__ = [
     "AsUserError",
@@ -52,14 +52,13 @@ __all__ = [
     "run_as_user",
 ]
 
-_PR_SET_PDEATHSIG = 1
 _MAX_RESULT = 64 * 2**20
 
 
 class AsUserError(CkptError):
     """The callable failed (or died) in the child running as the user."""
 
-    exit_code = 1
+    exit_code = EXIT_FAILED
 
 
 class AsUserTimeout(AsUserError, TimedOut):
@@ -77,6 +76,13 @@ class ChildStopped(AsUserTimeout):
 _beat_fd: Optional[int] = None
 _beat_last = 0.0
 _BEAT_EVERY_S = 0.2
+
+#: A test seam, ``None`` in the product: called in every child once it runs as the user,
+#: just before the callable. The security suite sets it so that a hostile user's process
+#: meets each of root's children at that known point (and may stop it there) instead of
+#: racing to catch it in ``/proc``. It runs with the user's rights only, so it can do
+#: nothing the user could not.
+child_start_hook: Optional[Callable[[], None]] = None
 
 
 def alive() -> None:
@@ -120,14 +126,6 @@ def _error_classes() -> Dict[str, Type[CkptError]]:
         out.setdefault(cls.__name__, cls)
         todo.extend(cls.__subclasses__())
     return out
-
-
-def _set_pdeathsig() -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
 
 
 def _drop(user: Optional[str], uid: int, gid: int, groups: Optional[Sequence[int]]) -> None:
@@ -182,7 +180,7 @@ def _child(
         _drop(user, uid, gid, groups)
         # Cleared by the credential change above, so set it now; then make sure the
         # parent did not die before it took effect.
-        _set_pdeathsig()
+        set_pdeathsig()
         if os.getppid() != parent:
             os._exit(1)
         os.umask(umask)
@@ -192,6 +190,8 @@ def _child(
             os.environ.update(HOME=pw.pw_dir, USER=pw.pw_name, LOGNAME=pw.pw_name)
         except KeyError:
             os.environ["HOME"] = "/"
+        if child_start_hook is not None:
+            child_start_hook()
         result = fn(*args, **kwargs)
         blob = json.dumps({"ok": result}, default=str).encode()
     except BaseException as exc:  # noqa: BLE001 - everything goes to the parent

@@ -55,7 +55,7 @@ from slurm_ckpt.node.retry import RetryPolicy, clear_failures, user_caused
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.copy import SourceCorrupt, copy_checkpoint
 
-log = logging.getLogger("slurm_ckpt.flush")
+log = logging.getLogger(__name__)
 
 __all__ = [
     "HANDED_TO_STAGER",

@@ -21,12 +21,12 @@ from slurm_ckpt.core import fsio, trust
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.manifest import MANIFEST_NAME, Manifest
 from slurm_ckpt.core.units import format_bytes
-from slurm_ckpt.errors import CkptError, NotFound, VerifyError
+from slurm_ckpt.errors import EXIT_FAILED, CkptError, NotFound, VerifyError
 from slurm_ckpt.node.flush import Unflushable
 from slurm_ckpt.tiers.copy import SourceCorrupt
 from slurm_ckpt.tiers.posix import PosixTier
 
-log = logging.getLogger("slurm_ckpt.node")
+log = logging.getLogger(__name__)
 
 __all__ = [
     "MAX_DEPTH",
@@ -46,7 +46,7 @@ __all__ = [
 class NodeCheckFailed(CkptError):
     """A node check failed: the local tier cannot take a job's checkpoints."""
 
-    exit_code = 1
+    exit_code = EXIT_FAILED
 
 
 class UnsafeCheckpoint(Unflushable):

@@ -27,7 +27,7 @@ from slurm_ckpt.node.owner_tasks import delete_many_as_user
 if TYPE_CHECKING:  # pragma: no cover
     from slurm_ckpt.node.work import NodeWork
 
-log = logging.getLogger("slurm_ckpt.hooks")
+log = logging.getLogger(__name__)
 
 __all__ = ["BATCH_MAX", "plan", "run_retention"]
 

@@ -22,7 +22,7 @@ from slurm_ckpt.ledger import Ident, Ledger, Record, State
 from slurm_ckpt.ledger.codec import MUTABLE_FIELDS
 from slurm_ckpt.ledger.record import apply_fields
 
-log = logging.getLogger("slurm_ckpt.flush")
+log = logging.getLogger(__name__)
 
 __all__ = ["Change", "MarkBuffer", "set_state"]
 

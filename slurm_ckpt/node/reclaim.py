@@ -31,7 +31,7 @@ from slurm_ckpt.node.asuser import run_as
 from slurm_ckpt.node.owner_tasks import reclaim_as_user
 from slurm_ckpt.node.work import NodeWork
 
-log = logging.getLogger("slurm_ckpt.hooks")
+log = logging.getLogger(__name__)
 
 __all__ = ["Reclaimed", "departed_users", "reclaim_departed"]
 

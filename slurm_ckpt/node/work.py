@@ -13,16 +13,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import pwd
 import stat
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
+from slurm_ckpt.admission.gate import SlotGate
+from slurm_ckpt.admission.policy import Priority
 from slurm_ckpt.core import fsio
-from slurm_ckpt.core.admission import Priority
 from slurm_ckpt.core.config import Config
-from slurm_ckpt.core.names import validate_key, validate_user
+from slurm_ckpt.core.names import UserIds, user_ids, validate_key
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, InvalidName, SlurmError
 from slurm_ckpt.ledger import Ident, Ledger, Record, State
@@ -43,11 +42,10 @@ from slurm_ckpt.node.owner_tasks import (
     scan_local,
 )
 from slurm_ckpt.node.retry import RetryPolicy, held, retry_due
-from slurm_ckpt.node.slots import SlotGate
 from slurm_ckpt.node.warm import lend_credentials
 from slurm_ckpt.slurm.client import SlurmClient
 
-log = logging.getLogger("slurm_ckpt.hooks")
+log = logging.getLogger(__name__)
 
 __all__ = [
     "HANDED_TO_STAGER",
@@ -55,9 +53,7 @@ __all__ = [
     "RESERVE_MAX_S",
     "SCAN_TIMEOUT_S",
     "NodeWork",
-    "UserIds",
     "drain_reason",
-    "user_ids",
 ]
 
 #: Part of a hook's budget kept back for hand-off, drain, retention and the status file.
@@ -78,39 +74,18 @@ _NO_GATE = object()
 # --------------------------------------------------------------------------- users
 
 
-@dataclass(frozen=True)
-class UserIds:
-    """A local user: name, uid, primary gid."""
-
-    name: str
-    uid: int
-    gid: int
-
-
 def _pfs_verified(raw: Dict[str, Any]) -> bool:
     return (raw.get("tiers") or {}).get("pfs") == State.VERIFIED.value
-
-
-def user_ids(name: str) -> UserIds:
-    """Look up a (validated) user name in the passwd database."""
-    validate_user(name)
-    try:
-        pw = pwd.getpwnam(name)
-    except KeyError:
-        raise InvalidName(f"user {name!r} is not known on this node") from None
-    return UserIds(pw.pw_name, pw.pw_uid, pw.pw_gid)
 
 
 # --------------------------------------------------------------------------- root side
 
 
-def drain_reason(count: int, nbytes: int, failed: int = 0, error: Optional[str] = None) -> str:
+def drain_reason(count: int, nbytes: int, failed: int = 0) -> str:
     """``slurm_ckpt: flushing 3 checkpoints (1.2 GiB)`` (+ how many are failing).
 
     Counts and sizes only, and where to look: a drain reason is shown to every admin
-    and user (``sinfo -R``), and error texts carry names users chose (``error`` is
-    accepted for callers' convenience and never shown)."""
-    del error  # never user-chosen text in a drain reason
+    and user (``sinfo -R``), and error texts carry names users chose: none goes in."""
     noun = "checkpoint" if count == 1 else "checkpoints"
     text = f"slurm_ckpt: flushing {count} {noun} ({format_bytes(nbytes)})"
     if failed:

@@ -30,7 +30,7 @@ from slurm_ckpt.ops.damage import COMMIT_GRACE_S, COMMITTED, Damaged, scan_serie
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.registry import ORDER
 
-log = logging.getLogger("slurm_ckpt.status")
+log = logging.getLogger(__name__)
 
 __all__ = [
     "Series",

@@ -91,7 +91,7 @@ class Damaged:
         }
 
 
-def _read_manifest(sfd: int) -> bytes:
+def read_manifest(sfd: int) -> bytes:
     """The manifest's bytes: opened non-blocking without following a symlink, its type
     checked before reading (a FIFO named manifest.json must not hang a root-run scan)."""
     return fsio.read_regular(sfd, MANIFEST_NAME)[0]
@@ -125,7 +125,7 @@ def _classify(
         return bad(UNREADABLE, _why(exc))
     try:
         try:
-            data = _read_manifest(sfd)
+            data = read_manifest(sfd)
         except FileNotFoundError:
             try:
                 age = now - os.fstat(sfd).st_mtime

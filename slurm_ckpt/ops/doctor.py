@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from slurm_ckpt import __version__
-from slurm_ckpt.core.admission import AdmissionError
+from slurm_ckpt.admission.policy import AdmissionError
+from slurm_ckpt.admission.store import check_store_dir, slots_dir
 from slurm_ckpt.core.config import LEDGER_SUBDIR, Config
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import SlurmError
@@ -35,7 +36,6 @@ from slurm_ckpt.ops.object_check import object_findings
 from slurm_ckpt.ops.security_checks import check_security
 from slurm_ckpt.slurm.env import this_node
 from slurm_ckpt.slurm.records import parse_duration
-from slurm_ckpt.tiers.admission import check_store_dir, slots_dir
 
 __all__ = ["Finding", "Measured", "Report", "measured", "run_doctor"]
 

@@ -31,10 +31,9 @@ from slurm_ckpt.node.asuser import run_as
 from slurm_ckpt.node.flush import LEFT_TO_EPILOG, Flusher, FlushResult, copy_in_process
 from slurm_ckpt.node.warm import guard_user_dir, warm_of
 from slurm_ckpt.node.work import NodeWork
-from slurm_ckpt.slurm.env import this_node
 from slurm_ckpt.tiers.registry import tiers_from_config
 
-__all__ = ["FlushSummary", "flush_node", "flush_own", "flush_series", "node_name"]
+__all__ = ["FlushSummary", "flush_node", "flush_own", "flush_series"]
 
 
 @dataclass
@@ -76,11 +75,6 @@ class FlushSummary:
             busy=[(b["user"], b["key"], b["step"]) for b in d["busy"]],
             left_to_jobs=d["left_to_running_jobs"],
         )
-
-
-def node_name(node: Optional[str] = None) -> str:
-    """This node's SLURM name: ``node``, else ``$SLURMD_NODENAME``, else the host name."""
-    return this_node(node)
 
 
 def _is_busy(cfg: Config, user: str, key: str, step: int) -> bool:

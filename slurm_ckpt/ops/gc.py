@@ -57,7 +57,7 @@ from slurm_ckpt.ops.damage import reclaimable, scan_series
 from slurm_ckpt.tiers.posix import PosixTier, StepInfo
 from slurm_ckpt.tiers.registry import tiers_from_config
 
-log = logging.getLogger("slurm_ckpt.gc")
+log = logging.getLogger(__name__)
 
 __all__ = [
     "PIN_PREFIX",

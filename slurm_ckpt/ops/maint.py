@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from slurm_ckpt.core import trust
-from slurm_ckpt.core.names import validate_node
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import CkptError, NotReady, SlurmError
 from slurm_ckpt.ledger import LEDGER_NAME, Ledger
@@ -138,16 +137,6 @@ def node_readiness(
             w.fresh = w.status_time is not None and w.status_time >= since
         out.append(w)
     return out
-
-
-def _expand(nodelist: str) -> List[str]:
-
-    nodes = hostlist.expand(nodelist)
-    if not nodes:
-        raise CkptError(f"empty node list {nodelist!r}")
-    for n in nodes:
-        validate_node(n)
-    return nodes
 
 
 def _jobs(client: Any, nodes: Sequence[str]) -> Dict[str, List[str]]:

@@ -57,7 +57,7 @@ from slurm_ckpt.slurm.requeue import requeue_job, requeue_reason, stop_cause
 
 __all__ = ["SrunOptions", "StepOutcome", "resolve_key", "run_wrapper", "warning_signal"]
 
-log = logging.getLogger("slurm_ckpt.srun")
+log = logging.getLogger(__name__)
 _FORWARDED = ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGCONT", "SIGHUP")
 #: How often the end time is asked again (an admin may extend the limit).
 END_TIME_REFRESH_S = 300.0

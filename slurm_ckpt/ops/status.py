@@ -263,11 +263,9 @@ def build_status(
     *,
     now: float,
     pfs_root: Optional[str],
-    pfs: Optional[Dict[Series, SeriesHead]] = None,
     node_statuses: List[Dict[str, Any]],
     slurm: SlurmSnapshot,
-    cold: Optional[Dict[Series, SeriesHead]] = None,
-    shared: Optional[Dict[str, Dict[Series, SeriesHead]]] = None,
+    shared: Dict[str, Dict[Series, SeriesHead]],
     warm: str = "pfs",
     statuses_at: Optional[str] = None,
     user: Optional[str] = None,
@@ -282,11 +280,9 @@ def build_status(
 
     Pure: everything it needs is passed in. See the module docstring for the fields.
     ``node`` is one node name or several (``status -w 'n[1-3]'``): jobs on any of them.
-    ``shared`` is the catalog of each shared tier by name (else ``pfs`` and ``cold``);
-    ``warm`` names the tier flushes go to.
+    ``shared`` is the catalog of each shared tier by name; ``warm`` names the tier
+    flushes go to.
     """
-    if shared is None:
-        shared = {"pfs": pfs or {}} if cold is None else {"pfs": pfs or {}, "cold": cold}
     wanted_nodes = None if node is None else ({node} if isinstance(node, str) else set(node))
     jobs: Dict[Any, _Job] = {}
     owner: Dict[Series, Tuple[float, Any]] = {}  # series -> (last commit, job group)

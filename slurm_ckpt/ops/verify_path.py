@@ -29,7 +29,7 @@ from slurm_ckpt.core.manifest import Manifest
 from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.core.verify import VerifyReport, unlisted_files, verify_files
 from slurm_ckpt.errors import CkptError, VerifyError
-from slurm_ckpt.ops.damage import _read_manifest
+from slurm_ckpt.ops.damage import read_manifest
 
 __all__ = ["PathProblem", "PathVerify", "manifest_at", "verify_path"]
 
@@ -91,7 +91,7 @@ def _open(path: str) -> int:
 def manifest_at(sfd: int, path: str) -> Manifest:
     """The manifest of the open directory ``sfd`` (PathProblem, or VerifyError if bad)."""
     try:
-        data = _read_manifest(sfd)
+        data = read_manifest(sfd)
     except FileNotFoundError:
         raise PathProblem(
             f"{path}: no manifest.json: not a committed checkpoint (a commit that never "

@@ -28,17 +28,17 @@ from slurm_ckpt.slurm.records import (
     JobInfo,
     JobNotFound,
     NodeInfo,
-    _epoch,
-    _nodes_of,
-    _split_state,
+    epoch_seconds,
     job_from_json,
     job_from_oneliner,
     node_from_json,
     node_from_oneliner,
+    nodes_of,
     parse_oneliner,
+    split_state,
 )
 
-log = logging.getLogger("slurm_ckpt.slurm")
+log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_TIMEOUT", "ENV_BACKEND", "CliBackend", "PySlurmBackend", "load_pyslurm"]
 
@@ -228,26 +228,26 @@ class PySlurmBackend:
             name=getattr(j, "name", None),
             user=getattr(j, "user_name", None),
             restarts=int(getattr(j, "requeue_count", None) or getattr(j, "restart_cnt", 0) or 0),
-            start_time=_epoch(getattr(j, "start_time", None)),
-            end_time=_epoch(getattr(j, "end_time", None)),
+            start_time=epoch_seconds(getattr(j, "start_time", None)),
+            end_time=epoch_seconds(getattr(j, "end_time", None)),
             time_limit=(
                 None if getattr(j, "time_limit", None) in (None, 0) else float(j.time_limit) * 60.0
             ),
-            nodes=_nodes_of(getattr(j, "nodes", None)),
+            nodes=nodes_of(getattr(j, "nodes", None)),
             batch_host=getattr(j, "batch_host", None),
             requeue=getattr(j, "is_requeueable", None),
         )
 
     def node(self, node: str) -> NodeInfo:
         n = self.mod.Node.load(node)
-        state, flags = _split_state(str(n.state))
+        state, flags = split_state(str(n.state))
         return NodeInfo(
             name=str(n.name),
             state=state,
             flags=flags,
             reason=getattr(n, "reason", None) or None,
             reason_user=getattr(n, "reason_user", None),
-            reason_time=_epoch(getattr(n, "reason_time", None)),
+            reason_time=epoch_seconds(getattr(n, "reason_time", None)),
         )
 
 

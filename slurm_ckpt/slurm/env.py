@@ -25,7 +25,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import List, Mapping, Optional, Tuple
 
-from slurm_ckpt.core.names import validate_node, validate_user
+from slurm_ckpt.core.names import node_name, validate_node, validate_user
 from slurm_ckpt.errors import CkptError, SlurmError
 from slurm_ckpt.slurm import hostlist
 
@@ -33,7 +33,6 @@ __all__ = [
     "HookEnv",
     "JobEnv",
     "hook_env",
-    "ids_of",
     "job_end_time",
     "job_env",
     "parse_job_id",
@@ -275,11 +274,17 @@ def resolve_rank(
 
 
 def this_node(node: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> str:
-    """This node's SLURM name: ``node``, else ``$SLURMD_NODENAME``, else the short host
-    name (validated: it names files)."""
-    env = os.environ if environ is None else environ
-    name = node or (env.get("SLURMD_NODENAME") or "").strip() or socket.gethostname()
-    return validate_node(name.split(".")[0] if not node else name)
+    """This node's SLURM name: ``node`` (an admin's ``--node``: validated), else
+    ``$SLURMD_NODENAME`` (SLURM's own name for it, short; validated: a drain must name
+    the node SLURM knows), else the host name under the one node-name rule
+    (:func:`slurm_ckpt.core.names.node_name`, as the event log and the Checkpointer
+    name the node)."""
+    if node:
+        return validate_node(node)
+    slurmd = slurmd_nodename(environ)
+    if slurmd is not None:
+        return validate_node(slurmd.split(".")[0])
+    return node_name(socket.gethostname())
 
 
 def slurmd_nodename(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
@@ -287,12 +292,3 @@ def slurmd_nodename(environ: Optional[Mapping[str, str]] = None) -> Optional[str
     outside slurmd's hooks and jobs."""
     env = os.environ if environ is None else environ
     return (env.get("SLURMD_NODENAME") or "").strip() or None
-
-
-def ids_of(user: str) -> Tuple[int, int]:
-    """``(uid, gid)`` of a local user; SlurmError if unknown."""
-    try:
-        pw = pwd.getpwnam(validate_user(user))
-    except KeyError:
-        raise SlurmError(f"user {user!r} is not known on this node (passwd)") from None
-    return pw.pw_uid, pw.pw_gid

@@ -79,10 +79,6 @@ class JobInfo:
     raw: Dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
-    def is_final(self) -> bool:
-        return self.state in FINAL_STATES
-
-    @property
     def timed_out(self) -> bool:
         """Ended (or is ending) because it hit its time limit."""
         return self.state == "TIMEOUT" or (self.reason or "") == "TimeLimit"
@@ -196,7 +192,7 @@ def parse_duration(text: Optional[str]) -> Optional[float]:
     return float(((days * 24 + h) * 60 + mi) * 60 + s)
 
 
-def _split_state(text: str) -> Tuple[str, FrozenSet[str]]:
+def split_state(text: str) -> Tuple[str, FrozenSet[str]]:
     parts = [p for p in text.strip().upper().split("+") if p]
     if not parts:
         return "UNKNOWN", frozenset()
@@ -211,7 +207,7 @@ def _user_of(text: Optional[str]) -> Optional[str]:
     return text.split("(", 1)[0] or None
 
 
-def _nodes_of(text: Optional[str]) -> List[str]:
+def nodes_of(text: Optional[str]) -> List[str]:
     if not text or text in ("(null)", "None", ""):
         return []
     try:
@@ -238,7 +234,7 @@ def job_from_oneliner(fields: Dict[str, str]) -> JobInfo:
         start_time=parse_time(fields.get("StartTime")),
         end_time=parse_time(fields.get("EndTime")),
         time_limit=parse_duration(fields.get("TimeLimit")),
-        nodes=_nodes_of(fields.get("NodeList")),
+        nodes=nodes_of(fields.get("NodeList")),
         batch_host=None if fields.get("BatchHost") in (None, "(null)") else fields["BatchHost"],
         requeue=None if requeue is None else requeue == "1",
         exit_code=fields.get("ExitCode"),
@@ -248,7 +244,7 @@ def job_from_oneliner(fields: Dict[str, str]) -> JobInfo:
 
 def node_from_oneliner(fields: Dict[str, str]) -> NodeInfo:
     """A :class:`NodeInfo` from ``scontrol show node -o`` fields."""
-    state, flags = _split_state(fields.get("State", "UNKNOWN"))
+    state, flags = split_state(fields.get("State", "UNKNOWN"))
     reason = fields.get("Reason")
     who = when = None
     if reason is not None:
@@ -268,7 +264,7 @@ def node_from_oneliner(fields: Dict[str, str]) -> NodeInfo:
     )
 
 
-def _epoch(value: Any) -> Optional[float]:
+def epoch_seconds(value: Any) -> Optional[float]:
     if isinstance(value, dict):  # newer JSON: {"set": true, "number": N}
         if not value.get("set", True):
             return None
@@ -284,7 +280,7 @@ def job_from_json(j: Dict[str, Any]) -> JobInfo:
     if isinstance(state, list):
         state = state[0] if state else "UNKNOWN"
     limit = j.get("time_limit")
-    limit_min = _epoch(limit)
+    limit_min = epoch_seconds(limit)
     reason = j.get("state_reason")
     return JobInfo(
         job_id=str(j.get("job_id", "")),
@@ -293,10 +289,10 @@ def job_from_json(j: Dict[str, Any]) -> JobInfo:
         name=j.get("name"),
         user=j.get("user_name"),
         restarts=int(j.get("restart_cnt") or 0),
-        start_time=_epoch(j.get("start_time")),
-        end_time=_epoch(j.get("end_time")),
+        start_time=epoch_seconds(j.get("start_time")),
+        end_time=epoch_seconds(j.get("end_time")),
         time_limit=None if limit_min is None else limit_min * 60.0,
-        nodes=_nodes_of(j.get("nodes")),
+        nodes=nodes_of(j.get("nodes")),
         batch_host=j.get("batch_host") or None,
         requeue=j.get("requeue"),
         raw=j,
@@ -317,6 +313,6 @@ def node_from_json(n: Dict[str, Any]) -> NodeInfo:
         flags=frozenset(str(f).upper() for f in flags),
         reason=reason,
         reason_user=n.get("reason_set_by_user") or None,
-        reason_time=_epoch(n.get("reason_changed_at")),
+        reason_time=epoch_seconds(n.get("reason_changed_at")),
         raw=n,
     )

@@ -19,7 +19,7 @@ from typing import Optional
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.slurm.client import SlurmClient
 
-log = logging.getLogger("slurm_ckpt.slurm")
+log = logging.getLogger(__name__)
 
 __all__ = ["TIME_LIMIT_CAUSES", "is_time_limit", "requeue_job", "requeue_reason", "stop_cause"]
 

@@ -29,10 +29,9 @@ from slurm_ckpt.core.layout import parse_step_dirname, step_dirname
 from slurm_ckpt.core.manifest import MANIFEST_NAME, Manifest
 from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.core.progress import ProgressFn
-from slurm_ckpt.core.verify import VerifyReport
+from slurm_ckpt.core.verify import VerifyReport, verify_sources
 from slurm_ckpt.errors import CkptError, InvalidName, NotFound, TierError, VerifyError
 from slurm_ckpt.tiers.base import StepInfo
-from slurm_ckpt.tiers.rangeverify import verify_sources
 from slurm_ckpt.tiers.s3_client import ClientFactory, s3_error, step_lock
 from slurm_ckpt.tiers.s3_write import S3Writer, crc32_b64
 

@@ -38,9 +38,8 @@ from slurm_ckpt.core.faults import crashpoint
 from slurm_ckpt.core.hashing import ChunkedHasher, chunk_count, chunk_digest, combine
 from slurm_ckpt.core.manifest import MANIFEST_NAME, FileEntry, Manifest
 from slurm_ckpt.core.names import validate_key, validate_relpath, validate_user
-from slurm_ckpt.core.verify import VerifyReport
+from slurm_ckpt.core.verify import VerifyReport, verify_sources
 from slurm_ckpt.errors import CkptError, NotFound, TierError
-from slurm_ckpt.tiers.rangeverify import verify_sources
 from slurm_ckpt.tiers.s3_client import s3_error
 
 if TYPE_CHECKING:  # pragma: no cover

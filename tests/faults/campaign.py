@@ -1,6 +1,6 @@
 """The campaign engine: runs scenarios with seeded random timing and collects figures.
 
-A *run* is one training job series on a fresh :class:`~tests.faults.site.Site`: prolog,
+A *run* is one training job series on a fresh :class:`~tests.faults.site.FaultSite`: prolog,
 trainer, fault, epilog (and stager when the node stays drained), restart ..., until the
 trainer finishes. :class:`Run` holds the steps every scenario shares and checks the
 invariants (:mod:`tests.faults.invariants`) after each of them; a scenario
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set
 
 from tests.faults.invariants import Tracker
-from tests.faults.site import Site, Worker
+from tests.faults.site import FaultSite, Worker
 from tests.faults.worker import reference_digests
 
 STEPS = 40
@@ -60,7 +60,7 @@ class RunResult:
 class Run:
     """One run of a scenario: the shared job cycle and the invariant checks."""
 
-    def __init__(self, site: Site, rng: random.Random, result: RunResult, **params: Any):
+    def __init__(self, site: FaultSite, rng: random.Random, result: RunResult, **params: Any):
         self.site = site
         self.rng = rng
         self.result = result
@@ -241,7 +241,7 @@ Scenario = Callable[[Run], None]
 def run_one(
     name: str,
     scenario: Scenario,
-    setup: Callable[[Site], Dict[str, Any]],
+    setup: Callable[[FaultSite], Dict[str, Any]],
     index: int,
     seed: int,
     cluster_env: Dict[str, str],
@@ -249,7 +249,7 @@ def run_one(
 ) -> RunResult:
     result = RunResult(name, index, seed)
     t0 = time.monotonic()
-    site = Site(cluster_env, nodes, f"{name}-{index}")
+    site = FaultSite(cluster_env, nodes, f"{name}-{index}")
     try:
         params = setup(site) or {}
         run = Run(site, random.Random(seed), result, **params)

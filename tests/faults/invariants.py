@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Set, Tuple
 
-from tests.faults.site import Site
+from tests.faults.site import FaultSite
 
 Snapshot = Dict[str, Dict[int, bool]]
 
@@ -27,7 +27,7 @@ class Tracker:
     """What the tiers held over a run; records violations instead of raising, so that a
     campaign reports all of them."""
 
-    def __init__(self, site: Site, key: str, keys: Optional[List[str]] = None) -> None:
+    def __init__(self, site: FaultSite, key: str, keys: Optional[List[str]] = None) -> None:
         self.site = site
         self.keys = keys or [key]
         self.ever: Set[Tuple[str, str, int]] = set()

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from tests.faults.campaign import Run
-from tests.faults.site import USER, Site
+from tests.faults.site import USER, FaultSite
 
-Setup = Callable[[Site], Dict[str, Any]]
+Setup = Callable[[FaultSite], Dict[str, Any]]
 Body = Callable[[Run], None]
 SCENARIOS: Dict[str, Tuple[Setup, Body]] = {}
 #: One checkpoint (two 256 KiB arrays plus index and manifest), for filling disks.
@@ -33,7 +33,7 @@ def scenario(name: str, setup: Optional[Setup] = None) -> Callable[[Body], Body]
     return deco
 
 
-def plain(site: Site, **config: Dict[str, Any]) -> Dict[str, Any]:
+def plain(site: FaultSite, **config: Dict[str, Any]) -> Dict[str, Any]:
     site.add_node("tmpfs")
     site.set_pfs("loop", 64)
     site.configure(**config)
@@ -125,7 +125,7 @@ def background_io_sigkill(run: Run) -> None:
     run.finish(node)
 
 
-def slow_pfs(site: Site, bandwidth: str = "1MB/s", budget: str = "2s") -> Dict[str, Any]:
+def slow_pfs(site: FaultSite, bandwidth: str = "1MB/s", budget: str = "2s") -> Dict[str, Any]:
     return plain(
         site,
         tiers_pfs={"bandwidth_limit": bandwidth},
@@ -251,7 +251,7 @@ def enospc_pfs(run: Run) -> None:
 
 
 def _disk(
-    site: Site, local: str = "tmpfs", local_mb: int = 64, pfs: str = "loop", pfs_mb: int = 64
+    site: FaultSite, local: str = "tmpfs", local_mb: int = 64, pfs: str = "loop", pfs_mb: int = 64
 ) -> Dict[str, Any]:
     site.add_node(local, local_mb)
     site.set_pfs(pfs, pfs_mb)
@@ -365,7 +365,7 @@ def _damage_one(run: Run, tid: str, step: int) -> None:
 # --------------------------------------------------------------------------- ordering
 
 
-def two_nodes(site: Site, **config: Dict[str, Any]) -> Dict[str, Any]:
+def two_nodes(site: FaultSite, **config: Dict[str, Any]) -> Dict[str, Any]:
     site.add_node("tmpfs")
     site.add_node("tmpfs")
     site.set_pfs("loop", 64)

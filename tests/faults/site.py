@@ -183,7 +183,7 @@ class Worker:
         return "\n".join(self.lines[-n:])
 
 
-class Site:
+class FaultSite:
     """Nodes, a PFS and the hooks for one run; :meth:`close` undoes every mount."""
 
     def __init__(self, cluster_env: Dict[str, str], slurm_nodes: List[str], tag: str) -> None:

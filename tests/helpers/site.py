@@ -1,5 +1,8 @@
 """The one site builder of the tests: tier directories, a config file for them, and
-checkpoints written through the real writer.
+checkpoints written through the real writer (:class:`Site`); and its form for root's
+hooks against real users (:class:`HookSite`: the security suite's 1777 PFS, the
+object-store suite's bucket prefix). The fault campaign's cluster site
+(``tests/faults/site.FaultSite``) builds whole SLURM nodes instead.
 
     site = Site(tmp_path)                       # local + pfs under tmp_path, c.toml
     site.write(3, user="alice", key="run")      # a committed checkpoint on the local tier
@@ -12,14 +15,18 @@ fixture); tests that need more config pass ``extra`` TOML.
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 from pathlib import Path
-from typing import Dict, Iterable, Mapping, Optional
+from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 from slurm_ckpt.core.config import Config, load_config
 from slurm_ckpt.core.layout import step_dirname
 from slurm_ckpt.core.manifest import Manifest
+from slurm_ckpt.core.names import user_ids
 from slurm_ckpt.ledger import Ledger
+from slurm_ckpt.slurm.env import HookEnv
 from slurm_ckpt.tiers.copy import CopyResult, copy_checkpoint
 from slurm_ckpt.tiers.posix import PosixTier
 
@@ -129,3 +136,61 @@ def write_config(path: Path, data: Mapping[str, Mapping[str, object]]) -> Config
     os.chmod(tmp, 0o644)
     os.replace(tmp, path)
     return load_config(path)
+
+
+class HookSite:
+    """A site for root-run code (hooks, stager, root's CLI) over real users' data: a
+    local tier at ``local``, the warm tier(s) of :meth:`warm_tiers`, and the config as
+    a dict (:meth:`data`), a :class:`Config` (:meth:`cfg`) or a root-owned TOML file
+    (:meth:`config_file`). ``sections`` override: a tier's name updates that tier
+    (``pfs={...}``, ``object={...}``), any other name that section."""
+
+    #: Sections every config of the site starts from (a subclass sets its own).
+    defaults: Dict[str, Dict[str, Any]] = {}
+
+    def __init__(self, base: Path, local: Path, node: str = "n1") -> None:
+        self.base, self.local, self.node = Path(base), Path(local), node
+
+    def warm_tiers(self) -> Dict[str, Dict[str, Any]]:
+        """The shared tiers' sections, read when a config is made (a test may swap a
+        tier's root before it asks for the config)."""
+        return {}
+
+    def data(self, **sections: Any) -> Dict[str, Any]:
+        tiers: Dict[str, Dict[str, Any]] = {
+            "local": {"root": str(self.local), "min_free": 0},
+            **self.warm_tiers(),
+        }
+        data: Dict[str, Any] = {"tiers": tiers, **copy.deepcopy(self.defaults)}
+        for name, values in sections.items():
+            if name in tiers:
+                tiers[name].update(values)
+            else:
+                data.setdefault(name, {}).update(values)
+        return data
+
+    def cfg(self, **sections: Any) -> Config:
+        return Config.from_dict(self.data(**sections))
+
+    def config_file(self, path: Optional[Path] = None, **sections: Any) -> Path:
+        """The config as a TOML file (mode 0644), root's (for the CLI and the hooks)."""
+        path = path or self.base / "site.toml"
+        data = self.data(**sections)
+        lines: List[str] = []
+        for tier, values in data.pop("tiers").items():
+            lines.append(f"[tiers.{tier}]")
+            lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+        for name, values in data.items():
+            lines.append(f"[{name}]")
+            lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+        path.write_text("\n".join(lines) + "\n")
+        os.chmod(path, 0o644)
+        return path
+
+    def env(self, user: str, job: str = "100", restart: int = 0) -> HookEnv:
+        """The hook environment slurmd gives a job of ``user`` on this site's node."""
+        u = user_ids(user)
+        return HookEnv(job, u.name, u.uid, u.gid, self.node, [self.node], restart)
+
+    def ledger(self, cfg: Config) -> Ledger:
+        return Ledger(cfg.ledger.dir, self.node)

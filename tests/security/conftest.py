@@ -19,6 +19,8 @@ import os
 import pwd
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -29,17 +31,17 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 from conftest import Mounts
+from helpers.site import HookSite
 
 from slurm_ckpt.core import manifest as manifest_mod
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.hashing import chunk_digest, combine
 from slurm_ckpt.core.layout import step_dirname
 from slurm_ckpt.core.manifest import FileEntry, Manifest
+from slurm_ckpt.core.names import UserIds, user_ids
 from slurm_ckpt.hooks.prolog import ensure_user_dir
-from slurm_ckpt.ledger import Ledger
+from slurm_ckpt.node import asuser
 from slurm_ckpt.node.asuser import run_as_user
-from slurm_ckpt.node.work import UserIds
-from slurm_ckpt.slurm.env import HookEnv
 from slurm_ckpt.slurm.records import NodeInfo
 from slurm_ckpt.tiers.registry import tiers_from_config
 
@@ -54,8 +56,7 @@ pytestmark = pytest.mark.root
 
 
 def ids(user: str) -> UserIds:
-    pw = pwd.getpwnam(user)
-    return UserIds(pw.pw_name, pw.pw_uid, pw.pw_gid)
+    return user_ids(user)
 
 
 @pytest.fixture(scope="session")
@@ -113,52 +114,20 @@ class Recorder:
 # --------------------------------------------------------------------------- the site
 
 
-class Site:
+class Site(HookSite):
     """One test's tiers and config: a tmpfs local tier, a 1777 PFS on ext4."""
 
+    defaults = {
+        "copy": {"chunk_size": "1MiB", "streams": 2},
+        "hooks": {"budget": 30, "child_timeout": "2s", "retry_backoff": "60s"},
+    }
+
     def __init__(self, base: Path, local: Path, pfs: Path, mounts: Any) -> None:
-        self.base, self.local, self.pfs, self.mounts = base, local, pfs, mounts
+        super().__init__(base, local, NODE)
+        self.pfs, self.mounts = pfs, mounts
 
-    def data(self, **sections: Any) -> Dict[str, Any]:
-        data: Dict[str, Any] = {
-            "tiers": {
-                "local": {"root": str(self.local), "min_free": 0},
-                "pfs": {"root": str(self.pfs)},
-            },
-            "copy": {"chunk_size": "1MiB", "streams": 2},
-            "hooks": {"budget": 30, "child_timeout": "2s", "retry_backoff": "60s"},
-        }
-        for name, values in sections.items():
-            if name in ("local", "pfs"):
-                data["tiers"][name].update(values)
-            else:
-                data.setdefault(name, {}).update(values)
-        return data
-
-    def cfg(self, **sections: Any) -> Config:
-        return Config.from_dict(self.data(**sections))
-
-    def config_file(self, path: Optional[Path] = None, **sections: Any) -> Path:
-        """The config as a TOML file, root's (for the CLI and the hooks)."""
-        path = path or self.base / "site.toml"
-        lines: List[str] = []
-        data = self.data(**sections)
-        for tier, values in data.pop("tiers").items():
-            lines.append(f"[tiers.{tier}]")
-            lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
-        for name, values in data.items():
-            lines.append(f"[{name}]")
-            lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
-        path.write_text("\n".join(lines) + "\n")
-        os.chmod(path, 0o644)
-        return path
-
-    def env(self, user: str, job: str = "100") -> HookEnv:
-        u = ids(user)
-        return HookEnv(job, u.name, u.uid, u.gid, NODE, [NODE], 0)
-
-    def ledger(self, cfg: Config) -> Ledger:
-        return Ledger(cfg.ledger.dir, NODE)
+    def warm_tiers(self) -> Dict[str, Dict[str, Any]]:
+        return {"pfs": {"root": str(self.pfs)}}
 
 
 @pytest.fixture(scope="session")
@@ -218,7 +187,7 @@ def save(
 ):
     """A checkpoint written by ``user`` on the local tier (directory made as the prolog
     would), with the toolkit's own writer; ``files`` more small files (a checkpoint
-    that takes root's child a while to handle: an attacker's stop never misses it)."""
+    with many files, say more than a descriptor limit allows open at once)."""
     ensure_user_dir(str(cfg.tiers.local.root), ids(user))
 
     def write() -> int:
@@ -310,44 +279,85 @@ def cli(
 
 
 class Stopper:
-    """An attacker's process that SIGSTOPs every other process of its user as soon as
-    it appears - root's children that run as that user included. A context manager;
-    on exit it is killed and whatever it stopped is continued."""
+    """An attacker's process that SIGSTOPs root's children that run as its user.
+
+    No race with a child that finishes fast: while a Stopper is on, each of root's
+    children (:func:`~slurm_ckpt.node.asuser.run_as`) of that user stops, once it runs
+    as the user and before its work, at a known point (``asuser.child_start_hook``): it
+    connects to the attacker's socket and waits for a word. The attacker learns the
+    child's pid from the kernel (``SO_PEERCRED``), lets the first ``skip`` children go
+    (say, a scan child) and SIGSTOPs every later one there - with a user's rights only,
+    as any process of the user may - then waits until the kernel shows it stopped.
+    A context manager; on exit the attacker is killed and whatever it stopped is
+    continued."""
 
     def __init__(self, user: str, skip: int = 0) -> None:
         self.user = ids(user)
-        self.skip = skip  # leave the first ``skip`` processes alone (say, a scan child)
+        self.skip = skip  # let the first ``skip`` children go (say, a scan child)
         self.pid = 0
+        self.dir = ""
+        self.path = ""
+        self._old_hook: Optional[Callable[[], None]] = None
 
     def __enter__(self) -> Stopper:
-        uid = self.user.uid
+        u = self.user
+        self.dir = tempfile.mkdtemp(prefix="sckpt-stopper-", dir="/var/tmp")
+        os.chown(self.dir, u.uid, u.gid)  # 0700, the attacker's: only they connect
+        self.path = os.path.join(self.dir, "attacker.sock")
+        ready_r, ready_w = os.pipe()
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the attacker
             try:
+                os.close(ready_r)
                 os.setgroups([])
-                os.setresgid(self.user.gid, self.user.gid, self.user.gid)
-                os.setresuid(uid, uid, uid)
-                me = os.getpid()
-                spared: set = set()
-                while True:
-                    for name in os.listdir("/proc"):
-                        if not name.isdigit() or int(name) in (me, *spared):
-                            continue
-                        try:
-                            if os.stat(f"/proc/{name}").st_uid == uid:
-                                if len(spared) < self.skip:
-                                    spared.add(int(name))
-                                    continue
-                                os.kill(int(name), signal.SIGSTOP)
-                        except OSError:
-                            pass
-                    time.sleep(0.005)
+                os.setresgid(u.gid, u.gid, u.gid)
+                os.setresuid(u.uid, u.uid, u.uid)
+                self._attack(ready_w)
             finally:
                 os._exit(0)
+        os.close(ready_w)
+        try:
+            if os.read(ready_r, 1) != b"1":  # its socket listens (or it died)
+                raise RuntimeError("the attacker's process did not start")
+        finally:
+            os.close(ready_r)
         self.pid = pid
+        self._old_hook = asuser.child_start_hook
+        asuser.child_start_hook = self._meet
         return self
 
+    def _attack(self, ready: int) -> None:  # pragma: no cover - the attacker
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(self.path)
+        srv.listen(16)
+        os.write(ready, b"1")
+        os.close(ready)
+        held = []  # the stopped children's connections, kept open
+        seen = 0
+        while True:
+            conn, _ = srv.accept()
+            cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            child, _uid, _gid = struct.unpack("3i", cred)
+            seen += 1
+            if seen <= self.skip:
+                conn.sendall(b"go")
+                conn.close()
+                continue
+            os.kill(child, signal.SIGSTOP)
+            held.append(conn)
+            while _proc_state(child) not in ("T", "t", "Z", ""):
+                time.sleep(0.001)  # until the kernel shows it stopped: no deadline needed
+
+    def _meet(self) -> None:
+        """In root's child, as its user: meet the attacker (the known point)."""
+        if os.getuid() != self.user.uid:
+            return
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(self.path)
+            s.recv(2)  # "go"; a stopped child stays here until root kills it
+
     def __exit__(self, *exc: object) -> None:
+        asuser.child_start_hook = self._old_hook
         os.kill(self.pid, signal.SIGKILL)
         os.waitpid(self.pid, 0)
         for name in os.listdir("/proc"):
@@ -357,6 +367,16 @@ class Stopper:
                         os.kill(int(name), signal.SIGCONT)
                 except OSError:
                     pass
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _proc_state(pid: int) -> str:
+    """The state letter of ``pid`` in ``/proc`` ("" once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b") ", 1)[1][:1].decode()
+    except (OSError, IndexError):
+        return ""
 
 
 @pytest.fixture

@@ -22,8 +22,8 @@ from .conftest import ATTACKER, NODE, VICTIM, Recorder, Site, Stopper, save, ste
 def _both_owe(site: Site, **sections: Any) -> Any:
     cfg = site.cfg(**sections)
     save(cfg, VICTIM, "good", 1, job="200")
-    save(cfg, ATTACKER, "evil", 1, job="100", files=600)
-    save(cfg, ATTACKER, "evil", 2, job="100", files=600)
+    save(cfg, ATTACKER, "evil", 1, job="100")
+    save(cfg, ATTACKER, "evil", 2, job="100")
     return cfg
 
 
@@ -89,7 +89,7 @@ def test_stopped_retention_child_only_skips_its_user(site: Site, no_hang: Callab
     cfg = site.cfg(retention={"keep_local": 1})
     for step in (1, 2):
         save(cfg, VICTIM, "good", step, job="200")
-        save(cfg, ATTACKER, "evil", step, job="100", files=600)
+        save(cfg, ATTACKER, "evil", step, job="100")
     work = NodeWork(cfg, NODE)
     work.reconcile()
     work.flush(work.candidates(None))

@@ -31,20 +31,15 @@ import signal
 import time
 from typing import Any, Callable, Iterator, Optional
 
-from slurm_ckpt.core.admission import (
-    Admission,
-    AdmissionError,
-    AdmissionPolicy,
-    Priority,
-    SlotStore,
-    Ticket,
-    decision_event,
-)
+from slurm_ckpt.admission.decisions import Admission, Ticket, decision_event
+from slurm_ckpt.admission.policy import AdmissionError, AdmissionPolicy, Priority
+from slurm_ckpt.admission.state import SlotStore
+from slurm_ckpt.admission.store import PosixSlotStore
 from slurm_ckpt.core.config import Config
-from slurm_ckpt.node.asuser import _set_pdeathsig
-from slurm_ckpt.tiers.admission import PosixSlotStore
+from slurm_ckpt.core.procs import set_pdeathsig
+from slurm_ckpt.ledger import events
 
-log = logging.getLogger("slurm_ckpt.slots")
+log = logging.getLogger(__name__)
 
 __all__ = ["SlotGate", "renewer"]
 
@@ -59,7 +54,7 @@ def renewer(admission: Admission, ticket: Ticket) -> Iterator[None]:
     if pid == 0:  # the renewer
         code = 0
         try:
-            _set_pdeathsig()
+            set_pdeathsig()
             while os.getppid() == parent:
                 time.sleep(period)
                 if os.getppid() != parent or not admission.renew(ticket):
@@ -93,11 +88,7 @@ class SlotGate:
         self.admission = admission
         self.priority = int(priority)
         self.rate = rate
-        if emit is None:
-            from slurm_ckpt.ledger import events
-
-            emit = events.emit
-        self.emit = emit
+        self.emit = events.emit if emit is None else emit
         self._warned = False
 
     @classmethod

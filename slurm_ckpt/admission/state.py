@@ -1,29 +1,26 @@
 """The shared state of admission control: who holds a slot, who waits, and the stores
-that keep it (in memory here; on the PFS in :mod:`slurm_ckpt.tiers.admission`).
+that keep it (in memory here; on the shared tier in :mod:`slurm_ckpt.admission.store`).
 
-The decisions made on this state are :mod:`slurm_ckpt.core.admission`.
+The decisions made on this state are :mod:`slurm_ckpt.admission.decisions`.
 """
 
 from __future__ import annotations
 
 import bisect
-import enum
 import math
 import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, TypeVar
 
-from slurm_ckpt.errors import CkptError
+from slurm_ckpt.admission.policy import AdmissionPolicy
 
 __all__ = [
     "MAX_ENTRIES",
+    "NODE_RE",
     "STATE_FORMAT",
-    "AdmissionError",
-    "AdmissionPolicy",
     "Entry",
     "MemoryStore",
-    "Priority",
     "SimClock",
     "SlotState",
     "SlotStore",
@@ -37,96 +34,6 @@ STATE_FORMAT = "slurm_ckpt.admission/1"
 MAX_ENTRIES = 1_000_000
 NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,80}$")
-
-
-class AdmissionError(CkptError):
-    """The slot store cannot be used (missing, unsafe, unreadable, or locked too long)."""
-
-    exit_code = 1
-
-
-class Priority(enum.IntEnum):
-    """Queue order: higher goes first. Values leave room for site-defined levels."""
-
-    ROUTINE = 0
-    #: The job was preempted or is at its end: this flush is its last chance.
-    PREEMPTED = 10
-    #: The node is draining for maintenance: an admin (``ckpt-slurm maint``) waits on it.
-    MAINTENANCE = 20
-
-
-# --------------------------------------------------------------------------- policy
-
-
-@dataclass(frozen=True)
-class AdmissionPolicy:
-    """The caps, the jitter and the timings; see the module docstring.
-
-    ``max_nodes``/``max_bandwidth`` None = no such cap (both None: no slots at all, only
-    jitter). ``lease`` is how long a holder's slot outlives its last renewal; ``poll`` how
-    often a waiter looks again; ``max_wait`` the budget of a caller that has none.
-    """
-
-    max_nodes: Optional[int] = None
-    max_bandwidth: Optional[float] = None
-    jitter: float = 0.0
-    lease: float = 60.0
-    poll: float = 1.0
-    max_wait: float = 300.0
-
-    def __post_init__(self) -> None:
-        if self.max_nodes is not None and (
-            isinstance(self.max_nodes, bool) or int(self.max_nodes) != self.max_nodes
-        ):
-            raise ValueError(f"max_nodes must be a whole number, got {self.max_nodes!r}")
-        if self.max_nodes is not None and self.max_nodes < 1:
-            raise ValueError(f"max_nodes must be at least 1, got {self.max_nodes!r}")
-        for name in ("max_bandwidth",):
-            v = getattr(self, name)
-            if v is not None and not (math.isfinite(v) and v > 0):
-                raise ValueError(f"{name} must be positive, got {v!r}")
-        for name in ("jitter",):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"{name} must not be negative, got {v!r}")
-        for name in ("lease", "poll", "max_wait"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v > 0):
-                raise ValueError(f"{name} must be positive, got {v!r}")
-
-    @property
-    def enabled(self) -> bool:
-        """True when a cap is set, i.e. slots are taken at all."""
-        return self.max_nodes is not None or self.max_bandwidth is not None
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> AdmissionPolicy:
-        """From a :class:`~slurm_ckpt.core.config.Config` (its ``[admission]`` section)."""
-        a = cfg.admission
-        return cls(
-            max_nodes=a.max_nodes,
-            max_bandwidth=a.max_bandwidth,
-            jitter=a.jitter,
-            lease=a.lease,
-            poll=a.poll,
-            max_wait=a.max_wait,
-        )
-
-    def rate_of(self, requested: Optional[float]) -> float:
-        """The rate a request counts with against ``max_bandwidth``.
-
-        A flusher that knows its own cap (``tiers.pfs.bandwidth_limit``) asks with it; one
-        that does not is counted as an equal share of the bandwidth cap
-        (``max_bandwidth / max_nodes``, or all of it when there is no node cap: such a
-        flusher then flushes alone), and is told to keep to that rate.
-        """
-        if requested is not None and requested > 0:
-            if self.max_bandwidth is not None:
-                return min(float(requested), self.max_bandwidth)
-            return float(requested)
-        if self.max_bandwidth is None:
-            return 0.0
-        return self.max_bandwidth / (self.max_nodes or 1)
 
 
 # --------------------------------------------------------------------------- state
@@ -206,6 +113,20 @@ class SlotState:
         if w is None:
             return None
         return bisect.bisect_left(self._queue, (w.order(), eid))
+
+    def live_ahead(self, eid: str, limit: int, now: float) -> int:
+        """Live waiters ahead of ``eid`` in the queue, counted up to ``limit`` (so the walk
+        is as short as the free capacity, plus any lapsed entries at the head). A waiter
+        that is not queued at all gets ``0``: the caller must ask the store."""
+        if eid not in self.waiters:
+            return 0
+        n = 0
+        for _, other in self._queue:
+            if n >= limit or other == eid:
+                break
+            if self.waiters[other].until > now:
+                n += 1
+        return n
 
     # -- changes ----------------------------------------------------------------------
     def expire(self, now: float) -> List[Entry]:
@@ -351,10 +272,10 @@ class SlotState:
 class SlotStore(Protocol):
     """Where the :class:`SlotState` lives. ``transact`` runs ``fn`` on the state under
     the store's mutual exclusion and writes it back if ``fn`` changed it; it raises
-    :class:`AdmissionError` when it cannot get the state before ``deadline`` (a
-    ``clock()`` value; None = no limit). ``peek`` is a lock-free read of the last state
-    written (may be stale, never torn), for deciding whether a transaction is worth it.
-    ``ops`` counts transactions, ``peeks`` reads."""
+    :class:`~slurm_ckpt.admission.policy.AdmissionError` when it cannot get the state
+    before ``deadline`` (a ``clock()`` value; None = no limit). ``peek`` is a lock-free
+    read of the last state written (may be stale, never torn), for deciding whether a
+    transaction is worth it. ``ops`` counts transactions, ``peeks`` reads."""
 
     ops: int
     peeks: int

@@ -1,77 +1,19 @@
-"""Admission control for flushes to a shared tier: the decision code, and a store in memory.
-
-Why: the write burst of a checkpoint is the cluster's problem, not the job's. Every node
-caps its own flush bandwidth, but nothing stops 2,000 nodes from flushing in the same
-second, and while they do every other job's reads stall. So a node asks for a *slot*
-before it flushes to the PFS:
-
-* **cap**: at most ``max_nodes`` holders at once, and/or at most ``max_bandwidth`` bytes/s
-  summed over the holders' rates;
-* **lease**: a holder renews its slot while it flushes; a holder that died (node crash,
-  SIGKILL) stops renewing, and its slot is free again ``lease`` seconds after its last
-  renewal, by itself, with no one to clean up;
-* **jitter**: a flush starts after a random delay in ``[0, jitter)``, so that the nodes of
-  a job that all saved at the same step do not all ask in the same second;
-* **priority**: the queue is ordered by priority, then arrival: a node draining for
-  maintenance (an admin waits on it) or a preempted job's flush (its last chance) goes
-  before a routine one. Within a priority, first come first served, and no one overtakes
-  the head of the queue (a big request is never starved by small ones);
-* **budget**: every waiter has a deadline. When it passes, the answer is "not admitted"
-  and the waiter leaves the queue: the caller hands the flush off (to the stager) instead
-  of waiting past its own time limit.
-
-The shared state (:class:`~slurm_ckpt.core.slot_state.SlotState`: the holders and the
-queue of waiters) lives in a *store* (:mod:`slurm_ckpt.core.slot_state`).
-All decisions are made here, on that state, inside one store transaction:
-:class:`MemoryStore` keeps it in memory with an injectable clock (tests, the fleet
-simulation in ``benchmarks/fleet_sim.py``), ``slurm_ckpt.tiers.admission.PosixSlotStore``
-keeps it as a root-owned file on the PFS under a lock. The same :class:`Admission` runs
-against either, so what the simulation shows at 10,000 nodes is what this code does.
-
-Costs stay constant per node as the cluster grows: a waiter's entry carries its own
-deadline (no renewals while waiting), the queue is kept sorted, and a decision walks only
-the head of the queue (as many entries as there are free slots, plus any that expired
-there), never the whole of it. :attr:`SlotState.examined` counts those steps.
-
-No SLURM, no torch, no I/O here.
+"""Admission control's decisions: ask for, hold, renew and give back a slot, each step
+one transaction on the store's :class:`~slurm_ckpt.admission.state.SlotState`. Why and
+how the slots work: :mod:`slurm_ckpt.admission`. No I/O here but the store's.
 """
 
 from __future__ import annotations
 
 import random
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from slurm_ckpt.core.slot_state import (
-    NODE_RE,
-    AdmissionError,
-    AdmissionPolicy,
-    Entry,
-    MemoryStore,
-    Priority,
-    SimClock,
-    SlotState,
-    SlotStore,
-)
-from slurm_ckpt.errors import CkptError
+from slurm_ckpt.admission.policy import AdmissionError, AdmissionPolicy, Priority
+from slurm_ckpt.admission.state import NODE_RE, Entry, SlotState, SlotStore
 
-__all__ = [
-    "Admission",
-    "AdmissionError",
-    "AdmissionPolicy",
-    "Decision",
-    "Entry",
-    "Heartbeat",
-    "decision_event",
-    "MemoryStore",
-    "Priority",
-    "SimClock",
-    "SlotState",
-    "SlotStore",
-    "Ticket",
-]
+__all__ = ["Admission", "Decision", "Ticket", "decision_event"]
 
 # --------------------------------------------------------------------------- decisions
 
@@ -120,7 +62,7 @@ class Decision:
 
 
 class Admission:
-    """Ask for, hold, renew and give back slots; see the module docstring.
+    """Ask for, hold, renew and give back slots; see :mod:`slurm_ckpt.admission`.
 
     ``store`` is a :class:`SlotStore`; ``clock`` returns seconds (wall-clock epoch seconds
     for a store shared by nodes: leases are compared across nodes, so node clocks must
@@ -189,7 +131,7 @@ class Admission:
         if now < ticket.deadline:
             peeked = self.store.peek()
             free = self._free_slots(peeked, now)
-            if free is not None and _live_ahead(peeked, ticket.id, free, now) >= free:
+            if free is not None and peeked.live_ahead(ticket.id, free, now) >= free:
                 return self._decision(ticket, False, False, now, peeked, peeked.position(ticket.id))
 
         def step(st: SlotState) -> Decision:
@@ -221,8 +163,9 @@ class Admission:
         return self.store.transact(step, deadline=max(ticket.deadline, now) + self.policy.poll)
 
     def renew(self, ticket: Ticket) -> bool:
-        """Keep a held slot (call well within every ``lease``; :class:`Heartbeat` does).
-        False when the slot lapsed: the caller no longer counts against the cap."""
+        """Keep a held slot (call well within every ``lease``;
+        :func:`slurm_ckpt.admission.gate.renewer` does). False when the slot lapsed: the
+        caller no longer counts against the cap."""
         now = self.clock()
         return bool(self.store.transact(lambda st: st.renew(ticket.id, now, self.policy.lease)))
 
@@ -303,21 +246,6 @@ class Admission:
         )
 
 
-def _live_ahead(st: SlotState, eid: str, limit: int, now: float) -> int:
-    """Live waiters ahead of ``eid`` in the queue, counted up to ``limit`` (so the walk
-    is as short as the free capacity, plus any lapsed entries at the head). A ticket that
-    is not queued at all gets ``0``: the caller must ask the store."""
-    if eid not in st.waiters:
-        return 0
-    n = 0
-    for _, other in st._queue:
-        if n >= limit or other == eid:
-            break
-        if st.waiters[other].until > now:
-            n += 1
-    return n
-
-
 def decision_event(decision: Decision, priority: int) -> Tuple[str, Dict[str, Any]]:
     """``(event type, fields)`` for the event log (``slurm_ckpt.ledger.events``): type
     ``admission`` for a slot granted, ``admission_refused`` for "not admitted". The
@@ -330,41 +258,3 @@ def decision_event(decision: Decision, priority: int) -> Tuple[str, Dict[str, An
         "holders": decision.holders,
         "priority": int(priority),
     }
-
-
-class Heartbeat:
-    """Renews a held slot every ``lease / 3`` from a thread, until :meth:`stop`.
-
-    For flushers that copy in a child process while the parent waits: the parent's
-    thread keeps the slot alive; a parent that dies stops renewing, and the slot lapses.
-    ``lost`` is set when a renewal found the slot gone (it lapsed: the flusher is over
-    its lease, e.g. the machine was suspended) or the store failed.
-    """
-
-    def __init__(self, admission: Admission, ticket: Ticket) -> None:
-        self.admission = admission
-        self.ticket = ticket
-        self.lost = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="slot-heartbeat", daemon=True)
-
-    def __enter__(self) -> Heartbeat:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def _run(self) -> None:
-        period = max(0.01, self.admission.policy.lease / 3.0)
-        while not self._stop.wait(period):
-            try:
-                if not self.admission.renew(self.ticket):
-                    self.lost = True
-            except CkptError:
-                self.lost = True
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()

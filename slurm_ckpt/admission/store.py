@@ -1,7 +1,7 @@
 """The admission slots on the shared tier itself: a root-owned directory on the PFS.
 
-:mod:`slurm_ckpt.core.admission` decides; this module only keeps its
-:class:`~slurm_ckpt.core.admission.SlotState` where every node sees it:
+:mod:`slurm_ckpt.admission.decisions` decides; this module only keeps its
+:class:`~slurm_ckpt.admission.state.SlotState` where every node sees it:
 ``<tiers.pfs.root>/.slurm_ckpt/slots/`` (``[admission] dir`` to move it), holding
 
 * ``lock``: an empty file whose ``flock`` serialises the transactions (held for
@@ -19,10 +19,11 @@ mode 1777, and users are hostile): a user who could open ``lock`` could ``flock`
 forever and stall every root flusher; one who could write ``state.json`` could hold every
 slot, or make root parse a FIFO. So every component below the PFS root is opened relative
 to its parent with ``O_NOFOLLOW`` (a symlink fails the open), the directories must be
-owned by this process's user and writable by no one else, the files are opened
-non-blocking and refused unless they are regular files with one link, owned by this user,
-mode 0600. A directory that fails the check is not used: the store is refused with a
-one-line error that says what to fix (``ckpt-slurm doctor`` reports it too), and callers
+private to this process's user (:func:`slurm_ckpt.core.trust.unsafe_dir`), the files are
+opened non-blocking and refused unless they are regular files with one link
+(:func:`slurm_ckpt.core.fsio.check_file`), owned by this user, mode 0600. A directory
+that fails the check is not used: the store is refused with a one-line error that says
+what to fix (``ckpt-slurm doctor`` reports it too), and callers
 flush without a slot rather than lose a checkpoint. A missing directory is created 0755.
 
 Only the owner of the store can take slots in it: the root-run flushers (epilog, stager,
@@ -36,15 +37,18 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
-import stat
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
-from slurm_ckpt.core import fsio
-from slurm_ckpt.core.admission import AdmissionError, SlotState
+from slurm_ckpt.admission.policy import AdmissionError
+from slurm_ckpt.admission.state import SlotState
+from slurm_ckpt.core import fsio, trust
 from slurm_ckpt.core.config import LEDGER_SUBDIR, Config
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SLOTS_SUBDIR", "PosixSlotStore", "check_store_dir", "slots_dir"]
 
@@ -54,7 +58,6 @@ SLOTS_SUBDIR = "slots"
 LOCK_NAME = "lock"
 STATE_NAME = "state.json"
 _MAX_STATE = 256 * 2**20
-_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _O_FILE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _LOCK_POLL_S = 0.01
 
@@ -73,18 +76,12 @@ def slots_dir(cfg: Config) -> Path:
 
 
 def _trusted_dir(fd: int, where: str, uid: int) -> None:
-    st = os.fstat(fd)
-    if not stat.S_ISDIR(st.st_mode):
-        raise AdmissionError(f"admission store {where}: not a directory")
-    if st.st_uid != uid:
+    """Refuse a store directory that is not private to ``uid`` (the trust rule of
+    :func:`slurm_ckpt.core.trust.unsafe_dir`), with the fix in the message."""
+    why = trust.unsafe_dir(os.fstat(fd), uid)
+    if why is not None:
         raise AdmissionError(
-            f"admission store {where}: owned by uid {st.st_uid}, not {uid}; "
-            f"fix: chown {uid} {where} && chmod 755 {where}"
-        )
-    if st.st_mode & 0o022:
-        raise AdmissionError(
-            f"admission store {where}: writable by group or others "
-            f"(mode {stat.S_IMODE(st.st_mode):04o}); fix: chmod 755 {where}"
+            f"admission store {where}: {why}; fix: chown {uid} {where} && chmod 755 {where}"
         )
 
 
@@ -106,7 +103,7 @@ def check_store_dir(path: Path, create: bool = True) -> int:
     for _ in range(own):
         top = top.parent
     try:
-        fd = os.open(str(top), _O_DIR)
+        fd = os.open(str(top), fsio.O_DIR)
     except OSError as exc:
         raise AdmissionError(
             f"admission store: cannot open {top}: {exc.strerror or exc} (is the PFS mounted?)"
@@ -116,13 +113,13 @@ def check_store_dir(path: Path, create: bool = True) -> int:
         for part in path.parts[len(top.parts) :]:
             where = where / part
             try:
-                nfd = os.open(part, _O_DIR, dir_fd=fd)
+                nfd = os.open(part, fsio.O_DIR, dir_fd=fd)
             except FileNotFoundError:
                 if not create:
                     raise AdmissionError(f"admission store {where}: does not exist") from None
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(part, 0o755, dir_fd=fd)
-                nfd = os.open(part, _O_DIR, dir_fd=fd)
+                nfd = os.open(part, fsio.O_DIR, dir_fd=fd)
             except OSError as exc:
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                     raise AdmissionError(
@@ -140,13 +137,16 @@ def check_store_dir(path: Path, create: bool = True) -> int:
 
 
 def _trusted_file(fd: int, where: str, uid: int) -> os.stat_result:
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        raise AdmissionError(f"admission store {where}: not a regular file")
-    if st.st_uid != uid or st.st_nlink != 1 or st.st_mode & 0o077:
+    """Refuse a store file unless it is a regular file with one link
+    (:func:`slurm_ckpt.core.fsio.check_file`), owned by ``uid``, mode 0600."""
+    try:
+        st = fsio.check_file(fd, where)
+    except fsio.UnsafeFile as exc:
+        raise AdmissionError(f"admission store {exc.strerror}") from None
+    if st.st_uid != uid or st.st_mode & 0o077:
         raise AdmissionError(
-            f"admission store {where}: must be owned by uid {uid}, mode 0600, one link "
-            f"(uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}, {st.st_nlink} links)"
+            f"admission store {where}: must be owned by uid {uid}, mode 0600 "
+            f"(uid {st.st_uid}, mode {trust.mode_of(st)})"
         )
     return st
 
@@ -155,7 +155,7 @@ class PosixSlotStore:
     """The slot state in a directory on the PFS; see the module docstring.
 
     ``clock`` must be the clock that deadlines passed to :meth:`transact` refer to
-    (the :class:`~slurm_ckpt.core.admission.Admission`'s clock).
+    (the :class:`~slurm_ckpt.admission.decisions.Admission`'s clock).
     """
 
     def __init__(
@@ -236,9 +236,7 @@ class PosixSlotStore:
         except (ValueError, UnicodeDecodeError) as exc:
             # Only this store's owner writes it, so this is a torn disk, not an attack:
             # start over. Holders that were in it flush on, uncounted, until they finish.
-            import logging
-
-            logging.getLogger("slurm_ckpt").warning(
+            log.warning(
                 "admission store %s unreadable (%s): starting with an empty one", where, exc
             )
             return SlotState(dirty=True)

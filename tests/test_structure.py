@@ -1,0 +1,57 @@
+"""The house's structure, from its import graph (scripts/import_graph.py): no import runs
+up the layers, and no module takes another module's private names."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import import_graph  # noqa: E402
+
+
+def test_no_upward_imports() -> None:
+    assert import_graph.scan().upward == []
+
+
+def test_no_cross_module_private_imports() -> None:
+    assert import_graph.scan().private == []
+
+
+def test_loggers_by_module_name_and_exit_codes_by_constant() -> None:
+    facts = import_graph.scan()
+    assert facts.loggers == [] and facts.exit_literals == []
+
+
+def test_the_checker_sees_what_it_must_refuse(tmp_path: Path) -> None:
+    """The same scan over a tiny package that breaks every rule finds every break (and
+    the "pfs" literal), so the tests above can fail."""
+    pkg = tmp_path / "slurm_ckpt"
+    for part in ("core", "node", "hooks"):
+        (pkg / part).mkdir(parents=True)
+        (pkg / part / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "node" / "work.py").write_text("def _helper():\n    return 'pfs'\n")
+    (pkg / "core" / "bad.py").write_text(
+        "from slurm_ckpt.node.work import _helper\n"
+        "def f():\n    from slurm_ckpt.node import work\n    return work._helper()\n"
+    )
+    (pkg / "hooks" / "a.py").write_text("from slurm_ckpt.hooks import b\n")
+    (pkg / "hooks" / "b.py").write_text(
+        'import logging\nlog = logging.getLogger("slurm_ckpt.hooks")\n'
+        "class Bad(Exception):\n    exit_code = 1\n"
+    )
+    facts = import_graph.scan(tmp_path)
+    assert sorted(u.split(": ", 1)[1] for u in facts.upward) == [
+        "a hook imports slurm_ckpt.hooks.b",
+        "core imports slurm_ckpt.node.work",
+        "core imports slurm_ckpt.node.work",
+    ]
+    assert sorted(p.split(": ", 1)[1] for p in facts.private) == [
+        "slurm_ckpt.node.work._helper",
+        "slurm_ckpt.node.work._helper",
+    ]
+    assert facts.pfs_literals == ["slurm_ckpt/node/work.py:2"]
+    assert facts.loggers == ["slurm_ckpt/hooks/b.py:2: getLogger('slurm_ckpt.hooks')"]
+    assert facts.exit_literals == ["slurm_ckpt/hooks/b.py:4: Bad"]

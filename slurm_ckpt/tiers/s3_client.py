@@ -19,7 +19,7 @@ import stat
 import tempfile
 import threading
 from contextlib import contextmanager, suppress
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import botocore.exceptions as bexc
 
@@ -106,19 +106,41 @@ def s3_error(
 
 
 def _boto3_session() -> Any:
-    """boto3's Session class, imported on first use: boto3 takes a fifth of a second to
-    import, which every ``ckpt-slurm`` command and every job paid for when it was loaded
-    with the module, on sites that have no object tier at all. A flusher resolves its
-    credentials (:func:`resolve_credentials`) before it forks, so its children inherit
-    the module."""
-    import boto3.session
+    """A botocore session factory (``profile_name=``), imported on first use: botocore
+    takes a fifth of a second to import, which every ``ckpt-slurm`` command and every
+    job paid for when it was loaded with the module, on sites that have no object tier
+    at all. Its models come from botocore's installed data only
+    (:func:`~slurm_ckpt.tiers.s3_seal.plain_session`): never ``AWS_DATA_PATH`` nor
+    ``~/.aws/models``."""
+    from slurm_ckpt.tiers.s3_seal import plain_session
 
-    return boto3.session.Session
+    return lambda profile_name=None: plain_session(profile_name)
+
+
+def boto_config(region: str, pool: int) -> Any:
+    """The client configuration every object-tier client uses."""
+    from botocore.config import Config as BotoConfig  # see _boto3_session
+
+    return BotoConfig(
+        region_name=region,
+        max_pool_connections=pool,
+        retries={"max_attempts": 3, "mode": "standard"},
+        connect_timeout=10,
+        read_timeout=120,
+        # Integrity is ours (xxh3 per chunk from the manifest) plus the store's CRC32
+        # check of every part, so the SigV4 payload hash would be a third pass.
+        s3={"addressing_style": "path", "payload_signing_enabled": False},
+    )
 
 
 class ClientFactory:
-    """A boto3 S3 client for this process, built on first use and again after a fork
-    (connection pools must not be shared with a child)."""
+    """A botocore S3 client for this process, built on first use and again after a fork
+    (connection pools must not be shared with a child).
+
+    ``sealed``: ``(session, bucket, scope)`` in root's owner children - the session root
+    built before the fork (:func:`~slurm_ckpt.tiers.s3_seal.sealed_session`: nothing of
+    the user's is read) and every request checked to stay below ``scope`` before it is
+    sent (:func:`~slurm_ckpt.tiers.s3_seal.install_guard`)."""
 
     def __init__(
         self,
@@ -128,7 +150,9 @@ class ClientFactory:
         pool: int = 16,
         credentials: Optional[Dict[str, str]] = None,
         credentials_file: Optional[str] = None,
+        sealed: Optional[Tuple[Any, str, str]] = None,
     ) -> None:
+        self.sealed = sealed
         self.endpoint = endpoint
         self.region = region
         self.profile = profile
@@ -154,26 +178,26 @@ class ClientFactory:
         return self.credentials or resolve_credentials(self.profile, self.credentials_file)
 
     def _build(self) -> Any:
+        cfg = boto_config(self.region, self.pool)
+        if self.sealed is not None:
+            from slurm_ckpt.tiers.s3_seal import install_guard
+
+            session, bucket, scope = self.sealed
+            client = session.create_client(
+                "s3", endpoint_url=self.endpoint, config=cfg, **dict(self.credentials or {})
+            )
+            return install_guard(client, self.endpoint, bucket, scope)
         explicit = self.credentials or read_credentials_file(self.credentials_file, self.profile)
         session_cls = _boto3_session()
         try:
             session = session_cls(profile_name=None if explicit else self.profile)
         except bexc.BotoCoreError as exc:
             raise s3_error(exc, "object tier", self.endpoint) from None
-        from botocore.config import Config as BotoConfig  # see _boto3_session
-
-        cfg = BotoConfig(
-            region_name=self.region,
-            max_pool_connections=self.pool,
-            retries={"max_attempts": 3, "mode": "standard"},
-            connect_timeout=10,
-            read_timeout=120,
-            # Integrity is ours (xxh3 per chunk from the manifest) plus the store's CRC32
-            # check of every part, so the SigV4 payload hash would be a third pass.
-            s3={"addressing_style": "path", "payload_signing_enabled": False},
-        )
         kw = dict(explicit or {})
-        return session.client("s3", endpoint_url=self.endpoint, config=cfg, **kw)
+        try:
+            return session.create_client("s3", endpoint_url=self.endpoint, config=cfg, **kw)
+        except bexc.BotoCoreError as exc:
+            raise s3_error(exc, "object tier", self.endpoint) from None
 
 
 def read_credentials_file(

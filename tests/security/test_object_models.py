@@ -1,0 +1,250 @@
+"""Finding 1 of the second round: root's flush child, which becomes the owner and holds
+root's object-store keys, must read nothing the user controls for its S3 client.
+
+The attacker has no S3 keys of its own. It plants a botocore *service model* whose
+``ListObjectsV2`` lists the victim's prefix and whose ``PutObject`` writes a key of the
+victim's, either in ``~/.aws/models`` (botocore's customer data path) or in a directory
+named by ``AWS_DATA_PATH``, then leaves a checkpoint for root to flush. Root runs the
+real ``ckpt-slurm flush`` (a process of its own, with the README's ``credentials_file``
+set-up: root's keys in a root-only file, none in the environment) against the real
+SeaweedFS. The victim's objects must be untouched, and the attacker's checkpoint lands
+under the attacker's own prefix (the flush ran, with botocore's own model).
+
+On the code before the fix both tests failed: the victim's objects were gone (the
+resume step of the attacker's upload listed them through the hostile model and deleted
+them with root's keys) - see docs/security-round2-object.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, Iterator
+from urllib.parse import quote
+
+import pytest
+
+from slurm_ckpt.core.config import Config
+
+from .conftest import ATTACKER, NODE, REPO, VICTIM, as_user, save
+
+pytestmark = pytest.mark.root
+
+
+def hostile_model(victim_prefix: str, victim_key: str) -> Dict[str, Any]:
+    """botocore's own S3 model, with ListObjectsV2 listing ``victim_prefix`` and
+    PutObject writing ``victim_key`` whatever the caller asks for."""
+    from botocore.loaders import Loader
+
+    model = Loader(
+        extra_search_paths=[Loader.BUILTIN_DATA_PATH], include_default_search_paths=False
+    ).load_service_model("s3", "service-2")
+    ops = model["operations"]
+    ops["ListObjectsV2"]["http"]["requestUri"] = "/{Bucket}?list-type=2&prefix=" + quote(
+        victim_prefix, safe=""
+    )
+    shape = model["shapes"][ops["ListObjectsV2"]["input"]["shape"]]
+    shape["members"]["Prefix"]["locationName"] = "x-ignored"
+    ops["PutObject"]["http"]["requestUri"] = "/{Bucket}/" + quote(victim_key) + "?x-id=PutObject"
+    return model
+
+
+def plant_model(model_dir: str, model: Dict[str, Any]) -> str:
+    """As the attacker: the model at ``<model_dir>/s3/2006-03-01/service-2.json``."""
+    d = os.path.join(model_dir, "s3", "2006-03-01")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "service-2.json"), "w") as fh:
+        json.dump(model, fh)
+    return d
+
+
+class ObjectSite:
+    """The security suite's local tier plus a fresh prefix in a bucket of the real
+    SeaweedFS as the warm tier (no PFS), root's keys in a root-only file."""
+
+    def __init__(self, site: Any, s3: Any) -> None:
+        self.site, self.s3 = site, s3
+        self.bucket = s3.bucket("sec-object")
+        self.prefix = s3.fresh_prefix("sec")
+        self.creds = site.base / "root-s3-credentials"
+        self.creds.write_text(
+            f"[default]\naws_access_key_id = {s3.key_id}\naws_secret_access_key = {s3.secret}\n"
+        )
+        os.chmod(self.creds, 0o600)
+
+    def data(self) -> Dict[str, Any]:
+        return {
+            "tiers": {
+                "local": {"root": str(self.site.local), "min_free": 0},
+                "object": self.s3.object_config(
+                    self.bucket, self.prefix, part_size="5MiB", credentials_file=str(self.creds)
+                ),
+            },
+            "copy": {"chunk_size": "1MiB", "streams": 2},
+            "hooks": {"budget": 60, "child_timeout": "30s"},
+        }
+
+    def cfg(self) -> Config:
+        return Config.from_dict(self.data())
+
+    def config_file(self) -> Path:
+        lines = []
+        data = self.data()
+        for tier, values in data.pop("tiers").items():
+            lines.append(f"[tiers.{tier}]")
+            lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+        for name, values in data.items():
+            lines.append(f"[{name}]")
+            lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+        path = self.site.base / "object-site.toml"
+        path.write_text("\n".join(lines) + "\n")
+        os.chmod(path, 0o644)
+        return path
+
+    def objects(self, below: str) -> Dict[str, bytes]:
+        c = self.s3.client()
+        out = {}
+        for page in c.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=below):
+            for o in page.get("Contents", []):
+                out[o["Key"]] = c.get_object(Bucket=self.bucket, Key=o["Key"])["Body"].read()
+        return out
+
+    def plant_victim(self) -> Dict[str, bytes]:
+        """The victim's objects in the store (root's test client puts them)."""
+        c = self.s3.client()
+        base = f"{self.prefix}/{VICTIM}/run/step-0000000001/"
+        want = {base + "model.bin": os.urandom(4096), base + "manifest.json": b"{}"}
+        for k, v in want.items():
+            c.put_object(Bucket=self.bucket, Key=k, Body=v)
+        return want
+
+    def root_flush(self, **env: str) -> subprocess.CompletedProcess:
+        """The real ``ckpt-slurm flush`` as root, in a process of its own, with no AWS
+        variables (root's keys are in the credentials file only) but ``env``."""
+        full = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        full.update(PYTHONPATH=str(REPO), HOME="/root", **env)
+        argv = [sys.executable, "-m", "slurm_ckpt.cli.main", "--config", str(self.config_file())]
+        return subprocess.run(
+            argv + ["flush", "--json", "-w", NODE],
+            env=full,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            cwd=REPO,
+        )
+
+
+def _drop_models() -> None:
+    """As the attacker: remove what the tests planted in its home."""
+    home = os.path.expanduser("~")
+    for d in (os.path.join(home, ".aws", "models"), os.path.join(home, "models")):
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def osite(site: Any, s3_server: Any) -> Iterator[ObjectSite]:
+    try:
+        yield ObjectSite(site, s3_server)
+    finally:
+        as_user(ATTACKER, _drop_models)  # other tests' flushes of this user stay sane
+
+
+def _attack(osite: ObjectSite, model_dir_of: Any, **env: str) -> None:
+    victim = osite.plant_victim()
+    victim_prefix = f"{osite.prefix}/{VICTIM}/"
+    model = hostile_model(victim_prefix, sorted(victim)[0])
+    cfg = osite.cfg()
+    save(cfg, ATTACKER, "evil", 1, job="990101")
+    as_user(ATTACKER, lambda: plant_model(model_dir_of(), model))
+    r = osite.root_flush(**env)
+    assert osite.objects(victim_prefix) == victim, (
+        "root's flush child touched the victim's objects through the attacker's model: "
+        f"rc={r.returncode} {r.stdout[-2000:]} {r.stderr[-2000:]}"
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    done = json.loads(r.stdout)["flushed"]
+    assert [(d["user"], d["key"], d["step"]) for d in done] == [(ATTACKER, "evil", 1)]
+    mine = osite.objects(f"{osite.prefix}/{ATTACKER}/evil/step-0000000001/")
+    assert sorted(k.rsplit("/", 1)[1] for k in mine) == ["manifest.json", "model.bin", "opt.bin"]
+
+
+def test_hostile_models_in_the_attackers_home_change_nothing_root_sends(
+    osite: ObjectSite,
+) -> None:
+    """``~attacker/.aws/models`` (botocore's customer data path)."""
+    _attack(osite, lambda: os.path.join(os.path.expanduser("~"), ".aws", "models"))
+
+
+def test_a_hostile_aws_data_path_changes_nothing_root_sends(osite: ObjectSite) -> None:
+    """``AWS_DATA_PATH`` in root's environment naming a directory the attacker writes
+    (a wrapper's leaked variable, ``sudo`` keeping it): root's clients ignore it."""
+    home = Path(os.path.expanduser(f"~{ATTACKER}"))
+    _attack(osite, lambda: str(home / "models"), AWS_DATA_PATH=str(home / "models"))
+
+
+def test_the_guard_refuses_every_request_that_leaves_the_owners_prefix(
+    osite: ObjectSite, tmp_path: Path
+) -> None:
+    """Defence in depth behind the sealed session: a client of root's owner child whose
+    model *is* hostile (as if one got in anyway), and direct requests for keys outside
+    the owner's prefix. The guard sees each request as built and signed and refuses it
+    before it is sent; the victim's objects stay as they were, the owner's own requests
+    go through."""
+    import botocore.session
+    from botocore.loaders import Loader
+
+    from slurm_ckpt.tiers.s3_client import boto_config
+    from slurm_ckpt.tiers.s3_seal import ScopeViolation, install_guard
+
+    victim = osite.plant_victim()
+    victim_prefix = f"{osite.prefix}/{VICTIM}/"
+    mine = f"{osite.prefix}/{ATTACKER}/"
+    models = tmp_path / "models"
+    plant_model(str(models), hostile_model(victim_prefix, sorted(victim)[0]))
+    session = botocore.session.Session()
+    session.register_component(
+        "data_loader",
+        Loader(extra_search_paths=[str(models), Loader.BUILTIN_DATA_PATH]),
+    )
+    s3 = osite.s3
+
+    def client(sess: Any) -> Any:
+        c = sess.create_client(
+            "s3",
+            endpoint_url=s3.endpoint,
+            config=boto_config("us-east-1", 4),
+            aws_access_key_id=s3.key_id,
+            aws_secret_access_key=s3.secret,
+        )
+        return install_guard(c, s3.endpoint, osite.bucket, mine)
+
+    bad, good = client(session), client(botocore.session.Session())
+    b = osite.bucket
+    refused = [
+        lambda: bad.list_objects_v2(Bucket=b, Prefix=mine),
+        lambda: bad.put_object(Bucket=b, Key=mine + "k/step-0000000001/x", Body=b"x"),
+        lambda: good.put_object(Bucket=b, Key=sorted(victim)[0], Body=b"x"),
+        lambda: good.put_object(Bucket=b, Key=mine + "../" + VICTIM + "/run/x", Body=b"x"),
+        lambda: good.delete_object(Bucket=b, Key=sorted(victim)[1]),
+        lambda: good.delete_objects(
+            Bucket=b, Delete={"Objects": [{"Key": mine + "a"}, {"Key": sorted(victim)[1]}]}
+        ),
+        lambda: good.list_objects_v2(Bucket=b, Prefix=osite.prefix + "/"),
+        lambda: good.list_multipart_uploads(Bucket=b, Prefix=victim_prefix),
+        lambda: good.copy_object(Bucket=b, Key=mine + "c", CopySource=f"{b}/{sorted(victim)[1]}"),
+        lambda: good.delete_bucket(Bucket=b),
+    ]
+    for i, call in enumerate(refused):
+        with pytest.raises(ScopeViolation):
+            call()
+            pytest.fail(f"request {i} was sent")
+    assert osite.objects(victim_prefix) == victim
+    good.put_object(Bucket=b, Key=mine + "k/step-0000000001/x", Body=b"ok")
+    got = good.list_objects_v2(Bucket=b, Prefix=mine + "k/")
+    assert [o["Key"] for o in got["Contents"]] == [mine + "k/step-0000000001/x"]
+    good.delete_objects(Bucket=b, Delete={"Objects": [{"Key": mine + "k/step-0000000001/x"}]})
+    assert osite.objects(mine) == {}

@@ -15,6 +15,8 @@ import errno
 import fcntl
 import hashlib
 import os
+import pwd
+import socket
 import stat
 import tempfile
 import threading
@@ -256,16 +258,53 @@ def resolve_credentials(
     return out
 
 
-def _lock_dir() -> str:
-    """A directory only this uid can write, for lock files (never a symlink)."""
-    base = "/run/slurm-ckpt" if os.geteuid() == 0 and os.path.isdir("/run") else None
-    path = base or os.path.join(tempfile.gettempdir(), f"slurm-ckpt-locks-{os.geteuid()}")
+def _private(path: str, uid: int) -> str:
+    """``path``, made if missing: a directory of ``uid`` (never a symlink) that no other
+    user may write; TierError if it is anything else (another user made it first)."""
     with suppress(FileExistsError):
         os.mkdir(path, 0o700)
     st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        raise TierError(f"lock directory {path}: not a private directory of uid {os.geteuid()}")
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o022:
+        raise TierError(f"lock directory {path}: not a private directory of uid {uid}")
     return path
+
+
+def _home_locks(uid: int) -> Optional[str]:
+    """``<home>/.cache/slurm-ckpt/locks-<host>`` of ``uid``'s passwd home (not ``$HOME``:
+    root's child as the user and the user's job must find the same directory), or None
+    when the home is not a directory of that user that only they may write. Below a
+    directory only the user writes, no other user can squat a name (a world-writable
+    ``/tmp`` lets anyone take ``/tmp/slurm-ckpt-locks-<uid>`` first). ``<host>``: a home
+    shared by the nodes holds each node's locks apart (they serialise one node)."""
+    try:
+        home = pwd.getpwuid(uid).pw_dir
+        st = os.lstat(home)
+    except (KeyError, OSError):
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o022:
+        return None
+    host = socket.gethostname().split(".")[0] or "node"
+    path = home
+    try:
+        for part in (".cache", "slurm-ckpt", f"locks-{host}"):
+            path = _private(os.path.join(path, part), uid)
+    except (OSError, TierError):
+        return None  # read-only or full home, a .cache the group may write: /tmp then
+    return path
+
+
+def _lock_dir() -> str:
+    """A directory only this uid can write, for lock files (never a symlink): root's
+    ``/run/slurm-ckpt``; a user's below their own home (:func:`_home_locks`), else
+    ``<tmp>/slurm-ckpt-locks-<uid>``."""
+    uid = os.geteuid()
+    if uid == 0 and os.path.isdir("/run"):
+        return _private("/run/slurm-ckpt", uid)
+    if uid != 0:
+        got = _home_locks(uid)
+        if got is not None:
+            return got
+    return _private(os.path.join(tempfile.gettempdir(), f"slurm-ckpt-locks-{uid}"), uid)
 
 
 @contextmanager

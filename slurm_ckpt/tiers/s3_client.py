@@ -21,7 +21,7 @@ import stat
 import tempfile
 import threading
 from contextlib import contextmanager, suppress
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import botocore.exceptions as bexc
 
@@ -135,6 +135,15 @@ def boto_config(region: str, pool: int) -> Any:
     )
 
 
+#: Clients this process inherited over ``fork()``, kept referenced until it exits. Their
+#: connection pools hold the parent's sockets; a child that closed its inherited fds
+#: (:func:`~slurm_ckpt.node.asuser.run_as`) has since reused those fd numbers for files
+#: of its own, and dropping the old client would close the sockets' numbers - a lock
+#: file's, say, whose own close then fails with EBADF (gc's aging copies as the owner
+#: did exactly that, every time).
+_INHERITED: List[Any] = []
+
+
 class ClientFactory:
     """A botocore S3 client for this process, built on first use and again after a fork
     (connection pools must not be shared with a child).
@@ -170,6 +179,8 @@ class ClientFactory:
         if self._client is None or self._pid != pid:
             with self._lock:
                 if self._client is None or self._pid != pid:
+                    if self._client is not None:
+                        _INHERITED.append(self._client)  # never closed here: see there
                     self._client = self._build()
                     self._pid = pid
         return self._client

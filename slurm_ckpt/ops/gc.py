@@ -30,6 +30,12 @@ save time) or when a marker ``<key>/.pin-step-NNNNNNNNNN`` exists beside it (``t
 to pin after the fact). A PFS checkpoint being archived right now (a
 ``.partial-step-N`` on the cold tier) is kept until that copy is done.
 
+Aging's trust: a step the aging policy passes on to the next tier is kept here until the
+next tier holds a copy with identical manifest bytes (:func:`~slurm_ckpt.ops.age.aged_steps`),
+and is deleted here only once that copy verifies now (``verify_next``): a manifest that is
+merely listed there - on an object store anyone with bucket keys can PUT one under any
+prefix - is never a reason to delete.
+
 Deletion goes through :meth:`PosixTier.delete` (manifest first, under the step lock), the
 oldest first, so an interrupted run leaves the newer checkpoints in place. Verification
 reads every byte of the checkpoints it checks: on an HSM-backed cold tier that recalls

@@ -97,8 +97,8 @@ def owner_tiers(cfg: Config) -> Dict[str, Tier]:
     Outside such a child (root itself, a user's own process) the plain tiers."""
     if not _LENT_SET or os.geteuid() == 0:
         return tiers_from_config(cfg)
-    for name in [n for n in os.environ if n.startswith("AWS_")]:
-        os.environ.pop(name, None)  # root's environment, but nothing botocore may use
+    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_DATA_PATH"):
+        os.environ.pop(name, None)  # root's environment; the rest (a CA bundle) stays
     os.environ["AWS_CONFIG_FILE"] = os.devnull
     os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
     try:

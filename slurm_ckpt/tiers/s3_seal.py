@@ -155,10 +155,16 @@ def sealed_session(endpoint: str, region: str, config: Any) -> Any:
     import botocore.session
     from botocore.credentials import CredentialResolver
 
-    session = botocore.session.Session()
-    session.set_config_variable("config_file", os.devnull)
-    session.set_config_variable("credentials_file", os.devnull)
-    session.set_config_variable("profile", None)
+    # No variable names these (a profile of root's environment must not send the session
+    # looking for a config file it does not read), no file holds them.
+    session = botocore.session.Session(
+        session_vars={
+            "profile": (None, None, None, None),
+            "config_file": (None, None, os.devnull, None),
+            "credentials_file": (None, None, os.devnull, None),
+            "data_path": (None, None, None, None),
+        }
+    )
     session.register_component("data_loader", builtin_loader())
     session.register_component("credential_provider", CredentialResolver([]))
     session.get_scoped_config()  # the (empty) config, parsed and cached now
@@ -173,9 +179,17 @@ def sealed_session(endpoint: str, region: str, config: Any) -> Any:
     return session
 
 
-def _origin(url: str) -> Tuple[str, str]:
+def _origin(url: str) -> Tuple[str, str, Optional[int]]:
+    """Scheme, host and port of ``url`` (the scheme's default port filled in)."""
     parts = urlsplit(url)
-    return parts.scheme.lower(), parts.netloc.lower()
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if port is None:
+        port = {"http": 80, "https": 443}.get(scheme)
+    return scheme, (parts.hostname or "").lower(), port
 
 
 def _under(key: str, scope: str) -> bool:
@@ -228,7 +242,7 @@ def check_request(
     if _origin(request.url) != _origin(endpoint):
         refuse("another endpoint")
     parts = urlsplit(request.url)
-    head = "/" + bucket
+    head = urlsplit(endpoint).path.rstrip("/") + "/" + bucket
     path = parts.path
     if path != head and not path.startswith(head + "/"):
         refuse("another bucket")

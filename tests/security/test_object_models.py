@@ -25,7 +25,7 @@ from urllib.parse import quote
 
 import pytest
 
-from .conftest import ATTACKER, VICTIM, as_user, save
+from .conftest import ATTACKER, NODE, VICTIM, as_user, save
 from .object_site import ObjectSite, osite_fixture  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.root
@@ -153,3 +153,33 @@ def test_the_guard_refuses_every_request_that_leaves_the_owners_prefix(
     assert [o["Key"] for o in got["Contents"]] == [mine + "k/step-0000000001/x"]
     good.delete_objects(Bucket=b, Delete={"Objects": [{"Key": mine + "k/step-0000000001/x"}]})
     assert osite.objects(mine) == {}
+
+
+@pytest.mark.parametrize("hook", ["epilog", "stager"])
+def test_the_epilog_and_the_stager_send_nothing_a_hostile_model_asks_for(
+    osite: ObjectSite, hook: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Root's real epilog (the attacker's job ended) and the stager's first pass, with
+    the attacker's model in ``~/.aws/models`` and named by ``AWS_DATA_PATH`` in root's
+    environment: the victim's objects stay as they were, the attacker's checkpoint is
+    flushed under its own prefix."""
+    from slurm_ckpt.hooks.epilog import run_epilog
+    from slurm_ckpt.hooks.stager import stager_pass
+
+    victim = osite.plant_victim()
+    victim_prefix = f"{osite.prefix}/{VICTIM}/"
+    model = hostile_model(victim_prefix, sorted(victim)[0])
+    cfg = osite.cfg()
+    save(cfg, ATTACKER, "evil", 1, job="990103")
+    home = os.path.expanduser(f"~{ATTACKER}")
+    for d in (os.path.join(home, ".aws", "models"), os.path.join(home, "models")):
+        as_user(ATTACKER, plant_model, d, model)
+    monkeypatch.setenv("AWS_DATA_PATH", os.path.join(home, "models"))
+    if hook == "epilog":
+        flush = run_epilog(cfg, osite.site.env(ATTACKER, job="990103")).flush
+    else:
+        flush = stager_pass(cfg, NODE, client=None).flush
+    assert osite.objects(victim_prefix) == victim
+    assert flush.flushed == [(ATTACKER, "evil", 1)], flush.failed
+    mine = osite.objects(f"{osite.prefix}/{ATTACKER}/evil/step-0000000001/")
+    assert sorted(k.rsplit("/", 1)[1] for k in mine) == ["manifest.json", "model.bin", "opt.bin"]

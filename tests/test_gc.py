@@ -22,6 +22,7 @@ from helpers.cli import ckpt_slurm
 from slurm_ckpt.core.layout import partial_dirname, step_dirname
 from slurm_ckpt.core.retention import CkptInfo, RetentionPolicy
 from slurm_ckpt.ops.gc import gc_series, pin_name, plan_series, policy_from_config, run_gc
+from slurm_ckpt.tiers.copy import copy_checkpoint
 from slurm_ckpt.tiers.posix import PosixTier
 
 REPO = Path(__file__).resolve().parents[1]
@@ -165,7 +166,8 @@ def test_window_keepers_verified_when_they_shield_a_deletion(tmp_path: Path) -> 
 def test_cold_tier_and_archiving_in_progress(tmp_path: Path) -> None:
     site = Site(tmp_path, keep_pfs=1, cold=True)
     site.save(range(1, 5))
-    site.save(range(1, 4), tier=site.cold)
+    for step in range(1, 4):  # real copies on the cold tier: identical manifests
+        copy_checkpoint(site.pfs, site.cold, "alice", "run", step)
     # Step 4 is being archived to the cold tier right now: keep its PFS copy.
     (tmp_path / "cold/alice/run" / partial_dirname(4)).mkdir()
     site.save([5])
@@ -180,6 +182,28 @@ def test_cold_tier_and_archiving_in_progress(tmp_path: Path) -> None:
     assert [(a.src, a.dst, a.copied) for a in report.aged] == [("pfs", "cold", [4])]
     res = {r.tier: r for r in report.series}
     assert res["cold"].deleted == [1, 2, 3] and site.on_disk(tier=site.cold) == [4]
+
+
+def test_a_next_tier_copy_counts_only_when_identical_and_verifying(tmp_path: Path) -> None:
+    """What the cold tier merely lists is no reason to drop the PFS copy: a step written
+    there independently (other manifest bytes) is still owed, and so is an identical
+    copy that no longer verifies; the PFS keeps both."""
+    site = Site(tmp_path, keep_pfs=1, cold=True)
+    site.save([1], wall={1: 1000.0})
+    site.save([2], wall={2: 90000.0})
+    site.save([3])
+    site.save([1], tier=site.cold, wall={1: 1000.0})  # same step, other bytes
+    copy_checkpoint(site.pfs, site.cold, "alice", "run", 2)
+    path = Path(site.cold.step_path("alice", "run", 2)) / "model.bin"
+    data = bytearray(path.read_bytes())
+    data[7] ^= 0xFF
+    path.write_bytes(bytes(data))
+    report = run_gc(site.cfg, as_owner=False)
+    res = {r.tier: r for r in report.series}
+    assert res["pfs"].keep == [1, 2, 3] and res["pfs"].deleted == []
+    aged = {(a.src, a.dst): a for a in report.aged}[("pfs", "cold")]
+    assert 1 in aged.planned and 1 not in aged.copied and aged.errors
+    assert site.on_disk() == [1, 2, 3]
 
 
 def test_user_and_key_filters(tmp_path: Path) -> None:

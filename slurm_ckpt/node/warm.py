@@ -24,13 +24,20 @@ has the user's ``HOME``, and must not read that user's ``~/.aws`` (a profile of 
 name there would send root's flush through the user's keys, and the user's config file
 would shape the client), so it is pointed at no AWS files at all. A process that changed
 its uid is not dumpable, so the user cannot read root's keys out of its memory.
+
+Nor may the child's botocore read anything else of the user's: its service models (a
+``~/.aws/models`` or ``AWS_DATA_PATH`` model can point any operation at another user's
+keys), config or credential files. So root also builds the child's botocore session
+before the fork (:func:`~slurm_ckpt.tiers.s3_seal.sealed_session`), and every request
+the child's client makes is checked, as built, to stay below ``<prefix>/<owner>/``
+(:func:`~slurm_ckpt.tiers.s3_seal.install_guard`).
 """
 
 from __future__ import annotations
 
 import os
 import pwd
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 from slurm_ckpt.core import fsio
 from slurm_ckpt.core.config import Config
@@ -40,7 +47,7 @@ from slurm_ckpt.node.guard import check_step_files, check_user_dir
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.posix import PosixTier
 from slurm_ckpt.tiers.registry import tiers_from_config, warm_tier
-from slurm_ckpt.tiers.s3_client import resolve_credentials
+from slurm_ckpt.tiers.s3_client import boto_config, resolve_credentials
 
 __all__ = [
     "committed_manifest",
@@ -55,6 +62,8 @@ __all__ = [
 #: module docstring); ``_LENT_SET`` says root has resolved them (even to nothing).
 _LENT: Optional[Dict[str, str]] = None
 _LENT_SET = False
+#: Root's sealed botocore session for those children (see the module docstring).
+_SEALED: Any = None
 
 
 def warm_of(cfg: Config, tiers: Dict[str, Tier]) -> Tier:
@@ -68,13 +77,17 @@ def lend_credentials(cfg: Config) -> None:
     tier's credentials (root's environment or profile) once, for :func:`owner_tiers` in
     those children. Nothing to do without an object tier or when not root. Resolved
     again by every NodeWork, so a long-running stager picks up rotated keys."""
-    global _LENT, _LENT_SET
+    global _LENT, _LENT_SET, _SEALED
     if cfg.tiers.object is None or os.geteuid() != 0:
         return
     o = cfg.tiers.object
     _LENT = resolve_credentials(
         o.profile, None if o.credentials_file is None else str(o.credentials_file)
     )
+    if _SEALED is None:
+        from slurm_ckpt.tiers.s3_seal import sealed_session
+
+        _SEALED = sealed_session(o.endpoint, o.region, boto_config(o.region, 4))
     _LENT_SET = True
 
 
@@ -84,11 +97,15 @@ def owner_tiers(cfg: Config) -> Dict[str, Tier]:
     Outside such a child (root itself, a user's own process) the plain tiers."""
     if not _LENT_SET or os.geteuid() == 0:
         return tiers_from_config(cfg)
+    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_DATA_PATH"):
+        os.environ.pop(name, None)  # root's environment; the rest (a CA bundle) stays
     os.environ["AWS_CONFIG_FILE"] = os.devnull
     os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
-    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE"):
-        os.environ.pop(name, None)
-    return tiers_from_config(cfg, credentials=_LENT or None)
+    try:
+        owner = pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        raise TierError(f"uid {os.geteuid()} has no name: no object-store access") from None
+    return tiers_from_config(cfg, credentials=_LENT or None, sealed_for=(_SEALED, owner))
 
 
 def guard_user_dir(tier: Tier, user: str, uid: int) -> None:

@@ -30,6 +30,12 @@ save time) or when a marker ``<key>/.pin-step-NNNNNNNNNN`` exists beside it (``t
 to pin after the fact). A PFS checkpoint being archived right now (a
 ``.partial-step-N`` on the cold tier) is kept until that copy is done.
 
+Aging's trust: a step the aging policy passes on to the next tier is kept here until the
+next tier holds a copy with identical manifest bytes (:func:`~slurm_ckpt.ops.age.aged_steps`),
+and is deleted here only once that copy verifies now (``verify_next``): a manifest that is
+merely listed there - on an object store anyone with bucket keys can PUT one under any
+prefix - is never a reason to delete.
+
 Deletion goes through :meth:`PosixTier.delete` (manifest first, under the step lock), the
 oldest first, so an interrupted run leaves the newer checkpoints in place. Verification
 reads every byte of the checkpoints it checks: on an HSM-backed cold tier that recalls
@@ -52,7 +58,7 @@ from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.core.retention import CkptInfo, RetentionPolicy, plan_pfs_deletions
 from slurm_ckpt.errors import CkptError
-from slurm_ckpt.ops.age import AgeResult, chain, gc_cold_series, owed, run_aging
+from slurm_ckpt.ops.age import AgeResult, aged_steps, aging_plan, chain, gc_cold_series, run_aging
 from slurm_ckpt.ops.damage import reclaimable, scan_series
 from slurm_ckpt.tiers.posix import PosixTier, StepInfo
 from slurm_ckpt.tiers.registry import tiers_from_config
@@ -255,9 +261,14 @@ def gc_series(
     next_tier: Optional[PosixTier] = None,
     progress: Optional[ProgressFn] = None,
     owed: Optional[Set[int]] = None,
+    aged: Optional[Set[int]] = None,
+    verify_next: Optional[Callable[[int], bool]] = None,
 ) -> SeriesResult:
     """Apply retention to ``user/key`` on ``tier``; see the module docstring.
-    ``progress(nbytes)`` hears of every byte verified."""
+    ``progress(nbytes)`` hears of every byte verified. ``owed``: steps the next tier
+    must receive and has not (kept). ``aged``: steps it holds with identical manifest
+    bytes; one of them is deleted here only once ``verify_next(step)`` says its copy
+    there verifies (else it is kept as owed)."""
     res = SeriesResult(tier.name, user, key)
     good, damaged = scan_series(tier, user, key, now)  # type: ignore[arg-type]
     res.damaged = [d.to_dict() for d in damaged]
@@ -288,17 +299,35 @@ def gc_series(
             )
         )
 
+    measured: Dict[int, bool] = {}
+
     def verify(step: int) -> bool:
+        if step in measured:
+            return measured[step]
         try:
             rep = tier.verify(user, key, step, progress=progress)
         except CkptError as exc:
             res.problems.append(f"{tier.where(user, key, step)}: {exc}")
+            measured[step] = False
             return False
         if not rep.ok:
             res.problems.extend(rep.problems[:3])
+        measured[step] = rep.ok
         return rep.ok
 
-    deletions, results = plan_series(infos, now, policy, verify)
+    # A step aged to the next tier may go from here only once its copy there verifies;
+    # one that does not is owed again (kept), and the plan is made anew.
+    there: Dict[int, bool] = {}
+    while True:
+        deletions, results = plan_series(infos, now, policy, verify)
+        todo = [s for s in deletions if s in (aged or ()) and s not in there]
+        if not todo:
+            break
+        for step in todo:
+            there[step] = verify_next is not None and bool(verify_next(step))
+        infos = [
+            replace(i, next_tier_verified=False) if there.get(i.step) is False else i for i in infos
+        ]
     res.verified = sorted(s for s, ok in results.items() if ok)
     res.corrupt = sorted(s for s, ok in results.items() if not ok)
     res.delete = list(deletions)
@@ -376,9 +405,12 @@ def run_gc(
         for u, k in _series(tier, user, key):
             try:
                 keep: Set[int] = set()
+                aged: Set[int] = set()
                 if following is not None:
                     try:
-                        keep = owed(tier, following[0], u, k, following[1])
+                        want = aging_plan(tier, u, k, following[1])
+                        aged = aged_steps(tier, following[0], u, k, want)
+                        keep = want - aged
                     except CkptError:
                         keep = {s.step for s in tier.steps(u, k)}  # next tier unknown: keep all
                 nxt = None if following is None else following[0]
@@ -392,6 +424,8 @@ def run_gc(
                     next_tier=nxt,
                     progress=progress,
                     owed=keep,
+                    aged=aged,
+                    verify_next=None if nxt is None else _verifier(nxt, u, k),
                 )
             except Exception as exc:  # noqa: BLE001 - one user's series never stops the rest
                 res = _skipped(tier, u, k, exc)
@@ -412,6 +446,18 @@ def run_gc(
             if res.steps or res.errors:
                 report.series.append(res)
     return report
+
+
+def _verifier(tier: Any, user: str, key: str) -> Callable[[int], bool]:
+    """``verify(step)``: does the copy on ``tier`` (the next one) verify now?"""
+
+    def verify(step: int) -> bool:
+        try:
+            return bool(tier.verify(user, key, step).ok)
+        except (CkptError, OSError):
+            return False
+
+    return verify
 
 
 def _skipped(tier: Any, user: str, key: str, exc: BaseException) -> SeriesResult:

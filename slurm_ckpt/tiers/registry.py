@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.tiers.base import Tier
@@ -13,14 +13,20 @@ from slurm_ckpt.tiers.s3 import S3Tier
 ORDER = ("local", "pfs", "object", "cold")
 
 
-def tiers_from_config(cfg: Config, credentials: Optional[Dict[str, str]] = None) -> Dict[str, Tier]:
+def tiers_from_config(
+    cfg: Config,
+    credentials: Optional[Dict[str, str]] = None,
+    sealed_for: Optional[Tuple[Any, str]] = None,
+) -> Dict[str, Tier]:
     """The tiers the config names, hot to cold: local; pfs and/or object (the warm
     tier: ``cfg.tiers.warm``); cold when configured. Dict order is :data:`ORDER`.
 
     ``credentials`` (boto3's ``aws_access_key_id``/``aws_secret_access_key``/
     ``aws_session_token``) are the object tier's, given explicitly: root resolves its
     own before a child becomes the checkpoint's owner (:mod:`slurm_ckpt.node.warm`), so
-    the child never reads the credentials or profile of the user it has become."""
+    the child never reads the credentials or profile of the user it has become.
+    ``sealed_for``: ``(session, owner)`` in such a child: root's sealed botocore session
+    and the owner whose prefix alone its requests may touch (:mod:`slurm_ckpt.tiers.s3_seal`)."""
     common = {
         "chunk_size": cfg.copy.chunk_size,
         "streams": cfg.copy.streams,
@@ -47,6 +53,7 @@ def tiers_from_config(cfg: Config, credentials: Optional[Dict[str, str]] = None)
             buffer_size=cfg.copy.buffer_size,
             credentials=credentials,
             credentials_file=None if o.credentials_file is None else str(o.credentials_file),
+            sealed_for=sealed_for,
         )
     c = cfg.tiers.cold
     if c is not None:

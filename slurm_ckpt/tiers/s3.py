@@ -63,6 +63,7 @@ class S3Tier:
         credentials: Optional[Dict[str, str]] = None,
         min_part: int = MIN_PART,
         credentials_file: Optional[str] = None,
+        sealed_for: Optional[Tuple[Any, str]] = None,
     ) -> None:
         self.name = name
         self.endpoint = endpoint
@@ -75,8 +76,13 @@ class S3Tier:
         self.chunk_size = chunk_size
         self.buffer_size = buffer_size
         self.limiter = BandwidthLimiter(bandwidth) if bandwidth else None
+        # sealed_for: (root's sealed botocore session, owner): root's owner child, whose
+        # every request must stay below <prefix>/<owner>/ (tiers.s3_seal).
+        sealed = None
+        if sealed_for is not None:
+            sealed = (sealed_for[0], bucket, f"{self.base}{validate_user(sealed_for[1])}/")
         self.client = ClientFactory(
-            endpoint, region, profile, concurrency * 2 + 4, credentials, credentials_file
+            endpoint, region, profile, concurrency * 2 + 4, credentials, credentials_file, sealed
         )
 
     def __repr__(self) -> str:

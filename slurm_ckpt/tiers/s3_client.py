@@ -15,11 +15,13 @@ import errno
 import fcntl
 import hashlib
 import os
+import pwd
+import socket
 import stat
 import tempfile
 import threading
 from contextlib import contextmanager, suppress
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import botocore.exceptions as bexc
 
@@ -106,19 +108,50 @@ def s3_error(
 
 
 def _boto3_session() -> Any:
-    """boto3's Session class, imported on first use: boto3 takes a fifth of a second to
-    import, which every ``ckpt-slurm`` command and every job paid for when it was loaded
-    with the module, on sites that have no object tier at all. A flusher resolves its
-    credentials (:func:`resolve_credentials`) before it forks, so its children inherit
-    the module."""
-    import boto3.session
+    """A botocore session factory (``profile_name=``), imported on first use: botocore
+    takes a fifth of a second to import, which every ``ckpt-slurm`` command and every
+    job paid for when it was loaded with the module, on sites that have no object tier
+    at all. Its models come from botocore's installed data only
+    (:func:`~slurm_ckpt.tiers.s3_seal.plain_session`): never ``AWS_DATA_PATH`` nor
+    ``~/.aws/models``."""
+    from slurm_ckpt.tiers.s3_seal import plain_session
 
-    return boto3.session.Session
+    return lambda profile_name=None: plain_session(profile_name)
+
+
+def boto_config(region: str, pool: int) -> Any:
+    """The client configuration every object-tier client uses."""
+    from botocore.config import Config as BotoConfig  # see _boto3_session
+
+    return BotoConfig(
+        region_name=region,
+        max_pool_connections=pool,
+        retries={"max_attempts": 3, "mode": "standard"},
+        connect_timeout=10,
+        read_timeout=120,
+        # Integrity is ours (xxh3 per chunk from the manifest) plus the store's CRC32
+        # check of every part, so the SigV4 payload hash would be a third pass.
+        s3={"addressing_style": "path", "payload_signing_enabled": False},
+    )
+
+
+#: Clients this process inherited over ``fork()``, kept referenced until it exits. Their
+#: connection pools hold the parent's sockets; a child that closed its inherited fds
+#: (:func:`~slurm_ckpt.node.asuser.run_as`) has since reused those fd numbers for files
+#: of its own, and dropping the old client would close the sockets' numbers - a lock
+#: file's, say, whose own close then fails with EBADF (gc's aging copies as the owner
+#: did exactly that, every time).
+_INHERITED: List[Any] = []
 
 
 class ClientFactory:
-    """A boto3 S3 client for this process, built on first use and again after a fork
-    (connection pools must not be shared with a child)."""
+    """A botocore S3 client for this process, built on first use and again after a fork
+    (connection pools must not be shared with a child).
+
+    ``sealed``: ``(session, bucket, scope)`` in root's owner children - the session root
+    built before the fork (:func:`~slurm_ckpt.tiers.s3_seal.sealed_session`: nothing of
+    the user's is read) and every request checked to stay below ``scope`` before it is
+    sent (:func:`~slurm_ckpt.tiers.s3_seal.install_guard`)."""
 
     def __init__(
         self,
@@ -128,7 +161,9 @@ class ClientFactory:
         pool: int = 16,
         credentials: Optional[Dict[str, str]] = None,
         credentials_file: Optional[str] = None,
+        sealed: Optional[Tuple[Any, str, str]] = None,
     ) -> None:
+        self.sealed = sealed
         self.endpoint = endpoint
         self.region = region
         self.profile = profile
@@ -144,6 +179,8 @@ class ClientFactory:
         if self._client is None or self._pid != pid:
             with self._lock:
                 if self._client is None or self._pid != pid:
+                    if self._client is not None:
+                        _INHERITED.append(self._client)  # never closed here: see there
                     self._client = self._build()
                     self._pid = pid
         return self._client
@@ -154,26 +191,26 @@ class ClientFactory:
         return self.credentials or resolve_credentials(self.profile, self.credentials_file)
 
     def _build(self) -> Any:
+        cfg = boto_config(self.region, self.pool)
+        if self.sealed is not None:
+            from slurm_ckpt.tiers.s3_seal import install_guard
+
+            session, bucket, scope = self.sealed
+            client = session.create_client(
+                "s3", endpoint_url=self.endpoint, config=cfg, **dict(self.credentials or {})
+            )
+            return install_guard(client, self.endpoint, bucket, scope)
         explicit = self.credentials or read_credentials_file(self.credentials_file, self.profile)
         session_cls = _boto3_session()
         try:
             session = session_cls(profile_name=None if explicit else self.profile)
         except bexc.BotoCoreError as exc:
             raise s3_error(exc, "object tier", self.endpoint) from None
-        from botocore.config import Config as BotoConfig  # see _boto3_session
-
-        cfg = BotoConfig(
-            region_name=self.region,
-            max_pool_connections=self.pool,
-            retries={"max_attempts": 3, "mode": "standard"},
-            connect_timeout=10,
-            read_timeout=120,
-            # Integrity is ours (xxh3 per chunk from the manifest) plus the store's CRC32
-            # check of every part, so the SigV4 payload hash would be a third pass.
-            s3={"addressing_style": "path", "payload_signing_enabled": False},
-        )
         kw = dict(explicit or {})
-        return session.client("s3", endpoint_url=self.endpoint, config=cfg, **kw)
+        try:
+            return session.create_client("s3", endpoint_url=self.endpoint, config=cfg, **kw)
+        except bexc.BotoCoreError as exc:
+            raise s3_error(exc, "object tier", self.endpoint) from None
 
 
 def read_credentials_file(
@@ -232,16 +269,53 @@ def resolve_credentials(
     return out
 
 
-def _lock_dir() -> str:
-    """A directory only this uid can write, for lock files (never a symlink)."""
-    base = "/run/slurm-ckpt" if os.geteuid() == 0 and os.path.isdir("/run") else None
-    path = base or os.path.join(tempfile.gettempdir(), f"slurm-ckpt-locks-{os.geteuid()}")
+def _private(path: str, uid: int) -> str:
+    """``path``, made if missing: a directory of ``uid`` (never a symlink) that no other
+    user may write; TierError if it is anything else (another user made it first)."""
     with suppress(FileExistsError):
         os.mkdir(path, 0o700)
     st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        raise TierError(f"lock directory {path}: not a private directory of uid {os.geteuid()}")
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o022:
+        raise TierError(f"lock directory {path}: not a private directory of uid {uid}")
     return path
+
+
+def _home_locks(uid: int) -> Optional[str]:
+    """``<home>/.cache/slurm-ckpt/locks-<host>`` of ``uid``'s passwd home (not ``$HOME``:
+    root's child as the user and the user's job must find the same directory), or None
+    when the home is not a directory of that user that only they may write. Below a
+    directory only the user writes, no other user can squat a name (a world-writable
+    ``/tmp`` lets anyone take ``/tmp/slurm-ckpt-locks-<uid>`` first). ``<host>``: a home
+    shared by the nodes holds each node's locks apart (they serialise one node)."""
+    try:
+        home = pwd.getpwuid(uid).pw_dir
+        st = os.lstat(home)
+    except (KeyError, OSError):
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o022:
+        return None
+    host = socket.gethostname().split(".")[0] or "node"
+    path = home
+    try:
+        for part in (".cache", "slurm-ckpt", f"locks-{host}"):
+            path = _private(os.path.join(path, part), uid)
+    except (OSError, TierError):
+        return None  # read-only or full home, a .cache the group may write: /tmp then
+    return path
+
+
+def _lock_dir() -> str:
+    """A directory only this uid can write, for lock files (never a symlink): root's
+    ``/run/slurm-ckpt``; a user's below their own home (:func:`_home_locks`), else
+    ``<tmp>/slurm-ckpt-locks-<uid>``."""
+    uid = os.geteuid()
+    if uid == 0 and os.path.isdir("/run"):
+        return _private("/run/slurm-ckpt", uid)
+    if uid != 0:
+        got = _home_locks(uid)
+        if got is not None:
+            return got
+    return _private(os.path.join(tempfile.gettempdir(), f"slurm-ckpt-locks-{uid}"), uid)
 
 
 @contextmanager

@@ -19,7 +19,7 @@ Under SLURM (tiers from the site config, one part per step on every rank)::
 ``--devices 2`` trains DDP on two CPU processes (gloo). Output, one line per event (the
 tests parse them; keep them stable)::
 
-    START fresh | RESUMED step=S path=P
+    START fresh | RESUMED step=S tier=T path=P
     BATCH step=s rank=r idx=i,j,...   the sample indices of the batch trained at step s
     STEP s loss=...                   after every optimizer step (rank 0)
     SAVED step=s                      a checkpoint of step s was written (rank 0)
@@ -167,7 +167,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         callback = SlurmCheckpointCallback(io)
         trainer = pl.Trainer(plugins=[io], callbacks=[callback], **trainer_kw)
         path = io.restore_path()
-        emit("START fresh" if path is None else f"RESUMED step={ckpt.restored.step} path={path}")
+        if path is None:
+            emit("START fresh")
+        else:
+            emit(f"RESUMED step={ckpt.restored.step} tier={ckpt.restored.tier} path={path}")
         try:
             trainer.fit(model, loader, ckpt_path=path)
         finally:

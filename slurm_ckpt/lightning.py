@@ -205,7 +205,9 @@ class SlurmCheckpointCallback(Callback):
                 "SlurmCheckpointCallback: pass its SlurmCheckpointIO to the Trainer too: "
                 "Trainer(plugins=[io], callbacks=[SlurmCheckpointCallback(io)])"
             )
-        env = getattr(trainer.strategy, "cluster_environment", None)
+        # The environment Lightning's signal connector consults (single-device
+        # strategies have none of their own).
+        env = trainer._accelerator_connector.cluster_environment
         if isinstance(env, SLURMEnvironment) and env.auto_requeue:
             # Lightning registers its handlers after setup: switching it off here keeps
             # its in-handler save and its own scontrol requeue from ever running.
@@ -267,7 +269,10 @@ class SlurmCheckpointCallback(Callback):
             self.io.preemption = None
         self._last_saved = step
         if preemption:
+            # The job is ending: stop fit cleanly (SIGTERM ends it anyway; a warning
+            # signal such as --signal=USR1@300 would not).
             self.preempted = True
+            trainer.should_stop = True
 
     # -- RNG states in the checkpoint ------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

@@ -44,6 +44,7 @@ if _REPO not in sys.path:  # runnable from a checkout without installing
 
 import pytorch_lightning as pl  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler  # noqa: E402
 
 from slurm_ckpt import Checkpointer  # noqa: E402
 from slurm_ckpt import torch as sct  # noqa: E402
@@ -69,6 +70,33 @@ class Points(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> Tuple[int, torch.Tensor, torch.Tensor]:
         return i, self.x[i], self.y[i]
+
+
+class Data(pl.LightningDataModule):
+    """The train loader, built once the Trainer knows the ranks.
+
+    A ``StatefulDataLoader``: Lightning saves its state (the position in the epoch) in
+    each checkpoint and restores it, so a resume continues at the next batch. One
+    device: shuffled from torch's global RNG (seeded, restored by the callback); a
+    loader given its own ``generator=`` resumes mid-epoch exactly but shuffles the epochs
+    after a resume differently (torchdata 0.11 keeps that generator as it was when the
+    epoch began). DDP: torchdata's ``StatefulDistributedSampler`` (its position is saved
+    too), not Lightning's replacement sampler, which wraps the loader's own sampler and
+    saves nothing of it, so a resume after the first epoch would shuffle differently.
+    """
+
+    def __init__(self, dataset: torch.utils.data.Dataset, batch: int, seed: int) -> None:
+        super().__init__()
+        self.dataset, self.batch, self.seed = dataset, batch, seed
+
+    def train_dataloader(self) -> StatefulDataLoader:
+        world = self.trainer.world_size
+        if world == 1:
+            return StatefulDataLoader(self.dataset, batch_size=self.batch, shuffle=True)
+        sampler = StatefulDistributedSampler(
+            self.dataset, num_replicas=world, rank=self.trainer.global_rank, seed=self.seed
+        )
+        return StatefulDataLoader(self.dataset, batch_size=self.batch, sampler=sampler)
 
 
 class Tiny(pl.LightningModule):
@@ -131,15 +159,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     torch.set_num_threads(1)
     pl.seed_everything(args.seed, verbose=False)
     model = Tiny(args.lr, args.sleep_per_step)
-    loader = StatefulDataLoader(
-        Points(args.samples, args.seed),
-        batch_size=args.batch,
-        # Shuffled from torch's global RNG (seeded above, restored by the callback): a
-        # loader given its own generator= resumes mid-epoch exactly but shuffles the
-        # epochs after a resume differently (torchdata 0.11 keeps that generator only
-        # as it was when the epoch began).
-        shuffle=True,
-    )
+    data = Data(Points(args.samples, args.seed), args.batch, args.seed)
     trainer_kw: dict = dict(
         accelerator="cpu",
         devices=args.devices,
@@ -151,11 +171,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         enable_model_summary=False,
         deterministic=True,
         default_root_dir=args.root,
+        use_distributed_sampler=False,  # Data picks the sampler (see there)
     )
     if args.no_ckpt:
         trainer = pl.Trainer(**trainer_kw)
         emit("START fresh")
-        trainer.fit(model, loader)
+        trainer.fit(model, datamodule=data)
         return done(trainer, model)
 
     from slurm_ckpt.lightning import SlurmCheckpointCallback, SlurmCheckpointIO
@@ -172,7 +193,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             emit(f"RESUMED step={ckpt.restored.step} tier={ckpt.restored.tier} path={path}")
         try:
-            trainer.fit(model, loader, ckpt_path=path)
+            trainer.fit(model, datamodule=data, ckpt_path=path)
         finally:
             if callback.preempted and trainer.is_global_zero:
                 emit(f"PREEMPTED step={trainer.global_step}")

@@ -64,11 +64,11 @@ class LightningProc(TrainProc):
         self._eof = False
         threading.Thread(target=self._read, daemon=True).start()
 
-    def batches(self) -> Dict[int, str]:
-        """step -> the sample indices trained at that step (rank 0)."""
+    def batches(self, rank: int = 0) -> Dict[int, str]:
+        """step -> the sample indices that ``rank`` trained at that step."""
         out = {}
         for line in self.lines:
-            m = re.match(r"^BATCH step=(\d+) rank=0 idx=([\d,]+)$", line)
+            m = re.match(rf"^BATCH step=(\d+) rank={rank} idx=([\d,]+)$", line)
             if m:
                 out[int(m.group(1))] = m.group(2)
         return out
@@ -215,6 +215,45 @@ def test_resume_from_an_epoch_end_and_the_retention_owns_deletion(
         for tier in (ckpt.local, ckpt.pfs):
             assert tier.verify(ckpt.user, ckpt.shard_key, 24).ok
     _resume_and_finish(tiers, tmp_path, reference, 24, "local")
+
+
+def test_ddp_two_processes_sigterm_past_the_first_epoch_resumes_bitwise(
+    tiers: Tuple[Path, Path], tmp_path: Path
+) -> None:
+    """DDP, 2 CPU processes (gloo), 12 steps per epoch: SIGTERM in the second epoch, both
+    ranks save together at one step boundary (rank 0 writes), both resume from it and
+    train exactly the batches, and end with exactly the weights, of an uninterrupted run
+    (every rank's RNG restored; the sampler's epoch set before its position)."""
+    ddp = ["--devices", "2", "--steps", "36"]
+    (tmp_path / "ref").mkdir()
+    ref = LightningProc([*ddp, "--no-ckpt"], tmp_path / "ref")  # alongside
+    run = LightningProc(_args(tiers, *ddp, "--sleep-per-step", "0.05"), tmp_path)
+    try:
+        run.expect(r"^STEP 14 ")
+        run.signal(signal.SIGTERM)  # Lightning's launcher passes it on to rank 1
+        pre = int(run.expect(r"^PREEMPTED step=(\d+)$").group(1))
+        assert run.finish() == 0, run.tail()
+        ref_done = ref.expect(_DONE)
+        assert ref.finish() == 0, ref.tail()
+    finally:
+        run.close()
+        ref.close()
+    assert 14 <= pre < 36 and run.values("SAVED") == [10, pre]
+    assert max(run.batches(0)) == max(run.batches(1)) == pre
+    with _checkpointer(tiers) as ckpt:
+        assert ckpt.pfs.verify(ckpt.user, ckpt.shard_key, pre).ok
+    again = LightningProc(_args(tiers, *ddp), tmp_path)
+    try:
+        for _ in range(2):  # each rank restores the same step
+            assert again.expect(r"^(START fresh|RESUMED step=(\d+) .*)$").group(2) == str(pre)
+        done = again.expect(_DONE)
+        assert again.finish() == 0, again.tail()
+    finally:
+        again.close()
+    for rank in (0, 1):
+        want = {s: b for s, b in ref.batches(rank).items() if s > pre}
+        assert again.batches(rank) == want and min(want) == pre + 1, f"rank {rank}"
+    assert done.group(2) == ref_done.group(2), "weights differ from the uninterrupted run"
 
 
 # ------------------------------------------------------------------------------------------

@@ -52,6 +52,10 @@ that says so, instead of silently protecting nothing.
 The data position: Lightning saves a train dataloader's state when the loader has
 ``state_dict``/``load_state_dict`` (e.g. torchdata's ``StatefulDataLoader``); with a plain
 ``DataLoader`` a mid-epoch resume starts the epoch over. The callback warns about that.
+Under DDP the sampler must keep its own position too (torchdata's
+``StatefulDistributedSampler``, ``Trainer(use_distributed_sampler=False)``): the sampler
+Lightning substitutes wraps the loader's own one and saves nothing of it
+(docs/lightning.md).
 """
 
 from __future__ import annotations
@@ -65,7 +69,6 @@ import torch
 from lightning_fabric.plugins.environments import SLURMEnvironment
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning_fabric.utilities.data import _set_sampler_epoch
 from lightning_fabric.utilities.types import _PATH, _Stateful
 from pytorch_lightning import Callback, LightningModule, Trainer
 from pytorch_lightning.utilities.exceptions import SIGTERMException
@@ -191,7 +194,6 @@ class SlurmCheckpointCallback(Callback):
         self.preempted = False
         self._last_saved: Optional[int] = None
         self._rng_pending: Optional[List[Any]] = None
-        self._loader_states: Optional[List[Dict[str, Any]]] = None
 
     @property
     def state_key(self) -> str:
@@ -219,15 +221,8 @@ class SlurmCheckpointCallback(Callback):
                 "saves at the next step boundary and owns requeue"
             )
 
-    def on_load_checkpoint(
-        self, trainer: Trainer, pl_module: LightningModule, checkpoint: Dict[str, Any]
-    ) -> None:
-        fit = (checkpoint.get("loops") or {}).get("fit_loop") or {}
-        self._loader_states = (fit.get("state_dict") or {}).get("combined_loader") or None
-
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._fix_sampler_epoch(trainer)
-        self._apply_rng()  # last: re-creating the iterator draws a seed
+        self._apply_rng()
         loader = trainer.train_dataloader
         if loader is not None and not isinstance(loader, _Stateful):
             log.warning(
@@ -235,26 +230,6 @@ class SlurmCheckpointCallback(Callback):
                 "load_state_dict, e.g. torchdata's StatefulDataLoader): a resume "
                 "mid-epoch starts that epoch over"
             )
-
-    def _fix_sampler_epoch(self, trainer: Trainer) -> None:
-        """Lightning (2.6) builds a resumed job's train iterator, and fast-forwards the
-        loader's saved state, *before* it calls ``sampler.set_epoch(epoch)``: a
-        ``DistributedSampler`` (DDP) then fast-forwards through epoch 0's order, and every
-        batch after a resume past the first epoch is other data. Here the epoch is set
-        first and the iterator built again from the same saved state."""
-        states, self._loader_states = self._loader_states, None
-        loop = trainer.fit_loop
-        combined = getattr(loop, "_combined_loader", None)
-        fetcher = getattr(loop, "_data_fetcher", None)
-        epoch = loop.epoch_progress.current.processed
-        if not states or combined is None or fetcher is None or epoch == 0:
-            return
-        if not any(_has_set_epoch(dl) for dl in combined.flattened):
-            return
-        for dl in combined.flattened:
-            _set_sampler_epoch(dl, epoch)
-        combined._load_state_dicts(states)
-        iter(fetcher)
 
     # -- when to save ----------------------------------------------------------------
     def on_train_batch_end(
@@ -334,12 +309,6 @@ class SlurmCheckpointCallback(Callback):
             return
         rank = torch.distributed.get_rank() if _world() > 1 else 0
         sct.apply_rng(states[rank])
-
-
-def _has_set_epoch(loader: Any) -> bool:
-    samplers = [getattr(loader, "sampler", None)]
-    samplers.append(getattr(getattr(loader, "batch_sampler", None), "sampler", None))
-    return any(callable(getattr(s, "set_epoch", None)) for s in samplers)
 
 
 def _world() -> int:

@@ -223,7 +223,7 @@ def test_ddp_two_processes_sigterm_past_the_first_epoch_resumes_bitwise(
     """DDP, 2 CPU processes (gloo), 12 steps per epoch: SIGTERM in the second epoch, both
     ranks save together at one step boundary (rank 0 writes), both resume from it and
     train exactly the batches, and end with exactly the weights, of an uninterrupted run
-    (every rank's RNG restored; the sampler's epoch set before its position)."""
+    (every rank's RNG restored; StatefulDistributedSampler keeps each rank's position)."""
     ddp = ["--devices", "2", "--steps", "36"]
     (tmp_path / "ref").mkdir()
     ref = LightningProc([*ddp, "--no-ckpt"], tmp_path / "ref")  # alongside

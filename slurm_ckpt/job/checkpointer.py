@@ -617,3 +617,13 @@ class Checkpointer:
         return _output.restore_path(
             self, step, None if tiers is None else list(tiers), expect_data_version, on_data_change
         )
+
+    @property
+    def preemption_pending(self) -> bool:
+        """True from a preemption signal (or the job's end coming closer than a save and
+        its flush) until the save answering it is taken: a framework integration asks
+        this at each step boundary and has its trainer save there (the save it then
+        hands to :meth:`adopt`/:meth:`output` is the preemption save: always flushed)."""
+        if self._schedule.preempt_saved:
+            return False
+        return self._schedule.preempt_pending or self._near_end()

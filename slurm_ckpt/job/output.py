@@ -51,9 +51,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Set, Tuple, Union
 
 from slurm_ckpt.core import fsio
+from slurm_ckpt.core.faults import crashpoint
 from slurm_ckpt.core.hashing import ChunkedHasher
 from slurm_ckpt.core.manifest import FileEntry, Manifest
 from slurm_ckpt.core.retention import selected_for_flush
@@ -123,6 +124,9 @@ class PreparedDir:
             streams = max(1, min(HASH_STREAMS, len(files)))
             with ThreadPoolExecutor(streams, thread_name_prefix="ckpt-hash") as pool:
                 entries = list(pool.map(lambda f: self._own_and_hash(f[0]), files))
+            parts = [rel.split("/")[:-1] for rel, _ in files]
+            self._sync_dirs({"/".join(p[:i]) for p in parts for i in range(1, len(p) + 1)})
+            crashpoint("output:dirs-synced")
             for e in entries:
                 w.add_entry(e)
             return w.commit()
@@ -132,6 +136,16 @@ class PreparedDir:
 
     def abort(self) -> None:
         self.writer.abort()
+
+    def _sync_dirs(self, dirs: Set[str]) -> None:
+        """fsync every directory that holds a file (the writer syncs only the ones it
+        made itself): the names must be durable before the manifest is."""
+        for d in sorted(dirs, key=len, reverse=True):
+            fd = fsio.open_beneath(self.writer.work_fd, d.split("/"))
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def _own_and_hash(self, rel: str) -> FileEntry:
         parts = rel.split("/")
@@ -145,7 +159,9 @@ class PreparedDir:
                 if st.st_nlink == 1:
                     hasher = _hash_fd(fd, self.writer.chunk_size)
                     os.fsync(fd)
-                    if rel in self.linked and self.linked[rel] != (st.st_size, st.st_mtime_ns):
+                    after = os.fstat(fd)
+                    seen = {(st.st_size, st.st_mtime_ns), (after.st_size, after.st_mtime_ns)}
+                    if rel in self.linked and seen != {self.linked[rel]}:
                         raise CkptError(f"{self.writer.where}/{rel}: changed while being adopted")
                 else:
                     hasher = self._copy_apart(pfd, parts[-1], fd, rel, st)
@@ -155,6 +171,7 @@ class PreparedDir:
             raise fsio.tier_error(exc, f"{self.writer.where}/{rel}") from None
         finally:
             os.close(pfd)
+        crashpoint("output:file-hashed")
         digest, chunks = hasher.finish()
         return FileEntry(rel, hasher.size, digest, chunks)
 
@@ -186,6 +203,7 @@ class PreparedDir:
         if (after.st_size, after.st_mtime_ns) != was or hasher.size != after.st_size:
             fsio.unlink_quiet(pfd, tmp)
             raise CkptError(f"{self.writer.where}/{rel}: changed while being adopted")
+        crashpoint("output:copied-apart")
         os.rename(tmp, name, src_dir_fd=pfd, dst_dir_fd=pfd)
         return hasher
 
@@ -425,17 +443,19 @@ class DirRestorer(Restorer):
 
     def _fetch(self, tier: Tier, m: Manifest) -> None:
         """Copy the step from ``tier`` to the local tier (every chunk checked against the
-        manifest on the way). A local copy that is not this very checkpoint (it failed
-        verification, or is of an abandoned timeline) is replaced."""
+        manifest on the way). A local copy that failed verification is not a checkpoint:
+        it is replaced; one of an older, abandoned timeline too (the copy engine's
+        ``replace_older``); a sound identical one is kept and nothing is copied."""
         user, key, step = self.user, self.own_key, m.step
         try:
-            if (
-                self.local.manifest_bytes(user, key, step) != tier.manifest_bytes(user, key, step)
-                or (self.local.name, step) in self._bad
-            ):
-                self.local.delete(user, key, step)
+            self.local.manifest_bytes(user, key, step)
+            here = True
         except NotFound:
-            pass
+            here = False
+        if here and (
+            (self.local.name, step) in self._bad or not self.local.verify(user, key, step).ok
+        ):
+            self.local.delete(user, key, step)
         try:
             copy_checkpoint(tier, self.local, user, key, step, replace_older=True)
         except (VerifyError, TierError, NotFound):

@@ -256,9 +256,8 @@ class SlurmCheckpointCallback(Callback):
         taken here (the state is that of the last completed step)."""
         if not isinstance(exception, SIGTERMException) or self.preempted:
             return
-        if trainer.global_step == self._last_saved:
-            self.preempted = True  # that step is saved already
-            return
+        # Also when an interval save just took this very step: that one may not have
+        # been chosen for the flush, a preemption save always is (it replaces it).
         self._save(trainer, preemption=True)
 
     def _save(self, trainer: Trainer, preemption: Optional[bool]) -> None:

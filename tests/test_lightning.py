@@ -25,19 +25,13 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import pytest
+import pytorch_lightning as pl  # a dev dependency (scripts/setup): missing fails, never skips
 import torch
+from test_torch_resume import TrainProc
 
-pl = pytest.importorskip("pytorch_lightning")  # a dev dependency: scripts/setup installs it
-
-from test_torch_resume import TrainProc  # noqa: E402
-
-from slurm_ckpt import Checkpointer  # noqa: E402
-from slurm_ckpt.errors import CkptError  # noqa: E402
-from slurm_ckpt.lightning import (  # noqa: E402
-    CKPT_FILE,
-    SlurmCheckpointCallback,
-    SlurmCheckpointIO,
-)
+from slurm_ckpt import Checkpointer
+from slurm_ckpt.errors import CkptError
+from slurm_ckpt.lightning import CKPT_FILE, SlurmCheckpointCallback, SlurmCheckpointIO
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "lightning_train.py"

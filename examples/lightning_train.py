@@ -12,9 +12,11 @@ Standalone::
     python examples/lightning_train.py --local /tmp/l --pfs /tmp/p --key demo \\
         --steps 60 --interval-steps 10
 
-Under SLURM (tiers from the site config, one part per step on every rank)::
+Under SLURM (tiers from the site config, one part per step on every rank; one task per
+device, as Lightning's SLURMEnvironment expects)::
 
-    srun python examples/lightning_train.py --key $SLURM_JOB_NAME --steps 5000
+    srun --ntasks-per-node=2 python examples/lightning_train.py --devices 2 \
+        --key $SLURM_JOB_NAME --steps 5000
 
 ``--devices 2`` trains DDP on two CPU processes (gloo). Output, one line per event (the
 tests parse them; keep them stable)::

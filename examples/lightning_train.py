@@ -143,6 +143,12 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=1, help="CPU processes (2+: DDP, gloo)")
     p.add_argument("--sleep-per-step", type=float, default=0.0)
     p.add_argument("--no-ckpt", action="store_true", help="plain Lightning, no slurm_ckpt")
+    p.add_argument(
+        "--model-checkpoint",
+        action="store_true",
+        help="also Lightning's ModelCheckpoint (top-2 and last, every interval): its saves "
+        "go through the same plug-in",
+    )
     p.add_argument("--root", default=".", help="Lightning's default_root_dir")
     return p.parse_args(argv)
 
@@ -188,7 +194,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     with checkpointer(args) as ckpt:
         io = SlurmCheckpointIO(ckpt)
         callback = SlurmCheckpointCallback(io)
-        trainer = pl.Trainer(plugins=[io], callbacks=[callback], **trainer_kw)
+        callbacks: List[pl.Callback] = [callback]
+        if args.model_checkpoint:
+            trainer_kw["enable_checkpointing"] = True
+            callbacks.append(
+                pl.callbacks.ModelCheckpoint(
+                    every_n_train_steps=args.interval_steps,
+                    save_top_k=2,
+                    monitor="step",
+                    mode="max",
+                    save_last=True,
+                )
+            )
+        trainer = pl.Trainer(plugins=[io], callbacks=callbacks, **trainer_kw)
         path = io.restore_path()
         if path is None:
             emit("START fresh")

@@ -134,12 +134,21 @@ class SlurmCheckpointIO(CheckpointIO):
         if storage_options is not None:
             raise TypeError("SlurmCheckpointIO.save_checkpoint(): storage_options is not supported")
         step = int(checkpoint.get("global_step", 0))
+        tokens = None if self.tokens is None else int(self.tokens(checkpoint))
+        if self.saved_steps and self.saved_steps[-1] == step:
+            # The same step again (ModelCheckpoint's top-k and "last" next to ours, or
+            # a preemption right after an interval save): it is written already, and
+            # replacing a step whose write or flush is still in flight only fails them.
+            # close() flushes the newest step whether or not it was chosen for a flush.
+            if self.preemption or (self.preemption is None and self.ckpt._schedule.preempt_pending):
+                self.ckpt._schedule.saved(step, tokens, 0.0, preemption=True)
+            log.debug("[ckpt] lightning: step %d is saved already (%s)", step, path)
+            return
         meta = {
             "framework": FRAMEWORK,
             "lightning_name": os.path.basename(os.fspath(path)),
             "epoch": int(checkpoint.get("epoch", 0)),
         }
-        tokens = None if self.tokens is None else int(self.tokens(checkpoint))
         with self.ckpt.output(
             step=step, tokens=tokens, meta=meta, preemption=self.preemption
         ) as out:
@@ -256,8 +265,8 @@ class SlurmCheckpointCallback(Callback):
         taken here (the state is that of the last completed step)."""
         if not isinstance(exception, SIGTERMException) or self.preempted:
             return
-        # Also when an interval save just took this very step: that one may not have
-        # been chosen for the flush, a preemption save always is (it replaces it).
+        # Also when an interval save just took this very step: the plug-in then only
+        # records it as the preemption save (close() flushes the newest step).
         self._save(trainer, preemption=True)
 
     def _save(self, trainer: Trainer, preemption: Optional[bool]) -> None:

@@ -191,15 +191,18 @@ def test_resume_from_an_epoch_end_and_the_retention_owns_deletion(
     tiers: Tuple[Path, Path], tmp_path: Path, reference: Tuple[str, Dict[int, str]]
 ) -> None:
     """A job that ends at an epoch boundary (max_steps=24, saved there); the next one,
-    with a larger max_steps, goes on from there. Lightning's remove_checkpoint (what
-    ModelCheckpoint's top-k rotation calls) deletes nothing of ours."""
-    run = LightningProc(_args(tiers, "--steps", "24", "--interval-steps", "8"), tmp_path)
+    with a larger max_steps, goes on from there. Lightning's ModelCheckpoint runs beside
+    ours: its saves of the same steps (top-2 and "last") neither fail nor replace ours,
+    and its remove_checkpoint (top-k rotation) deletes nothing of ours."""
+    args = _args(tiers, "--steps", "24", "--interval-steps", "8", "--model-checkpoint")
+    run = LightningProc(args, tmp_path)
     try:
         assert run.expect(_DONE).group(1) == "24"
         assert run.finish() == 0, run.tail()
     finally:
         run.close()
-    assert run.values("SAVED") == [8, 16, 24]
+    assert sorted(set(run.values("SAVED"))) == [8, 16, 24]
+    assert not [line for line in run.lines if "FAILED" in line or "replacing" in line]
     with _checkpointer(tiers) as ckpt:
         io = SlurmCheckpointIO(ckpt)
         path = io.restore_path()
@@ -208,6 +211,7 @@ def test_resume_from_an_epoch_end_and_the_retention_owns_deletion(
         assert Path(path).is_file()
         for tier in (ckpt.local, ckpt.pfs):
             assert tier.verify(ckpt.user, ckpt.shard_key, 24).ok
+        assert ckpt.pfs.verify(ckpt.user, ckpt.shard_key, 8).ok  # rotated out by Lightning
     _resume_and_finish(tiers, tmp_path, reference, 24, "local")
 
 

@@ -77,7 +77,7 @@ from slurm_ckpt import torch as sct
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.job.checkpointer import Checkpointer
 
-log = logging.getLogger("slurm_ckpt")
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CKPT_FILE",

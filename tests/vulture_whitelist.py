@@ -74,6 +74,16 @@ load_id
 on_step_end
 on_save
 should_training_stop
+on_train_start
+on_train_batch_end
+on_exception
+state_key
+should_stop
+pl_module
+# ... and what Lightning calls on a LightningModule (examples/lightning_train.py).
+batch_idx
+on_save_checkpoint
+configure_optimizers
 
 # Goodput figures that leave through to_dict() (plan --strategies --json).
 waste_per_failure_s

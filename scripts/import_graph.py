@@ -46,6 +46,7 @@ LAYERS: Dict[str, int] = {
     "torch_codec": 7,
     "torch": 8,
     "torch_data": 8,
+    "torch_state": 8,
     "dcp": 8,
     "hf": 8,
     "lightning": 8,

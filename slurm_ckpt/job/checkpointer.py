@@ -39,15 +39,13 @@ import threading
 import time
 import warnings
 import weakref
-from pathlib import Path
-from typing import Any, Callable, ContextManager, Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import current_user, node_name, validate_key, validate_user
 from slurm_ckpt.core.retention import RetentionPolicy, selected_for_flush
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, TierError
-from slurm_ckpt.job import output as _output
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord
 from slurm_ckpt.job.dist import dist_agree
 from slurm_ckpt.job.lazy import Drain, defer_mask
@@ -73,6 +71,7 @@ from slurm_ckpt.job.schedule import (
     Schedule,
     unreachable_message,
 )
+from slurm_ckpt.job.seams import FrameworkSeams
 from slurm_ckpt.job.signals import Deadline, SignalFlag, relayed_signal, signal_number
 from slurm_ckpt.job.staging import StagingArea
 from slurm_ckpt.job.standalone import make_roots, sweep_debris
@@ -111,7 +110,7 @@ def _finish_at_exit(ref: Callable[[], Optional[Checkpointer]]) -> None:
         ckpt._pipeline.finish_at_exit()
 
 
-class Checkpointer:
+class Checkpointer(FrameworkSeams):
     """Fast, verified, tiered checkpoints from inside a training job.
 
     Standalone (no SLURM, no config file; a laptop needs only ``local``)::
@@ -730,120 +729,3 @@ class Checkpointer:
             self.restored = got
             self._schedule.restored(got.step, got.tokens)
         return got
-
-    # ------------------------------------------------------------------ directories of files
-    def output(
-        self,
-        *,
-        step: int,
-        tokens: Optional[int] = None,
-        meta: Optional[Dict[str, Any]] = None,
-        preemption: Optional[bool] = None,
-    ) -> ContextManager[Path]:
-        """``with ckpt.output(step=...) as path:`` a directory on the local tier for a
-        framework to write its own checkpoint files into; on a clean exit they are hashed,
-        committed (manifest last) and flushed like any save, a body that raises commits
-        nothing (:mod:`slurm_ckpt.job.output`). ``meta``/``preemption`` as in :meth:`save`."""
-        return _output.output(self, step, tokens, meta, preemption)
-
-    def adopt(
-        self,
-        step: int,
-        path: PathLike,
-        *,
-        tokens: Optional[int] = None,
-        meta: Optional[Dict[str, Any]] = None,
-        preemption: Optional[bool] = None,
-    ) -> SaveRecord:
-        """Snapshot a checkpoint directory a framework already wrote (reflinks, hard
-        links or a copy) and commit it like :meth:`output`; when this returns the
-        framework may delete its directory."""
-        return _output.adopt(self, step, path, tokens, meta, preemption)
-
-    def restore_path(
-        self,
-        *,
-        step: Optional[int] = None,
-        tiers: Optional[Sequence[str]] = None,
-        expect_data_version: Optional[str] = None,
-        on_data_change: str = "warn",
-    ) -> Optional[Path]:
-        """This rank's directory of the newest complete directory checkpoint that
-        verifies, on the local tier (fetched there, verified, when only a warm or cold
-        tier holds it); None when there is none. Read it; never write into it."""
-        return _output.restore_path(
-            self, step, None if tiers is None else list(tiers), expect_data_version, on_data_change
-        )
-
-    @property
-    def preemption_pending(self) -> bool:
-        """True from a preemption signal (or the job's end coming closer than a save and
-        its flush) until the save answering it is taken: a framework integration asks
-        this at each step boundary and has its trainer save there (the save it then
-        hands to :meth:`adopt`/:meth:`output` is the preemption save: always flushed)."""
-        if self._schedule.preempt_saved:
-            return False
-        return self._schedule.preempt_pending or self._near_end()
-
-    # ------------------------------------------------------------------ DCP (torch.distributed)
-    def _dcp_series(self) -> Any:
-        dcp = self.__dict__.get("_dcp")
-        if dcp is None:
-            from slurm_ckpt.job.dcp_series import DcpSeries
-
-            dcp = self._dcp = DcpSeries(self)
-        return dcp
-
-    def dcp_writer(
-        self,
-        *,
-        step: int,
-        tokens: Optional[int] = None,
-        meta: Optional[Dict[str, Any]] = None,
-        preemption: Optional[bool] = None,
-    ) -> Any:
-        """A ``torch.distributed.checkpoint`` StorageWriter for ``step``: pass it to
-        ``dcp.save`` or ``dcp.async_save`` (thread or process mode). Each rank's bytes are
-        committed on its local tier and flushed like any checkpoint; the step counts once
-        rank 0 has committed the global metadata. See :mod:`slurm_ckpt.job.dcp_storage` and
-        docs/dcp.md. ``preemption`` as in :meth:`save`."""
-        # The DCP backend needs torch; imported here so that the job layer does not.
-        from slurm_ckpt.job.dcp_storage import SlurmDcpWriter
-
-        self._raise_if_failed()
-        if self._closed:
-            raise CkptError("Checkpointer.dcp_writer(): already closed")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise CkptError(f"dcp_writer(): step must be a whole number >= 0, got {step!r}")
-        preempt = self._schedule.preempt_pending if preemption is None else bool(preemption)
-        series = self._dcp_series()
-        series.register(step, tokens, preempt)
-        # DCP measures the stall, not us: keep the schedule's cost estimate as it is.
-        cost = self._schedule.cost_s if self._schedule.cost_s is not None else BOOTSTRAP_COST_S
-        self._schedule.saved(step, tokens, cost, preemption=preempt)
-        return SlurmDcpWriter(
-            self.local,
-            self.user,
-            self.key,
-            step,
-            tokens=tokens,
-            job=self.job,
-            node=self.node,
-            meta=meta,
-            token=series.token,
-        )
-
-    def dcp_reader(self, *, step: Optional[int] = None) -> Any:
-        """A ``torch.distributed.checkpoint`` StorageReader for the newest DCP step that
-        every rank finds whole and verified, on any tier (or exactly ``step``); None when
-        there is none. Collective: every rank calls it (it agrees over the process
-        group). Loads at any world size (DCP's planner reshards)."""
-        from slurm_ckpt.job.dcp_storage import select_step
-
-        reader = select_step(self.tiers, self.user, self.key, step=step, mark_bad=self._mark_bad)
-        if reader is None:
-            log.info("[ckpt] dcp_reader: no DCP checkpoint of %s found", self.key)
-            return None
-        self._schedule.restored(reader.step, reader.tokens)
-        log.info("[ckpt] dcp_reader: step=%d tokens=%s", reader.step, reader.tokens)
-        return reader

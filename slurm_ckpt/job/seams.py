@@ -1,0 +1,160 @@
+"""Where trainers that write their own checkpoints meet the Checkpointer.
+
+The :class:`~slurm_ckpt.job.checkpointer.Checkpointer` facade takes these methods from
+:class:`FrameworkSeams`: a framework's checkpoint *directory* (SCR's ``Start_output`` /
+``Complete_output``: :meth:`output`, :meth:`adopt`, :meth:`restore_path`, with the logic
+in :mod:`slurm_ckpt.job.output`), the step-boundary question an integration asks
+(:attr:`preemption_pending`), and a ``torch.distributed.checkpoint`` StorageWriter/Reader
+(:meth:`dcp_writer`, :meth:`dcp_reader`, :mod:`slurm_ckpt.job.dcp_storage`). Why apart
+from the facade: one concept per module; the state format's save/restore is the
+facade's own, these are the doors for checkpoints in other formats. They use the
+facade's tiers, schedule and identity (a mixin: ``self`` is the Checkpointer).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, ContextManager, Dict, Optional, Sequence, Union
+
+from slurm_ckpt.errors import CkptError
+from slurm_ckpt.job import output as _output
+from slurm_ckpt.job.bookkeeping import SaveRecord
+from slurm_ckpt.job.schedule import BOOTSTRAP_COST_S
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FrameworkSeams"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class FrameworkSeams:
+    """The Checkpointer's doors for checkpoints a framework writes itself."""
+
+    # Provided by the Checkpointer (declared for readers and type checkers).
+    _schedule: Any
+    _closed: bool
+    local: Any
+    tiers: Any
+    user: str
+    key: str
+    job: Optional[str]
+    node: str
+
+    def output(
+        self,
+        *,
+        step: int,
+        tokens: Optional[int] = None,
+        meta: Optional[Dict[str, Any]] = None,
+        preemption: Optional[bool] = None,
+    ) -> ContextManager[Path]:
+        """``with ckpt.output(step=...) as path:`` a directory on the local tier for a
+        framework to write its own checkpoint files into; on a clean exit they are hashed,
+        committed (manifest last) and flushed like any save, a body that raises commits
+        nothing (:mod:`slurm_ckpt.job.output`). ``meta``/``preemption`` as in :meth:`save`."""
+        return _output.output(self, step, tokens, meta, preemption)
+
+    def adopt(
+        self,
+        step: int,
+        path: PathLike,
+        *,
+        tokens: Optional[int] = None,
+        meta: Optional[Dict[str, Any]] = None,
+        preemption: Optional[bool] = None,
+    ) -> SaveRecord:
+        """Snapshot a checkpoint directory a framework already wrote (reflinks, hard
+        links or a copy) and commit it like :meth:`output`; when this returns the
+        framework may delete its directory."""
+        return _output.adopt(self, step, path, tokens, meta, preemption)
+
+    def restore_path(
+        self,
+        *,
+        step: Optional[int] = None,
+        tiers: Optional[Sequence[str]] = None,
+        expect_data_version: Optional[str] = None,
+        on_data_change: str = "warn",
+    ) -> Optional[Path]:
+        """This rank's directory of the newest complete directory checkpoint that
+        verifies, on the local tier (fetched there, verified, when only a warm or cold
+        tier holds it); None when there is none. Read it; never write into it."""
+        return _output.restore_path(
+            self, step, None if tiers is None else list(tiers), expect_data_version, on_data_change
+        )
+
+    @property
+    def preemption_pending(self) -> bool:
+        """True from a preemption signal (or the job's end coming closer than a save and
+        its flush) until the save answering it is taken: a framework integration asks
+        this at each step boundary and has its trainer save there (the save it then
+        hands to :meth:`adopt`/:meth:`output` is the preemption save: always flushed)."""
+        if self._schedule.preempt_saved:
+            return False
+        return self._schedule.preempt_pending or self._near_end()
+
+    # ------------------------------------------------------------------ DCP (torch.distributed)
+    def _dcp_series(self) -> Any:
+        dcp = self.__dict__.get("_dcp")
+        if dcp is None:
+            from slurm_ckpt.job.dcp_series import DcpSeries
+
+            dcp = self._dcp = DcpSeries(self)
+        return dcp
+
+    def dcp_writer(
+        self,
+        *,
+        step: int,
+        tokens: Optional[int] = None,
+        meta: Optional[Dict[str, Any]] = None,
+        preemption: Optional[bool] = None,
+    ) -> Any:
+        """A ``torch.distributed.checkpoint`` StorageWriter for ``step``: pass it to
+        ``dcp.save`` or ``dcp.async_save`` (thread or process mode). Each rank's bytes are
+        committed on its local tier and flushed like any checkpoint; the step counts once
+        rank 0 has committed the global metadata. See :mod:`slurm_ckpt.job.dcp_storage` and
+        docs/dcp.md. ``preemption`` as in :meth:`save`."""
+        # The DCP backend needs torch; imported here so that the job layer does not.
+        from slurm_ckpt.job.dcp_storage import SlurmDcpWriter
+
+        self._raise_if_failed()
+        if self._closed:
+            raise CkptError("Checkpointer.dcp_writer(): already closed")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CkptError(f"dcp_writer(): step must be a whole number >= 0, got {step!r}")
+        preempt = self._schedule.preempt_pending if preemption is None else bool(preemption)
+        series = self._dcp_series()
+        series.register(step, tokens, preempt)
+        # DCP measures the stall, not us: keep the schedule's cost estimate as it is.
+        cost = self._schedule.cost_s if self._schedule.cost_s is not None else BOOTSTRAP_COST_S
+        self._schedule.saved(step, tokens, cost, preemption=preempt)
+        return SlurmDcpWriter(
+            self.local,
+            self.user,
+            self.key,
+            step,
+            tokens=tokens,
+            job=self.job,
+            node=self.node,
+            meta=meta,
+            token=series.token,
+        )
+
+    def dcp_reader(self, *, step: Optional[int] = None) -> Any:
+        """A ``torch.distributed.checkpoint`` StorageReader for the newest DCP step that
+        every rank finds whole and verified, on any tier (or exactly ``step``); None when
+        there is none. Collective: every rank calls it (it agrees over the process
+        group). Loads at any world size (DCP's planner reshards)."""
+        from slurm_ckpt.job.dcp_storage import select_step
+
+        reader = select_step(self.tiers, self.user, self.key, step=step, mark_bad=self._mark_bad)
+        if reader is None:
+            log.info("[ckpt] dcp_reader: no DCP checkpoint of %s found", self.key)
+            return None
+        self._schedule.restored(reader.step, reader.tokens)
+        log.info("[ckpt] dcp_reader: step=%d tokens=%s", reader.step, reader.tokens)
+        return reader

@@ -8,7 +8,7 @@ from typing import Optional
 import click
 
 from slurm_ckpt.cli.output import CliState, pass_state
-from slurm_ckpt.cli.table import OutputFormat, output_options, print_json_doc
+from slurm_ckpt.cli.table import OutputFormat, echo_wrapped, output_options, print_json_doc
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.ops.restore import restore_to
 from slurm_ckpt.tiers.registry import ORDER
@@ -44,7 +44,7 @@ def restore_cmd(
     if out.json:
         print_json_doc(doc)
         return
-    click.echo(
+    echo_wrapped(
         f"restored {doc['user']}/{doc['key']} step {doc['step']} from {doc['tier']} "
         f"({format_bytes(doc['bytes'])}, verified) to {doc['path']}"
     )

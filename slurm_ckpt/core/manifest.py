@@ -194,8 +194,10 @@ def _loads(text: str) -> Any:
 
 
 def has_control(text: str) -> bool:
-    """Control characters (C0, C1, DEL) or Unicode line/paragraph separators."""
-    return any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in text)
+    """Control characters (C0, C1, DEL), format characters (bidi overrides, zero-width),
+    Unicode line/paragraph separators or surrogates: none of them may sit in a label
+    root prints (a bidi override makes a line read backwards)."""
+    return any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp", "Cs") for c in text)
 
 
 def _finite(value: Any, name: str) -> float:

@@ -15,6 +15,7 @@ stager, epilog and ``maint``/``guard`` code; SLURM is a :class:`Recorder`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -138,7 +139,7 @@ class _Stop(Exception):
 
 
 def _maint(cfg: Config, slurm: _Slurm, on_poll: Any, timeout: float) -> None:
-    try:
+    with contextlib.suppress(_Stop):
         maint_mod.run_maint(
             cfg,
             [NODE],
@@ -150,8 +151,6 @@ def _maint(cfg: Config, slurm: _Slurm, on_poll: Any, timeout: float) -> None:
             say=lambda _s: None,
             on_poll=on_poll,
         )
-    except _Stop:
-        pass
 
 
 def test_a_replayed_pending_0_status_does_not_make_maint_act(

@@ -279,9 +279,11 @@ def wait_ready(
         for n in nodes:
             _keep_drained(client, n, reason)
         notes: List[str] = []
-        at = time.time()  # before SLURM is asked: a status published later is newer
-        jobs = _jobs(client, nodes)
         statuses = read_statuses(pfs_root, notes)  # the PFS, or signed objects in the bucket
+        jobs = _jobs(client, nodes)
+        # SLURM's answer came by now: a node without jobs has had none since at least
+        # this moment, and only a status published after it can speak for it.
+        at = time.time()
         waits = node_readiness(nodes, since, statuses, jobs, watch, at)
         for w in waits:
             if w.status_time is None and notes:
@@ -410,7 +412,7 @@ def guard(cfg: Any, node: str, wait_s: float, poll: float, since: Optional[float
             if time.monotonic() >= deadline:
                 raise NotReady(
                     f"guard {node}: no node status newer than the guard's start yet "
-                    "(an older one may be a replay); refusing"
+                    f"({source}: an older one may be a replay); refusing"
                 )
             time.sleep(min(poll, max(deadline - time.monotonic(), 0.0)))
             continue

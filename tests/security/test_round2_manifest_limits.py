@@ -111,3 +111,24 @@ def test_deep_manifest_does_not_stop_roots_status_for_everyone(site: Site) -> No
         assert "CORRUPT" in r.stdout, r.stdout
     r = cli("gc", "--dry-run", "--json", config=conf)
     assert "Traceback" not in r.stderr and r.returncode in (0, 1), r.stderr[-2000:]
+
+
+def test_a_writer_hears_at_commit_that_its_manifest_is_over_the_limits(tmp_path: Any) -> None:
+    """The limits bind the writer too: a checkpoint root would refuse as damage is not
+    committed (and nothing of it is left listable)."""
+    from slurm_ckpt.core.names import current_user
+    from slurm_ckpt.tiers.registry import tiers_from_config
+
+    (tmp_path / "l").mkdir()
+    (tmp_path / "p").mkdir()
+    cfg = Config.standalone(tmp_path / "l", tmp_path / "p", manifests={"max_entries": 2})
+    try:
+        local = tiers_from_config(cfg)["local"]
+        me = current_user()
+        w = local.writer(me, "big", 1)
+        w.write_buffers({f"f{i}.bin": b"x" for i in range(3)})
+        with pytest.raises(VerifyError, match="more than 2 entries"):
+            w.commit()
+        assert [s.step for s in local.steps(me, "big")] == []
+    finally:
+        Config.standalone(tmp_path / "l", tmp_path / "p")  # the defaults again

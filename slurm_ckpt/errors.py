@@ -8,6 +8,8 @@ it never shows a traceback for these. Anything else is a bug and may show one.
 
 from __future__ import annotations
 
+from typing import Optional
+
 # --------------------------------------------------------------------------- exit codes
 # The one exit-code table of every slurm_ckpt command (``ckpt-slurm``, ``ckpt-srun``'s own
 # failures, the hook scripts). README.md shows it; tests/test_cli_bad_inputs.py holds each
@@ -40,6 +42,12 @@ class CkptError(Exception):
     """Base class: a one-line message for humans plus the CLI exit code."""
 
     exit_code = EXIT_FAILED
+    #: The failure was the doing of the user whose data it is (their permissions, their
+    #: quota, their signal to root's child running as them): root holds that user's
+    #: checkpoint instead of keeping a node drained (:mod:`slurm_ckpt.node.retry`).
+    user_caused: bool = False
+    #: The reason code a held checkpoint records (``hold`` in the ledger and status).
+    hold_code: Optional[str] = None
 
     def __init__(self, message: str) -> None:
         # Keep the message on one line whatever the caller passed in.

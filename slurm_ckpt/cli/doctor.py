@@ -10,6 +10,7 @@ from typing import Optional
 import click
 
 from slurm_ckpt.cli.output import CliState, pass_state, print_json
+from slurm_ckpt.cli.safe_text import LINE_LIMIT, safe_text
 from slurm_ckpt.core.units import parse_duration
 from slurm_ckpt.errors import CkptError, ConfigError, SlurmError
 
@@ -60,7 +61,7 @@ def doctor_cmd(
         for f in report.findings:
             if quiet and f.severity == "ok":
                 continue
-            click.secho(f.line(), fg=_STYLE.get(f.severity))
+            click.secho(safe_text(f.line(), LINE_LIMIT), fg=_STYLE.get(f.severity))
         bad = sum(f.severity == "error" for f in report.findings)
         warn = sum(f.severity == "warn" for f in report.findings)
         click.echo(f"doctor on {report.node}: {bad} serious, {warn} warnings")

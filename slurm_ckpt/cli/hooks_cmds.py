@@ -24,6 +24,7 @@ import click
 
 from slurm_ckpt.cli.output import CliState, pass_state
 from slurm_ckpt.cli.params import NODE, SECONDS_COMPAT, Duration
+from slurm_ckpt.cli.safe_text import LINE_LIMIT, safe_text
 from slurm_ckpt.core import trust
 from slurm_ckpt.core.config import load_config
 from slurm_ckpt.core.names import validate_node
@@ -158,7 +159,7 @@ def prolog_cmd(state: CliState, budget: Optional[float]) -> None:
         if isinstance(exc, (PrologFailed, ConfigError)):
             raise  # a bad or untrusted config keeps its exit status (2)
         raise PrologFailed(str(exc)) from None
-    click.echo(report.line())
+    click.echo(safe_text(report.line(), LINE_LIMIT))
 
 
 @click.command("epilog")
@@ -182,7 +183,7 @@ def epilog_cmd(state: CliState, budget: Optional[float]) -> None:
     except CkptError as exc:
         _drain_quietly(client, slurmd_nodename(), _drain_text("epilog", exc))
         raise
-    click.echo(report.line())
+    click.echo(safe_text(report.line(), LINE_LIMIT))
 
 
 @click.command("stager")
@@ -226,7 +227,7 @@ def stager_cmd(
         client,
         interval=interval,
         once=once,
-        emit=click.echo,
+        emit=lambda line: click.echo(safe_text(line, LINE_LIMIT)),
     )
 
 

@@ -12,6 +12,7 @@ import click
 from slurm_ckpt.cli.output import CliState, console, pass_state
 from slurm_ckpt.cli.params import DURATION, NODE, NODELIST, Duration
 from slurm_ckpt.cli.progress import progress_enabled
+from slurm_ckpt.cli.safe_text import LINE_LIMIT, safe_text
 from slurm_ckpt.ops.maint import NodeWait, action_argv, guard, run_maint
 from slurm_ckpt.slurm.env import this_node
 
@@ -73,7 +74,7 @@ def maint_cmd(
             signal_jobs=signal_jobs,
             timeout=timeout,
             poll=poll,
-            say=lambda line: out.print(line, markup=False),
+            say=lambda line: out.print(safe_text(line, LINE_LIMIT), markup=False),
             on_poll=show,
         )
     click.echo(f"maint {','.join(nodes)}: done")
@@ -140,4 +141,4 @@ def guard_cmd(state: CliState, node: Optional[str], wait_s: float, poll: float) 
     checkpoint that exists only on this node's local tier.
     """
     name = this_node(node)
-    click.echo(guard(state.config, name, wait_s, poll))
+    click.echo(safe_text(guard(state.config, name, wait_s, poll), LINE_LIMIT))

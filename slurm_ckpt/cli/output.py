@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 import click
 
+from slurm_ckpt.cli.safe_text import LINE_LIMIT, safe_json, safe_text
+
 if TYPE_CHECKING:  # pragma: no cover
     from rich.console import Console
 
@@ -60,7 +62,7 @@ pass_state = click.make_pass_decorator(CliState, ensure=True)
 
 def print_json(obj: Any) -> None:
     """Write ``obj`` as indented JSON plus a newline to stdout (paths etc. via ``str``)."""
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    sys.stdout.write(json.dumps(safe_json(obj), indent=2, default=str) + "\n")
     sys.stdout.flush()
 
 
@@ -98,7 +100,7 @@ def print_table(
     """
     from slurm_ckpt.cli.table import Column, render_table, terminal_width, use_colour
 
-    cells = [[" ".join(render_value(c).split()) for c in row] for row in rows]
+    cells = [[safe_text(" ".join(render_value(c).split())) for c in row] for row in rows]
     names = list(headers or ("key", "value"))
     columns = [Column(str(i), name, wrap=i > 0) for i, name in enumerate(names)]
     colour = use_colour(sys.stdout)
@@ -135,7 +137,7 @@ def print_config(cfg: Config) -> None:
 
 def error_line(message: object) -> str:
     """``ckpt-slurm: error: <message>`` with the message squeezed onto one line."""
-    text = " ".join(str(message).split()) or "unknown error"
+    text = safe_text(" ".join(str(message).split()), LINE_LIMIT) or "unknown error"
     return f"{PROG}: error: {text}"
 
 

@@ -21,6 +21,7 @@ from slurm_ckpt.cli.table import (
     Column,
     Listing,
     OutputFormat,
+    echo_wrapped,
     output_options,
     warn,
 )
@@ -100,7 +101,7 @@ def restore_cmd(
     if out.parsable or not out.decorated:
         Listing(RESTORE_COLUMNS, [doc], "restore").print(out)
         return
-    click.echo(
+    echo_wrapped(
         f"restored {doc['user']}/{doc['key']} step {doc['step']} from {doc['tier']} "
         f"({format_bytes(doc['bytes'])}, verified) to {doc['path']}"
     )

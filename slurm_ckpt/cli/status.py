@@ -22,6 +22,7 @@ import click
 
 from slurm_ckpt.cli.output import CliState, pass_state
 from slurm_ckpt.cli.params import JOB_ID, NODELIST, USER
+from slurm_ckpt.cli.safe_text import safe_json
 from slurm_ckpt.cli.table import (
     Column,
     Listing,
@@ -47,7 +48,7 @@ def write_json(doc: Dict[str, Any]) -> None:
     line is what ``grep`` and ``head`` want, and it keeps encoding in C (indenting every
     field runs json's pure-Python encoder, about a tenth of a second here).
     """
-    items = list(doc.items())
+    items = list(safe_json(doc).items())
     out = ["{"]
     for i, (name, value) in enumerate(items):
         comma = "," if i < len(items) - 1 else ""

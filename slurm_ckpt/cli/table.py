@@ -39,6 +39,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Text
 
 import click
 
+from slurm_ckpt.cli.safe_text import LINE_LIMIT, safe_text
+
 __all__ = [
     "Column",
     "Listing",
@@ -119,6 +121,7 @@ def echo_wrapped(text: str, stream: Optional[TextIO] = None) -> None:
     """A summary line for people, wrapped at spaces to the width (never inside a token)."""
     stream = stream or sys.stdout
     width = terminal_width(stream)
+    text = safe_text(" ".join(str(text).split()), LINE_LIMIT)
     lines = [text] if width is None else _wrap(text, width)
     stream.write("\n".join(lines) + "\n")
     stream.flush()
@@ -127,7 +130,7 @@ def echo_wrapped(text: str, stream: Optional[TextIO] = None) -> None:
 def warn(message: str) -> None:
     """A warning for people: ``warning: ...`` on stderr, yellow on a terminal."""
     label = _paint("warning:", "yellow", use_colour(sys.stderr))
-    sys.stderr.write(f"{label} {' '.join(str(message).split())}\n")
+    sys.stderr.write(f"{label} {safe_text(' '.join(str(message).split()), LINE_LIMIT)}\n")
     sys.stderr.flush()
 
 
@@ -156,6 +159,7 @@ def parsable_value(value: Any) -> str:
         text = ",".join(parsable_value(v) for v in value)
     else:
         text = str(value)
+    text = safe_text(text.replace("\n", " "), LINE_LIMIT)
     return text.replace("%", "%25").replace("|", "%7C").replace("\n", " ")
 
 
@@ -340,7 +344,7 @@ class Listing:
             return out
         cols = [c for c in self.columns if c.human]
         cells = [[c.fmt(r.get(c.key)) for c in cols] for r in self.rows]
-        cells = [[" ".join(str(x).split()) for x in row] for row in cells]
+        cells = [[safe_text(" ".join(str(x).split())) for x in row] for row in cells]
         body = render_table(cols, cells, width=width, header=not fmt.noheader, colour=colour)
         if self.title and not fmt.noheader:
             body = [_paint(self.title, "bold", colour), *body]

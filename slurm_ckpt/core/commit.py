@@ -36,6 +36,7 @@ from slurm_ckpt.core.faults import crashpoint
 from slurm_ckpt.core.hashing import DEFAULT_CHUNK_SIZE, ChunkedHasher, chunk_digest, combine
 from slurm_ckpt.core.layout import TMP_PREFIX, partial_dirname, step_dirname
 from slurm_ckpt.core.manifest import MANIFEST_NAME, FileEntry, Manifest
+from slurm_ckpt.core.manifest_limits import check_bytes
 from slurm_ckpt.core.names import validate_key, validate_relpath, validate_user
 from slurm_ckpt.core.verify import VerifyReport, open_payload, verify_files
 from slurm_ckpt.errors import CkptError, VerifyError
@@ -364,6 +365,14 @@ class CheckpointWriter:
         if self._done:
             raise CkptError(f"{self.where}: writer already finished")
         manifest = manifest_to_commit(self)
+        data = manifest.to_bytes()
+        try:
+            # Root reads manifests within the site's limits and would count this one as
+            # damage: the writer hears it now, not at restore.
+            check_bytes(data, self.where)
+        except VerifyError:
+            self.abort()
+            raise
         try:
             for sub in sorted(self._dirs, key=len, reverse=True):
                 os.fsync(self._dirs[sub])
@@ -379,7 +388,7 @@ class CheckpointWriter:
             crashpoint("commit:renamed")
             os.fsync(self._key_fd)
             crashpoint("commit:key-synced")
-            fsio.atomic_replace(self._tmp_fd, MANIFEST_NAME, manifest.to_bytes())
+            fsio.atomic_replace(self._tmp_fd, MANIFEST_NAME, data)
             crashpoint("commit:manifest")
         except OSError as exc:
             self.abort()

@@ -60,6 +60,7 @@ from slurm_ckpt.core.config_schema import (  # noqa: F401 - the section classes 
     JobConfig,
     LedgerConfig,
     LocalTierConfig,
+    ManifestsConfig,
     MetricsConfig,
     ObjectTierConfig,
     PathLike,
@@ -69,6 +70,7 @@ from slurm_ckpt.core.config_schema import (  # noqa: F401 - the section classes 
     section_to_dict,
     tiers_to_dict,
 )
+from slurm_ckpt.core.manifest_limits import ManifestLimits, set_limits
 from slurm_ckpt.core.units import (
     parse_bandwidth,
     parse_duration,
@@ -92,6 +94,7 @@ __all__ = [
     "JobConfig",
     "LedgerConfig",
     "LocalTierConfig",
+    "ManifestsConfig",
     "MetricsConfig",
     "ObjectTierConfig",
     "PfsTierConfig",
@@ -117,6 +120,7 @@ class Config:
     hooks: HooksConfig = field(default_factory=HooksConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    manifests: ManifestsConfig = field(default_factory=ManifestsConfig)
     #: The file this came from, or "<standalone>"/"<dict>"; not part of equality.
     source: str = field(default="<dict>", compare=False)
 
@@ -576,4 +580,9 @@ def _build(data: Mapping[str, Any], src: str) -> Config:
         object=tiers_objs.get("object"),
         cold=tiers_objs.get("cold"),
     )
-    return Config(tiers=tiers, source=src, **sections)
+    cfg = Config(tiers=tiers, source=src, **sections)
+    # The process reads manifests with the limits of the configuration it loaded
+    # (the parser has no config of its own: core.manifest_limits).
+    m = cfg.manifests
+    set_limits(ManifestLimits(m.max_bytes, m.max_depth, m.max_entries))
+    return cfg

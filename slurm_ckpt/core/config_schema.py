@@ -27,6 +27,7 @@ __all__ = [
     "JobConfig",
     "LedgerConfig",
     "LocalTierConfig",
+    "ManifestsConfig",
     "MetricsConfig",
     "ObjectTierConfig",
     "PfsTierConfig",
@@ -237,6 +238,19 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class ManifestsConfig:
+    """``[manifests]``: bounds every manifest root reads must keep (a hostile one
+    cannot exhaust root's stack, memory or time; see
+    :mod:`slurm_ckpt.core.manifest_limits`). A manifest past one is damage."""
+
+    max_bytes: int = field_of(KIND_SIZE, 16 * 2**20, minimum=4096)
+    #: Brackets deep, the whole document (``meta`` itself may nest 32 levels).
+    max_depth: int = field_of(KIND_INT, 40, minimum=8)
+    #: File entries (payload files) in one checkpoint.
+    max_entries: int = field_of(KIND_INT, 100_000, minimum=1)
+
+
+@dataclass(frozen=True)
 class AdmissionConfig:
     """``[admission]``: how many nodes may flush to the shared tier at once, cluster-wide.
 
@@ -281,6 +295,7 @@ SECTION_CLASSES = {
     "ledger": LedgerConfig,
     "metrics": MetricsConfig,
     "admission": AdmissionConfig,
+    "manifests": ManifestsConfig,
 }
 TOP_KEYS = ["tiers", *SECTION_CLASSES]
 

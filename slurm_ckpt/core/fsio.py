@@ -37,6 +37,12 @@ class RefusedPath(TierError):
     whoever can write there, never of the node."""
 
 
+class PermissionDenied(TierError):
+    """EACCES/EPERM on a tier. Whose doing depends on where: below a user's own
+    directory it is that user's (the flush child decides, knowing the owner:
+    :func:`slurm_ckpt.node.owner_tasks.flush_as_user`), elsewhere the site's."""
+
+
 class QuotaExceeded(TierError):
     """The writer's disk quota is used up: the quota's owner's doing, not the node's."""
 
@@ -64,6 +70,8 @@ def tier_error(exc: OSError, what: str) -> CkptError:
         return RefusedPath(f"{what}: {reason}")
     if exc.errno == errno.EDQUOT:
         return QuotaExceeded(f"{what}: {reason}")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return PermissionDenied(f"{what}: {reason}")
     return TierError(f"{what}: {reason}")
 
 

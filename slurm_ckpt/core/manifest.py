@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional
 import xxhash
 
 from slurm_ckpt.core.hashing import DEFAULT_CHUNK_SIZE, HASH_ALGO, chunk_count
+from slurm_ckpt.core.manifest_limits import check_bytes, check_entries
 from slurm_ckpt.core.names import validate_key, validate_relpath, validate_user
 from slurm_ckpt.errors import InvalidName, VerifyError
 
@@ -101,7 +102,20 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str = "manifest") -> Manifest:
-        """Parse and fully validate; any inconsistency raises :class:`VerifyError`."""
+        """Parse and fully validate; any inconsistency raises :class:`VerifyError`.
+
+        The bytes are held to the size, depth and entry limits first
+        (:mod:`~slurm_ckpt.core.manifest_limits`); a parser that still runs out of stack
+        or memory on them is damage of this manifest too, never an error of the reader.
+        """
+        try:
+            return cls._from_bytes(data, where)
+        except (RecursionError, MemoryError) as exc:
+            raise VerifyError(f"{where}: not a valid manifest ({type(exc).__name__})") from None
+
+    @classmethod
+    def _from_bytes(cls, data: bytes, where: str) -> Manifest:
+        check_bytes(data, where)
         try:
             doc = _loads(data.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:
@@ -128,6 +142,7 @@ class Manifest:
         chunk_size = int(doc["chunk_size"])
         if chunk_size <= 0:
             raise ValueError("chunk_size must be positive")
+        check_entries(len(doc["files"]), where)
         files = []
         seen = set()
         for f in doc["files"]:
@@ -179,8 +194,10 @@ def _loads(text: str) -> Any:
 
 
 def has_control(text: str) -> bool:
-    """Control characters (C0, C1, DEL) or Unicode line/paragraph separators."""
-    return any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in text)
+    """Control characters (C0, C1, DEL), format characters (bidi overrides, zero-width),
+    Unicode line/paragraph separators or surrogates: none of them may sit in a label
+    root prints (a bidi override makes a line read backwards)."""
+    return any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp", "Cs") for c in text)
 
 
 def _finite(value: Any, name: str) -> float:
@@ -276,11 +293,20 @@ def manifest_facts(data: bytes) -> ManifestFacts:
     :meth:`Manifest.from_bytes` re-serialises twice in pure Python, about 3x the cost).
     Anything the fast path cannot settle goes through the full parse, which decides.
     """
+    check_bytes(data)
+    try:
+        return _facts(data)
+    except (RecursionError, MemoryError) as exc:
+        raise VerifyError(f"manifest: not a valid manifest ({type(exc).__name__})") from None
+
+
+def _facts(data: bytes) -> ManifestFacts:
     m = _CHECKSUM_LINE.match(data)
     if m is not None and xxhash.xxh3_128_hexdigest(b"{\n" + data[m.end() :]) == m.group(1).decode():
         try:
             doc = _loads(data.decode("utf-8"))
             files = doc["files"]
+            check_entries(len(files))
             nbytes = sum(int(f["size"]) for f in files)
             if (
                 doc["format_version"] == FORMAT_VERSION

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pwd
 import re
+import unicodedata
 from dataclasses import dataclass
 
 from slurm_ckpt.errors import InvalidName
@@ -61,6 +62,17 @@ def node_name(host: str) -> str:
     return short if _NODE_RE.fullmatch(short) else "localhost"
 
 
+#: Characters a name may not hold beyond C0/DEL: C1 controls (U+0080-U+009F: U+009B
+#: is a CSI to many terminals), format characters (bidi overrides such as U+202E,
+#: zero-width ones), line/paragraph separators, surrogates, private use. Root prints
+#: these names; they must read as what they are.
+_HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs", "Co"})
+
+
+def _shows_as_is(ch: str) -> bool:
+    return ch.isascii() or unicodedata.category(ch) not in _HIDDEN_CATEGORIES
+
+
 def validate_relpath(path: str) -> str:
     """A payload file path relative to its checkpoint directory, '/'-separated.
 
@@ -72,8 +84,11 @@ def validate_relpath(path: str) -> str:
         raise InvalidName(f"invalid file name {path!r}")
     if path.startswith("/"):
         raise InvalidName(f"invalid file name {path!r}: absolute paths are not allowed")
-    if _COMPONENT_BAD.search(path):
-        raise InvalidName(f"invalid file name {path!r}: control characters or backslash")
+    if _COMPONENT_BAD.search(path) or not all(_shows_as_is(c) for c in path):
+        raise InvalidName(
+            f"invalid file name {path!r}: control or format characters (C0, C1, bidi, "
+            "zero-width), line separators, or backslash"
+        )
     parts = path.split("/")
     for part in parts:
         if part in ("", ".", ".."):

@@ -13,6 +13,13 @@ user made first on a 1777 PFS root, a symlink) is moved aside before root writes
 directories and the file are root's, not writable by anyone else, and the file is a
 regular file with one link. A training job never writes here: it publishes its own
 status in its user's directory (:mod:`slurm_ckpt.ledger.user_status`).
+
+Every status carries ``seq``, a per-node sequence number that only grows (the larger of
+the last one this node published, plus one, and the time in microseconds: a ledger
+directory lost with a reimaged disk does not start it again at 1), next to ``time``, the
+moment root published it. A reader that decides (``maint``, ``guard``) takes only a
+status newer than the moment it saw the node's jobs gone, with a ``seq`` above every one
+it saw before: a status replayed from earlier, even one signed by root, is stale.
 """
 
 from __future__ import annotations
@@ -38,12 +45,16 @@ __all__ = [
     "STATUS_FORMAT",
     "node_status",
     "open_status_dir",
+    "next_seq",
     "publish_status",
+    "published_status",
     "read_node_statuses",
     "status_path",
+    "status_seq",
 ]
 
 STATUS_FORMAT = "slurm_ckpt.node_status"
+SEQ_NAME = "status-seq"
 _MAX_STATUS_BYTES = 4 * 1024 * 1024
 _STATUS_LIST_CAP = 50
 _STALE_STATUS_TMP_S = 3600.0
@@ -158,6 +169,44 @@ def node_status(
     }
 
 
+def next_seq(ledger: Ledger, now: float) -> int:
+    """The next sequence number of ``ledger``'s node (see the module docstring), kept in
+    ``<ledger dir>/status-seq`` (root's own directory, like the ledger).
+    Without a usable file the time alone still orders this node's statuses."""
+    last = 0
+    try:
+        dfd = fsio.open_dir(str(ledger.directory))
+    except OSError:
+        return int(now * 1e6)
+    try:
+        try:
+            last = int(fsio.read_small(dfd, SEQ_NAME, 64).decode().strip() or 0)
+        except (OSError, ValueError, UnicodeDecodeError):
+            last = 0
+        seq = max(last + 1, int(now * 1e6))
+        try:
+            fsio.atomic_replace(dfd, SEQ_NAME, f"{seq}\n".encode(), 0o644, durable=False)
+        except OSError as exc:
+            log.warning("status sequence not saved in %s: %s", ledger.directory, exc)
+        return seq
+    finally:
+        os.close(dfd)
+
+
+def published_status(ledger: Ledger, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """:func:`node_status` with the next ``seq``: what a publisher writes."""
+    doc = node_status(ledger, extra)
+    doc["seq"] = next_seq(ledger, doc["time"])
+    return doc
+
+
+def status_seq(doc: Dict[str, Any]) -> Optional[int]:
+    """A status's ``seq`` (None when absent or not an integer: such a status never
+    decides)."""
+    seq = doc.get("seq")
+    return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
+
+
 def publish_status(ledger: Ledger, pfs_root: Path, extra: Optional[Dict[str, Any]] = None) -> Path:
     """Write ``ledger``'s node status to ``<pfs_root>/.slurm_ckpt/nodes/<node>.json``.
 
@@ -166,7 +215,8 @@ def publish_status(ledger: Ledger, pfs_root: Path, extra: Optional[Dict[str, Any
     else is moved aside), and the file is replaced with
     :func:`~slurm_ckpt.core.fsio.atomic_replace`.
     """
-    blob = json.dumps(node_status(ledger, extra), separators=(",", ":"), default=str).encode()
+    blob = json.dumps(published_status(ledger, extra), separators=(",", ":"), default=str)
+    blob = blob.encode()
     root = Path(pfs_root)
     final = status_path(root, ledger.node)
     dir_fd = open_status_dir(root)

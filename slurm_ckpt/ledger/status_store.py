@@ -25,6 +25,13 @@ credentials reads them all; a forged one (or one written with other keys) is ski
 a note, like an untrusted file on the PFS. A user whose keys are not the site's sees no
 node statuses (``status`` then shows the tiers' catalogs and SLURM only). Sites must not
 give users the site's own keys.
+
+A signature alone does not stop a replay: a user with bucket keys can save a status root
+signed (``pending 0``) and put it back after root published a newer one (``pending 1``).
+So the signature binds the node's name, the status's sequence number and its time
+(``v2``, :func:`signed_message`), and the readers that decide (``maint``, ``guard``) take
+only a status newer than the moment they saw the node's jobs gone, with a sequence
+number above every one seen before (:mod:`slurm_ckpt.ops.maint`).
 """
 
 from __future__ import annotations
@@ -40,7 +47,12 @@ from slurm_ckpt.core.config import LEDGER_SUBDIR, Config
 from slurm_ckpt.core.names import validate_node
 from slurm_ckpt.errors import CkptError, TierError
 from slurm_ckpt.ledger.ledger import Ledger
-from slurm_ckpt.ledger.node_status import node_status, publish_status, read_node_statuses
+from slurm_ckpt.ledger.node_status import (
+    publish_status,
+    published_status,
+    read_node_statuses,
+    status_seq,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +68,7 @@ NODES_SUBDIR = "nodes"
 SIG_META = "slurm-ckpt-sig"
 _MAX_STATUS_BYTES = 4 * 1024 * 1024
 _KEY_LABEL = b"slurm_ckpt node status v1"
+_MESSAGE_LABEL = b"slurm_ckpt node status v2"
 
 
 class StatusStore(Protocol):
@@ -92,9 +105,24 @@ def _signing_key(secret: str) -> bytes:
     return hmac.new(secret.encode(), _KEY_LABEL, hashlib.sha256).digest()
 
 
+def signed_message(node: str, seq: int, time: float, blob: bytes) -> bytes:
+    """What is signed: the node, the sequence number, the time and the status's bytes,
+    each bound explicitly (a status is valid only as that node's, with that number, from
+    that moment: never as another node's, never as a newer one)."""
+    head = json.dumps([node, seq, repr(float(time))], separators=(",", ":")).encode()
+    return b"\n".join((_MESSAGE_LABEL, head, blob))
+
+
 def sign(secret: str, blob: bytes) -> str:
-    """The signature of a status's bytes under the credentials' ``secret``."""
-    return hmac.new(_signing_key(secret), blob, hashlib.sha256).hexdigest()
+    """The signature of a status's bytes under the credentials' ``secret``: over
+    :func:`signed_message` of its node, ``seq`` and ``time`` (a blob that is not a
+    status with those is signed as bytes alone, which no reader accepts)."""
+    try:
+        doc = json.loads(blob)
+        message = signed_message(doc["node"], doc["seq"], doc["time"], blob)
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError):
+        message = blob
+    return hmac.new(_signing_key(secret), message, hashlib.sha256).hexdigest()
 
 
 class ObjectStatusStore:
@@ -119,7 +147,7 @@ class ObjectStatusStore:
         secret = self.secret()
         if secret is None:
             raise TierError(f"{self.where}: no object-store credentials to sign the status")
-        doc = node_status(ledger, extra)
+        doc = published_status(ledger, extra)
         blob = json.dumps(doc, separators=(",", ":"), default=str).encode()
         key = self.prefix + f"{validate_node(ledger.node)}.json"
         self.tier.request(
@@ -169,15 +197,24 @@ class ObjectStatusStore:
             _skip(notes, f"skipping node status {where}: {exc}")
             return None
         sig = str((r.get("Metadata") or {}).get(SIG_META, ""))
-        if len(blob) > _MAX_STATUS_BYTES or not hmac.compare_digest(sig, sign(secret, blob)):
-            _skip(notes, f"skipping node status {where}: not signed by root's credentials")
+        if len(blob) > _MAX_STATUS_BYTES:
+            _skip(notes, f"skipping node status {where}: too large")
             return None
         try:
             doc = json.loads(blob)
-        except (ValueError, UnicodeDecodeError):
-            _skip(notes, f"skipping node status {where}: not valid JSON")
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            doc = None
+        if not isinstance(doc, dict) or not isinstance(doc.get("time"), (int, float)):
+            doc = None
+        if doc is None or status_seq(doc) is None or not isinstance(doc.get("node"), str):
+            _skip(notes, f"skipping node status {where}: not signed by root's credentials")
             return None
-        if not isinstance(doc, dict) or doc.get("node") != name[: -len(".json")]:
+        message = signed_message(doc["node"], doc["seq"], doc["time"], blob)
+        good = hmac.new(_signing_key(secret), message, hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(sig, good):
+            _skip(notes, f"skipping node status {where}: not signed by root's credentials")
+            return None
+        if doc["node"] != name[: -len(".json")]:
             _skip(notes, f"skipping node status {where}: not the status of that node")
             return None
         return doc

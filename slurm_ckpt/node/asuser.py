@@ -70,6 +70,23 @@ class ChildStopped(AsUserTimeout):
     the only one besides root who may signal it. The user's doing, not the node's."""
 
     user_caused = True
+    hold_code = "stopped"
+
+
+class ChildKilled(AsUserError):
+    """The child died of a signal root did not send (root kills only at a deadline,
+    which is :class:`AsUserTimeout`): sent by its user, the only other one who may
+    signal it (SIGKILL from the user's job still on the node). Not a crash signal
+    (:data:`CRASH_SIGNALS`: a fault in the child itself stays a real failure)."""
+
+    user_caused = True
+    hold_code = "killed"
+
+
+#: Signals a process gets from its own fault, not from someone else.
+CRASH_SIGNALS = frozenset(
+    {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT, signal.SIGSYS}
+)
 
 
 #: In the child: the write end of the heartbeat pipe (None: nobody listens).
@@ -326,8 +343,10 @@ def run_as(
     blob = b"".join(chunks)
     if not blob:
         if os.WIFSIGNALED(status):
-            sig = signal.Signals(os.WTERMSIG(status)).name
-            raise AsUserError(f"{label} as {who}: killed by {sig}")
+            signum = signal.Signals(os.WTERMSIG(status))
+            if signum in CRASH_SIGNALS:
+                raise AsUserError(f"{label} as {who}: killed by {signum.name}")
+            raise ChildKilled(f"{label} as {who}: killed by {signum.name} (not sent by root)")
         raise AsUserError(f"{label} as {who}: exited with status {os.WEXITSTATUS(status)}")
     try:
         msg = json.loads(blob)

@@ -295,7 +295,7 @@ class Flusher:
             res = self.copy(ident, left)
         except TimedOut as exc:
             took = self.clock() - t0
-            hold = "stopped" if user_caused(exc) else None
+            hold = (exc.hold_code or "stopped") if user_caused(exc) else None
             if hold is None and left is not None and took >= left - MIN_SLICE_S:
                 self.hand_off([ident])  # the deadline's: the stager has more time
                 return FlushResult(ident, "handed", nbytes=nbytes, error=str(exc))
@@ -323,7 +323,7 @@ class Flusher:
             self._mark([ident], self.src, State.BAD, str(exc), code=code, then=bad)
             return FlushResult(ident, "bad", nbytes=nbytes, error=str(exc), hold=code)
         except CkptError as exc:
-            hold = getattr(exc, "hold_code", "owner") if user_caused(exc) else None
+            hold = (exc.hold_code or "owner") if exc.user_caused else None
             return self._fail(ident, nbytes, exc, hold, t0)
         seconds = float(res.get("seconds", self.clock() - t0))
 

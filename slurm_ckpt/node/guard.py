@@ -32,6 +32,7 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_ENTRIES",
     "NodeCheckFailed",
+    "OwnPermissionDenied",
     "SquattedUserDir",
     "UnsafeCheckpoint",
     "UnsafeUserDir",
@@ -62,6 +63,15 @@ class UnsafeUserDir(Unflushable):
     admin). Nothing of that user is flushed there until it is fixed."""
 
     hold_code = "unsafe_dir"
+    bad_source = False
+
+
+class OwnPermissionDenied(Unflushable):
+    """Permission denied below the owner's own directories (``chmod 000`` on their
+    payload file, ``chmod 500`` on their PFS user or key directory): only the owner can
+    have set those modes. Held (destination ``FAILED``), retried after its backoff."""
+
+    hold_code = "permission"
     bad_source = False
 
 

@@ -23,7 +23,12 @@ from slurm_ckpt.core.manifest import MANIFEST_NAME, manifest_facts
 from slurm_ckpt.core.names import validate_key
 from slurm_ckpt.errors import CkptError, InvalidName, NotFound, TierError
 from slurm_ckpt.node.asuser import alive, describe
-from slurm_ckpt.node.guard import UnsafeCheckpoint, check_step_files, check_user_dir
+from slurm_ckpt.node.guard import (
+    OwnPermissionDenied,
+    UnsafeCheckpoint,
+    check_step_files,
+    check_user_dir,
+)
 from slurm_ckpt.node.warm import committed_manifest, guard_user_dir, owner_tiers, warm_of
 from slurm_ckpt.tiers.copy import copy_checkpoint
 from slurm_ckpt.tiers.posix import PosixTier
@@ -103,11 +108,20 @@ def flush_as_user(cfg: Config, user: str, key: str, step: int, uid: int) -> Dict
     except fsio.RefusedPath as exc:
         # A symlink at its PFS step directory (or anything else refused): the owner's doing.
         raise UnsafeCheckpoint(str(exc)) from None
+    except fsio.PermissionDenied as exc:
+        if _all_own(tiers["local"], warm, user, uid):
+            raise OwnPermissionDenied(str(exc)) from None
+        raise
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EINVAL, errno.EMFILE):
             # A symlink (or FIFO...) at the step's lock file, too many files: theirs too.
             where = tiers["local"].where(user, key, step)
             raise UnsafeCheckpoint(str(fsio.tier_error(exc, where))) from None
+        if exc.errno in (errno.EACCES, errno.EPERM) and _all_own(tiers["local"], warm, user, uid):
+            where = tiers["local"].where(user, key, step)
+            raise OwnPermissionDenied(str(fsio.tier_error(exc, where))) from None
+        if exc.errno == errno.EDQUOT:
+            raise fsio.tier_error(exc, warm.where(user, key, step)) from None  # QuotaExceeded
         raise
     return {
         "nbytes": res.nbytes,
@@ -115,6 +129,25 @@ def flush_as_user(cfg: Config, user: str, key: str, step: int, uid: int) -> Dict
         "seconds": res.seconds,
         "already": res.already_present,
     }
+
+
+def _all_own(local: Any, warm: Any, user: str, uid: int) -> bool:
+    """Whether ``<root>/<user>`` on the local tier and on the warm tier (when POSIX) are
+    directories of ``uid``: then everything a permission error can be about is below
+    them, and only their owner (or root, which does not chmod users' files) set its
+    mode. A missing or foreign one (the PFS root not letting users make their
+    directory) is the site's problem instead."""
+    for tier in (local, warm):
+        root = getattr(tier, "root", None)
+        if root is None:
+            continue  # the object store: no modes a user sets on root's requests
+        try:
+            st = os.lstat(os.path.join(str(root), user))
+        except OSError:
+            return False
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+            return False
+    return True
 
 
 def flush_many_as_user(

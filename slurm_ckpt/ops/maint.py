@@ -39,6 +39,7 @@ from slurm_ckpt.core import trust
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import CkptError, NotReady, SlurmError
 from slurm_ckpt.ledger import LEDGER_NAME, Ledger
+from slurm_ckpt.ledger.node_status import status_seq
 from slurm_ckpt.ledger.status_store import read_statuses, status_store
 from slurm_ckpt.slurm import hostlist
 from slurm_ckpt.slurm.client import SlurmClient
@@ -47,6 +48,7 @@ from slurm_ckpt.slurm.records import MAINT_PREFIX
 __all__ = [
     "ENV_NODES",
     "NodeWait",
+    "StatusWatch",
     "action_argv",
     "guard",
     "local_backlog",
@@ -102,7 +104,7 @@ class NodeWait:
         if self.status_time is None:
             parts.append("no node status on the PFS yet")
         elif not self.fresh:
-            parts.append("waiting for a node status newer than the drain")
+            parts.append("waiting for a node status newer than the drain and the end of its jobs")
         if self.pending:
             noun = "checkpoint" if self.pending == 1 else "checkpoints"
             parts.append(
@@ -113,18 +115,70 @@ class NodeWait:
         return f"{self.node}: " + "; ".join(parts)
 
 
+class StatusWatch:
+    """What one reader (a ``maint`` run, a ``guard``) has seen of each node's statuses,
+    so that a replayed one cannot decide (see :mod:`slurm_ckpt.ledger.status_store`).
+
+    A status counts (``fresh``) only when it was published after the moment this reader
+    saw the node's jobs gone, and its sequence number is above every one seen up to
+    that moment and not below any seen since. Whatever a user puts back - a status root
+    signed before the node's last job ended, or before a newer one this reader read -
+    is stale, however it is signed.
+    """
+
+    def __init__(self) -> None:
+        self.gone_at: Dict[str, float] = {}
+        self.baseline: Dict[str, int] = {}
+        self.highest: Dict[str, int] = {}
+
+    def jobs_seen(self, node: str, running: bool, at: float) -> None:
+        """This round's SLURM view of ``node`` (queried at ``at``)."""
+        if running:
+            self.gone_at.pop(node, None)
+        elif node not in self.gone_at:
+            self.gone_at[node] = at
+            self.baseline[node] = self.highest.get(node, 0)
+
+    def fresh(self, node: str, doc: Dict[str, Any]) -> Tuple[bool, Optional[str]]:
+        """Whether ``doc`` (the node's status read this round) may decide, and why not."""
+        seq = status_seq(doc)
+        try:
+            published = float(doc.get("time"))
+        except (TypeError, ValueError):
+            return False, "its node status has no time"
+        if seq is None:
+            return False, "its node status has no sequence number (an old or forged one)"
+        highest = self.highest.get(node, 0)
+        self.highest[node] = max(highest, seq)
+        if seq < highest:
+            return False, "ignored a node status older than one already seen (a replay?)"
+        gone = self.gone_at.get(node)
+        if gone is None:
+            return False, None
+        if published <= gone or seq <= self.baseline.get(node, 0):
+            return False, None
+        return True, None
+
+
 def node_readiness(
     nodes: Sequence[str],
     since: float,
     statuses: Sequence[Dict[str, Any]],
     jobs: Dict[str, List[str]],
+    watch: Optional[StatusWatch] = None,
+    at: Optional[float] = None,
 ) -> List[NodeWait]:
-    """Combine SLURM's jobs per node with the node status files (``pending`` counts only
-    from a status published at or after ``since``)."""
+    """Combine SLURM's jobs per node with the node status files: ``pending`` counts only
+    from a status published after ``since`` (the drain) and fresh to ``watch`` (newer
+    than the moment the node's jobs were seen gone, a sequence number never seen
+    before); ``at`` is when ``jobs`` was asked for."""
+    watch = watch if watch is not None else StatusWatch()
+    at = time.time() if at is None else at
     by_node = {d.get("node"): d for d in statuses}
     out = []
     for node in nodes:
         w = NodeWait(node, jobs=list(jobs.get(node, [])))
+        watch.jobs_seen(node, bool(w.jobs), at)
         doc = by_node.get(node)
         if doc is not None:
             try:
@@ -134,7 +188,9 @@ def node_readiness(
             pend = doc.get("pending") or {}
             w.pending = int(pend.get("count", 0) or 0)
             w.pending_bytes = int(pend.get("bytes", 0) or 0)
-            w.fresh = w.status_time is not None and w.status_time >= since
+            fresh, why = watch.fresh(node, doc)
+            w.fresh = fresh and w.status_time is not None and w.status_time >= since
+            w.note = why
         out.append(w)
     return out
 
@@ -207,12 +263,17 @@ def wait_ready(
     """Poll until every node is ready (returned) or ``timeout`` (NotReady raised);
     ``on_poll(waits)`` sees every round (for a progress display)."""
     deadline = time.monotonic() + timeout
+    watch = StatusWatch()
     while True:
         for n in nodes:
             _keep_drained(client, n, reason)
         notes: List[str] = []
         statuses = read_statuses(pfs_root, notes)  # the PFS, or signed objects in the bucket
-        waits = node_readiness(nodes, since, statuses, _jobs(client, nodes))
+        jobs = _jobs(client, nodes)
+        # SLURM's answer came by now: a node without jobs has had none since at least
+        # this moment, and only a status published after it can speak for it.
+        at = time.time()
+        waits = node_readiness(nodes, since, statuses, jobs, watch, at)
         for w in waits:
             if w.status_time is None and notes:
                 w.note = f"ignored: {notes[0]}"  # untrusted statuses never count
@@ -300,29 +361,50 @@ def local_backlog(cfg: Any, node: str) -> Optional[Tuple[int, int]]:
     return len(recs), sum(r.nbytes for r in recs)
 
 
-def _pfs_backlog(cfg: Any, node: str) -> Optional[Tuple[int, int]]:
+#: ``_pfs_backlog``: a status is there, but none fresh enough to decide yet.
+_STALE = (-1, 0)
+
+
+def _pfs_backlog(cfg: Any, node: str, watch: StatusWatch) -> Optional[Tuple[int, int]]:
     for doc in status_store(cfg).read():
         if doc.get("node") == node:
+            if not watch.fresh(node, doc)[0]:
+                return _STALE
             pend = doc.get("pending") or {}
             return int(pend.get("count", 0) or 0), int(pend.get("bytes", 0) or 0)
     return None
 
 
-def _backlog(cfg: Any, node: str) -> Tuple[Optional[Tuple[int, int]], str]:
+def _backlog(cfg: Any, node: str, watch: StatusWatch) -> Tuple[Optional[Tuple[int, int]], str]:
     got = local_backlog(cfg, node)
     if got is not None:
         return got, "ledger"
-    return _pfs_backlog(cfg, node), "PFS status"
+    return _pfs_backlog(cfg, node, watch), "PFS status"
 
 
-def guard(cfg: Any, node: str, wait_s: float, poll: float) -> str:
+def guard(cfg: Any, node: str, wait_s: float, poll: float, since: Optional[float] = None) -> str:
     """Wait up to ``wait_s`` until ``node`` owes nothing to the PFS: the one-line answer,
-    or NotReady (exit 4) when it still does."""
+    or NotReady (exit 4) when it still does.
+
+    The node's own ledger decides when root can trust it. Else its published status
+    does, but only one published after ``since`` (default: now, when guard is asked:
+    the node's jobs are gone then; see :class:`StatusWatch`): an older one, even root's,
+    may be a replay and waits for the next publication (the stager's next pass)."""
     deadline = time.monotonic() + wait_s
+    watch = StatusWatch()
+    watch.jobs_seen(node, False, time.time() if since is None else since)
     while True:
-        got, source = _backlog(cfg, node)
+        got, source = _backlog(cfg, node, watch)
         if got is None:
             return f"guard {node}: no ledger and no node status: nothing known to flush"
+        if got == _STALE:
+            if time.monotonic() >= deadline:
+                raise NotReady(
+                    f"guard {node}: no node status newer than the guard's start yet "
+                    f"({source}: an older one may be a replay); refusing"
+                )
+            time.sleep(min(poll, max(deadline - time.monotonic(), 0.0)))
+            continue
         count, nbytes = got
         if count == 0:
             return f"guard {node}: nothing waiting for a flush ({source})"

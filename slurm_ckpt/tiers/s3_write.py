@@ -37,6 +37,7 @@ from slurm_ckpt.core.commit import AlreadyCommitted, manifest_to_commit
 from slurm_ckpt.core.faults import crashpoint
 from slurm_ckpt.core.hashing import ChunkedHasher, chunk_count, chunk_digest, combine
 from slurm_ckpt.core.manifest import MANIFEST_NAME, FileEntry, Manifest
+from slurm_ckpt.core.manifest_limits import check_bytes
 from slurm_ckpt.core.names import validate_key, validate_relpath, validate_user
 from slurm_ckpt.core.verify import VerifyReport, verify_sources
 from slurm_ckpt.errors import CkptError, NotFound, TierError
@@ -522,6 +523,11 @@ class S3Writer:
             raise CkptError(f"{self.where}: writer already finished")
         manifest = manifest_to_commit(self)
         data = manifest.to_bytes()
+        try:
+            check_bytes(data, self.where)  # root would count it as damage: say so now
+        except CkptError:
+            self.abort()
+            raise
         mkey = self.tier.object_key(self.user, self.key, self.step, MANIFEST_NAME)
         crashpoint("s3:before-manifest")
         try:

@@ -62,6 +62,7 @@ from slurm_ckpt.core.config_schema import (  # noqa: F401 - the section classes 
     LocalTierConfig,
     MetricsConfig,
     ObjectTierConfig,
+    PartnerConfig,
     PathLike,
     PfsTierConfig,
     RetentionConfig,
@@ -117,6 +118,7 @@ class Config:
     hooks: HooksConfig = field(default_factory=HooksConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    partner: PartnerConfig = field(default_factory=PartnerConfig)
     #: The file this came from, or "<standalone>"/"<dict>"; not part of equality.
     source: str = field(default="<dict>", compare=False)
 

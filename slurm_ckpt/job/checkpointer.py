@@ -51,6 +51,7 @@ from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord
 from slurm_ckpt.job.dist import dist_agree
 from slurm_ckpt.job.lazy import Drain, defer_mask
 from slurm_ckpt.job.options import UNSET, Options, build_config
+from slurm_ckpt.job.partner import PartnerLink, open_partner
 from slurm_ckpt.job.pipeline import (
     DEADLINE_MARGIN_S,
     CheckpointFailed,
@@ -187,6 +188,24 @@ class Checkpointer:
             min_free=cfg.tiers.local.min_free,
             max_consecutive_failures=cfg.job.max_consecutive_failures,
         )
+        #: Partner copies of this rank's checkpoints on the next node (None: off).
+        self.partner: Optional[PartnerLink] = None
+        if cfg.partner.enabled:
+            self.partner = open_partner(
+                cfg,
+                self.local,
+                self._books,
+                user=self.user,
+                key=self.shard_key,
+                base_key=self.key,
+                rank=self.rank,
+                world_size=self.world_size,
+                node=self.node,
+                job=self.job,
+                host=opts.partner_host,
+            )
+            if self.partner is not None:
+                self._pipeline.after_commit = self.partner.offer
         self._requeue = opts.requeue
         self._requeue_fn = opts.requeue_fn or functools.partial(requeue_job, self.job)
         self._job_state_fn = opts.job_state_fn
@@ -477,6 +496,8 @@ class Checkpointer:
             d = self._deadline.deadline()
             until = None if d is None else d - DEADLINE_MARGIN_S
         self._pipeline.finish(until)
+        if self.partner is not None:
+            self.partner.close(60.0 if until is None else max(0.0, until - time.time()))
         self._maybe_requeue()
         self._flag.uninstall()
         self._staging.close()

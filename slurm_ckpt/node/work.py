@@ -141,6 +141,9 @@ class NodeWork:
         self.local_root = str(cfg.tiers.local.root)
         self.users: Dict[str, UserIds] = {}
         self.scan_jobs: Dict[Ident, Optional[str]] = {}
+        #: The node each scanned checkpoint was written on (its manifest): another node
+        #: for a partner copy (:mod:`slurm_ckpt.node.partner_flush`).
+        self.scan_nodes: Dict[Ident, Optional[str]] = {}
         self.skipped_dirs: List[str] = []
         #: Problems found with users' directories this run (for the node status).
         self.refused: List[Dict[str, Any]] = []
@@ -231,6 +234,7 @@ class NodeWork:
         complete = True
         self.users = {}
         self.scan_jobs = {}
+        self.scan_nodes = {}
         stall = self.cfg.hooks.child_timeout
         for ids in self.local_users():
             left = self._left(deadline)
@@ -261,9 +265,10 @@ class NodeWork:
                 complete = False
             rows = got.get("rows") if isinstance(got, dict) else None
             for row in rows if isinstance(rows, list) else []:
-                if not isinstance(row, list) or len(row) != 4:
+                if not isinstance(row, list) or len(row) not in (4, 5):
                     continue
-                key, step, nbytes, job = row
+                key, step, nbytes, job = row[:4]
+                owner = row[4] if len(row) == 5 and isinstance(row[4], str) else None
                 try:
                     validate_key(key)
                 except InvalidName:
@@ -272,6 +277,7 @@ class NodeWork:
                     continue
                 local.append((ids.name, key, step, nbytes))
                 self.scan_jobs[(ids.name, key, step)] = None if job is None else str(job)
+                self.scan_nodes[(ids.name, key, step)] = owner
         verified = [
             (raw["user"], raw["key"], raw["step"], int(raw.get("nbytes", 0)))
             for raw in Ledger.select(self.ledger.snapshot(), None, None, None, _pfs_verified)

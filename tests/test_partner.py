@@ -31,6 +31,7 @@ from slurm_ckpt.core.config import Config
 from slurm_ckpt.hooks.epilog import run_epilog
 from slurm_ckpt.job.partner_net import MAGIC, Peer, ring_partner
 from slurm_ckpt.ledger import Ledger, State
+from slurm_ckpt.ledger.node_status import node_status
 from slurm_ckpt.slurm.env import HookEnv
 from slurm_ckpt.tiers.posix import PosixTier
 
@@ -147,6 +148,12 @@ def test_node_lost_mid_job_costs_no_checkpoint(tmp_path: Path) -> None:
     assert not rep.flush.failed, rep.line()
     assert [i.step for i in pfs.steps("root", rank_key(0))] == [1, 2, 3]
     assert pfs.verify("root", rank_key(0), 3).ok
+    led = Ledger(str(tmp_path / "nb" / "ledger"), "nb")
+    rec = led.get("root", rank_key(0), 3)
+    assert rec is not None and rec.tiers["pfs"] == State.VERIFIED
+    assert rec.extra["partner_of"] == "na"
+    job = node_status(led)["jobs"][JOB]
+    assert (job["partner_copies"], job["latest_partner_step"]) == (2, 3)
     # The requeued job on two new nodes resumes at the newest step, bitwise.
     c, d = node(tmp_path, "nc", 0, partner=False), node(tmp_path, "nd", 1, partner=False)
     try:

@@ -20,15 +20,15 @@ is worse than a retried flush.
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from slurm_ckpt.errors import SlurmError
-from slurm_ckpt.ledger import Record
+from slurm_ckpt.ledger import Ledger, Record
 from slurm_ckpt.slurm.client import SlurmClient
 
 log = logging.getLogger("slurm_ckpt.hooks")
 
-__all__ = ["LOST_STATES", "defer_live_owners"]
+__all__ = ["LOST_STATES", "defer_live_owners", "mark_partner_copies"]
 
 #: Node states (base state or flag) in which a node's own hooks cannot flush.
 LOST_STATES = frozenset({"DOWN", "NOT_RESPONDING", "FAIL", "FAILING", "POWERED_DOWN", "UNKNOWN"})
@@ -71,3 +71,33 @@ def defer_live_owners(
             sorted(cache),
         )
     return keep, deferred
+
+
+def mark_partner_copies(
+    ledger: Ledger, owners: Dict[Tuple[str, str, int], Optional[str]], this_node: str
+) -> int:
+    """Record in the node's ledger which local checkpoints are partner copies
+    (``partner_of``: the node that wrote them, from their manifest), so that the node's
+    status shows them. One transaction, only when there is something new to mark."""
+    snap = ledger.snapshot()
+    todo = []
+    for ident, owner in owners.items():
+        if not owner or owner == this_node:
+            continue
+        raw = snap.get(ident)
+        if raw is None or raw.get("partner_of") == owner:
+            continue
+        todo.append((ident, owner))
+
+    def setter(owner: str) -> Callable[[Optional[Record], float], Optional[Record]]:
+        def fn(rec: Optional[Record], _now: float) -> Optional[Record]:
+            if rec is None:
+                return None
+            rec.extra["partner_of"] = owner
+            return rec
+
+        return fn
+
+    if not todo:
+        return 0
+    return ledger.update_many([(ident, setter(owner)) for ident, owner in todo])

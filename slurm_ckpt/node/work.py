@@ -42,6 +42,7 @@ from slurm_ckpt.node.owner_tasks import (
     flush_many_as_user,
     scan_local,
 )
+from slurm_ckpt.node.partner_flush import mark_partner_copies
 from slurm_ckpt.node.retry import RetryPolicy, held, retry_due
 from slurm_ckpt.node.slots import SlotGate
 from slurm_ckpt.node.warm import lend_credentials
@@ -282,7 +283,12 @@ class NodeWork:
             (raw["user"], raw["key"], raw["step"], int(raw.get("nbytes", 0)))
             for raw in Ledger.select(self.ledger.snapshot(), None, None, None, _pfs_verified)
         ]
-        return self.ledger.reconcile(local, verified, prune=complete, jobs=self.scan_jobs)
+        counts = self.ledger.reconcile(local, verified, prune=complete, jobs=self.scan_jobs)
+        try:
+            mark_partner_copies(self.ledger, self.scan_nodes, self.node)
+        except (CkptError, OSError) as exc:
+            log.warning("partner copies not marked in the ledger: %s", exc)
+        return counts
 
     def job_of(self, rec: Record) -> Optional[str]:
         return rec.job or self.scan_jobs.get(rec.ident)

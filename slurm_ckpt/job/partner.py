@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -68,6 +67,9 @@ __all__ = ["PartnerLink", "PartnerStats", "open_partner", "rendezvous_dir"]
 
 #: Socket timeout of one send/receive (a silent peer is given up on).
 IO_TIMEOUT_S = 60.0
+#: A connecting peer must have proved the job's secret within this time (a stranger
+#: holding connections open must not take the receiver's few slots for long).
+HANDSHAKE_TIMEOUT_S = 10.0
 #: How long a sender waits for every rank to publish its address.
 RENDEZVOUS_TIMEOUT_S = 300.0
 #: Receiver connections served at once (a few ranks per node send to one node).
@@ -289,13 +291,14 @@ class PartnerLink:
         step: Optional[int] = None
         try:
             with conn:
-                conn.settimeout(IO_TIMEOUT_S)
+                conn.settimeout(HANDSHAKE_TIMEOUT_S)
                 try:
                     session = server_handshake(conn, self._secret)
                 except (WireError, OSError) as exc:
                     self._count(refused=1)
                     log.warning("[ckpt] partner connection refused: %s", exc)
                     return
+                conn.settimeout(IO_TIMEOUT_S)
                 mbytes = recv_frame(conn, session)
                 m = Manifest.from_bytes(mbytes, "partner manifest")
                 step = m.step
@@ -468,11 +471,6 @@ def _deleted(rec: Optional[Record]) -> Optional[Record]:
         return None
     rec.tiers["local"] = State.DELETED
     return rec
-
-
-def describe(stats: PartnerStats) -> str:
-    """One line for logs."""
-    return json.dumps(dataclasses.asdict(stats), sort_keys=True)
 
 
 def rendezvous_dir(cfg: Config, user: str, base_key: str, job: Optional[str]) -> Optional[str]:

@@ -32,6 +32,7 @@ from slurm_ckpt.hooks.epilog import run_epilog
 from slurm_ckpt.job.partner_net import MAGIC, Peer, ring_partner
 from slurm_ckpt.ledger import Ledger, State
 from slurm_ckpt.ledger.node_status import node_status
+from slurm_ckpt.node.work import NodeWork
 from slurm_ckpt.slurm.env import HookEnv
 from slurm_ckpt.tiers.posix import PosixTier
 
@@ -154,6 +155,18 @@ def test_node_lost_mid_job_costs_no_checkpoint(tmp_path: Path) -> None:
     assert rec.extra["partner_of"] == "na"
     job = node_status(led)["jobs"][JOB]
     assert (job["partner_copies"], job["latest_partner_step"]) == (2, 3)
+    # Root's own ledger, rebuilt from a scan of the tier, knows them as partner copies
+    # too (their manifests name another node).
+    fresh = Config.from_dict({**cfg.to_dict(), "ledger": {"dir": str(tmp_path / "nb-root")}})
+    work = NodeWork(fresh, "nb")
+    work.reconcile()
+    marks = {(r.key, r.step): r.extra.get("partner_of") for r in work.ledger.records("root", None)}
+    assert marks == {
+        (rank_key(0), 2): "na",
+        (rank_key(0), 3): "na",
+        (rank_key(1), 2): None,
+        (rank_key(1), 3): None,
+    }
     # The requeued job on two new nodes resumes at the newest step, bitwise.
     c, d = node(tmp_path, "nc", 0, partner=False), node(tmp_path, "nd", 1, partner=False)
     try:

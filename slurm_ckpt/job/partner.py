@@ -405,9 +405,10 @@ class PartnerLink:
         superseded (the owner holds its own, the flush takes the newest)."""
         with self._retention_lock:
             try:
-                steps = sorted(i.step for i in self.local.steps(self.user, key))
-                for step in steps[: max(0, len(steps) - self.keep_partner)]:
-                    if not self._is_partner_copy(key, step):
+                infos = sorted(self.local.steps(self.user, key), key=lambda i: i.step)
+                for info in infos[: max(0, len(infos) - self.keep_partner)]:
+                    step = info.step
+                    if not self._is_partner_copy(key, step, info.manifest.node):
                         continue
                     self.local.delete(self.user, key, step)
                     self._count(deleted=1)
@@ -416,13 +417,13 @@ class PartnerLink:
             except (CkptError, OSError) as exc:
                 log.warning("[ckpt] partner retention failed: %s", exc)
 
-    def _is_partner_copy(self, key: str, step: int) -> bool:
-        if self.ledger is None:
-            return True  # the key is another rank's: on this node it is a partner copy
-        rec = self.ledger.get(self.user, key, step)
+    def _is_partner_copy(self, key: str, step: int, written_on: Optional[str]) -> bool:
+        """A copy retention may drop: marked as a partner copy, or verified on the PFS.
+        Another rank's checkpoint without a record is one only if another node wrote it
+        (one written here, by an earlier job, may be the only copy: kept)."""
+        rec = None if self.ledger is None else self.ledger.get(self.user, key, step)
         if rec is None:
-            return True
-        # One without the mark was staged here by the prolog: kept until it is on the PFS.
+            return written_on is not None and written_on != self.node
         return bool(rec.extra.get("partner_of")) or rec.tiers.get("pfs") == State.VERIFIED
 
     # -- the end ----------------------------------------------------------------------

@@ -287,7 +287,9 @@ def test_cli_json_and_table(site: Site) -> None:
         "flush_rate_bps",
         "flush_eta_s",
         "problems",
+        "partner",
     }
+    assert doc["jobs"][0]["partner"] is None  # no partner copies in this site
     r = ckpt_slurm("status", "--no-slurm", "--job", "11", config=site.cfg_path)
     assert r.returncode == 0, r.stderr
     assert "alice/run1" in r.stdout and " 200 " in r.stdout and "bob" not in r.stdout

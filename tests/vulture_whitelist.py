@@ -91,3 +91,10 @@ failures_per_day
 
 # CheckpointStats of the lazy snapshot, read by users and benchmarks (stats).
 last_drain_s
+
+# PartnerStats counters, read by users and tests (Checkpointer.partner.stats).
+send_skipped
+bytes_sent
+bytes_received
+last_sent_step
+last_received_step

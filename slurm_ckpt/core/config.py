@@ -63,6 +63,7 @@ from slurm_ckpt.core.config_schema import (  # noqa: F401 - the section classes 
     ManifestsConfig,
     MetricsConfig,
     ObjectTierConfig,
+    PartnerConfig,
     PathLike,
     PfsTierConfig,
     RetentionConfig,
@@ -121,6 +122,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     manifests: ManifestsConfig = field(default_factory=ManifestsConfig)
+    partner: PartnerConfig = field(default_factory=PartnerConfig)
     #: The file this came from, or "<standalone>"/"<dict>"; not part of equality.
     source: str = field(default="<dict>", compare=False)
 

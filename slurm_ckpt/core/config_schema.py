@@ -30,6 +30,7 @@ __all__ = [
     "ManifestsConfig",
     "MetricsConfig",
     "ObjectTierConfig",
+    "PartnerConfig",
     "PfsTierConfig",
     "RetentionConfig",
     "TiersConfig",
@@ -281,6 +282,24 @@ class AdmissionConfig:
         return self.max_nodes is not None or self.max_bandwidth is not None
 
 
+@dataclass(frozen=True)
+class PartnerConfig:
+    """``[partner]``: a copy of every rank's committed local checkpoint on a partner
+    node's local tier (:mod:`slurm_ckpt.job.partner`), so one lost node loses nothing."""
+
+    #: Copy each committed local checkpoint to the next node of the job (a ring).
+    enabled: bool = field_of(KIND_BOOL, False)
+    #: Bandwidth cap of the partner copies (per sending rank); 0 = no limit.
+    bandwidth: Optional[float] = field_of(KIND_BANDWIDTH, None, optional=True)
+    #: Newest partner copies of each series kept on the partner node's local tier.
+    keep_partner: int = field_of(KIND_INT, 2, minimum=1)
+    #: Rendezvous directory every node of a job mounts (addresses and the job secret go
+    #: below it); unset = ``<tiers.pfs.root>/<user>/.slurm_ckpt-partner``.
+    dir: Optional[Path] = field_of(KIND_PATH, None, optional=True)
+    #: Address the receiver listens on; unset = every interface.
+    bind: Optional[str] = field_of(KIND_STR, None, optional=True)
+
+
 TIER_CLASSES = {
     "local": LocalTierConfig,
     "pfs": PfsTierConfig,
@@ -296,6 +315,7 @@ SECTION_CLASSES = {
     "metrics": MetricsConfig,
     "admission": AdmissionConfig,
     "manifests": ManifestsConfig,
+    "partner": PartnerConfig,
 }
 TOP_KEYS = ["tiers", *SECTION_CLASSES]
 

@@ -31,6 +31,7 @@ from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.units import format_duration
 from slurm_ckpt.errors import SlurmError
 from slurm_ckpt.node.flush import FlushOutcome
+from slurm_ckpt.node.partner_flush import defer_live_owners
 from slurm_ckpt.node.work import RESERVE_FRACTION, RESERVE_MAX_S, NodeWork, drain_reason
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.env import HookEnv
@@ -92,6 +93,9 @@ def run_epilog(
     running = work.running_jobs(exclude=env.job_id)
     t1 = clock()
     owed = work.owed(running)
+    # Partner copies whose owner's node lives are that node's to flush (no two nodes
+    # write one step to the PFS at once); a lost owner's are flushed here.
+    owed, _deferred = defer_live_owners(owed, work.scan_nodes, env.node, client)
     todo = work.candidates(running, first_job=env.job_id, owed=owed)
     # What is left after the flushes (drain, status) costs about one more pass over the
     # ledger, as long as the one just made: keep that back too, at any backlog size.

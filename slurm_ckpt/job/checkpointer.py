@@ -50,6 +50,7 @@ from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord
 from slurm_ckpt.job.dist import dist_agree
 from slurm_ckpt.job.lazy import Drain, defer_mask
 from slurm_ckpt.job.options import OPTION_NAMES, UNSET, Options, build_config
+from slurm_ckpt.job.partner import PartnerLink, open_partner
 from slurm_ckpt.job.pipeline import (
     DEADLINE_MARGIN_S,
     CheckpointFailed,
@@ -141,6 +142,12 @@ class Checkpointer(FrameworkSeams):
       staging_memory_limit: cap on the snapshot buffers (bytes or "8GiB").
       pfs_bandwidth: cap on flush bandwidth (bytes/s or "500MB/s").
       ledger_dir: where the node ledger lives.
+    Partner copies (docs/partner.md; the site's ``[partner]`` otherwise):
+      partner: copy each committed checkpoint to the next node of the job (True/False).
+      keep_partner: newest partner copies kept per rank series on the partner's disk.
+      partner_bandwidth: cap on the partner copies (bytes/s or "1GB/s").
+      partner_dir: rendezvous directory every node of the job mounts (addresses, secret).
+      partner_host: the address other nodes reach this rank's partner server at.
     Identity (defaults from the environment):
       rank: this process's rank (RANK, else SLURM_PROCID).
       world_size: number of ranks (WORLD_SIZE, else the step's task count).
@@ -180,6 +187,11 @@ class Checkpointer(FrameworkSeams):
         staging_memory_limit: Optional[Union[int, str]] = None,
         pfs_bandwidth: Optional[Union[float, str]] = None,
         ledger_dir: Optional[PathLike] = None,
+        partner: Optional[bool] = None,
+        keep_partner: Optional[int] = None,
+        partner_bandwidth: Optional[Union[float, str]] = None,
+        partner_dir: Optional[PathLike] = None,
+        partner_host: Optional[str] = None,
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         user: Optional[str] = None,
@@ -269,6 +281,24 @@ class Checkpointer(FrameworkSeams):
             min_free=cfg.tiers.local.min_free,
             max_consecutive_failures=cfg.job.max_consecutive_failures,
         )
+        #: Partner copies of this rank's checkpoints on the next node (None: off).
+        self.partner: Optional[PartnerLink] = None
+        if cfg.partner.enabled:
+            self.partner = open_partner(
+                cfg,
+                self.local,
+                self._books,
+                user=self.user,
+                key=self.shard_key,
+                base_key=self.key,
+                rank=self.rank,
+                world_size=self.world_size,
+                node=self.node,
+                job=self.job,
+                host=opts.partner_host,
+            )
+            if self.partner is not None:
+                self._pipeline.after_commit = self.partner.offer
         self._requeue = opts.requeue
         self._requeue_fn = opts.requeue_fn or functools.partial(requeue_job, self.job)
         self._job_state_fn = opts.job_state_fn
@@ -586,6 +616,8 @@ class Checkpointer(FrameworkSeams):
         if dcp is not None:
             dcp.finish(until)
         self._pipeline.finish(until)
+        if self.partner is not None:
+            self.partner.close(60.0 if until is None else max(0.0, until - time.time()))
         self._maybe_requeue()
         self._flag.uninstall()
         self._staging.close()

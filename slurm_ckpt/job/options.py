@@ -47,10 +47,13 @@ class Options:
     Site settings (override the config): ``interval_tokens``, ``interval_steps``,
     ``interval_seconds``, ``interval`` (``"auto"``: Young/Daly), ``mtbi``,
     ``keep_local``, ``flush_every``, ``signals``, ``max_consecutive_failures``,
-    ``staging_memory_limit``, ``pfs_bandwidth``, ``ledger_dir``.
+    ``staging_memory_limit``, ``pfs_bandwidth``, ``ledger_dir``; partner copies
+    (``[partner]``, docs/partner.md): ``partner`` (on/off), ``keep_partner``,
+    ``partner_bandwidth``, ``partner_dir`` (the rendezvous base directory).
 
     The job: ``rank``/``world_size`` (default: ``RANK``/``WORLD_SIZE``, else SLURM's),
-    ``user``, ``node``, ``job``; ``flush_policy`` ("skip"/"wait"); ``install_signals``.
+    ``user``, ``node``, ``job``; ``flush_policy`` ("skip"/"wait"); ``install_signals``;
+    ``partner_host`` (the address other nodes reach this rank's partner server at).
 
     Providers and callbacks: ``requeue`` (requeue after a time-limit save) and
     ``requeue_fn(reason)``, ``job_state_fn() -> state``, ``end_time_fn() -> epoch``
@@ -71,6 +74,11 @@ class Options:
     staging_memory_limit: Optional[Union[int, str]] = None
     pfs_bandwidth: Optional[Union[float, str]] = None
     ledger_dir: Optional[PathLike] = None
+    partner: Optional[bool] = None
+    keep_partner: Optional[int] = None
+    partner_bandwidth: Optional[Union[float, str]] = None
+    partner_dir: Optional[PathLike] = None
+    partner_host: Optional[str] = None
     rank: Optional[int] = None
     world_size: Optional[int] = None
     user: Optional[str] = None
@@ -154,7 +162,13 @@ def build_config(
         for k in _INTERVALS:
             base["job"][k] = None
     retention = {"keep_local": opts.keep_local, "flush_every": opts.flush_every}
-    for section, values in (("job", job), ("retention", retention)):
+    partner = {
+        "enabled": opts.partner,
+        "keep_partner": opts.keep_partner,
+        "bandwidth": opts.partner_bandwidth,
+        "dir": None if opts.partner_dir is None else os.path.abspath(os.fspath(opts.partner_dir)),
+    }
+    for section, values in (("job", job), ("retention", retention), ("partner", partner)):
         for k, v in values.items():
             if v is not None:
                 base[section][k] = v

@@ -163,6 +163,9 @@ class Pipeline:
         #: Steps this pipeline committed on the local tier (a second save of one of them
         #: replaces this run's own copy, not an older run's).
         self._own_steps: Set[int] = set()
+        #: Called with each step committed on the local tier (the partner copy's sender,
+        #: :mod:`slurm_ckpt.job.partner`); must return at once.
+        self.after_commit: Optional[Callable[[int], None]] = None
 
     # -- state -------------------------------------------------------------------------
     @property
@@ -378,6 +381,8 @@ class Pipeline:
             s.last_step = rec.step
             self.newest = rec
         self.books.commit_local(rec)
+        if self.after_commit is not None:
+            self.after_commit(rec.step)
         self.log_deferred()
         self.books.emit("local_done", step=rec.step, local_s=rec.local_s)
         if rec.selected:

@@ -96,6 +96,8 @@ def node_status(
                 "latest_step": None,
                 "latest_pfs_verified_step": None,
                 "last_commit_at": None,
+                "partner_copies": 0,
+                "latest_partner_step": None,
             },
         )
         js["checkpoints"] += 1
@@ -105,6 +107,9 @@ def node_status(
         step = raw["step"]
         if tiers.get("local") in LIVE_LOCAL:
             js["latest_step"] = max(step, js["latest_step"] or 0)
+            if raw.get("partner_of"):  # another node's checkpoint, copied here
+                js["partner_copies"] += 1
+                js["latest_partner_step"] = max(step, js["latest_partner_step"] or 0)
         if tiers.get("pfs") == State.VERIFIED.value:
             js["latest_pfs_verified_step"] = max(step, js["latest_pfs_verified_step"] or 0)
         committed = (raw.get("committed_at") or {}).get("local")

@@ -45,7 +45,7 @@ __all__ = [
 
 
 def scan_local(root: str, user: str, budget_s: float) -> Dict[str, Any]:
-    """``{"rows": [[key, step, nbytes, job], ...], "partial": bool}``: the committed
+    """``{"rows": [[key, step, nbytes, job, node], ...], "partial": bool}``: the committed
     checkpoints of ``user``, as many as ``budget_s`` allows (``partial`` then: what was
     not read is not known to be gone). Manifests are read with the fast fact reader
     (checksum checked; the flush validates each one fully before any byte moves)."""
@@ -81,7 +81,7 @@ def scan_local(root: str, user: str, budget_s: float) -> Dict[str, Any]:
                 finally:
                     os.close(sfd)
                 if (facts.user, facts.key, facts.step) == (user, key, step):
-                    out.append([key, step, facts.nbytes, facts.job])
+                    out.append([key, step, facts.nbytes, facts.job, facts.node])
         finally:
             ctx.__exit__(None, None, None)
     return {"rows": out, "partial": False}

@@ -41,6 +41,7 @@ from slurm_ckpt.node.owner_tasks import (
     flush_many_as_user,
     scan_local,
 )
+from slurm_ckpt.node.partner_flush import mark_partner_copies
 from slurm_ckpt.node.retry import RetryPolicy, held, retry_due
 from slurm_ckpt.node.warm import lend_credentials
 from slurm_ckpt.slurm.client import SlurmClient
@@ -116,6 +117,9 @@ class NodeWork:
         self.local_root = str(cfg.tiers.local.root)
         self.users: Dict[str, UserIds] = {}
         self.scan_jobs: Dict[Ident, Optional[str]] = {}
+        #: The node each scanned checkpoint was written on (its manifest): another node
+        #: for a partner copy (:mod:`slurm_ckpt.node.partner_flush`).
+        self.scan_nodes: Dict[Ident, Optional[str]] = {}
         self.skipped_dirs: List[str] = []
         #: Problems found with users' directories this run (for the node status).
         self.refused: List[Dict[str, Any]] = []
@@ -206,6 +210,7 @@ class NodeWork:
         complete = True
         self.users = {}
         self.scan_jobs = {}
+        self.scan_nodes = {}
         stall = self.cfg.hooks.child_timeout
         for ids in self.local_users():
             left = self._left(deadline)
@@ -236,9 +241,10 @@ class NodeWork:
                 complete = False
             rows = got.get("rows") if isinstance(got, dict) else None
             for row in rows if isinstance(rows, list) else []:
-                if not isinstance(row, list) or len(row) != 4:
+                if not isinstance(row, list) or len(row) not in (4, 5):
                     continue
-                key, step, nbytes, job = row
+                key, step, nbytes, job = row[:4]
+                owner = row[4] if len(row) == 5 and isinstance(row[4], str) else None
                 try:
                     validate_key(key)
                 except InvalidName:
@@ -247,11 +253,17 @@ class NodeWork:
                     continue
                 local.append((ids.name, key, step, nbytes))
                 self.scan_jobs[(ids.name, key, step)] = None if job is None else str(job)
+                self.scan_nodes[(ids.name, key, step)] = owner
         verified = [
             (raw["user"], raw["key"], raw["step"], int(raw.get("nbytes", 0)))
             for raw in Ledger.select(self.ledger.snapshot(), None, None, None, _pfs_verified)
         ]
-        return self.ledger.reconcile(local, verified, prune=complete, jobs=self.scan_jobs)
+        counts = self.ledger.reconcile(local, verified, prune=complete, jobs=self.scan_jobs)
+        try:
+            mark_partner_copies(self.ledger, self.scan_nodes, self.node)
+        except (CkptError, OSError) as exc:
+            log.warning("partner copies not marked in the ledger: %s", exc)
+        return counts
 
     def job_of(self, rec: Record) -> Optional[str]:
         return rec.job or self.scan_jobs.get(rec.ident)

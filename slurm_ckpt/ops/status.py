@@ -202,6 +202,9 @@ class _Job:
     in_flight: int = 0
     failed: int = 0
     rate: Optional[float] = None
+    #: Partner copies of this job's checkpoints held on other nodes (docs/partner.md).
+    partner_copies: int = 0
+    latest_partner_step: Optional[int] = None
 
 
 def _job_id(value: Any) -> Optional[str]:
@@ -359,6 +362,10 @@ def build_status(
             j.pending_bytes += _int(js.get("pending_bytes"))
             j.in_flight += _int(js.get("in_flight"))
             j.failed += _int(js.get("failed"))
+            j.partner_copies += _int(js.get("partner_copies"))
+            partner = _num(js.get("latest_partner_step"))
+            if partner is not None:
+                j.latest_partner_step = int(_max(j.latest_partner_step, partner))  # type: ignore[arg-type]
             if node_rate is not None and node_rate > 0:
                 j.rate = _max(j.rate, node_rate)
             for s in series:
@@ -484,6 +491,9 @@ def build_status(
                 "failed": j.failed,
                 "flush_rate_bps": None if rate is None else round(rate, 3),
                 "flush_eta_s": eta,
+                "partner": None
+                if not j.partner_copies
+                else {"copies": j.partner_copies, "step": j.latest_partner_step},
             }
         )
     rows.sort(key=lambda r: (r["user"], r["keys"], r["job"] or ""))

@@ -1,0 +1,536 @@
+"""Partner copies: every committed local checkpoint of a rank also lands on a partner
+node's local tier, so that losing one node loses no checkpoint.
+
+A :class:`PartnerLink` per Checkpointer runs two kinds of background threads:
+
+* the **sender**: after each local commit (:meth:`PartnerLink.offer`) it streams that
+  step, read back from the local tier, to its ring partner (:mod:`.partner_net`). One
+  step at a time in a single slot: a newer commit replaces a step still waiting, never
+  the one on the wire. Memory: one ``[copy] buffer_size`` piece; bandwidth: its own cap
+  (``[partner] bandwidth``), separate from the flush's.
+* the **receiver**: a TCP server accepting authenticated peers of this job. It commits
+  the copy through the local tier's writer in copy mode - the sender's manifest byte for
+  byte, every chunk hashed and compared with that manifest as it arrives, the manifest
+  last - under the *owner's* series key. The rest of the toolkit therefore sees a
+  checkpoint of that series: the epilog/stager flush it as the owner (it is the user's
+  file), restore reads it, ``list`` shows it. The ledger record says it is a partner
+  copy (``extra["partner_of"]``: the node it came from) and keeps it selected for the
+  flush, so a node lost mid-job costs nothing: the partner's epilog flushes it.
+
+Only the newest ``keep_partner`` partner copies of each series are kept here (older ones
+are superseded by policy; the owner still holds its own).
+
+Nothing here may fail training: every error is logged and counted
+(:class:`PartnerStats`); the save that was not copied is still on the owner's disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+import xxhash
+
+from slurm_ckpt.core.chunks import BandwidthLimiter, io_buffer
+from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.manifest import Manifest
+from slurm_ckpt.errors import CkptError, NotFound, VerifyError
+from slurm_ckpt.job.bookkeeping import Bookkeeper
+from slurm_ckpt.job.partner_net import (
+    Peer,
+    Rendezvous,
+    WireError,
+    client_handshake,
+    listening_socket,
+    local_host,
+    recv_exact,
+    recv_frame,
+    ring_partner,
+    send_frame,
+    server_handshake,
+)
+from slurm_ckpt.ledger.ledger import Ledger
+from slurm_ckpt.ledger.record import Record, State
+from slurm_ckpt.tiers.base import Tier
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PartnerLink", "PartnerStats", "open_partner", "rendezvous_dir"]
+
+#: Socket timeout of one send/receive (a silent peer is given up on).
+IO_TIMEOUT_S = 60.0
+#: A connecting peer must have proved the job's secret within this time (a stranger
+#: holding connections open must not take the receiver's few slots for long).
+HANDSHAKE_TIMEOUT_S = 10.0
+#: How long a sender waits for every rank to publish its address.
+RENDEZVOUS_TIMEOUT_S = 300.0
+#: Receiver connections served at once (a few ranks per node send to one node).
+MAX_CONNECTIONS = 8
+
+_GO, _HAVE, _NO, _OK, _FAIL = b"G", b"H", b"N", b"K", b"F"
+
+
+@dataclass
+class PartnerStats:
+    """Counters of one link (a snapshot: a copy)."""
+
+    sent: int = 0
+    send_failures: int = 0
+    send_skipped: int = 0
+    bytes_sent: int = 0
+    received: int = 0
+    receive_failures: int = 0
+    refused: int = 0
+    bytes_received: int = 0
+    deleted: int = 0
+    last_sent_step: Optional[int] = None
+    last_received_step: Optional[int] = None
+    last_error: Optional[str] = None
+    partner: Optional[str] = None
+
+
+class PartnerLink:
+    """Sender and receiver of one rank's partner copies (see the module docstring)."""
+
+    def __init__(
+        self,
+        local: Tier,
+        ledger: Optional[Ledger],
+        *,
+        user: str,
+        key: str,
+        base_key: str,
+        rank: int,
+        world_size: int,
+        node: str,
+        job: Optional[str],
+        rendezvous: Rendezvous,
+        host: str,
+        bind: str = "",
+        bandwidth: float = 0.0,
+        keep_partner: int = 2,
+        piece: int = 16 * 2**20,
+        on_event: Optional[Any] = None,
+    ) -> None:
+        self.local, self.ledger = local, ledger
+        self.user, self.key, self.base_key = user, key, base_key
+        self.rank, self.world_size, self.node, self.job = rank, world_size, node, job
+        self.rdv = rendezvous
+        self.keep_partner = keep_partner
+        self.piece = piece
+        self.limiter = BandwidthLimiter(bandwidth) if bandwidth and bandwidth > 0 else None
+        self.emit = on_event
+        self.cv = threading.Condition()
+        self._stats = PartnerStats()
+        self._pending: Optional[int] = None
+        self._sending: Optional[int] = None
+        self._stop = False
+        self._partner: Optional[Peer] = None
+        self._key_re = re.compile(re.escape(base_key) + r"\.rank\d{5}")
+        self._secret = rendezvous.secret()
+        self._sock = listening_socket(bind)
+        self._sock.settimeout(0.5)  # the accept loop looks at _stop this often
+        self.port = self._sock.getsockname()[1]
+        rendezvous.publish(node, host, self.port)
+        self._conns = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._retention_lock = threading.Lock()
+        self._threads: List[threading.Thread] = []
+        loops = (("ckpt-partner-send", self._send_loop), ("ckpt-partner-recv", self._accept_loop))
+        for name, target in loops:
+            t = threading.Thread(target=target, name=f"{name}-{key}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    # -- state ------------------------------------------------------------------------
+    @property
+    def stats(self) -> PartnerStats:
+        with self.cv:
+            return dataclasses.replace(self._stats)
+
+    def _count(self, **add: Any) -> None:
+        with self.cv:
+            for name, value in add.items():
+                if name.startswith("last_") or name == "partner":
+                    setattr(self._stats, name, value)
+                else:
+                    setattr(self._stats, name, getattr(self._stats, name) + value)
+            self.cv.notify_all()
+
+    def _event(self, name: str, **info: Any) -> None:
+        if self.emit is not None:
+            try:
+                self.emit(name, **info)
+            except Exception:  # noqa: BLE001 - events never break checkpointing
+                log.debug("[ckpt] partner event %s not logged", name, exc_info=True)
+
+    def idle(self) -> bool:
+        with self.cv:
+            return self._pending is None and self._sending is None
+
+    def wait_idle(self, timeout: Optional[float] = None) -> bool:
+        """Wait until no copy is queued or on the wire (tests, close())."""
+        until = None if timeout is None else time.monotonic() + timeout
+        with self.cv:
+            while self._pending is not None or self._sending is not None:
+                left = None if until is None else until - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self.cv.wait(left if left is not None else 1.0)
+            return True
+
+    # -- sender -----------------------------------------------------------------------
+    def offer(self, step: int) -> None:
+        """A step was committed locally: copy it to the partner (newest wins the slot)."""
+        with self.cv:
+            if self._pending is not None:
+                self._stats.send_skipped += 1
+            self._pending = step
+            self.cv.notify_all()
+
+    def _send_loop(self) -> None:
+        while True:
+            with self.cv:
+                while self._pending is None and not self._stop:
+                    self.cv.wait()
+                if self._stop:
+                    return
+                step, self._pending = self._pending, None
+                self._sending = step
+            try:
+                self._send(step)
+            except Exception as exc:  # noqa: BLE001 - a failed copy never fails training
+                reason = " ".join(str(exc).split()) or type(exc).__name__
+                if not isinstance(exc, (CkptError, OSError)):
+                    log.exception("[ckpt] step=%d: unexpected error in the partner copy", step)
+                log.warning("[ckpt] step=%d: partner copy failed: %s", step, reason)
+                self._partner = None  # look the addresses up again next time
+                self._count(send_failures=1, last_error=reason)
+                self._event("partner_failed", step=step, error=reason)
+            finally:
+                with self.cv:
+                    self._sending = None
+                    self.cv.notify_all()
+
+    def _target(self) -> Optional[Peer]:
+        if self._partner is None:
+            peers = self.rdv.peers(RENDEZVOUS_TIMEOUT_S)
+            self._partner = ring_partner(peers, self.rank)
+            if self._partner is not None:
+                p = self._partner
+                self._count(partner=f"rank {p.rank} on {p.node}")
+                log.info("[ckpt] partner copies go to rank %d on %s", p.rank, p.node)
+        return self._partner
+
+    def _send(self, step: int) -> None:
+        peer = self._target()
+        if peer is None:
+            return  # one node: nowhere to send to
+        t0 = time.monotonic()
+        with self.local.reader(self.user, self.key, step) as reader:
+            m = reader.manifest
+            with socket.create_connection((peer.host, peer.port), timeout=IO_TIMEOUT_S) as s:
+                s.settimeout(IO_TIMEOUT_S)
+                session = client_handshake(s, self._secret)
+                send_frame(s, reader.manifest_bytes, session)
+                answer = recv_exact(s, 1)
+                if answer == _HAVE:
+                    return
+                if answer != _GO:
+                    raise WireError(f"partner refused step {step}: {_reason(s, session)}")
+                buf = io_buffer(self.piece)
+                for e in m.files:
+                    src = reader.open(e.path)
+                    try:
+                        pos = 0
+                        while pos < e.size:
+                            n = min(self.piece, e.size - pos)
+                            if self.limiter is not None:
+                                self.limiter.acquire(n)
+                            got = src.readinto(buf[:n], pos)
+                            if got <= 0:
+                                raise VerifyError(f"{reader.where}/{e.path}: short read at {pos}")
+                            s.sendall(buf[:got])
+                            pos += got
+                    finally:
+                        src.close()
+                answer = recv_exact(s, 1)
+                if answer != _OK:
+                    raise WireError(f"partner did not commit step {step}: {_reason(s, session)}")
+        seconds = time.monotonic() - t0
+        self._count(sent=1, bytes_sent=m.total_bytes, last_sent_step=step)
+        self._event("partner_done", step=step, partner_s=seconds, node=peer.node)
+        log.info("[ckpt] step=%d partner copy on %s in %.3fs", step, peer.node, seconds)
+
+    # -- receiver ---------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._stop:
+            try:
+                conn, _addr = self._sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                if self._stop:
+                    return
+                continue
+            if not self._conns.acquire(blocking=False):
+                conn.close()  # too many at once: the sender retries with its next step
+                continue
+            threading.Thread(
+                target=self._serve, args=(conn,), name="ckpt-partner-conn", daemon=True
+            ).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        step: Optional[int] = None
+        try:
+            with conn:
+                conn.settimeout(HANDSHAKE_TIMEOUT_S)
+                try:
+                    session = server_handshake(conn, self._secret)
+                except (WireError, OSError) as exc:
+                    self._count(refused=1)
+                    log.warning("[ckpt] partner connection refused: %s", exc)
+                    return
+                conn.settimeout(IO_TIMEOUT_S)
+                mbytes = recv_frame(conn, session)
+                m = Manifest.from_bytes(mbytes, "partner manifest")
+                step = m.step
+                why = self._refusal(m)
+                if why is not None:
+                    self._count(refused=1)
+                    conn.sendall(_NO)
+                    send_frame(conn, why.encode(), session)
+                    log.warning("[ckpt] partner copy of %s/%d refused: %s", m.key, m.step, why)
+                    return
+                if self._present(m, mbytes):
+                    conn.sendall(_HAVE)
+                    return
+                conn.sendall(_GO)
+                try:
+                    self._receive(conn, m)
+                except Exception as exc:
+                    with contextlib.suppress(OSError):
+                        conn.sendall(_FAIL)
+                        send_frame(conn, " ".join(str(exc).split())[:500].encode(), session)
+                    raise
+                # Recorded (ledger, retention) before the sender hears of it: once its
+                # copy is acknowledged, this node's books already say so.
+                self._after_commit(m)
+                conn.sendall(_OK)
+        except Exception as exc:  # noqa: BLE001 - a bad peer never hurts this rank
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            if not isinstance(exc, (CkptError, OSError)):
+                log.exception("[ckpt] unexpected error receiving a partner copy")
+            log.warning("[ckpt] partner copy (step %s) not received: %s", step, reason)
+            self._count(receive_failures=1, last_error=reason)
+        finally:
+            self._conns.release()
+
+    def _refusal(self, m: Manifest) -> Optional[str]:
+        """Why this manifest is no partner copy for us to take (None: take it)."""
+        if m.user != self.user:
+            return "another user's checkpoint"
+        if m.key == self.key or not self._key_re.fullmatch(m.key):
+            return "not a rank series of this job's checkpoint"
+        if m.meta.get("base_key") != self.base_key:
+            return "not a rank series of this job's checkpoint"
+        free = self.local.free_bytes()
+        if free is not None and free < m.total_bytes:
+            return "not enough space on the partner's local tier"
+        return None
+
+    def _present(self, m: Manifest, mbytes: bytes) -> bool:
+        """Already here (identical), or a stale different copy of the step is removed."""
+        try:
+            have = self.local.manifest_bytes(m.user, m.key, m.step)
+        except NotFound:
+            return False
+        except VerifyError:
+            have = b""
+        if have == mbytes:
+            return True
+        # Another timeline's copy of this step (the owner restored from an older one and
+        # came back here): the owner's newer commit supersedes it.
+        self.local.delete(m.user, m.key, m.step)
+        return False
+
+    def _receive(self, conn: socket.socket, m: Manifest) -> None:
+        """Stream every file in, chunk digests checked against the manifest; commit."""
+        buf = io_buffer(self.piece)
+        with self.local.writer(m.user, m.key, m.step, copy_of=m) as w:
+            for e in m.files:
+                sink = w.file(e.path, e.size)
+                for ci, digest in enumerate(e.chunks):
+                    off = ci * m.chunk_size
+                    end = min(e.size, off + m.chunk_size)
+                    h = xxhash.xxh3_128()
+                    pos = off
+                    while pos < end:
+                        n = min(self.piece, end - pos)
+                        view = buf[:n]
+                        got = 0
+                        while got < n:
+                            k = conn.recv_into(view[got:], n - got)
+                            if k == 0:
+                                raise WireError("sender went away mid-copy")
+                            got += k
+                        h.update(view)
+                        sink.write(view, pos)
+                        pos += n
+                    if h.hexdigest() != digest:
+                        raise VerifyError(f"{e.path}: bytes {off}-{end} do not match the manifest")
+                sink.finish()
+            w.commit()
+
+    def _after_commit(self, m: Manifest) -> None:
+        self._count(received=1, bytes_received=m.total_bytes, last_received_step=m.step)
+        if self.ledger is not None:
+            try:
+                self.ledger.update(m.user, m.key, m.step, _partner_record(m, self.ledger))
+            except (CkptError, OSError) as exc:
+                log.warning("[ckpt] ledger: partner copy not recorded: %s", exc)
+        self._event("partner_received", step=m.step, key=m.key, source=m.node or "")
+        self._retain(m.key)
+
+    # -- retention --------------------------------------------------------------------
+    def _retain(self, key: str) -> None:
+        """Keep the newest ``keep_partner`` partner copies of ``key``; older ones are
+        superseded (the owner holds its own, the flush takes the newest)."""
+        with self._retention_lock:
+            try:
+                infos = sorted(self.local.steps(self.user, key), key=lambda i: i.step)
+                for info in infos[: max(0, len(infos) - self.keep_partner)]:
+                    step = info.step
+                    if not self._is_partner_copy(key, step, info.manifest.node):
+                        continue
+                    self.local.delete(self.user, key, step)
+                    self._count(deleted=1)
+                    if self.ledger is not None:
+                        self.ledger.update(self.user, key, step, _deleted)
+            except (CkptError, OSError) as exc:
+                log.warning("[ckpt] partner retention failed: %s", exc)
+
+    def _is_partner_copy(self, key: str, step: int, written_on: Optional[str]) -> bool:
+        """A copy retention may drop: marked as a partner copy, or verified on the PFS.
+        Another rank's checkpoint without a record is one only if another node wrote it
+        (one written here, by an earlier job, may be the only copy: kept)."""
+        rec = None if self.ledger is None else self.ledger.get(self.user, key, step)
+        if rec is None:
+            return written_on is not None and written_on != self.node
+        return bool(rec.extra.get("partner_of")) or rec.tiers.get("pfs") == State.VERIFIED
+
+    # -- the end ----------------------------------------------------------------------
+    def close(self, timeout: Optional[float] = 30.0) -> None:
+        """Finish the copy on the wire (bounded), stop serving, withdraw the address."""
+        self.wait_idle(timeout)
+        with self.cv:
+            self._stop = True
+            self.cv.notify_all()
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        for t in self._threads:
+            t.join(timeout=2.0)
+        self.rdv.withdraw()
+
+
+def _reason(s: socket.socket, session: bytes) -> str:
+    try:
+        return recv_frame(s, session).decode("utf-8", "replace")
+    except (CkptError, OSError):
+        return "no reason given"
+
+
+def _partner_record(m: Manifest, ledger: Ledger) -> Any:
+    now = ledger.clock()
+
+    def fn(rec: Optional[Record]) -> Record:
+        if rec is None:
+            rec = Record(m.user, m.key, m.step, created_at=now)
+        rec.set_state("local", State.COMMITTED, now)
+        rec.nbytes = m.total_bytes
+        rec.job = m.job
+        # Selected: the epilog (or stager) of this node flushes it unless the PFS has
+        # it verified already - the whole point when the owner's node is gone.
+        rec.selected_for_flush = True
+        if rec.tiers.get("pfs") not in (State.VERIFIED.value, State.FLUSHING.value):
+            rec.tiers["pfs"] = State.FLUSH_PENDING
+        rec.extra["partner_of"] = m.node or "?"
+        return rec
+
+    return fn
+
+
+def _deleted(rec: Optional[Record]) -> Optional[Record]:
+    if rec is None:
+        return None
+    rec.tiers["local"] = State.DELETED
+    return rec
+
+
+def rendezvous_dir(cfg: Config, user: str, base_key: str, job: Optional[str]) -> Optional[str]:
+    """``<base>/<user>/<key>.<job>.<restart>``: one directory per run of a job (a
+    requeued job keeps its id; its old addresses must not be found)."""
+    if cfg.partner.dir is not None:
+        base = os.path.join(os.fspath(cfg.partner.dir), user)
+    elif cfg.tiers.pfs is not None:
+        base = os.path.join(os.fspath(cfg.tiers.pfs.root), user, ".slurm_ckpt-partner")
+    else:
+        return None
+    restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+    if not restart.isdigit():
+        restart = "0"
+    return os.path.join(base, f"{base_key}.{job or 'standalone'}.{restart}")
+
+
+def open_partner(
+    cfg: Config,
+    local: Tier,
+    books: Bookkeeper,
+    *,
+    user: str,
+    key: str,
+    base_key: str,
+    rank: int,
+    world_size: int,
+    node: str,
+    job: Optional[str],
+    host: Optional[str] = None,
+) -> Optional[PartnerLink]:
+    """The partner link of one rank, or None (one rank, no rendezvous directory, or it
+    could not start: logged, training goes on without partner copies)."""
+    if world_size < 2:
+        log.info("[ckpt] partner copies: one rank, no partner")
+        return None
+    directory = rendezvous_dir(cfg, user, base_key, job)
+    if directory is None:
+        log.warning("[ckpt] partner copies off: no PFS; set [partner] dir")
+        return None
+    try:
+        return PartnerLink(
+            local,
+            books.ledger,
+            user=user,
+            key=key,
+            base_key=base_key,
+            rank=rank,
+            world_size=world_size,
+            node=node,
+            job=job,
+            rendezvous=Rendezvous(directory, rank, world_size),
+            host=host or local_host(),
+            bind=cfg.partner.bind or "",
+            bandwidth=cfg.partner.bandwidth or 0.0,
+            keep_partner=cfg.partner.keep_partner,
+            piece=min(cfg.copy.buffer_size, 4 * 2**20),
+            on_event=books.emit,
+        )
+    except (CkptError, OSError) as exc:
+        log.warning("[ckpt] partner copies off: %s", exc)
+        return None

@@ -1,0 +1,266 @@
+"""The network half of partner copies: who partners whom, the per-job secret, and an
+authenticated TCP handshake.
+
+Node-local disks are private, so a partner copy travels between the job's own processes.
+They find each other through a **rendezvous directory** on a filesystem every node of the
+job mounts (by default below the user's own PFS directory): each rank publishes its node
+and listening address there, and the first rank to get there creates the job's secret,
+32 random bytes in a file only the user can read (``0600`` in a ``0700`` directory the
+user owns; anything else is refused). Every connection proves knowledge of that secret
+both ways (HMAC-SHA256 over fresh nonces from both ends) before a single byte of data is
+accepted or sent; the manifest frame carries a MAC with the session key too. The payload
+itself is not MACed frame by frame: each chunk is checked against the (authenticated)
+manifest's digests before anything is committed.
+
+Partners form a ring over the job's *nodes* (sorted names): the ranks of node ``i`` send
+to the ranks of node ``i+1`` (the k-th rank of a node to the k-th of the next, modulo its
+count), so ranks on one node never partner each other. One node: no partner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import socket
+import stat
+import struct
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from slurm_ckpt.core import fsio
+from slurm_ckpt.errors import CkptError
+
+__all__ = [
+    "MAGIC",
+    "Peer",
+    "Rendezvous",
+    "WireError",
+    "client_handshake",
+    "recv_exact",
+    "recv_frame",
+    "ring_partner",
+    "send_frame",
+    "server_handshake",
+]
+
+MAGIC = b"SCKPTNR1"
+NONCE = 16
+MAC = 32
+SECRET_BYTES = 32
+#: Largest control frame (a manifest of many files fits; a hostile peer cannot make the
+#: receiver allocate more).
+MAX_FRAME = 64 * 2**20
+#: How often a rank looks for the others' rendezvous files while it waits for them.
+POLL_S = 0.2
+
+
+class WireError(CkptError):
+    """The peer spoke the protocol wrongly, failed authentication or went away."""
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One rank of the job as published in the rendezvous directory."""
+
+    rank: int
+    node: str
+    host: str
+    port: int
+
+
+def ring_partner(peers: Dict[int, Peer], rank: int) -> Optional[Peer]:
+    """The rank this one sends its copies to (see the module docstring), or None."""
+    me = peers[rank]
+    nodes = sorted({p.node for p in peers.values()})
+    if len(nodes) < 2:
+        return None
+    nxt = nodes[(nodes.index(me.node) + 1) % len(nodes)]
+    mine = sorted(r for r, p in peers.items() if p.node == me.node)
+    theirs = sorted(r for r, p in peers.items() if p.node == nxt)
+    return peers[theirs[mine.index(rank) % len(theirs)]]
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
+
+
+class Rendezvous:
+    """The job's rendezvous directory: the secret and one address file per rank."""
+
+    def __init__(self, directory: str, rank: int, world_size: int) -> None:
+        self.dir = os.path.abspath(directory)
+        self.rank, self.world_size = rank, world_size
+
+    def _open(self) -> int:
+        """The directory, created ``0700`` if absent; refused unless it is a real
+        directory of ours that no one else may enter."""
+        parent = os.path.dirname(self.dir)
+        os.makedirs(parent, mode=0o700, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(self.dir, 0o700)
+        fd = fsio.open_dir(self.dir)  # O_NOFOLLOW: a planted symlink fails here
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            os.close(fd)
+            raise CkptError(
+                f"partner rendezvous {self.dir}: must be owned by uid {os.geteuid()} with "
+                f"mode 0700 (uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})"
+            )
+        return fd
+
+    def secret(self) -> bytes:
+        """The job's secret, created by whoever comes first (atomically: written to a
+        temporary file, then linked into place, so no one ever reads half of it)."""
+        fd = self._open()
+        try:
+            tmp = fsio.temp_name("secret")
+            tfd = os.open(tmp, fsio.O_NEWFILE, 0o600, dir_fd=fd)
+            try:
+                fsio.write_all(tfd, secrets.token_bytes(SECRET_BYTES))
+                os.fsync(tfd)
+            finally:
+                os.close(tfd)
+            try:
+                os.link(tmp, "secret", src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+            except FileExistsError:
+                pass
+            finally:
+                fsio.unlink_quiet(fd, tmp)
+            data, st = fsio.read_regular(fd, "secret", limit=SECRET_BYTES + 1)
+            if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+                raise CkptError(f"partner rendezvous {self.dir}/secret: not ours or not 0600")
+            if len(data) != SECRET_BYTES:
+                raise CkptError(f"partner rendezvous {self.dir}/secret: wrong size")
+            return data
+        finally:
+            os.close(fd)
+
+    def publish(self, node: str, host: str, port: int) -> None:
+        fd = self._open()
+        try:
+            doc = {"rank": self.rank, "node": node, "host": host, "port": port}
+            fsio.atomic_replace(fd, f"rank-{self.rank}.json", json.dumps(doc).encode())
+        finally:
+            os.close(fd)
+
+    def peers(self, timeout: float) -> Dict[int, Peer]:
+        """Every rank's address, waiting up to ``timeout`` seconds for all to publish."""
+        until = time.monotonic() + timeout
+        while True:
+            got = self._read_all()
+            if len(got) == self.world_size:
+                return got
+            if time.monotonic() >= until:
+                raise CkptError(
+                    f"partner rendezvous {self.dir}: {len(got)} of {self.world_size} ranks "
+                    f"published within {timeout:.0f}s"
+                )
+            time.sleep(POLL_S)
+
+    def _read_all(self) -> Dict[int, Peer]:
+        fd = self._open()
+        out: Dict[int, Peer] = {}
+        try:
+            for r in range(self.world_size):
+                try:
+                    data, _st = fsio.read_regular(fd, f"rank-{r}.json", limit=4096)
+                    doc = json.loads(data)
+                    out[r] = Peer(r, str(doc["node"]), str(doc["host"]), int(doc["port"]))
+                except (OSError, ValueError, KeyError, TypeError, CkptError):
+                    continue
+        finally:
+            os.close(fd)
+        return out
+
+    def withdraw(self) -> None:
+        """Remove this rank's address file (at close)."""
+        try:
+            fd = self._open()
+        except (OSError, CkptError):
+            return
+        try:
+            fsio.unlink_quiet(fd, f"rank-{self.rank}.json")
+        finally:
+            os.close(fd)
+
+
+# --------------------------------------------------------------------------- framing
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise WireError("connection closed by the peer")
+        got += k
+    return bytes(buf)
+
+
+def send_frame(sock: socket.socket, data: bytes, key: bytes) -> None:
+    """A length-prefixed frame with its MAC (session key)."""
+    sock.sendall(struct.pack("!I", len(data)) + data + _mac(key, b"frame", data))
+
+
+def recv_frame(sock: socket.socket, key: bytes) -> bytes:
+    (n,) = struct.unpack("!I", recv_exact(sock, 4))
+    if n > MAX_FRAME:
+        raise WireError(f"frame of {n} bytes refused")
+    data = recv_exact(sock, n)
+    if not hmac.compare_digest(recv_exact(sock, MAC), _mac(key, b"frame", data)):
+        raise WireError("frame MAC does not match")
+    return data
+
+
+def server_handshake(sock: socket.socket, secret: bytes) -> bytes:
+    """Authenticate the connecting peer (and ourselves to it); returns the session key."""
+    ns = secrets.token_bytes(NONCE)
+    sock.sendall(MAGIC + ns)
+    got = recv_exact(sock, NONCE + MAC)
+    nc, mac = got[:NONCE], got[NONCE:]
+    if not hmac.compare_digest(mac, _mac(secret, b"client", ns, nc)):
+        raise WireError("peer failed authentication")
+    sock.sendall(_mac(secret, b"server", ns, nc))
+    return _mac(secret, b"session", ns, nc)
+
+
+def client_handshake(sock: socket.socket, secret: bytes) -> bytes:
+    """The connecting side of :func:`server_handshake`: the server must prove the secret
+    too before the owner's data goes to it."""
+    hello = recv_exact(sock, len(MAGIC) + NONCE)
+    if hello[: len(MAGIC)] != MAGIC:
+        raise WireError("not a partner-copy server")
+    ns = hello[len(MAGIC) :]
+    nc = secrets.token_bytes(NONCE)
+    sock.sendall(nc + _mac(secret, b"client", ns, nc))
+    if not hmac.compare_digest(recv_exact(sock, MAC), _mac(secret, b"server", ns, nc)):
+        raise WireError("partner failed authentication")
+    return _mac(secret, b"session", ns, nc)
+
+
+def local_host() -> str:
+    """An address other nodes reach this one at: the host name's address."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def listening_socket(host: str) -> socket.socket:
+    """A TCP socket listening on an ephemeral port of ``host`` ('' = every interface)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(16)
+    return sock
+
+
+def addresses(peers: Dict[int, Peer]) -> List[str]:
+    return [f"{p.rank}@{p.node}={p.host}:{p.port}" for p in peers.values()]

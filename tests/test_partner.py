@@ -1,0 +1,243 @@
+"""Partner copies (issue 21, items 1 and 2), in one process: two Checkpointers are two
+"nodes" with local tiers of their own and a shared PFS; the copies travel over real TCP
+on 127.0.0.1, authenticated with the job's secret.
+
+What must hold:
+
+1. every committed local checkpoint of a rank lands on the other node's local tier, with
+   the owner's manifest byte for byte, under the owner's series key, verified, marked in
+   that node's ledger as a partner copy and selected for the flush; only the newest
+   ``keep_partner`` are kept there;
+2. a node lost mid-job costs no checkpoint: with ``flush_every`` high the newest step of
+   the lost rank is on no PFS, the surviving node's epilog flushes its partner copy, and
+   a fresh pair of ranks on new nodes resumes at the newest step, bitwise;
+3. nothing unauthenticated is accepted, and a copy whose bytes do not match the
+   manifest is never committed (and training goes on).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+from test_checkpointer import assert_state_equal, sample_state
+
+from slurm_ckpt import Checkpointer
+from slurm_ckpt.core.config import Config
+from slurm_ckpt.hooks.epilog import run_epilog
+from slurm_ckpt.job.partner_net import MAGIC, Peer, ring_partner
+from slurm_ckpt.ledger import Ledger, State
+from slurm_ckpt.ledger.node_status import node_status
+from slurm_ckpt.node.work import NodeWork
+from slurm_ckpt.slurm.env import HookEnv
+from slurm_ckpt.tiers.posix import PosixTier
+
+KEY = "run"
+JOB = "4242"
+
+
+def rank_key(rank: int) -> str:
+    return f"{KEY}.rank{rank:05d}"
+
+
+def node(tmp: Path, name: str, rank: int, **kw: Any) -> Checkpointer:
+    """One rank on its own "node": a local tier and a ledger of its own, the shared PFS."""
+    for d in (tmp / name / "local", tmp / name / "ledger", tmp / "pfs"):
+        d.mkdir(parents=True, exist_ok=True)
+    os.chmod(tmp / name / "ledger", 0o700)
+    kw.setdefault("flush_every", 100)
+    kw.setdefault("keep_local", 2)
+    kw.setdefault("partner", True)
+    return Checkpointer(
+        local=tmp / name / "local",
+        pfs=tmp / "pfs",
+        key=KEY,
+        rank=rank,
+        world_size=2,
+        node=name,
+        job=JOB,
+        ledger_dir=tmp / name / "ledger",
+        install_signals=False,
+        end_time_fn=None,
+        keep_partner=2,
+        partner_dir=tmp / "rendezvous",
+        partner_host="127.0.0.1",
+        **kw,
+    )
+
+
+def states(n: int) -> List[Dict[str, Any]]:
+    return [sample_state(seed) for seed in range(n)]
+
+
+def save_all(ranks: List[Checkpointer], step: int, state: Dict[str, Any]) -> None:
+    for r in ranks:
+        r.save(state, step=step)
+    for r in ranks:
+        assert r.wait(flush=True)
+        assert r.partner is not None and r.partner.wait_idle(60)
+
+
+def local_tier(tmp: Path, name: str) -> PosixTier:
+    return PosixTier("local", str(tmp / name / "local"))
+
+
+def test_ring_is_over_nodes_never_within_one() -> None:
+    peers = {r: Peer(r, n, "h", 1) for r, n in enumerate(["a", "a", "b", "b", "c", "c"])}
+    got = {r: ring_partner(peers, r).rank for r in peers}  # type: ignore[union-attr]
+    assert got == {0: 2, 1: 3, 2: 4, 3: 5, 4: 0, 5: 1}
+    assert ring_partner({0: Peer(0, "a", "h", 1), 1: Peer(1, "a", "h", 2)}, 0) is None
+
+
+def test_partner_copy_is_the_owners_checkpoint_on_the_other_node(tmp_path: Path) -> None:
+    a, b = node(tmp_path, "na", 0), node(tmp_path, "nb", 1)
+    try:
+        st = states(3)
+        for step in (1, 2, 3):
+            save_all([a, b], step, st[step - 1])
+        la, lb = local_tier(tmp_path, "na"), local_tier(tmp_path, "nb")
+        # Each node holds its own series and the other rank's, newest keep_partner only.
+        assert [i.step for i in lb.steps("root", rank_key(0))] == [2, 3]
+        assert [i.step for i in la.steps("root", rank_key(1))] == [2, 3]
+        for step in (2, 3):
+            assert lb.manifest_bytes("root", rank_key(0), step) == la.manifest_bytes(
+                "root", rank_key(0), step
+            )
+            assert lb.verify("root", rank_key(0), step).ok
+        rec = Ledger(str(tmp_path / "nb" / "ledger"), "nb").get("root", rank_key(0), 3)
+        assert rec is not None and rec.extra["partner_of"] == "na"
+        assert rec.pending_flush and rec.tiers["pfs"] == State.FLUSH_PENDING
+        old = Ledger(str(tmp_path / "nb" / "ledger"), "nb").get("root", rank_key(0), 1)
+        assert old is not None and old.tiers["local"] == State.DELETED
+        sa, sb = a.partner.stats, b.partner.stats  # type: ignore[union-attr]
+        assert (sa.sent, sa.send_failures, sb.received, sb.receive_failures) == (3, 0, 3, 0)
+        assert sa.partner == "rank 1 on nb" and sb.deleted == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_node_lost_mid_job_costs_no_checkpoint(tmp_path: Path) -> None:
+    a, b = node(tmp_path, "na", 0), node(tmp_path, "nb", 1)
+    st = states(3)
+    for step in (1, 2, 3):
+        save_all([a, b], step, st[step - 1])
+    pfs = PosixTier("pfs", str(tmp_path / "pfs"))
+    # flush_every=100: only the first save went to the PFS.
+    assert [i.step for i in pfs.steps("root", rank_key(0))] == [1]
+    # Node na is lost: its disk with it (its ranks never close).
+    a.partner.close(0)  # type: ignore[union-attr]
+    a._pipeline.finish(0)  # stop its threads without the flush close() would make
+    shutil.rmtree(tmp_path / "na" / "local")
+    b.close()  # the surviving rank ends (its own newest is flushed as usual)
+    # The epilog of nb, as SLURM runs it when the job ends there.
+    cfg = Config.from_dict(
+        {
+            "tiers": {
+                "local": {"root": str(tmp_path / "nb" / "local"), "min_free": 0},
+                "pfs": {"root": str(tmp_path / "pfs")},
+            },
+            "ledger": {"dir": str(tmp_path / "nb" / "ledger")},
+            "hooks": {"budget": 60},
+        }
+    )
+    rep = run_epilog(cfg, HookEnv(JOB, "root", 0, 0, "nb", ["na", "nb"], 0))
+    assert not rep.flush.failed, rep.line()
+    assert [i.step for i in pfs.steps("root", rank_key(0))] == [1, 2, 3]
+    assert pfs.verify("root", rank_key(0), 3).ok
+    led = Ledger(str(tmp_path / "nb" / "ledger"), "nb")
+    rec = led.get("root", rank_key(0), 3)
+    assert rec is not None and rec.tiers["pfs"] == State.VERIFIED
+    assert rec.extra["partner_of"] == "na"
+    job = node_status(led)["jobs"][JOB]
+    assert (job["partner_copies"], job["latest_partner_step"]) == (2, 3)
+    # Root's own ledger, rebuilt from a scan of the tier, knows them as partner copies
+    # too (their manifests name another node).
+    fresh = Config.from_dict({**cfg.to_dict(), "ledger": {"dir": str(tmp_path / "nb-root")}})
+    work = NodeWork(fresh, "nb")
+    work.reconcile()
+    marks = {(r.key, r.step): r.extra.get("partner_of") for r in work.ledger.records("root", None)}
+    assert marks == {
+        (rank_key(0), 2): "na",
+        (rank_key(0), 3): "na",
+        (rank_key(1), 2): None,
+        (rank_key(1), 3): None,
+    }
+    # The requeued job on two new nodes resumes at the newest step, bitwise.
+    c, d = node(tmp_path, "nc", 0, partner=False), node(tmp_path, "nd", 1, partner=False)
+    try:
+        for r in (c, d):
+            got = r.restore()
+            assert got is not None and got.step == 3 and got.tier == "pfs"
+            assert_state_equal(st[2], got.state)
+    finally:
+        c.close()
+        d.close()
+
+
+def test_unauthenticated_peer_is_refused(tmp_path: Path) -> None:
+    a, b = node(tmp_path, "na", 0), node(tmp_path, "nb", 1)
+    try:
+        with socket.create_connection(("127.0.0.1", b.partner.port), timeout=30) as s:  # type: ignore[union-attr]
+            hello = s.recv(64)
+            assert hello.startswith(MAGIC)
+            s.sendall(os.urandom(48))  # a nonce and a MAC made without the secret
+            assert s.recv(64) == b""  # hung up on, nothing said
+        assert b.partner.stats.refused == 1  # type: ignore[union-attr]
+        assert local_tier(tmp_path, "nb").keys("root") == [] or rank_key(0) not in (
+            local_tier(tmp_path, "nb").keys("root")
+        )
+        secret = tmp_path / "rendezvous" / "root" / f"{KEY}.{JOB}.0" / "secret"
+        assert (secret.stat().st_mode & 0o777) == 0o600
+    finally:
+        a.close()
+        b.close()
+
+
+def test_corrupt_source_is_never_committed_and_training_goes_on(tmp_path: Path) -> None:
+    a, b = node(tmp_path, "na", 0), node(tmp_path, "nb", 1)
+    try:
+        st = states(2)
+        save_all([a, b], 1, st[0])
+        la, lb = local_tier(tmp_path, "na"), local_tier(tmp_path, "nb")
+        lb.delete("root", rank_key(0), 1)
+        m = la.manifest("root", rank_key(0), 1)
+        big = max(m.files, key=lambda e: e.size)
+        path = Path(la.step_path("root", rank_key(0), 1)) / big.path
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+        a.partner.offer(1)  # type: ignore[union-attr]
+        assert a.partner.wait_idle(60)  # type: ignore[union-attr]
+        assert a.partner.stats.send_failures == 1  # type: ignore[union-attr]
+        assert [i.step for i in lb.steps("root", rank_key(0))] == []
+        save_all([a, b], 2, st[1])  # training and partner copies go on
+        assert [i.step for i in lb.steps("root", rank_key(0))] == [2]
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("world", [1])
+def test_one_rank_has_no_partner(tmp_path: Path, world: int) -> None:
+    (tmp_path / "l").mkdir()
+    (tmp_path / "p").mkdir()
+    c = Checkpointer(
+        local=tmp_path / "l",
+        pfs=tmp_path / "p",
+        key=KEY,
+        rank=0,
+        world_size=world,
+        install_signals=False,
+        end_time_fn=None,
+        partner=True,
+    )
+    try:
+        assert c.partner is None
+        c.save(sample_state(0), step=1)
+    finally:
+        c.close()

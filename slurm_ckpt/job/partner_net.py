@@ -30,7 +30,7 @@ import stat
 import struct
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 from slurm_ckpt.core import fsio
 from slurm_ckpt.errors import CkptError
@@ -260,7 +260,3 @@ def listening_socket(host: str) -> socket.socket:
     sock.bind((host, 0))
     sock.listen(16)
     return sock
-
-
-def addresses(peers: Dict[int, Peer]) -> List[str]:
-    return [f"{p.rank}@{p.node}={p.host}:{p.port}" for p in peers.values()]

@@ -19,7 +19,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 #: The documents whose Python blocks must run (a new user copies from these).
-DOCS = ["README.md", "docs/user-guide.md", "docs/frameworks.md", "docs/dcp.md", "docs/lightning.md"]
+DOCS = [
+    "README.md",
+    "docs/user-guide.md",
+    "docs/user-guide-options.md",
+    "docs/frameworks.md",
+    "docs/dcp.md",
+    "docs/lightning.md",
+    "docs/partner.md",
+    "docs/cli-laptop.md",
+]
 _BLOCK = re.compile(r"(?P<pre>[^\n]*)\n```python\n(?P<code>.*?)\n```", re.S)
 
 

@@ -136,5 +136,57 @@ def test_lost_node_step_relaunched_on_spare_same_job_bitwise_exact(t: SpareSite)
         _bring_back(t, LOST)
 
 
+def _plain_spare_job(t: SpareSite, key: str, step: str, extra: str, sbatch: list) -> str:
+    """Two ranks on n1,n2 plus spare n3 running ``step`` (a shell command)."""
+    cmd = f'echo "HOST rank=$SLURM_PROCID node=$SLURMD_NODENAME"; {step}'
+    body = f"exec {CKPT_SRUN} --key {key} --warn 0 --spares 1 {extra} -- --label bash -c '{cmd}'\n"
+    return t.job(
+        body,
+        args=["-N", "3", "-w", "n1,n2,n3", "--no-kill", "-p", "low", "--open-mode=append", *sbatch],
+    )
+
+
+def test_programs_own_failure_is_not_relaunched(t: SpareSite) -> None:
+    """A step that fails while all its nodes are up is the program's business: ckpt-srun
+    does not relaunch it (nor requeue), and the job ends with the step's status."""
+    job = _plain_spare_job(t, f"own-{t.tok}", "exit 3", "--node-wait 3s", [])
+    try:
+        info = t.c.wait_job_state(job, "FAILED", timeout=120, fail_fast=False)
+        out = t.c.job_output(job)
+        assert info["ExitCode"] == "3:0" and info["Restarts"] == "0", (info, out)
+        assert "the program's own failure, not relaunched" in out, out
+        assert out.count("ckpt-srun: step on ") == 1 and "relaunching" not in out, out
+    finally:
+        t.c.run(["scancel", job], check=False)
+
+
+def test_no_spare_left_falls_back_to_requeue(t: SpareSite) -> None:
+    """The step's node and the spare die together: nothing to relaunch on, so ckpt-srun
+    requeues the job (a --no-kill job is not requeued by SLURM itself)."""
+    job = _plain_spare_job(t, f"nospare-{t.tok}", "sleep 600", "--node-wait 1min", ["--requeue"])
+    try:
+        t.c.wait_until(
+            lambda: all(MultiRun(t.c.job_output(job)).hosts(r) for r in range(2)),
+            timeout=90,
+            what=f"both ranks of job {job} running",
+        )
+        for node in ("n2", "n3"):
+            t.c.power_off(node)
+        t.c.run(["scontrol", "update", "nodename=n2,n3", "state=down", "reason=test: lost"])
+        t.c.wait_until(
+            lambda: (t.c.job_info(job) or {}).get("Restarts") == "1",
+            timeout=120,
+            what=f"job {job} requeued",
+        )
+        out = t.c.job_output(job)
+        assert "and no spare left: falling back to a requeue" in out, out
+        assert "no spare left (node n2 lost): requeueing (restart 1)" in out, out
+        assert "relaunching" not in out, out
+    finally:
+        t.c.run(["scancel", job], check=False)
+        for node in ("n2", "n3"):
+            _bring_back(t, node)
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-v", "-s"]))

@@ -377,7 +377,7 @@ def run_wrapper(opts: SrunOptions, srun_args: Sequence[str], say: Say) -> int:
         # Preempted or cancelled: the allocation is going away, a flush step would only
         # fail ("Unable to confirm allocation"); the epilog flushes on every node.
         say("terminated: no flush step (the epilog flushes on every node)")
-    elif opts.flush and cfg is not None and flush_nodes:
+    elif opts.flush and cfg is not None:
         _flush_everywhere(
             cfg,
             cfg_file,

@@ -94,6 +94,22 @@ def _say(msg: str) -> None:
 @click.version_option(
     __version__, "--version", "-V", prog_name=PROG, message="%(prog)s %(version)s"
 )
+@click.option(
+    "--spares",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Spare nodes the job holds (submit N+K nodes with --no-kill): a step that loses "
+    "a node is relaunched on a spare, without a requeue.",
+)
+@click.option(
+    "--node-wait",
+    "node_wait_s",
+    type=DURATION,
+    default="1min",
+    show_default=True,
+    help="With --spares: how long a failed step waits for SLURM to declare a node dead.",
+)
 @click.option("--srun", "srun_path", default="srun", show_default=True, help="The srun to run.")
 @click.option("--flush-local", is_flag=True, hidden=True)
 @click.argument("srun_args", nargs=-1, type=click.UNPROCESSED)
@@ -106,6 +122,8 @@ def cli(
     max_requeues: int,
     flush: bool,
     flush_timeout: float,
+    spares: int,
+    node_wait_s: float,
     srun_path: str,
     flush_local: bool,
     srun_args: Sequence[str],
@@ -119,6 +137,7 @@ def cli(
     Examples (last line of a batch script):
       exec ckpt-srun --key my-run -- python train.py
       exec ckpt-srun --key my-run --warn 5min -- -n 8 python train.py --big
+      exec ckpt-srun --key my-run --spares 1 -- python train.py   # sbatch -N5 --no-kill
     """
     opts = SrunOptions(
         config_path=config_path,
@@ -131,6 +150,8 @@ def cli(
         flush_timeout=flush_timeout,
         srun_path=srun_path,
         flush_local=flush_local,
+        spares=spares,
+        node_wait_s=node_wait_s,
     )
     return run_wrapper(opts, srun_args, _say)
 

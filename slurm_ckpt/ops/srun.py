@@ -28,6 +28,19 @@ What it does, and why:
   nothing: with ``PreemptMode=REQUEUE`` SLURM requeues preempted jobs itself, and a
   second requeue would only confuse the restart count. ``--max-requeues`` bounds the
   restarts.
+* **Spares** (``--spares K``, job submitted with ``N + K`` nodes and ``--no-kill``): the
+  step runs on ``N`` nodes, one rank per node in a pinned order
+  (:mod:`slurm_ckpt.ops.spares`). When it fails because one of its nodes died (SLURM
+  says DOWN or NOT_RESPONDING, or took it out of the job), ckpt-srun relaunches the step
+  at once on the surviving nodes plus a spare in the dead node's place, inside the same
+  allocation: no requeue. It says which node was lost and how long the recovery took
+  (from the failed step's end to the relaunched step's start). A step that fails while
+  its nodes are up is not relaunched. With no spare left it requeues the job (the
+  requeue path of :mod:`slurm_ckpt.slurm.requeue`), after flushing the surviving nodes.
+  The relaunched step sees ``SLURM_CKPT_LOST_NODES`` (the nodes lost so far) and
+  ``SLURM_CKPT_RELAUNCH`` (how many relaunches): the seam for a restore that reads a
+  lost rank's shard from another node's copy; today the Restorer of a rank on a spare
+  finds no local copy and reads its shard from the warm tier, verified.
 
 Exit status: the step's (so SLURM's accounting shows the training's result).
 """
@@ -51,9 +64,10 @@ from slurm_ckpt.core.config import load_config, resolve_config_path
 from slurm_ckpt.core.names import validate_key
 from slurm_ckpt.errors import CkptError, InvalidName, SlurmError, UsageError
 from slurm_ckpt.ops.flush import flush_series
+from slurm_ckpt.ops.spares import NodeSet, check_srun_args, dead_nodes, layout_args, wait_for_dead
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.env import job_end_time, job_env
-from slurm_ckpt.slurm.requeue import requeue_job, requeue_reason, stop_cause
+from slurm_ckpt.slurm.requeue import NODE_LOST, requeue_job, requeue_reason, stop_cause
 
 __all__ = ["SrunOptions", "StepOutcome", "resolve_key", "run_wrapper", "warning_signal"]
 
@@ -79,6 +93,10 @@ class SrunOptions:
     flush_timeout: float = 300.0
     srun_path: str = "srun"
     flush_local: bool = False
+    #: Spare nodes of the allocation (0: the step runs on every node, no relaunch).
+    spares: int = 0
+    #: How long a failed step waits for the controller's verdict on its nodes.
+    node_wait_s: float = 60.0
 
 
 def warning_signal(name: str) -> signal.Signals:
@@ -202,14 +220,18 @@ def _flush_everywhere(
     timeout: float,
     env: Dict[str, str],
     say: Say,
+    pinned: bool = False,
 ) -> None:
-    if len(nodes) <= 1:
+    """Flush ``key`` on every node (``pinned``: on exactly these nodes of the job, which
+    may have lost others)."""
+    if len(nodes) <= 1 and not pinned:
         for line in flush_series(cfg, user, key, timeout):
             say(f"flush {key} {line}")
         return
     argv = [
         srun,
         f"--nodes={len(nodes)}",
+        *([f"--nodelist={','.join(nodes)}"] if pinned else []),
         "--ntasks-per-node=1",
         "--kill-on-bad-exit=0",
         sys.executable,
@@ -279,43 +301,138 @@ def run_wrapper(opts: SrunOptions, srun_args: Sequence[str], say: Say) -> int:
     args = list(srun_args)
     if args and args[0] == "--":
         args = args[1:]
+    ns: Optional[NodeSet] = None
+    if opts.spares:
+        check_srun_args(args)
+        ns = NodeSet.initial(jenv.nodes, opts.spares)
+        if client is None:
+            say("no SLURM client: a lost node cannot be told apart, no relaunch on a spare")
     say(f"job {jenv.job_id} key {key} restart {jenv.restart_count}: {srun} {' '.join(args)}")
-    runner = _Runner([srun, *args], child_env, warn_sig, say)
-    outcome = runner.run(_end_time_source(client, jenv.job_id, env), opts.warn_s)
-    say(
-        f"step exited with status {outcome.rc}"
-        + (f" after a warning ({outcome.warned_by})" if outcome.warned else "")
-        + (" after SIGTERM" if outcome.terminated else "")
-    )
+    ends = _end_time_source(client, jenv.job_id, env)
+
+    def job_nodes() -> List[str]:
+        """The job's nodes now (a --no-kill job loses the ones SLURM took away)."""
+        assert client is not None and jenv is not None
+        return list(client.job(jenv.job_id).nodes)
+
+    lost_now: List[str] = []
+    failed_at: Optional[float] = None
+    relaunches = 0
+    while True:
+        step_env = dict(child_env)
+        layout: List[str] = []
+        if ns is not None:
+            layout = layout_args(ns)
+            spares = ",".join(ns.spares) or "none"
+            say(f"step on {','.join(ns.slots)} (rank i on the i-th; spares: {spares})")
+            if ns.lost:
+                step_env["SLURM_CKPT_LOST_NODES"] = ",".join(ns.lost)
+                step_env["SLURM_CKPT_RELAUNCH"] = str(relaunches)
+        runner = _Runner([srun, *layout, *args], step_env, warn_sig, say)
+        if failed_at is not None:
+            say(
+                f"recovery: relaunched step {relaunches} starts "
+                f"{time.monotonic() - failed_at:.1f}s after the failed step ended "
+                "(same job, no requeue)"
+            )
+        outcome = runner.run(ends, opts.warn_s)
+        say(
+            f"step exited with status {outcome.rc}"
+            + (f" after a warning ({outcome.warned_by})" if outcome.warned else "")
+            + (" after SIGTERM" if outcome.terminated else "")
+        )
+        if ns is None or client is None or outcome.rc == 0:
+            break
+        if outcome.warned or outcome.terminated:
+            break  # the time limit or SLURM ends the job: not a node loss to repair
+        failed_at = time.monotonic()
+        lost_now = wait_for_dead(ns.slots, client.node, job_nodes, opts.node_wait_s)
+        if not lost_now:
+            say(
+                f"step failed with status {outcome.rc} while all its nodes are up: "
+                "the program's own failure, not relaunched"
+            )
+            break
+        took = time.monotonic() - failed_at
+        dead_spares = dead_nodes(ns.spares, client.node, job_nodes)
+        new = ns.replace(lost_now + dead_spares)
+        if new is None:
+            say(
+                f"node {','.join(lost_now)} lost ({took:.1f}s after the step ended) "
+                "and no spare left: falling back to a requeue"
+            )
+            ns = NodeSet([n for n in ns.slots if n not in lost_now], [], ns.lost + lost_now)
+            break
+        relaunches += 1
+        took_over = [b for a, b in zip(ns.slots, new.slots) if a != b]
+        say(
+            f"node {','.join(lost_now)} lost (SLURM said so {took:.1f}s after the step "
+            f"ended); relaunching the step on spare {','.join(took_over)} in its place"
+        )
+        ns, lost_now = new, []
+        if dead_spares:
+            say(f"spare {','.join(dead_spares)} is down too: not used")
+    flush_nodes = ns.slots if ns is not None else jenv.nodes
     if opts.flush and cfg is not None and outcome.terminated and len(jenv.nodes) > 1:
         # Preempted or cancelled: the allocation is going away, a flush step would only
         # fail ("Unable to confirm allocation"); the epilog flushes on every node.
         say("terminated: no flush step (the epilog flushes on every node)")
     elif opts.flush and cfg is not None:
         _flush_everywhere(
-            cfg, cfg_file, user, key, jenv.nodes, srun, opts.flush_timeout, child_env, say
+            cfg,
+            cfg_file,
+            user,
+            key,
+            flush_nodes,
+            srun,
+            opts.flush_timeout,
+            child_env,
+            say,
+            pinned=ns is not None,
         )
-    if client is not None and outcome.warned and not outcome.terminated:
+    if client is not None and lost_now:
+        _requeue_after(client, jenv.job_id, NODE_LOST, opts, f"node {','.join(lost_now)} lost", say)
+    elif client is not None and outcome.warned and not outcome.terminated:
         try:
             info = client.job(jenv.job_id)
             cause = stop_cause(
                 info.state, info.reason, warned=outcome.warned, terminated=outcome.terminated
             )
-            why = requeue_reason(
-                cause,
-                restarts=info.restarts,
-                max_requeues=opts.max_requeues,
-                enabled=opts.requeue,
-                detail=f"warning from {outcome.warned_by}",
-            )
-            if why:
-                say(why)
-                requeue_job(jenv.job_id, why, client)
-                # SLURM now ends this batch script; nothing after this matters.
-            else:
-                say(f"not requeued (state {info.state}, restarts {info.restarts})")
         except CkptError as exc:
             say(f"requeue failed: {exc}")
+        else:
+            _requeue_after(
+                client, jenv.job_id, cause, opts, f"warning from {outcome.warned_by}", say, info
+            )
     elif outcome.terminated:
         say("terminated by a signal (preemption or cancel): SLURM decides about requeue")
     return outcome.rc
+
+
+def _requeue_after(
+    client: Any,
+    job_id: str,
+    cause: Optional[str],
+    opts: SrunOptions,
+    detail: str,
+    say: Say,
+    info: Any = None,
+) -> None:
+    """Requeue the job when :func:`requeue_reason` says so (SLURM then ends this batch
+    script: nothing after this matters)."""
+    try:
+        info = info if info is not None else client.job(job_id)
+        why = requeue_reason(
+            cause,
+            restarts=info.restarts,
+            max_requeues=opts.max_requeues,
+            enabled=opts.requeue,
+            detail=detail,
+        )
+        if why:
+            say(why)
+            requeue_job(job_id, why, client)
+        else:
+            say(f"not requeued (state {info.state}, restarts {info.restarts})")
+    except CkptError as exc:
+        say(f"requeue failed: {exc}")

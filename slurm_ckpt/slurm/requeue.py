@@ -7,6 +7,9 @@ batch wrapper ``ckpt-srun`` do that, so the rule and the call live here once:
 
 * requeue only when the job is stopping because of its **time limit** (a second requeue
   of a preempted job would only confuse its restart count);
+* or when a node of the job died and ``ckpt-srun --spares`` has no spare left to
+  replace it (``NODE_LOST``: a ``--no-kill`` job keeps running, so SLURM does not
+  requeue it by itself);
 * within ``max_requeues`` restarts;
 * through :meth:`SlurmClient.requeue <slurm_ckpt.slurm.client.SlurmClient.requeue>`.
 """
@@ -21,10 +24,19 @@ from slurm_ckpt.slurm.client import SlurmClient
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TIME_LIMIT_CAUSES", "is_time_limit", "requeue_job", "requeue_reason", "stop_cause"]
+__all__ = [
+    "NODE_LOST",
+    "TIME_LIMIT_CAUSES",
+    "is_time_limit",
+    "requeue_job",
+    "requeue_reason",
+    "stop_cause",
+]
 
 #: Job states (or causes) that mean "stopping for its time limit".
 TIME_LIMIT_CAUSES = ("TIMEOUT", "TIME_LIMIT", "TIMELIMIT", "DEADLINE")
+#: A node of the job died and no spare is left (``ckpt-srun --spares``).
+NODE_LOST = "NODE_LOST"
 
 
 def is_time_limit(cause: Optional[str]) -> bool:
@@ -60,13 +72,16 @@ def requeue_reason(
     enabled: bool = True,
     detail: str = "",
 ) -> Optional[str]:
-    """Why to requeue (one line), or None: only a job stopping for its time limit, and
-    within ``max_requeues`` restarts."""
-    if not enabled or not is_time_limit(cause):
+    """Why to requeue (one line), or None: only a job stopping for its time limit (or
+    one that lost a node it cannot replace, :data:`NODE_LOST`), and within
+    ``max_requeues`` restarts."""
+    if not enabled or not (is_time_limit(cause) or cause == NODE_LOST):
         return None
     if max_requeues is not None and restarts >= max_requeues:
         return None
     what = f" ({detail})" if detail else ""
+    if cause == NODE_LOST:
+        return f"no spare left{what}: requeueing (restart {restarts + 1})"
     return f"time limit near{what}: requeueing (restart {restarts + 1})"
 
 

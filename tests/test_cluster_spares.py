@@ -1,0 +1,192 @@
+"""Restart inside the allocation (``ckpt-srun --spares``) on the real dev cluster.
+
+A 3 + 1 spare node job (``sbatch -N4 --no-kill``) runs ``examples/train_tiny.py`` as three
+ranks, one per node, under ``ckpt-srun --spares 1``. Once every rank has a checkpoint on
+the PFS, one node dies (``dev-cluster power-off``: its slurmd and everything on it get
+SIGKILL) and the controller declares it DOWN (what it does once SlurmdTimeout passes;
+the test says so at once rather than wait 300 s). What must hold:
+
+* the job is never requeued: same job id, ``Restarts=0`` (``scontrol show job``), one
+  batch script run;
+* ckpt-srun relaunches the step on the two surviving nodes plus the spare, each surviving
+  rank on its own node again and the lost rank on the spare;
+* the surviving ranks resume from their node's local copy, the rank on the spare from
+  the PFS (``RESUMED ... tier=``), all at one step;
+* the run ends bitwise equal to an uninterrupted run of the same world size;
+* ckpt-srun says how long the recovery took; the test prints the time from the node's
+  death to every rank training again (no timed assertion: it is a measurement).
+
+The dev cluster needs a fourth node; the module adds it if the cluster has fewer, and
+puts the shape back afterwards. The lost node is rebooted and returned to service.
+Every wait polls SLURM or the job's output; nothing sleeps for a fixed time.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from typing import Iterator
+
+import pytest
+from helpers.cluster import DevCluster
+from test_cluster_e2e import CKPT_SRUN, PY, hooked_site
+from test_cluster_multinode import INTERVAL, SLEEP, STEPS, MultiRun, MultiSite, _bring_back
+
+pytestmark = pytest.mark.root
+
+NEED_NODES = 4
+WORLD = 3
+LOST = "n2"  # rank 1's node; the batch script runs on n1, which must survive
+SPARE = "n4"
+
+
+class SpareSite(MultiSite):
+    def spare_job(self, key: str) -> str:
+        """Three ranks on n1-n3 under ``ckpt-srun --spares 1``; n4 waits as the spare.
+        ckpt-srun places the ranks itself (no -N/-w for srun)."""
+        args = " ".join(self.trainer_args(key, STEPS))
+        rank_cmd = (
+            'echo "HOST rank=$SLURM_PROCID node=$SLURMD_NODENAME"; '
+            f"exec {PY} {self.train} {args} --sleep-per-step {SLEEP} "
+            f"--digest-out {self.out / key}.digest"
+        )
+        body = (
+            'echo "RUN job=$SLURM_JOB_ID restart=${SLURM_RESTART_COUNT:-0} '
+            'nodes=$SLURM_JOB_NODELIST"\n'
+            f"exec {CKPT_SRUN} --key {key} --warn 0 --spares 1 --node-wait 2min -- "
+            f"--ntasks-per-node=1 --label bash -c '{rank_cmd}'\n"
+        )
+        nodes = ",".join(f"n{i}" for i in range(1, NEED_NODES + 1))
+        return self.job(body, args=["-N", str(NEED_NODES), "-w", nodes, "--no-kill", "-p", "low"])
+
+
+@pytest.fixture(scope="module")
+def site(slurm_cluster: DevCluster) -> Iterator[SpareSite]:
+    shape = len(slurm_cluster.nodes)
+    if shape < NEED_NODES:
+        slurm_cluster.up(nodes=str(NEED_NODES))
+    s = SpareSite(slurm_cluster)
+    s.start_reference_world(WORLD)
+    try:
+        with hooked_site(s):
+            yield s
+    finally:
+        s.stop_references()
+        if shape < NEED_NODES:
+            slurm_cluster.up(nodes=str(shape))
+
+
+@pytest.fixture
+def t(site: SpareSite) -> Iterator[SpareSite]:
+    site.ensure_hooks()
+    # Survivors keep every step locally, so that the step all ranks agree on (bounded by
+    # what the lost rank has on the PFS) is on their own disk: their read is local.
+    site.configure(hooks={"stage_on_requeue": False}, retention={"keep_local": 10})
+    yield site
+    site.configure(hooks={"stage_on_requeue": False})
+
+
+def test_lost_node_step_relaunched_on_spare_same_job_bitwise_exact(t: SpareSite) -> None:
+    key = f"spare-{t.tok}"
+    job = t.spare_job(key)
+    try:
+        t.wait_ranks(job, WORLD, rf"FLUSHED step={2 * INTERVAL}$", timeout=180)
+        died = time.monotonic()
+        t.c.power_off(LOST)
+        # The controller's verdict once SlurmdTimeout passes, without the wait.
+        t.c.run(["scontrol", "update", f"nodename={LOST}", "state=down", "reason=test: lost"])
+        t.c.wait_until(
+            lambda: all(t.multi(job).resumed(r) for r in range(WORLD)),
+            timeout=180,
+            interval=0.1,
+            what=f"every rank of job {job} resumed after {LOST} died",
+        )
+        training_again = time.monotonic() - died
+        info = t.c.wait_job_state(job, "COMPLETED", timeout=300)
+        run: MultiRun = t.multi(job)
+        out = run.text
+        # Same job, never requeued, one run of the batch script.
+        assert info["JobId"] == job and info["Restarts"] == "0", (info, out)
+        assert [(j, r) for j, r, _ in run.runs] == [(job, "0")], out
+        # Relaunched on the survivors plus the spare, every survivor on its own node.
+        assert run.hosts(0) == ["n1", "n1"], out
+        assert run.hosts(1) == [LOST, SPARE], out
+        assert run.hosts(2) == ["n3", "n3"], out
+        assert f"node {LOST} lost" in out and f"relaunching the step on spare {SPARE}" in out
+        m = re.search(r"recovery: relaunched step 1 starts ([0-9.]+)s after the failed", out)
+        assert m, out
+        # Survivors read their local copy, the spare's rank the PFS; one step for all.
+        res = {r: run.resumed(r) for r in range(WORLD)}
+        assert [len(v) for v in res.values()] == [1] * WORLD, out
+        assert {r: v[0]["tier"] for r, v in res.items()} == {0: "local", 1: "pfs", 2: "local"}
+        steps = {int(v[0]["step"]) for v in res.values()}
+        assert len(steps) == 1 and min(steps) >= 2 * INTERVAL, (steps, out)
+        ref = t.reference_digest_world(WORLD)
+        for rank in range(WORLD):
+            assert run.done(rank) == [(STEPS, ref)], (rank, out)
+        print(
+            f"\n[spares] {LOST} died -> every rank training again after {training_again:.1f}s "
+            f"(ckpt-srun: relaunch {m.group(1)}s after the failed step ended; "
+            f"resumed at step {min(steps)})"
+        )
+    finally:
+        t.c.run(["scancel", job], check=False)
+        t.configure(hooks={"stage_on_requeue": False})
+        _bring_back(t, LOST)
+
+
+def _plain_spare_job(t: SpareSite, key: str, step: str, extra: str, sbatch: list) -> str:
+    """Two ranks on n1,n2 plus spare n3 running ``step`` (a shell command)."""
+    cmd = f'echo "HOST rank=$SLURM_PROCID node=$SLURMD_NODENAME"; {step}'
+    body = f"exec {CKPT_SRUN} --key {key} --warn 0 --spares 1 {extra} -- --label bash -c '{cmd}'\n"
+    return t.job(
+        body,
+        args=["-N", "3", "-w", "n1,n2,n3", "--no-kill", "-p", "low", "--open-mode=append", *sbatch],
+    )
+
+
+def test_programs_own_failure_is_not_relaunched(t: SpareSite) -> None:
+    """A step that fails while all its nodes are up is the program's business: ckpt-srun
+    does not relaunch it (nor requeue), and the job ends with the step's status."""
+    job = _plain_spare_job(t, f"own-{t.tok}", "exit 3", "--node-wait 3s", [])
+    try:
+        info = t.c.wait_job_state(job, "FAILED", timeout=120, fail_fast=False)
+        out = t.c.job_output(job)
+        assert info["ExitCode"] == "3:0" and info["Restarts"] == "0", (info, out)
+        assert "the program's own failure, not relaunched" in out, out
+        assert out.count("ckpt-srun: step on ") == 1 and "relaunching" not in out, out
+    finally:
+        t.c.run(["scancel", job], check=False)
+
+
+def test_no_spare_left_falls_back_to_requeue(t: SpareSite) -> None:
+    """The step's node and the spare die together: nothing to relaunch on, so ckpt-srun
+    requeues the job (a --no-kill job is not requeued by SLURM itself)."""
+    job = _plain_spare_job(t, f"nospare-{t.tok}", "sleep 600", "--node-wait 1min", ["--requeue"])
+    try:
+        t.c.wait_until(
+            lambda: all(MultiRun(t.c.job_output(job)).hosts(r) for r in range(2)),
+            timeout=90,
+            what=f"both ranks of job {job} running",
+        )
+        for node in ("n2", "n3"):
+            t.c.power_off(node)
+        t.c.run(["scontrol", "update", "nodename=n2,n3", "state=down", "reason=test: lost"])
+        t.c.wait_until(
+            lambda: (t.c.job_info(job) or {}).get("Restarts") == "1",
+            timeout=120,
+            what=f"job {job} requeued",
+        )
+        out = t.c.job_output(job)
+        assert "and no spare left: falling back to a requeue" in out, out
+        assert "no spare left (node n2 lost): requeueing (restart 1)" in out, out
+        assert "relaunching" not in out, out
+    finally:
+        t.c.run(["scancel", job], check=False)
+        for node in ("n2", "n3"):
+            _bring_back(t, node)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-v", "-s"]))

@@ -66,11 +66,24 @@ def _client(timeout: float = 15.0):  # noqa: ANN202 - SlurmClient, imported lazi
     return SlurmClient(timeout=timeout)
 
 
-def _drain_quietly(client, node: Optional[str], reason: str) -> None:  # noqa: ANN001
+#: A failed epilog after a failed prolog keeps the prolog's reason: it names the cause
+#: (a missing or full local tier), the epilog's own failure is only its consequence.
+PROLOG_REASON = "slurm_ckpt: prolog:"
+
+
+def _drain_quietly(  # noqa: ANN001
+    client, node: Optional[str], reason: str, keep: Optional[str] = None
+) -> None:
+    """Drain ``node`` with ``reason``; a drain whose reason starts with ``keep`` stays."""
     if not node:
         return
     try:
         validate_node(node)
+        if keep is not None:
+            current = client.node(node).reason or ""
+            if current.startswith(keep):
+                log.info("%s stays drained with %r", node, current)
+                return
         client.drain(node, reason)
     except CkptError as exc:
         log.error("could not drain %s: %s", node, exc)
@@ -181,7 +194,7 @@ def epilog_cmd(state: CliState, budget: Optional[float]) -> None:
         cfg = _trusted_config(state)
         report = run_epilog(cfg, env, client, _budget(cfg.hooks.budget, budget))
     except CkptError as exc:
-        _drain_quietly(client, slurmd_nodename(), _drain_text("epilog", exc))
+        _drain_quietly(client, slurmd_nodename(), _drain_text("epilog", exc), keep=PROLOG_REASON)
         raise
     click.echo(safe_text(report.line(), LINE_LIMIT))
 

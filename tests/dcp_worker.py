@@ -1,7 +1,9 @@
 """One rank of a tiny FSDP2 job (CPU, gloo) that saves and loads through the DCP backend.
 
-Started by tests/test_dcp.py once per rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the
-environment, as torchrun or srun set them). Lines on stdout for the test:
+Started once per rank by tests/test_dcp_fsdp2.py (RANK, WORLD_SIZE, MASTER_ADDR/PORT in
+the environment, as torchrun sets them) and by tests/test_cluster_dcp.py under ``srun``
+(rank and world size then come from SLURM_PROCID and the step's task count, by the rule
+every Checkpointer uses). Lines on stdout for the test:
 ``RESUMED key=K step=N tiers=<part>:<tier>,...`` / ``NOTHING key=K``, ``SAVED step=N``,
 ``PREEMPTED step=N``, ``CHILD_DIED ...``, ``DONE digest=...``.
 
@@ -20,6 +22,7 @@ import hashlib
 import os
 import signal
 import sys
+import time
 from typing import Any, Dict
 
 import torch
@@ -32,7 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from slurm_ckpt import Checkpointer
+from slurm_ckpt import Checkpointer, rank_and_world_size
 
 DIM = 16
 
@@ -132,10 +135,11 @@ def main() -> int:
     ap.add_argument("--kill-at", type=int, default=0)
     ap.add_argument("--child-term-at", type=int, default=0)
     ap.add_argument("--dump", default="")
+    ap.add_argument("--sleep", type=float, default=0.0, help="per step (cluster tests)")
     args = ap.parse_args()
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = rank_and_world_size()  # torchrun's RANK/WORLD_SIZE, else srun's task
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     if args.cmd == "load":  # every key given, one after the other (one launch, several checks)
         for key in args.key.split(","):
             ckpt = Checkpointer(local=args.local, pfs=args.pfs, key=key, end_time_fn=None)
@@ -171,6 +175,8 @@ def main() -> int:
     while step < args.steps:
         train_step(model, opt, sched, rank, world)
         step += 1
+        if args.sleep:
+            time.sleep(args.sleep)  # slow enough for a cluster test to preempt it mid-run
         if args.term_at == step:
             os.kill(os.getpid(), signal.SIGTERM)  # as SLURM would, to every rank
         got_signal = ckpt.signal_received is not None

@@ -421,3 +421,14 @@ def test_a_kill_at_any_point_of_output_or_adopt_commits_whole_or_nothing(
             assert read_tree(got) == {"a.bin": bytes([s]) * 3000, "sub/b.txt": b"step %d" % s}
         ck.close()
     assert {"output:file-hashed", "output:copied-apart", "commit:manifest"} <= seen
+
+
+def test_restore_path_from_a_tier_that_does_not_exist_raises(tmp_path: Path) -> None:
+    """As restore(tiers=["nvme"]): a tier name that is not configured is a one-line error,
+    never a silent None (which reads as "no checkpoint")."""
+    ck = Checkpointer(local=tmp_path / "l", pfs=tmp_path / "p", key="run", install_signals=False)
+    try:
+        with pytest.raises(CkptError, match="nvme"):
+            ck.restore_path(tiers=["nvme"])
+    finally:
+        ck.close()

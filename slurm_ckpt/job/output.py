@@ -61,7 +61,13 @@ from slurm_ckpt.core.retention import selected_for_flush
 from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
 from slurm_ckpt.job.bookkeeping import SaveRecord
 from slurm_ckpt.job.dist import dist_agree
-from slurm_ckpt.job.restore import NotThisFormat, Restored, Restorer, payload_format
+from slurm_ckpt.job.restore import (
+    NotThisFormat,
+    Restored,
+    Restorer,
+    check_tier_names,
+    payload_format,
+)
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.copy import copy_checkpoint
 
@@ -473,6 +479,8 @@ def restore_path(
     on_data_change: str = "warn",
 ) -> Optional[Path]:
     """:meth:`Checkpointer.restore_path`: see the module docstring."""
+    if tiers is not None:  # an unknown tier name is an error, as for restore()
+        tiers = check_tier_names(tiers, [t.name for t in ckpt.tiers])
     r = DirRestorer(
         ckpt.local,
         ckpt.tiers if tiers is None else [t for t in ckpt.tiers if t.name in tiers],

@@ -26,13 +26,24 @@ def _gate(
     return SlotGate(adm, priority=Priority.ROUTINE, emit=lambda t, **f: events.append((t, f)))
 
 
-def _node(store_dir: str, node: str, out: str, copy_s: float) -> None:
+def _node(
+    store_dir: str, node: str, out: str, copy_s: float, in_flight: Any, two_seen: Any
+) -> None:
     events: List[Tuple[str, Dict[str, Any]]] = []
     gate = _gate(store_dir, node, events, max_nodes=2, jitter=0.05)
 
     def copy(ident: Any, left: Optional[float]) -> Dict[str, Any]:
         start = time.time()
+        # The first copies wait (bounded) until a second one is in flight, so the cap is
+        # provably reached whatever the machine's load staggers: no timing luck.
+        with in_flight.get_lock():
+            in_flight.value += 1
+            if in_flight.value >= 2:
+                two_seen.set()
+        two_seen.wait(60)
         time.sleep(copy_s)
+        with in_flight.get_lock():
+            in_flight.value -= 1
         with open(out, "a") as fh:
             fh.write(json.dumps([node, start, time.time()]) + "\n")
         return {"nbytes": 1, "copied": 1, "seconds": copy_s, "already": False}
@@ -57,7 +68,11 @@ def test_flushers_of_several_nodes_keep_to_the_cap(pfs: Path, tmp_path: Path) ->
     store_dir = str(pfs / ".slurm_ckpt" / "slots")
     out = tmp_path / "copies.jsonl"
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_node, args=(store_dir, f"n{i}", str(out), 0.1)) for i in range(5)]
+    in_flight, two_seen = ctx.Value("i", 0), ctx.Event()
+    procs = [
+        ctx.Process(target=_node, args=(store_dir, f"n{i}", str(out), 0.1, in_flight, two_seen))
+        for i in range(5)
+    ]
     for p in procs:
         p.start()
     for p in procs:

@@ -214,13 +214,17 @@ class PosixSlotStore:
                 return SlotState()
             except OSError as exc:
                 raise AdmissionError(f"admission store {where}: {exc.strerror or exc}") from None
-            if os.fstat(fd).st_nlink != 0 or _attempt == 7:
+            try:
+                st = _trusted_file(fd, where, self.uid)
                 break
-            # Replaced by a writer between our open and fstat (a lock-free peek): the
-            # old inode is unlinked, read the new one.
-            os.close(fd)
+            except AdmissionError:
+                # Replaced by a writer between our open and the check (a lock-free peek):
+                # the old inode is unlinked (0 links), read the new one.
+                replaced = os.fstat(fd).st_nlink == 0
+                os.close(fd)
+                if not replaced or _attempt == 7:
+                    raise
         try:
-            st = _trusted_file(fd, where, self.uid)
             if st.st_size > _MAX_STATE:
                 raise AdmissionError(f"admission store {where}: implausibly large")
             chunks = []

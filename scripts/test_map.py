@@ -38,7 +38,7 @@ each module of `slurm_ckpt` it imports directly. Rerun it after adding tests.
 
 Where the parts that tests reach only through others are tested:
 
-* the flush engine (`node/flush`, `node/work`, `node/marks`, `node/retry`,
+* the flush engine (`node/flush_engine`, `node/work`, `node/marks`, `node/retry`,
   `node/owner_tasks`): `test_hooks.py`, `test_flush_slots.py`, `test_flush_series.py`,
   `test_crash.py`, `test_object_warm.py` and the security suite;
 * the in-job pipeline (`job/pipeline`, `job/options`, `job/schedule`, `job/staging`,

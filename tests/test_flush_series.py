@@ -1,4 +1,4 @@
-"""``ckpt-srun``'s flush after the step (:func:`slurm_ckpt.ops.flush.flush_series`) covers
+"""``ckpt-srun``'s flush after the step (:func:`slurm_ckpt.ops.flush_cmd.flush_series`) covers
 the per-rank series of a multi-rank job (``<key>.rankNNNNN``), not just ``<key>``: before,
 a data-parallel job's shards were left to the epilog alone."""
 
@@ -8,7 +8,7 @@ import getpass
 from pathlib import Path
 
 from slurm_ckpt.core.config import Config
-from slurm_ckpt.ops.flush import flush_series
+from slurm_ckpt.ops.flush_cmd import flush_series
 from slurm_ckpt.tiers.posix import PosixTier
 
 

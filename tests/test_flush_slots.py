@@ -15,7 +15,7 @@ from slurm_ckpt.admission.decisions import Admission
 from slurm_ckpt.admission.gate import SlotGate
 from slurm_ckpt.admission.policy import AdmissionPolicy, Priority
 from slurm_ckpt.admission.store import PosixSlotStore
-from slurm_ckpt.node.flush import Flusher
+from slurm_ckpt.node.flush_engine import Flusher
 
 
 def _gate(

@@ -33,7 +33,7 @@ from slurm_ckpt.hooks.prolog import PrologFailed, ensure_user_dir, run_prolog
 from slurm_ckpt.hooks.stager import stager_pass
 from slurm_ckpt.ledger import State
 from slurm_ckpt.node.asuser import AsUserError, AsUserTimeout, run_as, run_as_user
-from slurm_ckpt.node.flush import HANDED_TO_STAGER
+from slurm_ckpt.node.flush_engine import HANDED_TO_STAGER
 from slurm_ckpt.node.guard import check_local_tier, ensure_ledger_dir
 from slurm_ckpt.node.work import NodeWork
 from slurm_ckpt.ops import install as install_mod

@@ -32,7 +32,7 @@ from slurm_ckpt.ledger import Ledger, State
 from slurm_ckpt.ledger.status_store import ObjectStatusStore, sign, status_store
 from slurm_ckpt.node import warm
 from slurm_ckpt.node.asuser import run_as_user
-from slurm_ckpt.ops.flush import flush_node, flush_own, flush_series
+from slurm_ckpt.ops.flush_cmd import flush_node, flush_own, flush_series
 from slurm_ckpt.ops.maint import guard
 from slurm_ckpt.ops.status import collect_status, no_slurm
 from slurm_ckpt.tiers.registry import tiers_from_config

@@ -1,6 +1,6 @@
 """The flush engine's side of admission control: a PFS slot around each copy.
 
-:class:`SlotGate` is what :class:`slurm_ckpt.node.flush.Flusher` asks before it copies a
+:class:`SlotGate` is what :class:`slurm_ckpt.node.flush_engine.Flusher` asks before it copies a
 checkpoint to the shared tier (``Flusher(..., slots=SlotGate.from_config(cfg, node))``):
 
 * it waits for a slot (jitter first) for at most the time the caller has left, minus the

@@ -59,7 +59,7 @@ COMMANDS: List[Tuple[str, str]] = [
     ("slurm_ckpt.cli.gc", "gc_cmd"),
     ("slurm_ckpt.cli.maint", "maint_cmd"),
     ("slurm_ckpt.cli.maint", "guard_cmd"),
-    ("slurm_ckpt.cli.flush", "flush_cmd"),
+    ("slurm_ckpt.cli.flush_cli", "flush_cmd"),
     ("slurm_ckpt.cli.drill", "drill_cmd"),
     ("slurm_ckpt.cli.doctor", "doctor_cmd"),
     ("slurm_ckpt.cli.restore_cmd", "restore_cmd"),

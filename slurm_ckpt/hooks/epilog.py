@@ -30,7 +30,7 @@ from typing import Optional, Tuple
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.units import format_duration
 from slurm_ckpt.errors import SlurmError
-from slurm_ckpt.node.flush import FlushOutcome
+from slurm_ckpt.node.flush_engine import FlushOutcome
 from slurm_ckpt.node.partner_flush import defer_live_owners
 from slurm_ckpt.node.work import RESERVE_FRACTION, RESERVE_MAX_S, NodeWork, drain_reason
 from slurm_ckpt.slurm.client import SlurmClient

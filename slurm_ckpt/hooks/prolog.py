@@ -46,7 +46,7 @@ from slurm_ckpt.core.names import UserIds, validate_key
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import CkptError, InvalidName, SlurmError, TierError
 from slurm_ckpt.node.asuser import alive, run_as
-from slurm_ckpt.node.flush import FlushOutcome
+from slurm_ckpt.node.flush_engine import FlushOutcome
 from slurm_ckpt.node.guard import (
     NodeCheckFailed,
     check_local_tier,

@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import CkptError, SlurmError
-from slurm_ckpt.node.flush import FlushOutcome
+from slurm_ckpt.node.flush_engine import FlushOutcome
 from slurm_ckpt.node.guard import check_local_tier
 from slurm_ckpt.node.work import NodeWork, drain_reason
 from slurm_ckpt.slurm.client import SlurmClient

@@ -7,7 +7,7 @@ over:
   atomically; the ledger records it; local retention runs;
 * **flush**: selected checkpoints (``retention.flush_every``; always the preemption save
   and, at ``close()``, the newest) go to the warm tier through the one flush engine
-  (:class:`~slurm_ckpt.node.flush.Flusher`), in this process.
+  (:class:`~slurm_ckpt.node.flush_engine.Flusher`), in this process.
 
 Backpressure: a save never starts while the previous one is still being written locally
 (the staging buffers are in use). A flush that would start while the previous one still
@@ -43,7 +43,7 @@ from slurm_ckpt.job.signals import Deadline
 from slurm_ckpt.job.staging import write_direct
 from slurm_ckpt.job.state import STATE_FORMAT
 from slurm_ckpt.ledger.record import State
-from slurm_ckpt.node.flush import LEFT_TO_EPILOG, Flusher, FlushResult, copy_in_process
+from slurm_ckpt.node.flush_engine import LEFT_TO_EPILOG, Flusher, FlushResult, copy_in_process
 from slurm_ckpt.tiers.base import Tier, TierWriter
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.manifest import MANIFEST_NAME, Manifest
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import EXIT_FAILED, CkptError, NotFound, VerifyError
-from slurm_ckpt.node.flush import Unflushable
+from slurm_ckpt.node.flush_engine import Unflushable
 from slurm_ckpt.tiers.copy import SourceCorrupt
 from slurm_ckpt.tiers.posix import PosixTier
 

@@ -20,7 +20,7 @@ from slurm_ckpt.core.retention import RetentionPolicy, plan_local_deletions
 from slurm_ckpt.errors import CkptError, NotFound, TimedOut
 from slurm_ckpt.ledger import Record, State
 from slurm_ckpt.node.asuser import error_from, run_as
-from slurm_ckpt.node.flush import MIN_SLICE_S
+from slurm_ckpt.node.flush_engine import MIN_SLICE_S
 from slurm_ckpt.node.marks import MarkBuffer, set_state
 from slurm_ckpt.node.owner_tasks import delete_many_as_user
 

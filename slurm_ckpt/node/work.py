@@ -2,7 +2,7 @@
 
 Runs as root over every user's local checkpoints: scan the local tier and reconcile the
 node's ledger with it (the tiers are the truth, the ledger a cache), pick what is owed to
-the warm tier, flush it with the one flush engine (:mod:`slurm_ckpt.node.flush`) *as the
+the warm tier, flush it with the one flush engine (:mod:`slurm_ckpt.node.flush_engine`) *as the
 checkpoint's owner*, apply local retention, and publish the node's status. Every touch of
 user data happens in a child process running as that user
 (:mod:`slurm_ckpt.node.asuser`), behind the guards of :mod:`slurm_ckpt.node.guard`.
@@ -28,7 +28,7 @@ from slurm_ckpt.ledger import Ident, Ledger, Record, State
 from slurm_ckpt.ledger.events import EventLog
 from slurm_ckpt.ledger.status_store import status_store
 from slurm_ckpt.node.asuser import AsUserTimeout, error_from, run_as
-from slurm_ckpt.node.flush import (
+from slurm_ckpt.node.flush_engine import (
     HANDED_TO_STAGER,
     Flusher,
     FlushOutcome,

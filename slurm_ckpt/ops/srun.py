@@ -63,7 +63,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from slurm_ckpt.core.config import load_config, resolve_config_path
 from slurm_ckpt.core.names import validate_key
 from slurm_ckpt.errors import CkptError, InvalidName, SlurmError, UsageError
-from slurm_ckpt.ops.flush import flush_series
+from slurm_ckpt.ops.flush_cmd import flush_series
 from slurm_ckpt.ops.spares import NodeSet, check_srun_args, dead_nodes, layout_args, wait_for_dead
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.env import job_end_time, job_env

@@ -1,7 +1,7 @@
 """The copy engine: move a committed checkpoint from any tier to any tier, verified.
 
 This is the one module that copies checkpoints between tiers; every flusher (the flush
-engine in :mod:`slurm_ckpt.node.flush`), the prolog's staging and the cold-tier aging call
+engine in :mod:`slurm_ckpt.node.flush_engine`), the prolog's staging and the cold-tier aging call
 :func:`copy_checkpoint`. It commits only through the destination tier's writer
 (:meth:`Tier.writer(copy_of=...) <slurm_ckpt.tiers.base.Tier.writer>`), so each tier's
 commit protocol - manifest last, atomically - is written once, in the tier.

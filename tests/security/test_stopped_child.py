@@ -14,7 +14,7 @@ from slurm_ckpt.hooks.stager import stager_pass
 from slurm_ckpt.ledger import State
 from slurm_ckpt.ledger.events import EventLog, read_events
 from slurm_ckpt.node.work import NodeWork
-from slurm_ckpt.ops.flush import flush_node
+from slurm_ckpt.ops.flush_cmd import flush_node
 
 from .conftest import ATTACKER, NODE, VICTIM, Recorder, Site, Stopper, save, steps
 

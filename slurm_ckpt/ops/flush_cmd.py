@@ -1,6 +1,6 @@
 """``ckpt-slurm flush`` and ckpt-srun's after-step flush: copy this node's checkpoints that
 are not yet on the warm tier (the PFS, or the object store on a site without one), now,
-through the one flush engine (:mod:`slurm_ckpt.node.flush`).
+through the one flush engine (:mod:`slurm_ckpt.node.flush_engine`).
 
 * **As root** (:func:`flush_node`) it flushes the node's whole backlog (or one job's)
   exactly as the epilog and the stager do: :class:`~slurm_ckpt.node.work.NodeWork` scans
@@ -28,7 +28,7 @@ from slurm_ckpt.core.progress import ProgressFn, report
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ledger import LEDGER_NAME, Ident, Ledger, Record
 from slurm_ckpt.node.asuser import run_as
-from slurm_ckpt.node.flush import LEFT_TO_EPILOG, Flusher, FlushResult, copy_in_process
+from slurm_ckpt.node.flush_engine import LEFT_TO_EPILOG, Flusher, FlushResult, copy_in_process
 from slurm_ckpt.node.warm import guard_user_dir, warm_of
 from slurm_ckpt.node.work import NodeWork
 from slurm_ckpt.tiers.registry import tiers_from_config

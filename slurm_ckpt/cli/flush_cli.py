@@ -1,5 +1,5 @@
 """``ckpt-slurm flush``: flush this node's checkpoints to the PFS now (root: every user's,
-as that user; otherwise your own). The work is :mod:`slurm_ckpt.ops.flush`; this module
+as that user; otherwise your own). The work is :mod:`slurm_ckpt.ops.flush_cmd`; this module
 parses the arguments and prints the summary. Exit status 1 when anything failed."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from slurm_ckpt.cli.table import (
 )
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import CkptError
-from slurm_ckpt.ops.flush import FlushSummary, flush_node, flush_own
+from slurm_ckpt.ops.flush_cmd import FlushSummary, flush_node, flush_own
 from slurm_ckpt.slurm.env import this_node
 
 __all__ = ["flush_cmd"]

@@ -228,12 +228,12 @@ class Checkpointer(FrameworkSeams):
         self.policy = RetentionPolicy(
             keep_local=r.keep_local,
             flush_every=r.flush_every,
-            keep_pfs=r.keep_pfs,
-            keep_pfs_every_s=r.keep_pfs_every,
+            keep_warm=r.keep_pfs,
+            keep_warm_every_s=r.keep_pfs_every,
         )
         tiers = tiers_from_config(cfg)
         # The warm tier every flush goes to: the PFS, or the object store on a site
-        # without one (the ledger keeps its state in the "pfs" slot either way).
+        # without one (the ledger keeps its state in its WARM_SLOT either way).
         # Laptop mode (standalone, local= alone): no warm tier, nothing is ever flushed,
         # and local retention keeps the newest keep_local.
         self.local = tiers["local"]

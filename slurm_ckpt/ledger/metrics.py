@@ -60,7 +60,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.ledger.events import events_path, read_summary
 from slurm_ckpt.ledger.ledger import Ledger
-from slurm_ckpt.ledger.record import LIVE_LOCAL, State
+from slurm_ckpt.ledger.record import LIVE_LOCAL, WARM_SLOT, State
 
 __all__ = [
     "METRICS",
@@ -184,7 +184,7 @@ class NodeMetrics:
     admission: Dict[str, float] = field(default_factory=dict)
     admission_wait_sum: float = 0.0
     admission_requests: Dict[str, int] = field(default_factory=dict)
-    #: The warm tier (``cfg.tiers.warm``): the ledger's "pfs" slot stands for it.
+    #: The warm tier (``cfg.tiers.warm``): the ledger's :data:`WARM_SLOT` stands for it.
     warm: str = "pfs"
 
 
@@ -206,12 +206,12 @@ def collect(ledger: Ledger, events_file: Optional[Path] = None) -> NodeMetrics:
         m.stall.offer(series, local_at, d.get("stall_s", d.get("snapshot_s")))
         m.local.offer(series, local_at, d.get("local_s"))
         if "flush_s" in d:
-            flushed_at = rec.verified_at.get("pfs", rec.updated_at)
+            flushed_at = rec.verified_at.get(WARM_SLOT, rec.updated_at)
             m.flush.offer(series, flushed_at, d["flush_s"])
             m.flush_bytes.offer(series, flushed_at, rec.nbytes)
         if tiers.get("local") in LIVE_LOCAL:
             newest_local[series] = max(rec.step, newest_local.get(series, -1))
-        if tiers.get("pfs") == State.VERIFIED.value:
+        if tiers.get(WARM_SLOT) == State.VERIFIED.value:
             newest_pfs[series] = max(rec.step, newest_pfs.get(series, -1))
         if rec.pending_flush:
             m.queue_checkpoints += 1
@@ -405,7 +405,7 @@ def refresh_textfile(
     from prometheus_client import write_to_textfile
 
     m = collect(ledger, events_file or events_path(cfg, ledger.node))
-    m.warm = cfg.tiers.warm  # what the ledger's warm slot ("pfs") stands for
+    m.warm = cfg.tiers.warm  # what the ledger's WARM_SLOT stands for
     os.makedirs(target.parent, mode=0o755, exist_ok=True)
     write_to_textfile(str(target), build_registry(m))
     return target

@@ -94,9 +94,9 @@ from typing import Any, Callable, Collection, Dict, List, Optional, Set, Tuple, 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import validate_key, validate_node, validate_user
 from slurm_ckpt.errors import CkptError
+from slurm_ckpt.ledger.record import shown_tier
 from slurm_ckpt.ledger.status_store import status_store
 from slurm_ckpt.ledger.user_status import read_user_statuses
-from slurm_ckpt.ledger.warm_slot import shown_tier
 from slurm_ckpt.ops.catalog import Series, SeriesHead
 from slurm_ckpt.ops.catalog_tiers import shared_heads
 from slurm_ckpt.slurm.client import SlurmClient
@@ -442,8 +442,8 @@ def build_status(
             tiers[name] = _tier_entry(groups.get(gid, []), now)
         steps_at_risk: Optional[int] = None
         if j.latest_step is not None:
-            # The node statuses' "pfs" fields are the ledger's warm-tier slot (whatever
-            # the warm tier is: slurm_ckpt.ledger.warm_slot).
+            # The node statuses' warm fields are the ledger's WARM_SLOT (whatever the
+            # warm tier is: slurm_ckpt.ledger.record).
             safe = j.latest_pfs_verified if j.latest_pfs_verified is not None else 0
             if tiers.get(warm) is not None:
                 safe = max(safe, tiers[warm]["step"])

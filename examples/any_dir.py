@@ -41,13 +41,13 @@ def main() -> int:
     p.add_argument("--stop-at", type=int, help="stop after this step (a simulated crash)")
     p.add_argument("--adopt", action="store_true", help="write elsewhere, then adopt()")
     a = p.parse_args()
-    for d in (a.local, a.pfs):
+    for d in (a.local, a.warm):
         os.makedirs(d, exist_ok=True)
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    ckpt = Checkpointer(local=a.local, pfs=a.pfs, key=a.key, end_time_fn=None)
+    ckpt = Checkpointer(local=a.local, warm=a.warm, key=a.key, end_time_fn=None)
     start = 0
     path = ckpt.restore_path()
     if path is not None:
@@ -84,8 +84,8 @@ def main() -> int:
             print(f"STOPPED step={step}")
             break
     ckpt.close()  # waits for the flushes to the PFS
-    for info in ckpt.pfs.steps(ckpt.user, ckpt.shard_key):
-        ok = ckpt.pfs.verify(ckpt.user, ckpt.shard_key, info.step).ok
+    for info in ckpt.warm.steps(ckpt.user, ckpt.shard_key):
+        ok = ckpt.warm.verify(ckpt.user, ckpt.shard_key, info.step).ok
         print(f"PFS step={info.step} verified={ok}")
     return 0
 

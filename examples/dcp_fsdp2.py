@@ -60,7 +60,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     if args.local_root:
-        ckpt = Checkpointer(local=args.local_root, pfs=args.pfs_root, key=args.key)
+        ckpt = Checkpointer(local=args.local_root, warm=args.pfs_root, key=args.key)
     else:
         ckpt = Checkpointer.from_env(key=args.key)
 

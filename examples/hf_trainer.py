@@ -56,7 +56,7 @@ def main() -> int:
     if a.local and a.pfs:
         for d in (a.local, a.pfs):
             os.makedirs(d, exist_ok=True)
-        ckpt = Checkpointer(local=a.local, pfs=a.pfs, key=a.key)
+        ckpt = Checkpointer(local=a.local, warm=a.pfs, key=a.key)
     else:
         ckpt = Checkpointer.from_env(key=a.key)
 

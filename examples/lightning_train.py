@@ -158,7 +158,7 @@ def checkpointer(args: argparse.Namespace) -> Checkpointer:
 
     opts = {"interval_steps": args.interval_steps, "rank": 0, "world_size": 1}
     if args.local and args.pfs:
-        return Checkpointer(local=args.local, pfs=args.pfs, key=args.key or "lightning", **opts)
+        return Checkpointer(local=args.local, warm=args.pfs, key=args.key or "lightning", **opts)
     return lightning_checkpointer(args.key, **opts)
 
 

@@ -303,7 +303,7 @@ def make_checkpointer(
     if args.local or args.pfs:
         ckpt = Checkpointer(
             local=args.local,
-            pfs=args.pfs,
+            warm=args.pfs,
             key=args.key,
             interval_steps=args.interval_steps,
             rank=rank,

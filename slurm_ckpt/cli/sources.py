@@ -2,7 +2,7 @@
 
 On a cluster the site config (``/etc/slurm-ckpt/config.toml``, ``$SLURM_CKPT_CONFIG`` or
 ``--config``) names the tiers. A user on a laptop or workstation has none, and their
-checkpoints sit in directories they chose (``Checkpointer(local=..., pfs=...)``). So the
+checkpoints sit in directories they chose (``Checkpointer(local=..., warm=...)``). So the
 *user commands* (:data:`USER_COMMANDS`: ``list``, ``status``, ``restore``, ``drill``,
 ``verify``, ``config show|check``) also take:
 

@@ -91,3 +91,28 @@ def test_the_ledger_slot_stays_pfs_on_disk_and_shows_as_the_warm_tier() -> None:
     assert WARM_SLOT == "pfs"  # ledgers already on disk say so; never change it
     assert shown_tier(WARM_SLOT, "object") == "object"
     assert shown_tier("local", "object") == "local"
+
+
+def test_restore_tiers_warm_names_the_warm_tier_and_pfs_is_its_alias(tmp_path: Path) -> None:
+    from slurm_ckpt.job.restore import check_tier_names
+
+    assert check_tier_names(["warm"], ["local", "pfs"], "pfs") == ["pfs"]
+    assert check_tier_names(["pfs"], ["local", "pfs"], "pfs") == ["pfs"]  # the PFS itself
+    assert check_tier_names(["warm", "local"], ["local", "object"], "object") == [
+        "object",
+        "local",
+    ]
+    with pytest.warns(DeprecationWarning, match=r'say "warm"'):
+        assert check_tier_names(["pfs"], ["local", "object"], "object") == ["object"]
+    with pytest.raises(CkptError, match=r"no tier 'warm' here"):
+        check_tier_names(["warm"], ["local"], "object")  # laptop mode: no warm tier
+    ckpt = Checkpointer(local=tmp_path / "l", warm=tmp_path / "p", key="run", install_signals=False)
+    ckpt.save(STATE, step=4)
+    ckpt.wait()
+    ckpt.close()
+    again = Checkpointer(
+        local=tmp_path / "l2", warm=tmp_path / "p", key="run", install_signals=False
+    )
+    got = again.restore(tiers=["warm"])
+    assert got is not None and got.step == 4 and got.tier == "pfs"
+    again.close()

@@ -701,7 +701,7 @@ class Checkpointer(FrameworkSeams):
         on_data_change: str = "warn",
     ) -> Restorer:
         if tiers is not None:
-            tiers = check_tier_names(tiers, [t.name for t in self.tiers])
+            tiers = check_tier_names(tiers, [t.name for t in self.tiers], self.config.tiers.warm)
         return Restorer(
             self.tiers if tiers is None else [t for t in self.tiers if t.name in tiers],
             self.user,

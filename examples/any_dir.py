@@ -4,8 +4,8 @@
 Run it twice: the first run trains to ``--stop-at`` and "dies"; the second resumes from
 the newest verified checkpoint and trains to the end::
 
-    python examples/any_dir.py --local /tmp/l --pfs /tmp/p --steps 40 --stop-at 25
-    python examples/any_dir.py --local /tmp/l2 --pfs /tmp/p --steps 40   # another node
+    python examples/any_dir.py --local /tmp/l --warm /tmp/p --steps 40 --stop-at 25
+    python examples/any_dir.py --local /tmp/l2 --warm /tmp/p --steps 40   # another node
 
 Each save is ``with ckpt.output(step=...) as path:``: write anything into ``path`` (here
 ``torch.save`` files and a JSON file); on exit the files are hashed, committed with the
@@ -13,7 +13,7 @@ manifest last and flushed to the PFS. ``ckpt.restore_path()`` hands back the new
 complete checkpoint that verifies, on the local tier (fetched from the PFS when only it
 has it: the second command above uses an empty local tier). ``ckpt.adopt(step, dir)``
 does the same for a directory your framework already wrote (``--adopt``).
-Under SLURM use ``Checkpointer.from_env()`` instead of ``--local``/``--pfs``.
+Under SLURM use ``Checkpointer.from_env()`` instead of ``--local``/``--warm``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ from slurm_ckpt import Checkpointer  # noqa: E402
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--local", required=True, help="the node-local tier (a directory)")
-    p.add_argument("--pfs", required=True, help="the shared tier (a directory)")
+    p.add_argument(
+        "--warm", "--pfs", dest="warm", required=True, help="the shared tier (a directory)"
+    )
     p.add_argument("--key", default="any-dir-demo")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--every", type=int, default=10, help="save every N steps")

@@ -861,7 +861,8 @@ def test_status_summary(led, clock):
     assert st["failures"] == {"pfs_io": 1}
     assert st["jobs"]["11"]["pending"] == 3 and st["jobs"]["11"]["pending_bytes"] == 600
     assert st["jobs"]["11"]["in_flight"] == 1 and st["jobs"]["11"]["failed"] == 1
-    assert st["jobs"]["22"]["latest_pfs_verified_step"] == 4
+    assert st["jobs"]["22"]["latest_warm_verified_step"] == 4
+    assert st["jobs"]["22"]["latest_pfs_verified_step"] == 4  # the old name, one release
     assert st["jobs"]["22"]["keys"] == ["alice/run2"]
     assert st["extra"] == {"stager": "up"}
 

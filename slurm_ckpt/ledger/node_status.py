@@ -101,6 +101,9 @@ def node_status(
                 "failed": 0,
                 "keys": [],
                 "latest_step": None,
+                "latest_warm_verified_step": None,
+                # The old name of latest_warm_verified_step, kept one release for readers
+                # of an older version (mixed-version clusters).
                 "latest_pfs_verified_step": None,
                 "last_commit_at": None,
                 "partner_copies": 0,
@@ -118,7 +121,8 @@ def node_status(
                 js["partner_copies"] += 1
                 js["latest_partner_step"] = max(step, js["latest_partner_step"] or 0)
         if tiers.get(WARM_SLOT) == State.VERIFIED.value:
-            js["latest_pfs_verified_step"] = max(step, js["latest_pfs_verified_step"] or 0)
+            newest = max(step, js["latest_warm_verified_step"] or 0)
+            js["latest_warm_verified_step"] = js["latest_pfs_verified_step"] = newest
         committed = (raw.get("committed_at") or {}).get("local")
         if committed is not None:
             js["last_commit_at"] = max(committed, js["last_commit_at"] or 0.0)

@@ -195,7 +195,7 @@ class _Job:
     series: Set[Series] = field(default_factory=set)
     nodes: Set[str] = field(default_factory=set)
     latest_step: Optional[int] = None
-    latest_pfs_verified: Optional[int] = None
+    latest_warm_verified: Optional[int] = None
     last_commit_at: Optional[float] = None
     pending: int = 0
     pending_bytes: int = 0
@@ -353,9 +353,10 @@ def build_status(
             latest = _num(js.get("latest_step"))
             if latest is not None:
                 j.latest_step = int(_max(j.latest_step, latest))  # type: ignore[arg-type]
-            verified = _num(js.get("latest_pfs_verified_step"))
+            # A node of an older version says only latest_pfs_verified_step (one release).
+            verified = _num(js.get("latest_warm_verified_step", js.get("latest_pfs_verified_step")))
             if verified is not None:
-                j.latest_pfs_verified = int(_max(j.latest_pfs_verified, verified))  # type: ignore[arg-type]
+                j.latest_warm_verified = int(_max(j.latest_warm_verified, verified))  # type: ignore[arg-type]
             commit = _num(js.get("last_commit_at"))
             j.last_commit_at = _max(j.last_commit_at, commit)
             j.pending += _int(js.get("pending"))
@@ -444,7 +445,7 @@ def build_status(
         if j.latest_step is not None:
             # The node statuses' warm fields are the ledger's WARM_SLOT (whatever the
             # warm tier is: slurm_ckpt.ledger.record).
-            safe = j.latest_pfs_verified if j.latest_pfs_verified is not None else 0
+            safe = j.latest_warm_verified if j.latest_warm_verified is not None else 0
             if tiers.get(warm) is not None:
                 safe = max(safe, tiers[warm]["step"])
             steps_at_risk = max(0, j.latest_step - safe)

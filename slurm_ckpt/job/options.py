@@ -121,29 +121,28 @@ class Options:
         return cls(**kwargs).validate()
 
 
-#: Deprecated option names (one release) and the names that replaced them.
+#: Deprecated option names (kept one release: the warm tier was once called "pfs" even
+#: where it is an object store) and the names that replaced them.
 DEPRECATED_ALIASES = {"pfs": "warm", "pfs_bandwidth": "warm_bandwidth"}
 
 
 def resolve_aliases(warm: Optional[PathLike], opts: Options) -> Optional[PathLike]:
     """Fold the deprecated ``pfs=``/``pfs_bandwidth=`` into ``warm``/``warm_bandwidth``
     (a warning each; both names at once is a one-line error). Returns the warm root."""
-    pairs = (("pfs", "warm", warm), ("pfs_bandwidth", "warm_bandwidth", opts.warm_bandwidth))
-    for old, new, current in pairs:
+    values: Dict[str, Any] = {"warm": warm, "warm_bandwidth": opts.warm_bandwidth}
+    for old, new in DEPRECATED_ALIASES.items():
         value = getattr(opts, old)
         if value is None:
             continue
-        if current is not None:
+        if values[new] is not None:
             raise CkptError(f"Checkpointer: give {new}= or its old name {old}=, not both")
         warnings.warn(
             f"Checkpointer: {old}= is deprecated, say {new}=", DeprecationWarning, stacklevel=3
         )
-        if old == "pfs":
-            warm = value
-        else:
-            opts.warm_bandwidth = value
+        values[new] = value
         setattr(opts, old, None)
-    return warm
+    opts.warm_bandwidth = values["warm_bandwidth"]
+    return values["warm"]
 
 
 #: The option names in declaration order: ``Checkpointer.__init__`` lists exactly these as

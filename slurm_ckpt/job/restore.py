@@ -53,6 +53,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
+from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.fastread import READ_STREAMS
 from slurm_ckpt.core.manifest import Manifest
 from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
@@ -127,7 +128,7 @@ def check_tier_names(
     if warm not in have:  # laptop mode: no warm tier
         warm = None
     for i, name in enumerate(names):
-        if name == "pfs" and name not in have and warm is not None:
+        if name == PFS and name not in have and warm is not None:
             warnings.warn(
                 'restore(tiers=["pfs"]) on a site without a PFS: say "warm"',
                 DeprecationWarning,

@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.ledger.events import events_path, read_summary
 from slurm_ckpt.ledger.ledger import Ledger
 from slurm_ckpt.ledger.record import LIVE_LOCAL, WARM_SLOT, State
@@ -185,7 +186,7 @@ class NodeMetrics:
     admission_wait_sum: float = 0.0
     admission_requests: Dict[str, int] = field(default_factory=dict)
     #: The warm tier (``cfg.tiers.warm``): the ledger's :data:`WARM_SLOT` stands for it.
-    warm: str = "pfs"
+    warm: str = PFS
 
 
 def _series_of(label: str) -> Optional[Series]:

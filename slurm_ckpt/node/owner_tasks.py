@@ -18,6 +18,7 @@ from typing import Any, Dict, List
 
 from slurm_ckpt.core import fsio
 from slurm_ckpt.core.config import LEDGER_SUBDIR, Config
+from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.layout import LOCK_PREFIX, parse_step_dirname
 from slurm_ckpt.core.manifest import MANIFEST_NAME, manifest_facts
 from slurm_ckpt.core.names import validate_key
@@ -183,7 +184,7 @@ def delete_as_user(cfg: Config, user: str, key: str, step: int, uid: int, need_p
         if mine is None or mine != theirs:
             raise CkptError(
                 f"{local.where(user, key, step)}: no identical committed copy on the "
-                f"{'PFS' if warm.name == 'pfs' else warm.name + ' tier'}; kept"
+                f"{'PFS' if warm.name == PFS else warm.name + ' tier'}; kept"
             )
     local.delete(user, key, step)
     return True

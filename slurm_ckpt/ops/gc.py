@@ -53,6 +53,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.layout import PARTIAL_PREFIX, parse_step_dirname, step_dirname
 from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.core.progress import ProgressFn
@@ -79,7 +80,7 @@ __all__ = [
 #: ``<key>/.pin-step-NNNNNNNNNN`` pins that step on a shared tier.
 PIN_PREFIX = ".pin-"
 #: Shared tiers gc works on, in this order.
-GC_TIERS = ("pfs", "object")
+GC_TIERS = (PFS, "object")
 
 
 def pin_name(step: int) -> str:

@@ -92,6 +92,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Dict, List, Optional, Set, Tuple, Union
 
 from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.names import validate_key, validate_node, validate_user
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ledger.record import shown_tier
@@ -250,7 +251,7 @@ def _tier_entry(heads: List[SeriesHead], now: float) -> Optional[Dict[str, Any]]
     }
 
 
-def _flight(entry: Dict[str, Any], now: float, warm: str = "pfs") -> Dict[str, Any]:
+def _flight(entry: Dict[str, Any], now: float, warm: str = PFS) -> Dict[str, Any]:
     since = _num(entry.get("since"))
     return {
         "user": entry.get("user"),
@@ -269,7 +270,7 @@ def build_status(
     node_statuses: List[Dict[str, Any]],
     slurm: SlurmSnapshot,
     shared: Dict[str, Dict[Series, SeriesHead]],
-    warm: str = "pfs",
+    warm: str = PFS,
     statuses_at: Optional[str] = None,
     user: Optional[str] = None,
     job: Optional[str] = None,

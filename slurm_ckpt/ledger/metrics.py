@@ -198,7 +198,7 @@ def collect(ledger: Ledger, events_file: Optional[Path] = None) -> NodeMetrics:
     """Gather the node's numbers from the ledger and (when given) the event summary."""
     m = NodeMetrics(node=ledger.node)
     newest_local: Dict[Series, int] = {}
-    newest_pfs: Dict[Series, int] = {}
+    newest_warm: Dict[Series, int] = {}
     for rec in ledger.records():
         series = (rec.user, rec.key)
         tiers = {t: str(getattr(s, "value", s)) for t, s in rec.tiers.items()}
@@ -213,7 +213,7 @@ def collect(ledger: Ledger, events_file: Optional[Path] = None) -> NodeMetrics:
         if tiers.get("local") in LIVE_LOCAL:
             newest_local[series] = max(rec.step, newest_local.get(series, -1))
         if tiers.get(WARM_SLOT) == State.VERIFIED.value:
-            newest_pfs[series] = max(rec.step, newest_pfs.get(series, -1))
+            newest_warm[series] = max(rec.step, newest_warm.get(series, -1))
         if rec.pending_flush:
             m.queue_checkpoints += 1
             m.queue_bytes += int(rec.nbytes)
@@ -221,7 +221,7 @@ def collect(ledger: Ledger, events_file: Optional[Path] = None) -> NodeMetrics:
         m.in_flight += sum(1 for s in tiers.values() if s == State.FLUSHING.value)
     for series, step in newest_local.items():
         # With no PFS copy known to this node, everything up to the newest step is at risk.
-        m.steps_at_risk[series] = max(0, step - max(newest_pfs.get(series, 0), 0))
+        m.steps_at_risk[series] = max(0, step - max(newest_warm.get(series, 0), 0))
         m.bytes_at_risk.setdefault(series, 0)
     m.failures = {str(k): int(v) for k, v in ledger.failures().items()}
     if events_file is not None:

@@ -228,7 +228,7 @@ def test_plan_series_replans_after_each_failure() -> None:
         return step not in bad
 
     deletions, results = plan_series(
-        infos, 100.0, RetentionPolicy(keep_pfs=2, keep_pfs_every_s=0), verify
+        infos, 100.0, RetentionPolicy(keep_warm=2, keep_warm_every_s=0), verify
     )
     # The two newest that verify are 5 and 3. 7 and 6 fail but are newer than 5, so the
     # policy keeps them; 4 fails and is older than 5, so it may go.

@@ -34,7 +34,7 @@ def make_ckpt(tmp_path: Path, **kw: Any) -> Checkpointer:
         os.makedirs(tmp_path / d, exist_ok=True)
     kw.setdefault("install_signals", False)
     kw.setdefault("end_time_fn", None)
-    return Checkpointer(local=tmp_path / "local", pfs=tmp_path / "pfs", key="lazy", **kw)
+    return Checkpointer(local=tmp_path / "local", warm=tmp_path / "pfs", key="lazy", **kw)
 
 
 def objects(seed: int = 0) -> Tuple[Any, Any, Any, Any]:
@@ -240,7 +240,7 @@ KILLED = textwrap.dedent(
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 256)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ck = Checkpointer(local={local!r}, pfs={pfs!r}, key="lazy", install_signals=False,
+    ck = Checkpointer(local={local!r}, warm={pfs!r}, key="lazy", install_signals=False,
                       end_time_fn=None)
     tc = sct.TorchCheckpointer(ck, model, opt)
     model(torch.randn(4, 256)).sum().backward(); opt.step()

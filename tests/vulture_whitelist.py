@@ -98,3 +98,7 @@ bytes_sent
 bytes_received
 last_sent_step
 last_received_step
+
+# The deprecated option alias pfs_bandwidth= (kept one release): Checkpointer.__init__
+# passes it on through locals(), and job/options.resolve_aliases reads it with getattr.
+pfs_bandwidth

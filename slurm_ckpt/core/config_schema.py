@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_CONFIG_PATH",
     "ENV_CONFIG",
     "LEDGER_SUBDIR",
+    "PFS",
     "AdmissionConfig",
     "ColdTierConfig",
     "CopyConfig",
@@ -140,6 +141,13 @@ class ColdTierConfig:
     keep_for: float = field_of(KIND_DURATION, 30 * 86400.0, minimum=1e-9)
 
 
+#: The name of the ``[tiers.pfs]`` section and of the tier built from it: a POSIX
+#: parallel filesystem (Lustre, GPFS, BeeGFS, NFS) specifically. The *warm* tier (where
+#: every flush goes) is this one when configured, else the object store:
+#: :attr:`TiersConfig.warm`. Code that means the warm tier says ``warm``, never ``PFS``.
+PFS = "pfs"
+
+
 @dataclass(frozen=True)
 class TiersConfig:
     """``[tiers]``: local is required, and a warm tier: pfs, or object (a site without
@@ -153,7 +161,7 @@ class TiersConfig:
     @property
     def warm(self) -> str:
         """The tier every flush goes to: ``pfs`` when there is one, else ``object``."""
-        return "pfs" if self.pfs is not None else "object"
+        return PFS if self.pfs is not None else "object"
 
 
 @dataclass(frozen=True)
@@ -302,7 +310,7 @@ class PartnerConfig:
 
 TIER_CLASSES = {
     "local": LocalTierConfig,
-    "pfs": PfsTierConfig,
+    PFS: PfsTierConfig,
     "object": ObjectTierConfig,
     "cold": ColdTierConfig,
 }

@@ -58,7 +58,7 @@ from slurm_ckpt.job.partner_net import (
     server_handshake,
 )
 from slurm_ckpt.ledger.ledger import Ledger
-from slurm_ckpt.ledger.record import Record, State
+from slurm_ckpt.ledger.record import WARM_SLOT, Record, State
 from slurm_ckpt.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -424,7 +424,7 @@ class PartnerLink:
         rec = None if self.ledger is None else self.ledger.get(self.user, key, step)
         if rec is None:
             return written_on is not None and written_on != self.node
-        return bool(rec.extra.get("partner_of")) or rec.tiers.get("pfs") == State.VERIFIED
+        return bool(rec.extra.get("partner_of")) or rec.tiers.get(WARM_SLOT) == State.VERIFIED
 
     # -- the end ----------------------------------------------------------------------
     def close(self, timeout: Optional[float] = 30.0) -> None:
@@ -459,8 +459,8 @@ def _partner_record(m: Manifest, ledger: Ledger) -> Any:
         # Selected: the epilog (or stager) of this node flushes it unless the PFS has
         # it verified already - the whole point when the owner's node is gone.
         rec.selected_for_flush = True
-        if rec.tiers.get("pfs") not in (State.VERIFIED.value, State.FLUSHING.value):
-            rec.tiers["pfs"] = State.FLUSH_PENDING
+        if rec.tiers.get(WARM_SLOT) not in (State.VERIFIED.value, State.FLUSHING.value):
+            rec.tiers[WARM_SLOT] = State.FLUSH_PENDING
         rec.extra["partner_of"] = m.node or "?"
         return rec
 

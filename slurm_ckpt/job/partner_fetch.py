@@ -67,6 +67,9 @@ FETCH = b"FETCH1\n"
 #: Socket timeout of a fetch's list request and of each read of the copy.
 FETCH_TIMEOUT_S = 30.0
 
+#: Tries of one request when the connection fails (see :func:`_retried`).
+ATTEMPTS = 4
+
 _GO, _NO, _OK = b"G", b"N", b"K"
 
 
@@ -210,6 +213,22 @@ def _ask(link: PartnerLink, s: socket.socket, session: bytes, req: Dict[str, Any
         raise WireError(f"refused: {why}")
 
 
+def _retried(fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, again after a short pause when the connection failed: a holder
+    serves a few connections at once and hangs up on more (many ranks lost at once ask
+    it together); a copy that failed verification is not asked for again."""
+    for attempt in range(ATTEMPTS):
+        try:
+            return fn(*args)
+        except VerifyError:
+            raise
+        except (CkptError, OSError):
+            if attempt == ATTEMPTS - 1:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 def _held(link: PartnerLink, peer: Peer) -> List[int]:
     s, session = _connect(link, peer)
     with s:
@@ -250,7 +269,7 @@ def fetch_own(link: PartnerLink, step: Optional[int] = None) -> Optional[Fetched
     best: Optional[Tuple[int, Peer]] = None
     for r in others:
         try:
-            held = _held(link, peers[r])
+            held = _retried(_held, link, peers[r])
         except (CkptError, OSError, ValueError) as exc:
             log.warning("[ckpt] partner fetch: rank %d on %s: %s", r, peers[r].node, exc)
             continue
@@ -270,7 +289,7 @@ def fetch_own(link: PartnerLink, step: Optional[int] = None) -> Optional[Fetched
     except VerifyError:
         link.local.delete(link.user, link.key, got_step)
     try:
-        m = _get(link, peer, got_step)
+        m = _retried(_get, link, peer, got_step)
     except (CkptError, OSError, ValueError) as exc:
         reason = " ".join(str(exc).split()) or type(exc).__name__
         log.warning(

@@ -45,12 +45,13 @@ from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import current_user, node_name, validate_key, validate_user
 from slurm_ckpt.core.retention import RetentionPolicy, selected_for_flush
 from slurm_ckpt.core.units import format_bytes
-from slurm_ckpt.errors import CkptError, TierError
+from slurm_ckpt.errors import CkptError, NotFound, TierError
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord
 from slurm_ckpt.job.dist import dist_agree
 from slurm_ckpt.job.lazy import Drain, defer_mask
 from slurm_ckpt.job.options import OPTION_NAMES, UNSET, Options, build_config, resolve_aliases
 from slurm_ckpt.job.partner import PartnerLink, open_partner
+from slurm_ckpt.job.partner_fetch import Fetched, relaunched
 from slurm_ckpt.job.pipeline import (
     DEADLINE_MARGIN_S,
     CheckpointFailed,
@@ -739,8 +740,20 @@ class Checkpointer(FrameworkSeams):
         with :class:`~slurm_ckpt.job.restore.DataVersionMismatch` (``"refuse"``)."""
         if self._restorer is not None:
             self._restorer.cancel()
+        fetched = self._fetch_partner(step) if tiers is None else None
         self._restorer = self._make_restorer(tiers, step, expect_data_version, on_data_change)
         got = self._restorer.restore(weights_only=weights_only)
+        # Read from local, where the fetch just put it: say where it came from.
+        if (
+            got is not None
+            and fetched is not None
+            and (got.step, got.tier)
+            == (
+                fetched.step,
+                self.local.name,
+            )
+        ):
+            got.tier = "partner"
         if got is None:
             log.info("[ckpt] restore: no checkpoint of %s found", self.shard_key)
             return None
@@ -756,6 +769,23 @@ class Checkpointer(FrameworkSeams):
             " weights only" if weights_only else "",
         )
         return got
+
+    def _fetch_partner(self, step: Optional[int]) -> Optional[Fetched]:
+        """In a step relaunched after a node loss, a rank whose local tier holds nothing
+        of its series (it runs on a spare) first fetches its newest checkpoint from the
+        rank holding its partner copy (docs/spares.md). Done before the restore lists
+        its steps, so the agreement counts it as this rank's local step."""
+        if self.partner is None or not relaunched():
+            return None
+        try:
+            if self.local.steps(self.user, self.shard_key):
+                return None
+        except NotFound:
+            pass
+        except (CkptError, OSError) as exc:
+            log.warning("[ckpt] partner fetch skipped: %s", exc)
+            return None
+        return self.partner.fetch(step)
 
     def restore_weights(self) -> Optional[Restored]:
         """``restore(weights_only=True)``."""

@@ -72,7 +72,7 @@ def make(base: Path, name: str, rank: int, **kw: Any) -> Any:
     kw.setdefault("partner", True)
     return Checkpointer(
         local=base / name / "local",
-        pfs=base / "pfs",
+        warm=base / "pfs",
         key=KEY,
         rank=rank,
         world_size=2,
@@ -220,7 +220,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 name = f"{kind}{i}"
                 c = make(base, name, 1, partner=(kind == "partner"), flush_every=1000)
                 if kind == "pfs":
-                    c.tiers = [CappedTier(t, args.pfs_rate) if t is c.pfs else t for t in c.tiers]
+                    c.tiers = [CappedTier(t, args.pfs_rate) if t is c.warm else t for t in c.tiers]
                 if not on_tmpfs:
                     drop_caches()
                 t0 = time.monotonic()
@@ -228,7 +228,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 row[kind] = time.monotonic() - t0
                 if got is not None:
                     row[f"{kind}_load"] = got.seconds  # the read of the restore alone
-                want = "partner" if kind == "partner" else c.pfs.name
+                want = "partner" if kind == "partner" else c.warm.name
                 assert got is not None and got.tier == want and got.step == 1, got
                 assert same(got.state, st), f"{kind}: restored state differs"
                 nbytes = got.nbytes

@@ -52,7 +52,7 @@ from slurm_ckpt.job.partner_net import (
     recv_frame,
     send_frame,
 )
-from slurm_ckpt.ledger.record import Record, State
+from slurm_ckpt.ledger.record import WARM_SLOT, Record, State
 from slurm_ckpt.tiers.base import Tier, TierReader
 
 if TYPE_CHECKING:  # pragma: no cover - the link imports this module
@@ -328,8 +328,8 @@ def _record(link: PartnerLink, m: Manifest, node: str) -> None:
         rec.set_state("local", State.COMMITTED, now)
         rec.nbytes, rec.job = m.total_bytes, m.job
         rec.selected_for_flush = True
-        if rec.tiers.get("pfs") not in (State.VERIFIED.value, State.FLUSHING.value):
-            rec.tiers["pfs"] = State.FLUSH_PENDING
+        if rec.tiers.get(WARM_SLOT) not in (State.VERIFIED.value, State.FLUSHING.value):
+            rec.tiers[WARM_SLOT] = State.FLUSH_PENDING
         rec.extra["fetched_from"] = node
         return rec
 

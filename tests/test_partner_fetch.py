@@ -139,7 +139,7 @@ def test_holder_gone_too_falls_back_to_the_warm_tier(lost_nb: Any) -> None:
     shutil.rmtree(tmp / "na" / "local")  # the partner node is lost as well
     c0, c1 = relaunch("nd", "nc")
     got = restore_all([c0, c1])
-    warm = c1.pfs.name  # type: ignore[union-attr]
+    warm = c1.warm.name  # type: ignore[union-attr]
     assert [(g.step, g.tier) for g in got] == [(1, warm), (1, warm)]
     for g in got:
         assert_state_equal(st[0], g.state)
@@ -159,7 +159,7 @@ def test_corrupt_partner_copy_is_refused_never_committed(lost_nb: Any) -> None:
     path.write_bytes(bytes(data))
     a, c = relaunch("na", "nc")
     got = restore_all([a, c])
-    warm = c.pfs.name  # type: ignore[union-attr]
+    warm = c.warm.name  # type: ignore[union-attr]
     # Rank 0 keeps steps 2 and 3 locally (keep_local=2): step 1 is on the PFS only.
     assert [(g.step, g.tier) for g in got] == [(1, warm), (1, warm)]
     for g in got:

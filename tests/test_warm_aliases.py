@@ -116,3 +116,17 @@ def test_restore_tiers_warm_names_the_warm_tier_and_pfs_is_its_alias(tmp_path: P
     got = again.restore(tiers=["warm"])
     assert got is not None and got.step == 4 and got.tier == "pfs"
     again.close()
+
+
+def test_site_config_keep_pfs_keys_are_read_as_keep_warm_for_one_release(tmp_path: Path) -> None:
+    base = {"tiers": {"local": {"root": str(tmp_path / "l")}, "pfs": {"root": str(tmp_path / "p")}}}
+    with pytest.warns(DeprecationWarning, match=r"retention\.keep_pfs is deprecated"):
+        cfg = Config.from_dict({**base, "retention": {"keep_pfs": 7, "keep_pfs_every": "2h"}})
+    assert cfg.retention.keep_warm == 7 and cfg.retention.keep_warm_every == 7200.0
+    assert cfg.retention.keep_pfs == 7  # the Python attribute's old name too
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        new = Config.from_dict({**base, "retention": {"keep_warm": 7, "keep_warm_every": "2h"}})
+    assert new == cfg
+    with pytest.raises(CkptError, match=r"retention\.keep_pfs is the old name of keep_warm"):
+        Config.from_dict({**base, "retention": {"keep_pfs": 1, "keep_warm": 2}})

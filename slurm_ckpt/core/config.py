@@ -25,6 +25,7 @@ import os
 import signal
 import stat
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
@@ -446,10 +447,23 @@ def _parse_section(
         problems.append(f"{src}: {prefix}: expected a table [{prefix}], got {_type_name(data)}")
         return None
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    renamed = {f.metadata["old"]: f.name for f in fields.values() if f.metadata.get("old")}
     kwargs: Dict[str, Any] = {}
     ok = True
     elsewhere = _all_keys()
     for key, value in data.items():
+        if key in renamed:  # a former name, read for one release
+            new = renamed[key]
+            if data.get(new) is not None:
+                problems.append(f"{src}: {prefix}.{key} is the old name of {new}: give one")
+                ok = False
+                continue
+            warnings.warn(
+                f"{src}: {prefix}.{key} is deprecated, say {prefix}.{new}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            key = new
         if key not in fields:
             problems.append(_unknown(src, prefix, str(key), list(fields), elsewhere))
             ok = False

@@ -64,10 +64,16 @@ KIND_BASE_UNITS = {KIND_SIZE: "bytes", KIND_DURATION: "seconds", KIND_BANDWIDTH:
 
 
 def field_of(
-    kind: str, default: Any = dataclasses.MISSING, *, minimum: float = 0, optional: bool = False
+    kind: str,
+    default: Any = dataclasses.MISSING,
+    *,
+    minimum: float = 0,
+    optional: bool = False,
+    old: Optional[str] = None,
 ) -> Any:
-    """A dataclass field carrying its config kind (and lower bound) as metadata."""
-    meta = {"kind": kind, "min": minimum, "optional": optional}
+    """A dataclass field carrying its config kind (and lower bound) as metadata. ``old``:
+    the key's former name, still read for one release (a deprecation warning)."""
+    meta = {"kind": kind, "min": minimum, "optional": optional, "old": old}
     if default is dataclasses.MISSING:
         return field(metadata=meta)
     return field(default=default, metadata=meta)
@@ -170,12 +176,22 @@ class RetentionConfig:
 
     #: Newest checkpoints kept on the local tier.
     keep_local: int = field_of(KIND_INT, 2, minimum=1)
-    #: Every Mth local checkpoint is flushed (copied) to the PFS.
+    #: Every Mth local checkpoint is flushed (copied) to the warm tier.
     flush_every: int = field_of(KIND_INT, 1, minimum=1)
-    #: Newest checkpoints kept on the PFS.
-    keep_pfs: int = field_of(KIND_INT, 3, minimum=1)
-    #: Additionally keep one PFS checkpoint per this many seconds; 0 disables.
-    keep_pfs_every: float = field_of(KIND_DURATION, 86400.0)
+    #: Newest checkpoints kept on the warm tier (the PFS, or the object store).
+    keep_warm: int = field_of(KIND_INT, 3, minimum=1, old="keep_pfs")
+    #: Additionally keep one warm-tier checkpoint per this many seconds; 0 disables.
+    keep_warm_every: float = field_of(KIND_DURATION, 86400.0, old="keep_pfs_every")
+
+    @property
+    def keep_pfs(self) -> int:
+        """Deprecated name of :attr:`keep_warm` (one release)."""
+        return self.keep_warm
+
+    @property
+    def keep_pfs_every(self) -> float:
+        """Deprecated name of :attr:`keep_warm_every` (one release)."""
+        return self.keep_warm_every
 
 
 @dataclass(frozen=True)

@@ -235,8 +235,8 @@ class Checkpointer(FrameworkSeams):
         self.policy = RetentionPolicy(
             keep_local=r.keep_local,
             flush_every=r.flush_every,
-            keep_warm=r.keep_pfs,
-            keep_warm_every_s=r.keep_pfs_every,
+            keep_warm=r.keep_warm,
+            keep_warm_every_s=r.keep_warm_every,
         )
         tiers = tiers_from_config(cfg)
         # The warm tier every flush goes to: the PFS, or the object store on a site

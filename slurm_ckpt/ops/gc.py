@@ -8,14 +8,14 @@ must not be what lets retention delete the last good one.
 
 Re-hashing a whole PFS on every run would be too slow, so :func:`plan_series` verifies
 exactly the checkpoints whose verified status lets something else be deleted: the newest
-``keep_pfs`` (at least one) of those presumed good, and a window keeper of
-``keep_pfs_every`` whose window holds a checkpoint planned for deletion. Everything not
+``keep_warm`` (at least one) of those presumed good, and a window keeper of
+``keep_warm_every`` whose window holds a checkpoint planned for deletion. Everything not
 yet verified is presumed good while planning; when a verification fails, that checkpoint
 stops counting and the plan is made again (the next one in line then gets verified). The
 result is the plan with every safety-relevant ``verified`` flag measured, so:
 
 * the newest checkpoint that verifies is never deleted (it may be the only good copy);
-* a corrupt newest checkpoint does not count towards ``keep_pfs``: one more older one is
+* a corrupt newest checkpoint does not count towards ``keep_warm``: one more older one is
   kept (the corrupt one too, by the policy's rule for unverified newer copies);
 * with nothing verifying, nothing is deleted.
 
@@ -93,8 +93,8 @@ def policy_from_config(cfg: Config) -> RetentionPolicy:
     return RetentionPolicy(
         keep_local=r.keep_local,
         flush_every=r.flush_every,
-        keep_warm=r.keep_pfs,
-        keep_warm_every_s=r.keep_pfs_every,
+        keep_warm=r.keep_warm,
+        keep_warm_every_s=r.keep_warm_every,
     )
 
 

@@ -29,19 +29,19 @@ Metrics (all gauges unless noted; every series has a ``node`` label)
 ``slurm_ckpt_warm_tier_info{tier}``               1 for that tier: ``pfs`` or ``object``
 ``slurm_ckpt_flush_bytes{user,key}``              size of that flush
 ``slurm_ckpt_flushed_bytes_total``                counter: bytes flushed (from events)
-``slurm_ckpt_flush_queue_bytes``                  bytes committed locally, owed to the PFS
-``slurm_ckpt_flush_queue_checkpoints``            checkpoints owed to the PFS
+``slurm_ckpt_flush_queue_bytes``                  bytes committed locally, owed to the warm tier
+``slurm_ckpt_flush_queue_checkpoints``            checkpoints owed to the warm tier
 ``slurm_ckpt_flushes_in_flight``                  copies running now
 ``slurm_ckpt_steps_at_risk{user,key}``            newest local step minus newest step
-                                                  verified on the PFS (whole newest step
-                                                  when the node knows of no PFS copy)
-``slurm_ckpt_bytes_at_risk{user,key}``            bytes of that series owed to the PFS
+                                                  verified on the warm tier (whole newest step
+                                                  when the node knows of no warm copy)
+``slurm_ckpt_bytes_at_risk{user,key}``            bytes of that series owed to the warm tier
 ``slurm_ckpt_failures_total{reason}``             counter: ledger failure counters
 ``slurm_ckpt_events_total{type}``                 counter: events by type
 ``slurm_ckpt_hook_seconds{hook}``                 duration of the last run of each hook
 ``slurm_ckpt_hook_success{hook}``                 1 if that run succeeded, else 0
 ``slurm_ckpt_hook_last_run_timestamp_seconds{hook}``  when it ran (epoch seconds)
-``slurm_ckpt_admission_queue_depth``              flushes queued for a PFS slot,
+``slurm_ckpt_admission_queue_depth``              flushes queued for a warm-tier slot,
                                                   cluster-wide, at this node's last ask
 ``slurm_ckpt_admission_slots_in_use``             slots held then (the "PFS queue
                                                   watermark" beside it)
@@ -120,27 +120,27 @@ METRICS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
     ),
     _P + "admission_queue_depth": (
         "gauge",
-        "Flushes queued for a PFS slot, cluster-wide, at this node's last request.",
+        "Flushes queued for a warm-tier slot, cluster-wide, at this node's last request.",
         (),
     ),
     _P + "admission_slots_in_use": (
         "gauge",
-        "PFS slots held, cluster-wide, at this node's last request.",
+        "Warm-tier slots held, cluster-wide, at this node's last request.",
         (),
     ),
     _P + "admission_wait_seconds": (
         "gauge",
-        "Seconds this node's last flush waited for a PFS slot (jitter included).",
+        "Seconds this node's last flush waited for a warm-tier slot (jitter included).",
         (),
     ),
     _P + "admission_wait_seconds_sum": (
         "counter",
-        "Seconds waited for PFS slots, summed (divide by the requests for the mean).",
+        "Seconds waited for warm-tier slots, summed (divide by the requests for the mean).",
         (),
     ),
     _P + "admission_requests": (
         "counter",
-        "Requests for a PFS slot by outcome (admitted, not_admitted within the budget).",
+        "Requests for a warm-tier slot by outcome (admitted, not_admitted within the budget).",
         ("outcome",),
     ),
 }

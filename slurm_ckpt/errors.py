@@ -48,6 +48,10 @@ class CkptError(Exception):
     user_caused: bool = False
     #: The reason code a held checkpoint records (``hold`` in the ledger and status).
     hold_code: Optional[str] = None
+    #: The checkpoint itself can never be copied as it is (corrupt, unsafe to touch): the
+    #: flush engine marks it ``BAD`` where it is (under ``hold_code``) instead of marking
+    #: its destination ``FAILED``; it must not keep a node drained.
+    bad_source: bool = False
 
     def __init__(self, message: str) -> None:
         # Keep the message on one line whatever the caller passed in.

@@ -1,4 +1,4 @@
-"""The flush engine (node/flush.py) under admission control: processes standing for nodes
+"""The flush engine (node/flush_engine.py) under admission control: processes standing for nodes
 flush through ``Flusher(slots=SlotGate)`` against one POSIX slot store on a real ext4
 "PFS"; the cap holds, a flusher never waits past its budget (it hands off instead), and a
 holder's lease is kept alive by its renewer while it copies."""
@@ -15,7 +15,9 @@ from slurm_ckpt.admission.decisions import Admission
 from slurm_ckpt.admission.gate import SlotGate
 from slurm_ckpt.admission.policy import AdmissionPolicy, Priority
 from slurm_ckpt.admission.store import PosixSlotStore
-from slurm_ckpt.node.flush_engine import Flusher
+from slurm_ckpt.node import flush_engine
+from slurm_ckpt.node.flush_engine import Flusher, FlushStatus
+from slurm_ckpt.tiers.copy import CopyResult
 
 
 def _gate(
@@ -32,7 +34,7 @@ def _node(
     events: List[Tuple[str, Dict[str, Any]]] = []
     gate = _gate(store_dir, node, events, max_nodes=2, jitter=0.05)
 
-    def copy(ident: Any, left: Optional[float]) -> Dict[str, Any]:
+    def copy(ident: Any, left: Optional[float]) -> CopyResult:
         start = time.time()
         # The first copies wait (bounded) until a second one is in flight, so the cap is
         # provably reached whatever the machine's load staggers: no timing luck.
@@ -46,12 +48,12 @@ def _node(
             in_flight.value -= 1
         with open(out, "a") as fh:
             fh.write(json.dumps([node, start, time.time()]) + "\n")
-        return {"nbytes": 1, "copied": 1, "seconds": copy_s, "already": False}
+        return CopyResult(ident[2], nbytes=1, copied_bytes=1, seconds=copy_s)
 
     flusher = Flusher(copy, None, slots=gate)
     for step in range(3):
         res = flusher.flush_one(("u", "k", step), deadline=time.monotonic() + 120)
-        assert res.status == "flushed", res
+        assert res.status is FlushStatus.FLUSHED and res.seconds == copy_s, res
     assert [t for t, _ in events] == ["admission"] * 3, events
 
 
@@ -93,9 +95,16 @@ def test_a_flusher_never_waits_past_its_budget_it_hands_off(pfs: Path) -> None:
     events: List[Tuple[str, Dict[str, Any]]] = []
     gate = _gate(store_dir, "n1", events, max_nodes=1)
     copied: List[Any] = []
-    flusher = Flusher(lambda ident, left: copied.append(ident) or {}, None, slots=gate)
+    assert isinstance(gate, flush_engine.SlotGate)  # the engine's protocol
+
+    def copy_now(ident: Any, left: Optional[float]) -> CopyResult:
+        copied.append(ident)
+        return CopyResult(ident[2], nbytes=1, copied_bytes=1, seconds=0.0)
+
+    flusher = Flusher(copy_now, None, slots=gate)
     res = flusher.flush_one(("u", "k", 1), deadline=time.monotonic() + 2.0, min_s=0.5)
-    assert res.status == "handed" and res.error == "no PFS slot in time"
+    assert res.status == "handed" and res.error == "no PFS slot in time"  # str-valued
+    assert f"{res.status}" == str(res.status) == "handed" and json.dumps(res.status) == '"handed"'
     assert copied == []
     ((etype, fields),) = events
     assert etype == "admission_refused" and fields["holders"] == 1
@@ -112,11 +121,11 @@ def test_the_renewer_keeps_a_long_copy_holding_its_slot(pfs: Path) -> None:
     gate = _gate(store_dir, "n1", events, max_nodes=1, lease=0.6)
     seen: List[bool] = []
 
-    def copy(ident: Any, left: Optional[float]) -> Dict[str, Any]:
+    def copy(ident: Any, left: Optional[float]) -> CopyResult:
         time.sleep(2.0)  # > 3 leases: without renewals the slot would have lapsed
         st = PosixSlotStore(store_dir).peek()
         seen.append(any(h.until > time.time() for h in st.holders.values()))
-        return {}
+        return CopyResult(ident[2], nbytes=0, copied_bytes=0, seconds=2.0)
 
     assert Flusher(copy, None, slots=gate).flush_one(("u", "k", 1)).status == "flushed"
     assert seen == [True]

@@ -32,7 +32,15 @@ from slurm_ckpt.hooks.epilog import run_epilog
 from slurm_ckpt.hooks.prolog import PrologFailed, ensure_user_dir, run_prolog
 from slurm_ckpt.hooks.stager import stager_pass
 from slurm_ckpt.ledger import State
-from slurm_ckpt.node.asuser import AsUserError, AsUserTimeout, run_as, run_as_user
+from slurm_ckpt.node.asuser import (
+    AsUserError,
+    AsUserTimeout,
+    ChildStopped,
+    decode_list,
+    decode_value,
+    run_as,
+    run_as_user,
+)
 from slurm_ckpt.node.flush_engine import HANDED_TO_STAGER
 from slurm_ckpt.node.guard import check_local_tier, ensure_ledger_dir
 from slurm_ckpt.node.work import NodeWork
@@ -40,6 +48,7 @@ from slurm_ckpt.ops import install as install_mod
 from slurm_ckpt.ops.srun import resolve_key
 from slurm_ckpt.slurm.env import HookEnv
 from slurm_ckpt.slurm.requeue import requeue_reason, stop_cause
+from slurm_ckpt.tiers.copy import CopyResult
 from slurm_ckpt.tiers.registry import tiers_from_config
 
 pytestmark = pytest.mark.root
@@ -202,6 +211,55 @@ def test_run_as_passes_errors_back_as_one_line() -> None:
         run_as_user("ckptuser1", lambda: os.kill(os.getpid(), 9))
     with pytest.raises(AsUserError, match="invalid uid"):
         run_as(-1, 0, print)
+
+
+def _is_fifo(fd: int) -> bool:
+    try:
+        return stat.S_ISFIFO(os.fstat(fd).st_mode)
+    except OSError:
+        return False
+
+
+def _forge(blob: bytes) -> None:
+    """In the child, as the user: write ``blob`` to root's result pipe (the one fd above
+    2 left open) and exit - what a user who ptraces their own child could send."""
+    fds = [int(n) for n in os.listdir("/proc/self/fd") if int(n) > 2]
+    (fd,) = [n for n in fds if _is_fifo(n)]
+    os.write(fd, blob)
+    os._exit(0)
+
+
+def test_a_forged_child_result_is_refused_as_garbled_never_trusted() -> None:
+    """Root reads a child's result as untrusted data: only the two shapes, a typed value
+    only as its type's check allows, an error only as a known class by name."""
+    _ensure_users()
+    good = CopyResult(3, nbytes=10, copied_bytes=10, seconds=0.5)
+    got = run_as_user("ckptuser1", lambda: good)  # typed values travel as their JSON
+    assert decode_value(CopyResult.from_json, got, "flush") == good
+    forged = {
+        "extra key": b'{"ok": 1, "err": {}}',
+        "bad error type": b'{"err": {"type": "os.system(1)", "message": "x", "errno": null, '
+        b'"ckpt": true}}',
+        "not json": b"\x80\x81",
+    }
+    for blob in forged.values():
+        with pytest.raises(AsUserError, match="garbled result from the child"):
+            run_as_user("ckptuser1", _forge, blob)
+    bad = dict(good.to_json(), copied_bytes=-1)
+    for value in (bad, dict(good.to_json(), already_present="yes"), [good.to_json()], None):
+        with pytest.raises(AsUserError, match="flush: garbled"):
+            decode_value(CopyResult.from_json, value, "flush")
+    with pytest.raises(AsUserError, match="garbled"):
+        decode_list(CopyResult.from_json, {"ok": good.to_json()}, "flush")
+    # An error comes back as root's own class of that name (its declared facts), and a
+    # message of any length is cut to one bounded line.
+    blob = (
+        b'{"err": {"type": "ChildStopped", "message": "' + b"x " * 10000 + b'", '
+        b'"errno": null, "ckpt": true}}'
+    )
+    with pytest.raises(ChildStopped) as err:
+        run_as_user("ckptuser1", _forge, blob)
+    assert err.value.user_caused and len(str(err.value)) <= 4096
 
 
 def test_run_as_timeout_kills_the_whole_child_group(tmp_path: Path) -> None:

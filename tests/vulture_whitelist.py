@@ -23,6 +23,10 @@ _.format_commands
 _.get_metavar
 _.convert
 
+# prometheus_client's collector protocol: the registry calls describe() on a collector
+# (ledger/metrics.py _Collector).
+_.describe
+
 # Context managers' __exit__ parameters (the protocol names them).
 exc_type
 tb

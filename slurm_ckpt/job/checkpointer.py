@@ -25,7 +25,10 @@ This module is the facade: it builds the parts - the schedule (:mod:`.schedule`)
 staging area, the pipeline, the bookkeeping (:mod:`.bookkeeping`: ledger, events,
 metrics) and the restorer (:mod:`.restore`) - and keeps the public API: ``save``,
 ``should_save``, ``restore``, ``restore_weights``, ``restore_rest``, ``preempted``,
-``wait``, ``close``, ``stats``.
+``wait``, ``close``, ``stats``. Its methods come from mixins by concept: saving and the
+schedule here, the restore side in :mod:`.restoring`, waiting and the end of the run in
+:mod:`.closing`, the doors for other checkpoint formats in :mod:`.seams`; the counters
+are :class:`~slurm_ckpt.job.stats.CheckpointStats`.
 """
 
 from __future__ import annotations
@@ -45,27 +48,25 @@ from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import current_user, node_name, validate_key, validate_user
 from slurm_ckpt.core.retention import RetentionPolicy, selected_for_flush
 from slurm_ckpt.core.units import format_bytes
-from slurm_ckpt.errors import CkptError, NotFound, TierError
+from slurm_ckpt.errors import CkptError, TierError
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord
-from slurm_ckpt.job.dist import dist_agree
+from slurm_ckpt.job.closing import ClosingMethods
 from slurm_ckpt.job.lazy import Drain, defer_mask
 from slurm_ckpt.job.options import OPTION_NAMES, UNSET, Options, build_config, resolve_aliases
 from slurm_ckpt.job.partner import PartnerLink, open_partner
-from slurm_ckpt.job.partner_fetch import Fetched, relaunched
 from slurm_ckpt.job.pipeline import (
     DEADLINE_MARGIN_S,
     CheckpointFailed,
-    CheckpointStats,
     Pipeline,
     Shard,
 )
 from slurm_ckpt.job.restore import (
     Restored,
     Restorer,
-    check_tier_names,
     shard_key,
     shard_prefix,
 )
+from slurm_ckpt.job.restoring import RestoreMethods
 from slurm_ckpt.job.saved import Saved, check_save_args
 from slurm_ckpt.job.schedule import (
     BOOTSTRAP_COST_S,
@@ -78,10 +79,10 @@ from slurm_ckpt.job.signals import Deadline, SignalFlag, relayed_signal, signal_
 from slurm_ckpt.job.staging import StagingArea
 from slurm_ckpt.job.standalone import make_roots, sweep_debris
 from slurm_ckpt.job.state import flatten, index_bytes, layout
-from slurm_ckpt.ledger.record import State
+from slurm_ckpt.job.stats import CheckpointStats
 from slurm_ckpt.slurm.client import job_end_time_provider
 from slurm_ckpt.slurm.env import job_env, resolve_rank
-from slurm_ckpt.slurm.requeue import requeue_job, requeue_reason
+from slurm_ckpt.slurm.requeue import requeue_job
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.registry import tiers_from_config
 
@@ -112,7 +113,7 @@ def _finish_at_exit(ref: Callable[[], Optional[Checkpointer]]) -> None:
         ckpt._pipeline.finish_at_exit()
 
 
-class Checkpointer(FrameworkSeams):
+class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
     """Fast, verified, tiered checkpoints from inside a training job.
 
     Standalone (no SLURM, no config file; a laptop needs only ``local``)::
@@ -586,222 +587,3 @@ class Checkpointer(FrameworkSeams):
             synchronous=rec.synchronous,
             deferred_bytes=deferred,
         )
-
-    # ------------------------------------------------------------------ waiting and closing
-    def wait_snapshot(self) -> float:
-        """Block until the newest lazy snapshot is copied (at once when none is pending);
-        returns the seconds waited. Call it before writing parameters or optimizer state
-        in place outside ``optimizer.step()`` (e.g. through ``p.data``)."""
-        drain = self._drain
-        if drain is None:
-            return 0.0
-        waited = drain.wait()
-        if waited > 0:
-            self._pipeline.count(snapshot_waits=1, snapshot_wait_s=waited)
-        if drain.done:
-            self._drain = None
-        return waited
-
-    def wait(self, flush: bool = True, timeout: Optional[float] = None) -> bool:
-        """Block until the local write (and, with ``flush``, every queued flush) is done.
-        Returns False on timeout."""
-        until = None if timeout is None else time.time() + timeout
-        done = self._pipeline.wait_for(lambda: self._pipeline.idle(flush), until)
-        self._pipeline.log_deferred()
-        return done
-
-    def close(self) -> CheckpointStats:
-        """Wait for the local write and the PFS flushes, flush the newest checkpoint if it
-        was not, requeue if asked, and put the signal handlers back.
-
-        After a preemption signal the wait for the flushes ends at the job's deadline
-        (minus a margin): flushes still open are left to the epilog (ledger:
-        FLUSH_PENDING). The local write is always awaited. Never raises for storage
-        problems."""
-        if self._closed:
-            return self.stats
-        self._closed = True
-        if self._restorer is not None:
-            self._restorer.cancel()  # a weights-first restore whose rest was never asked for
-        until = None
-        if self._flag.received is not None or self._schedule.preempt_saved:
-            d = self._deadline.deadline()
-            until = None if d is None else d - DEADLINE_MARGIN_S
-        dcp = self.__dict__.get("_dcp")  # DCP parts (dcp_writer): picked up and flushed too
-        if dcp is not None:
-            dcp.finish(until)
-        self._pipeline.finish(until)
-        if self.partner is not None:
-            self.partner.close(60.0 if until is None else max(0.0, until - time.time()))
-        self._maybe_requeue()
-        self._flag.uninstall()
-        self._staging.close()
-        if self.config.tiers.pfs is not None:  # node status lives on the PFS (none: skipped)
-            self._books.publish(self.config.tiers.pfs.root)
-        return self.stats
-
-    def _maybe_requeue(self) -> None:
-        if not self._requeue or not self._schedule.preempt_saved or self._requeued:
-            return
-        cause: Optional[str] = None
-        if self._job_state_fn is not None:
-            try:
-                cause = self._job_state_fn()
-            except Exception as exc:  # noqa: BLE001 - never fail close() on a provider
-                log.warning("[ckpt] job state provider failed: %s", exc)
-        why = requeue_reason(
-            cause,
-            detail=f"checkpoint of step {self._schedule.ref_step} saved after signal "
-            f"{self._flag.received}, job state {cause}",
-        )
-        if why is None:
-            log.info(
-                "[ckpt] not requeueing: job state is %s (only a time limit is requeued here; "
-                "SLURM requeues preempted jobs itself)",
-                cause or "unknown",
-            )
-            return
-        self._requeued = True
-        try:
-            self._requeue_fn(why)
-        except Exception as exc:  # noqa: BLE001
-            log.error("[ckpt] requeue failed: %s", exc)
-        self._books.emit("requeue", reason=why)
-
-    # ------------------------------------------------------------------ restore
-    def _mark_bad(self, key: str, tier: str, step: int, reason: str) -> None:
-        self._books.set_state(step, tier, State.BAD, reason, code="verify_failed", key=key)
-
-    def _uncommit_corrupt(self, tier: Tier, key: str, step: int) -> None:
-        """A shared-tier copy whose bytes do not match its manifest is not a checkpoint:
-        it is removed (manifest first), so that every node still holding a good local
-        copy of that step sees it gone at its next reconcile and flushes it again, and
-        no node's retention takes the copy that rotted for the safe one (while it stayed
-        committed, a re-flush would find the identical manifest and copy nothing). This
-        node's own good copy, if any, is owed again too: the ledger says BAD there."""
-        if tier.name == self.local.name:
-            return  # the job's own local copy: retention and the next save deal with it
-        try:
-            tier.delete(self.user, key, step)
-        except CkptError as exc:
-            log.warning(
-                "[ckpt] could not remove the corrupt %s: %s", tier.where(self.user, key, step), exc
-            )
-            return
-        log.warning(
-            "[ckpt] removed the corrupt %s; it is flushed again from a good copy",
-            tier.where(self.user, key, step),
-        )
-        self._books.emit("corrupt_removed", step=step, tier=tier.name)
-
-    def _make_restorer(
-        self,
-        tiers: Optional[Sequence[str]] = None,
-        step: Optional[int] = None,
-        expect_data_version: Optional[str] = None,
-        on_data_change: str = "warn",
-    ) -> Restorer:
-        if tiers is not None:
-            tiers = check_tier_names(tiers, [t.name for t in self.tiers], self.config.tiers.warm)
-        return Restorer(
-            self.tiers if tiers is None else [t for t in self.tiers if t.name in tiers],
-            self.user,
-            self.key,
-            self.rank,
-            self.world_size,
-            mark_bad=self._mark_bad,
-            on_corrupt=self._uncommit_corrupt,
-            agree=self._agree or dist_agree(),
-            step=step,
-            expect_data_version=expect_data_version,
-            on_data_change=on_data_change,
-        )
-
-    def restore(
-        self,
-        weights_only: bool = False,
-        *,
-        step: Optional[int] = None,
-        tiers: Optional[Sequence[str]] = None,
-        expect_data_version: Optional[str] = None,
-        on_data_change: str = "warn",
-    ) -> Optional[Restored]:
-        """The newest complete checkpoint that verifies, on any configured tier (local,
-        PFS, object store, cold; the fastest that holds it); None when there is none.
-        With ``weights_only`` only the model weights (top-level keys such as ``model``)
-        are returned as soon as they are read and verified, while the rest of the step is
-        read in the background; get it with :meth:`restore_rest` (which may roll back to
-        an older step, see there).
-
-        ``step`` restores that step only (e.g. back to three days ago, from the cold
-        tier); ``tiers`` limits the tiers looked at (names, e.g. ``["cold"]``).
-        ``expect_data_version``: the data version the job has now; a checkpoint trained
-        on another one is restored with a warning (``on_data_change="warn"``) or refused
-        with :class:`~slurm_ckpt.job.restore.DataVersionMismatch` (``"refuse"``)."""
-        if self._restorer is not None:
-            self._restorer.cancel()
-        fetched = self._fetch_partner(step) if tiers is None else None
-        self._restorer = self._make_restorer(tiers, step, expect_data_version, on_data_change)
-        got = self._restorer.restore(weights_only=weights_only)
-        # Read from local, where the fetch just put it: say where it came from.
-        if (
-            got is not None
-            and fetched is not None
-            and (got.step, got.tier)
-            == (
-                fetched.step,
-                self.local.name,
-            )
-        ):
-            got.tier = "partner"
-        if got is None:
-            log.info("[ckpt] restore: no checkpoint of %s found", self.shard_key)
-            return None
-        self.restored = got
-        self._schedule.restored(got.step, got.tokens)
-        log.info(
-            "[ckpt] restored step=%d tokens=%s from %s (%s in %.3fs)%s",
-            got.step,
-            got.tokens,
-            got.tier,
-            format_bytes(got.nbytes),
-            got.seconds,
-            " weights only" if weights_only else "",
-        )
-        return got
-
-    def _fetch_partner(self, step: Optional[int]) -> Optional[Fetched]:
-        """In a step relaunched after a node loss, a rank whose local tier holds nothing
-        of its series (it runs on a spare) first fetches its newest checkpoint from the
-        rank holding its partner copy (docs/spares.md). Done before the restore lists
-        its steps, so the agreement counts it as this rank's local step."""
-        if self.partner is None or not relaunched():
-            return None
-        try:
-            if self.local.steps(self.user, self.shard_key):
-                return None
-        except NotFound:
-            pass
-        except (CkptError, OSError) as exc:
-            log.warning("[ckpt] partner fetch skipped: %s", exc)
-            return None
-        return self.partner.fetch(step)
-
-    def restore_weights(self) -> Optional[Restored]:
-        """``restore(weights_only=True)``."""
-        return self.restore(weights_only=True)
-
-    def restore_rest(self) -> Restored:
-        """Everything but the weights, from the step :meth:`restore_weights` chose.
-
-        If that part of the step fails verification and no other tier holds it with the
-        same weights, an older step is restored whole and returned with
-        ``rolled_back=True``: its ``state`` has the weights too, apply them again. Raises
-        :class:`VerifyError` when no older step verifies either."""
-        if self._restorer is None:
-            raise CkptError("restore_rest(): call restore(weights_only=True) first")
-        got = self._restorer.restore_rest()
-        if got.rolled_back:
-            self.restored = got
-            self._schedule.restored(got.step, got.tokens)
-        return got

@@ -42,6 +42,7 @@ from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord, reason_of
 from slurm_ckpt.job.signals import Deadline
 from slurm_ckpt.job.staging import write_direct
 from slurm_ckpt.job.state import STATE_FORMAT
+from slurm_ckpt.job.stats import CheckpointStats
 from slurm_ckpt.ledger.record import WARM_SLOT, State
 from slurm_ckpt.node.flush_engine import LEFT_TO_EPILOG, Flusher, FlushResult, copy_in_process
 from slurm_ckpt.tiers.base import Tier, TierWriter
@@ -51,7 +52,6 @@ log = logging.getLogger(__name__)
 __all__ = [
     "DEADLINE_MARGIN_S",
     "CheckpointFailed",
-    "CheckpointStats",
     "Pipeline",
     "Shard",
 ]
@@ -63,37 +63,6 @@ DEADLINE_MARGIN_S = 5.0
 class CheckpointFailed(CkptError):
     """``max_consecutive_failures`` saves in a row failed: stop rather than train on
     with nothing saved."""
-
-
-@dataclass
-class CheckpointStats:
-    """Counters and last durations, for logs, metrics and tests (a copy: a snapshot)."""
-
-    saves: int = 0
-    committed: int = 0
-    failures: int = 0
-    consecutive_failures: int = 0
-    sync_writes: int = 0
-    flushes: int = 0
-    flush_failures: int = 0
-    flush_skipped: int = 0
-    left_to_epilog: int = 0
-    stall_s: float = 0.0
-    wait_s: float = 0.0
-    bytes_written: int = 0
-    bytes_flushed: int = 0
-    last_snapshot_s: Optional[float] = None
-    last_stall_s: Optional[float] = None
-    last_local_s: Optional[float] = None
-    last_flush_s: Optional[float] = None
-    last_step: Optional[int] = None
-    last_flushed_step: Optional[int] = None
-    last_error: Optional[str] = None
-    #: Lazy snapshots: how often and how long training waited for a drain to end (the
-    #: optimizer step's extra wait), and the last drain's background copy time.
-    snapshot_waits: int = 0
-    snapshot_wait_s: float = 0.0
-    last_drain_s: Optional[float] = None
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,12 @@ per-user directory, checks ownership, and keeps the ledger.
 How: ``fork()``; in the child ``setgroups``/``initgroups``, ``setgid``, ``setuid`` (real,
 effective and saved ids; checked afterwards, and regaining root must fail), parent-death
 signal, ``umask``, ``chdir("/")``, inherited file descriptors closed; then the callable
-runs and its result (JSON, never pickle: root must not unpickle bytes from a process the
-user may have influenced) or a one-line error goes back through a pipe. No shell, no exec.
+runs and its outcome - a :class:`ChildResult`: the value, or a :class:`ChildError` - goes
+back through a pipe as JSON, never pickle: root must not unpickle bytes from a process the
+user may have influenced. Root reads at most :data:`MAX_RESULT` bytes and checks the
+shape of what came before it uses any of it (:meth:`ChildResult.from_json`; typed values
+bring their own check, e.g. :meth:`~slurm_ckpt.tiers.copy.CopyResult.from_json`). No
+shell, no exec.
 The parent enforces a timeout by killing the child's process group (SIGKILL works on a
 stopped process too). Two limits apply: ``timeout`` (in all) and ``stall_timeout`` (no
 sign of life: the callable calls :func:`alive` as it makes progress, and the parent
@@ -36,7 +40,8 @@ import select
 import signal
 import sys
 import time
-from typing import Any, Callable, Dict, Optional, Sequence, Type
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Generic, List, Optional, Sequence, Type, TypeVar, cast
 
 from slurm_ckpt.core.procs import set_pdeathsig
 from slurm_ckpt.errors import EXIT_FAILED, CkptError, TimedOut
@@ -44,15 +49,23 @@ from slurm_ckpt.errors import EXIT_FAILED, CkptError, TimedOut
 __all__ = [
     "AsUserError",
     "AsUserTimeout",
+    "ChildError",
+    "ChildResult",
     "ChildStopped",
     "alive",
-    "describe",
-    "error_from",
+    "decode_list",
+    "decode_value",
     "run_as",
     "run_as_user",
 ]
 
-_MAX_RESULT = 64 * 2**20
+#: The most root reads of one child's result (it is killed beyond).
+MAX_RESULT = 64 * 2**20
+#: The longest error message and exception name root keeps from a child.
+MAX_ERROR_TEXT = 4096
+MAX_ERROR_TYPE = 128
+
+T = TypeVar("T")
 
 
 class AsUserError(CkptError):
@@ -87,6 +100,123 @@ class ChildKilled(AsUserError):
 CRASH_SIGNALS = frozenset(
     {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT, signal.SIGSYS}
 )
+
+
+@dataclass(frozen=True)
+class ChildError:
+    """An exception as a child describes it to root: data, never an object (root must
+    not rebuild arbitrary objects from a process its user may have influenced). Only a
+    :class:`~slurm_ckpt.errors.CkptError` class known here by name comes back as itself
+    (:meth:`exception`), so the facts declared on it (``user_caused``, ``hold_code``,
+    ``bad_source``) are root's own class attributes, not anything the child said."""
+
+    type: str
+    message: str
+    errno: Optional[int] = None
+    ckpt: bool = False
+
+    @classmethod
+    def of(cls, exc: BaseException) -> ChildError:
+        """How a child describes the exception it caught."""
+        err = getattr(exc, "errno", None)
+        return cls(
+            type=type(exc).__name__,
+            message=(" ".join(str(exc).split()) or type(exc).__name__)[:MAX_ERROR_TEXT],
+            errno=err if isinstance(err, int) and not isinstance(err, bool) else None,
+            ckpt=isinstance(exc, CkptError),
+        )
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"type": self.type, "message": self.message, "errno": self.errno, "ckpt": self.ckpt}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> ChildError:
+        """What a child sent, checked: ``ValueError`` unless it has this shape."""
+        if not isinstance(obj, dict):
+            raise ValueError("not an error")
+        name, text, err, ckpt = (obj.get(k) for k in ("type", "message", "errno", "ckpt"))
+        if not isinstance(name, str) or not name.isidentifier() or len(name) > MAX_ERROR_TYPE:
+            raise ValueError("bad error type")
+        if not isinstance(text, str):
+            raise ValueError("bad error message")
+        if err is not None and (isinstance(err, bool) or not isinstance(err, int)):
+            raise ValueError("bad errno")
+        if not isinstance(ckpt, bool):
+            raise ValueError("bad error kind")
+        return cls(name, " ".join(text.split())[:MAX_ERROR_TEXT], err, ckpt)
+
+    def exception(self, where: str) -> CkptError:
+        """The exception to raise in root: a :class:`CkptError` raised in the child comes
+        back with the same class and message; anything else as :class:`AsUserError`
+        (``"<where>: <Type>: <message>"``, errno kept)."""
+        if self.ckpt:
+            return _error_classes().get(self.type, AsUserError)(self.message)
+        exc = AsUserError(f"{where}: {self.type}: {self.message}")
+        if self.errno is not None:
+            exc.errno = self.errno  # type: ignore[attr-defined]
+        return exc
+
+
+@dataclass(frozen=True)
+class ChildResult(Generic[T]):
+    """The outcome of one piece of work done in a child: its value, or the error it
+    raised. On the wire (JSON): ``{"ok": value}`` or ``{"err": ChildError}``."""
+
+    value: Optional[T] = None
+    error: Optional[ChildError] = None
+
+    @classmethod
+    def failed(cls, exc: BaseException) -> ChildResult[T]:
+        return cls(error=ChildError.of(exc))
+
+    def unwrap(self, where: str) -> T:
+        """The value, or the child's error raised here (:meth:`ChildError.exception`)."""
+        if self.error is not None:
+            raise self.error.exception(where)
+        return cast(T, self.value)
+
+    def to_json(self) -> Dict[str, Any]:
+        if self.error is not None:
+            return {"err": self.error.to_json()}
+        return {"ok": self.value}  # typed values encode themselves (_encode)
+
+    @classmethod
+    def from_json(cls, obj: Any, decode: Callable[[Any], T], where: str) -> ChildResult[T]:
+        """What a child sent, checked: one of the two shapes, the value through
+        ``decode`` (which raises ``ValueError``/``TypeError`` on a bad one). Anything
+        else is :class:`AsUserError` ("garbled"): never a traceback, never trusted."""
+        try:
+            if isinstance(obj, dict) and set(obj) == {"ok"}:
+                return cls(value=decode(obj["ok"]))
+            if isinstance(obj, dict) and set(obj) == {"err"}:
+                return cls(error=ChildError.from_json(obj["err"]))
+        except (ValueError, TypeError):
+            pass
+        raise AsUserError(f"{where}: garbled result from the child")
+
+
+def decode_value(decode: Callable[[Any], T], value: Any, where: str) -> T:
+    """A value :func:`run_as` returned, through its type's checking ``decode``;
+    :class:`AsUserError` ("garbled") when it does not pass."""
+    try:
+        return decode(value)
+    except (ValueError, TypeError):
+        raise AsUserError(f"{where}: garbled result from the child") from None
+
+
+def decode_list(decode: Callable[[Any], T], value: Any, where: str) -> List[ChildResult[T]]:
+    """The per-item results of a batch child (a list of :class:`ChildResult`), each
+    checked; :class:`AsUserError` ("garbled") when any does not pass."""
+    if not isinstance(value, list):
+        raise AsUserError(f"{where}: garbled result from the child")
+    return [ChildResult.from_json(item, decode, where) for item in value]
+
+
+def _encode(obj: Any) -> Any:
+    """JSON for what ``json`` does not know: typed results encode themselves
+    (``to_json``), anything else as its text."""
+    to_json = getattr(obj, "to_json", None)
+    return to_json() if callable(to_json) else str(obj)
 
 
 #: In the child: the write end of the heartbeat pipe (None: nobody listens).
@@ -209,11 +339,11 @@ def _child(
             os.environ["HOME"] = "/"
         if child_start_hook is not None:
             child_start_hook()
-        result = fn(*args, **kwargs)
-        blob = json.dumps({"ok": result}, default=str).encode()
+        done: ChildResult[Any] = ChildResult(value=fn(*args, **kwargs))
+        blob = json.dumps(done, default=_encode).encode()
     except BaseException as exc:  # noqa: BLE001 - everything goes to the parent
         code = 1
-        blob = json.dumps({"err": describe(exc)}).encode()
+        blob = json.dumps(ChildResult.failed(exc).to_json()).encode()
     try:
         view = memoryview(blob)
         while view:
@@ -239,7 +369,9 @@ def run_as(
     **kwargs: Any,
 ) -> Any:
     """Call ``fn(*args, **kwargs)`` in a child running as ``uid``/``gid``; return its
-    JSON-serialisable result.
+    result as JSON values (a typed result - :class:`ChildResult`, a dataclass with
+    ``to_json`` - as its JSON: the caller decodes and checks it, e.g.
+    :func:`decode_value`).
 
     ``stall_timeout``: the child is also killed once it has shown no sign of life
     (:func:`alive`) for this long; :class:`ChildStopped` when it was stopped then.
@@ -317,11 +449,11 @@ def run_as(
             if not data:
                 break
             size += len(data)
-            if size > _MAX_RESULT:
+            if size > MAX_RESULT:
                 timed_out = False
                 chunks = []
                 _kill(pid)
-                raise AsUserError(f"{label} as {who}: result larger than {_MAX_RESULT} bytes")
+                raise AsUserError(f"{label} as {who}: result larger than {MAX_RESULT} bytes")
             chunks.append(data)
     finally:
         os.close(rfd)
@@ -348,40 +480,16 @@ def run_as(
                 raise AsUserError(f"{label} as {who}: killed by {signum.name}")
             raise ChildKilled(f"{label} as {who}: killed by {signum.name} (not sent by root)")
         raise AsUserError(f"{label} as {who}: exited with status {os.WEXITSTATUS(status)}")
+    where = f"{label} as {who}"
     try:
         msg = json.loads(blob)
     except ValueError:
-        raise AsUserError(f"{label} as {who}: garbled result from the child") from None
-    if isinstance(msg, dict) and "ok" in msg:
-        return msg["ok"]
-    err = msg.get("err") if isinstance(msg, dict) else None
-    if not isinstance(err, dict):
-        raise AsUserError(f"{label} as {who}: garbled result from the child")
-    raise error_from(err, f"{label} as {who}")
+        raise AsUserError(f"{where}: garbled result from the child") from None
+    return ChildResult.from_json(msg, _as_is, where).unwrap(where)
 
 
-def describe(exc: BaseException) -> Dict[str, Any]:
-    """An exception as the JSON a child sends back (see :func:`error_from`)."""
-    return {
-        "type": type(exc).__name__,
-        "message": " ".join(str(exc).split()) or type(exc).__name__,
-        "errno": getattr(exc, "errno", None),
-        "ckpt": isinstance(exc, CkptError),
-    }
-
-
-def error_from(err: Dict[str, Any], where: str) -> CkptError:
-    """The exception a child described (:func:`describe`): a :class:`CkptError` raised
-    there comes back with the same class and message; anything else as
-    :class:`AsUserError` (``"<where>: <Type>: <message>"``, errno kept)."""
-    name = str(err.get("type", "Error"))
-    text = str(err.get("message", ""))
-    if err.get("ckpt"):
-        return _error_classes().get(name, AsUserError)(text)
-    exc = AsUserError(f"{where}: {name}: {text}")
-    if isinstance(err.get("errno"), int):
-        exc.errno = err["errno"]  # type: ignore[attr-defined]
-    return exc
+def _as_is(value: Any) -> Any:
+    return value
 
 
 def _kill(pid: int) -> None:

@@ -32,7 +32,7 @@ What the engine decides, once for everyone:
   success                                   destination ``VERIFIED`` with ``flush_s``
   ========================================  ==========================================
 
-  A failure that was the owner's doing (:func:`~slurm_ckpt.node.retry.user_caused`) is
+  A failure that was the owner's doing (the exception class's ``user_caused``) is
   *held*: it never keeps a node drained.
 * **Batches**: in :meth:`Flusher.flush_all` the ledger changes are buffered and written
   in one transaction at most once a second (:mod:`slurm_ckpt.node.marks`), hand-offs of
@@ -44,16 +44,22 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from enum import Enum
+from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Tuple
+
+try:  # Python 3.8+: typing has Protocol
+    from typing import Protocol, runtime_checkable
+except ImportError:  # pragma: no cover
+    from typing_extensions import Protocol, runtime_checkable  # type: ignore[assignment]
 
 from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, NotFound, TierError, TimedOut
 from slurm_ckpt.ledger import WARM_SLOT, Ident, Ledger, Record, State
 from slurm_ckpt.node.marks import MarkBuffer, set_state
-from slurm_ckpt.node.retry import RetryPolicy, clear_failures, user_caused
+from slurm_ckpt.node.retry import RetryPolicy, clear_failures
 from slurm_ckpt.tiers.base import Tier
-from slurm_ckpt.tiers.copy import SourceCorrupt, copy_checkpoint
+from slurm_ckpt.tiers.copy import CopyResult, copy_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +70,9 @@ __all__ = [
     "CopyFn",
     "FlushOutcome",
     "FlushResult",
+    "FlushStatus",
     "Flusher",
+    "SlotGate",
     "Unflushable",
     "copy_in_process",
 ]
@@ -74,31 +82,67 @@ LEFT_TO_EPILOG = "left to epilog"
 #: Do not start a copy with less time than this left; hand it off instead.
 MIN_SLICE_S = 0.5
 
-#: ``copy(ident, left_s) -> {"nbytes", "copied", "seconds", "already"}``; raises
-#: :class:`~slurm_ckpt.errors.TimedOut` when it ran out of ``left_s``.
-CopyFn = Callable[[Ident, Optional[float]], Dict[str, Any]]
+#: ``copy(ident, left_s) -> CopyResult``; raises :class:`~slurm_ckpt.errors.TimedOut`
+#: when it ran out of ``left_s``, and any :class:`~slurm_ckpt.errors.CkptError` for a
+#: failure (whose class says what it means: ``user_caused``, ``hold_code``, ``bad_source``).
+CopyFn = Callable[[Ident, Optional[float]], CopyResult]
+
+
+@runtime_checkable
+class SlotGate(Protocol):
+    """What the engine needs of admission control: a slot held around one copy
+    (:class:`slurm_ckpt.admission.gate.SlotGate` is the product's). ``slot(budget)``
+    yields True once admitted, False when no slot came within ``budget`` seconds."""
+
+    def slot(self, budget: Optional[float]) -> ContextManager[bool]: ...
+
+
+class FlushStatus(str, Enum):
+    """What happened to one checkpoint (str-valued: it prints, compares and goes into
+    JSON as its value)."""
+
+    #: Copied and verified now.
+    FLUSHED = "flushed"
+    #: The destination had the identical checkpoint already.
+    ALREADY = "already"
+    #: Left for later (``FLUSH_PENDING`` + who finishes it).
+    HANDED = "handed"
+    #: The destination is ``FAILED`` (retried after a backoff).
+    FAILED = "failed"
+    #: The source is ``BAD`` (never flushable as it is).
+    BAD = "bad"
+    #: No local copy any more (``DELETED``: nothing owed).
+    GONE = "gone"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+#: The statuses of a checkpoint that is on the destination now.
+_DONE = (FlushStatus.FLUSHED, FlushStatus.ALREADY)
 
 
 class Unflushable(TierError):
     """The checkpoint can never be flushed as it is (it holds something root-run code must
     not touch, or belongs to no one it claims to). Marked ``BAD`` on its tier; it must
-    not keep a node drained. ``hold_code`` names the reason in the ledger."""
+    not keep a node drained. ``hold_code`` names the reason in the ledger; a subclass
+    whose fault is where the checkpoint goes says ``bad_source = False`` (its
+    destination ``FAILED``, held, retried after the backoff)."""
 
     user_caused = True
     hold_code = "unsafe"
-    #: The checkpoint itself is at fault (marked ``BAD`` where it is); False: where it
-    #: goes is (its destination ``FAILED``, held, retried after the backoff).
     bad_source = True
 
 
 @dataclass
 class FlushResult:
-    """What happened to one checkpoint. ``status``: ``flushed``, ``already`` (the
-    destination had the identical checkpoint), ``handed`` (left for later), ``failed``
-    (destination ``FAILED``), ``bad`` (source ``BAD``), ``gone`` (no local copy)."""
+    """What happened to one checkpoint (``status``: see :class:`FlushStatus`)."""
 
     ident: Ident
-    status: str
+    status: FlushStatus
     nbytes: int = 0
     copied: int = 0
     seconds: float = 0.0
@@ -110,7 +154,7 @@ class FlushResult:
 
     @property
     def ok(self) -> bool:
-        return self.status in ("flushed", "already")
+        return self.status in _DONE
 
 
 @dataclass
@@ -120,39 +164,42 @@ class FlushOutcome:
     results: List[FlushResult] = field(default_factory=list)
     seconds: float = 0.0
 
-    def _with(self, *status: str) -> List[FlushResult]:
+    def _with(self, *status: FlushStatus) -> List[FlushResult]:
         return [r for r in self.results if r.status in status]
 
     @property
     def flushed(self) -> List[Ident]:
-        return [r.ident for r in self._with("flushed", "already")]
+        return [r.ident for r in self._with(*_DONE)]
 
     @property
     def flushed_bytes(self) -> int:
-        return sum(r.copied for r in self._with("flushed", "already"))
+        return sum(r.copied for r in self._with(*_DONE))
 
     def summary(self) -> str:
         """``flushed 1 (8.0MiB), 1 already on the warm tier``: what was copied now, apart
         from what the warm tier already held (a copy of 0 bytes is not a flush; the epilog
         once said ``flushed 2 (0B)`` of two checkpoints ckpt-srun had flushed before)."""
-        new = self._with("flushed")
+        new = self._with(FlushStatus.FLUSHED)
         text = f"flushed {len(new)} ({format_bytes(sum(r.copied for r in new))})"
-        already = self._with("already")
+        already = self._with(FlushStatus.ALREADY)
         if already:
             text += f", {len(already)} already on the warm tier"
         return text
 
     @property
     def handed(self) -> List[Ident]:
-        return [r.ident for r in self._with("handed")]
+        return [r.ident for r in self._with(FlushStatus.HANDED)]
 
     @property
     def failed(self) -> List[Tuple[Ident, str]]:
-        return [(r.ident, r.error or r.status) for r in self._with("failed", "bad")]
+        return [
+            (r.ident, r.error or r.status.value)
+            for r in self._with(FlushStatus.FAILED, FlushStatus.BAD)
+        ]
 
     @property
     def dropped(self) -> List[Ident]:
-        return [r.ident for r in self._with("gone")]
+        return [r.ident for r in self._with(FlushStatus.GONE)]
 
     @property
     def held(self) -> List[FlushResult]:
@@ -166,14 +213,8 @@ def copy_in_process(src: Tier, dst: Tier, progress: Optional[ProgressFn] = None)
     mid-copy here: the engine only starts a copy that fits. ``progress(nbytes)`` hears of
     every byte copied."""
 
-    def copy(ident: Ident, _left: Optional[float]) -> Dict[str, Any]:
-        res = copy_checkpoint(src, dst, *ident, replace_older=True, progress=progress)
-        return {
-            "nbytes": res.nbytes,
-            "copied": res.copied_bytes,
-            "seconds": res.seconds,
-            "already": res.already_present,
-        }
+    def copy(ident: Ident, _left: Optional[float]) -> CopyResult:
+        return copy_checkpoint(src, dst, *ident, replace_older=True, progress=progress)
 
     return copy
 
@@ -186,7 +227,7 @@ class Flusher:
 
     ``hand_off_note`` says who finishes what this process cannot (``"left to epilog"``
     in a job, ``"handed to stager"`` on the root side). ``clock`` is the clock deadlines
-    are given in. ``slots`` (a :class:`~slurm_ckpt.node.slots.SlotGate`, optional):
+    are given in. ``slots`` (a :class:`SlotGate`, optional):
     every copy first waits for a cluster-wide PFS slot, never past what its deadline
     leaves after the copy's own ``min_s``; not admitted in time, it is handed off.
     """
@@ -200,7 +241,7 @@ class Flusher:
         dst: str = WARM_SLOT,
         hand_off_note: str = HANDED_TO_STAGER,
         clock: Callable[[], float] = time.monotonic,
-        slots: Optional[Any] = None,
+        slots: Optional[SlotGate] = None,
         retry: Optional[RetryPolicy] = None,
         batch_s: float = 1.0,
     ) -> None:
@@ -267,7 +308,7 @@ class Flusher:
         left = None if deadline is None else deadline - self.clock()
         if left is not None and left < max(min_s, MIN_SLICE_S):
             self.hand_off([ident])
-            return FlushResult(ident, "handed", nbytes=nbytes)
+            return FlushResult(ident, FlushStatus.HANDED, nbytes=nbytes)
         if self.slots is None:
             return self._copy_one(ident, left, nbytes)
         # Admission control: wait for a PFS slot with what the deadline leaves beyond the
@@ -277,7 +318,9 @@ class Flusher:
         with self.slots.slot(budget) as admitted:
             if not admitted:
                 self.hand_off([ident])
-                return FlushResult(ident, "handed", nbytes=nbytes, error="no PFS slot in time")
+                return FlushResult(
+                    ident, FlushStatus.HANDED, nbytes=nbytes, error="no PFS slot in time"
+                )
             if left is not None:
                 left -= self.clock() - t_ask
             return self._copy_one(ident, left, nbytes)
@@ -296,37 +339,23 @@ class Flusher:
             res = self.copy(ident, left)
         except TimedOut as exc:
             took = self.clock() - t0
-            hold = (exc.hold_code or "stopped") if user_caused(exc) else None
+            hold = (exc.hold_code or "stopped") if exc.user_caused else None
             if hold is None and left is not None and took >= left - MIN_SLICE_S:
                 self.hand_off([ident])  # the deadline's: the stager has more time
-                return FlushResult(ident, "handed", nbytes=nbytes, error=str(exc))
+                return FlushResult(ident, FlushStatus.HANDED, nbytes=nbytes, error=str(exc))
             # Stopped by its owner, or hung: try later, and let the round go on.
             self.hand_off([ident], str(exc), then=self._failed(hold))
             return FlushResult(
-                ident, "handed", nbytes=nbytes, error=str(exc), hold=hold, stuck=True
+                ident, FlushStatus.HANDED, nbytes=nbytes, error=str(exc), hold=hold, stuck=True
             )
         except NotFound as exc:
             self._mark([ident], self.src, State.DELETED, str(exc))
-            return FlushResult(ident, "gone", nbytes=nbytes, error=str(exc))
-        except (SourceCorrupt, Unflushable) as exc:
-            code = "source_bad" if isinstance(exc, SourceCorrupt) else exc.hold_code
-            if not getattr(exc, "bad_source", True):
-                return self._fail(ident, nbytes, exc, code, t0)
-            failed = self._failed(code)
-
-            def bad(rec: Record, now: float) -> None:
-                # Never copied: its destination state must not stay FLUSHING (status
-                # would show it in flight forever).
-                if rec.tiers.get(self.dst) == State.FLUSHING:
-                    del rec.tiers[self.dst]
-                failed(rec, now)
-
-            self._mark([ident], self.src, State.BAD, str(exc), code=code, then=bad)
-            return FlushResult(ident, "bad", nbytes=nbytes, error=str(exc), hold=code)
+            return FlushResult(ident, FlushStatus.GONE, nbytes=nbytes, error=str(exc))
         except CkptError as exc:
+            if exc.bad_source:
+                return self._bad(ident, nbytes, exc)
             hold = (exc.hold_code or "owner") if exc.user_caused else None
             return self._fail(ident, nbytes, exc, hold, t0)
-        seconds = float(res.get("seconds", self.clock() - t0))
 
         def ok(rec: Record, _now: float) -> None:
             clear_failures(rec)
@@ -336,16 +365,32 @@ class Flusher:
             self.dst,
             State.VERIFIED,
             error=None,
-            durations={"flush_s": seconds},
+            durations={"flush_s": res.seconds},
             then=ok,
         )
         return FlushResult(
             ident,
-            "already" if res.get("already") else "flushed",
-            nbytes=int(res.get("nbytes", nbytes)),
-            copied=int(res.get("copied", 0)),
-            seconds=seconds,
+            FlushStatus.ALREADY if res.already_present else FlushStatus.FLUSHED,
+            nbytes=res.nbytes,
+            copied=res.copied_bytes,
+            seconds=res.seconds,
         )
+
+    def _bad(self, ident: Ident, nbytes: int, exc: CkptError) -> FlushResult:
+        """Source ``BAD`` (the checkpoint itself can never be copied as it is: corrupt,
+        unsafe), held under the exception's ``hold_code``."""
+        code = exc.hold_code
+        failed = self._failed(code)
+
+        def bad(rec: Record, now: float) -> None:
+            # Never copied: its destination state must not stay FLUSHING (status would
+            # show it in flight forever).
+            if rec.tiers.get(self.dst) == State.FLUSHING:
+                del rec.tiers[self.dst]
+            failed(rec, now)
+
+        self._mark([ident], self.src, State.BAD, str(exc), code=code, then=bad)
+        return FlushResult(ident, FlushStatus.BAD, nbytes=nbytes, error=str(exc), hold=code)
 
     def _fail(
         self, ident: Ident, nbytes: int, exc: CkptError, hold: Optional[str], t0: float
@@ -362,7 +407,7 @@ class Flusher:
         )
         return FlushResult(
             ident,
-            "failed",
+            FlushStatus.FAILED,
             nbytes=nbytes,
             error=str(exc),
             seconds=self.clock() - t0,
@@ -378,7 +423,7 @@ class Flusher:
             self.retry.defer(rec, now, first.hold)
 
         self.hand_off([ident], why, then=then)
-        return FlushResult(ident, "handed", nbytes=nbytes, error=why, hold=first.hold)
+        return FlushResult(ident, FlushStatus.HANDED, nbytes=nbytes, error=why, hold=first.hold)
 
     # -- many ----------------------------------------------------------------------
     def flush_all(
@@ -401,7 +446,9 @@ class Flusher:
                 if left is not None and left < MIN_SLICE_S:
                     rest = [it for it, _n in todo[i:]]
                     self.hand_off(rest)
-                    out.results.extend(FlushResult(it, "handed", nbytes=n) for it, n in todo[i:])
+                    out.results.extend(
+                        FlushResult(it, FlushStatus.HANDED, nbytes=n) for it, n in todo[i:]
+                    )
                     break
                 first = stuck.get(ident[0])
                 if first is not None:

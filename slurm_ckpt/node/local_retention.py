@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 from slurm_ckpt.core.retention import RetentionPolicy, plan_local_deletions
 from slurm_ckpt.errors import CkptError, NotFound, TimedOut
 from slurm_ckpt.ledger import Record, State
-from slurm_ckpt.node.asuser import error_from, run_as
+from slurm_ckpt.node.asuser import ChildResult, decode_list, run_as
 from slurm_ckpt.node.flush_engine import MIN_SLICE_S
 from slurm_ckpt.node.marks import MarkBuffer, set_state
 from slurm_ckpt.node.owner_tasks import delete_many_as_user
@@ -100,9 +100,10 @@ def run_retention(
 
 def _delete(
     work: NodeWork, user: str, batch: List[Record], left: Optional[float]
-) -> Optional[List[Any]]:
-    """One child deletes ``batch``; its per-item results, or None when it was stopped or
-    hung (the owner is skipped for the rest of the pass)."""
+) -> Optional[List[ChildResult[bool]]]:
+    """One child deletes ``batch``; its per-item results (checked: the child runs as the
+    user), or None when it was stopped or hung (the owner is skipped for the rest of the
+    pass)."""
     ids = work.users[user]
     cap = work.child_limit(sum(r.nbytes for r in batch))
     timeout = cap if left is None else min(left, cap)
@@ -121,22 +122,27 @@ def _delete(
             stall_timeout=work.cfg.hooks.child_timeout,
             what="delete",
         )
+        return decode_list(_deleted, got, f"delete as {user}")
     except TimedOut as exc:
         log.warning("retention: %s skipped for now: %s", user, exc)
         return None
     except CkptError as exc:
         log.warning("retention: %s: %s", user, exc)
         return []
-    return got if isinstance(got, list) else []
 
 
-def _done(rec: Record, res: Any) -> bool:
+def _deleted(value: Any) -> bool:
+    """A deletion's value from the child: only ``true`` (see :func:`delete_as_user`)."""
+    if value is not True:
+        raise ValueError("not a deletion result")
+    return True
+
+
+def _done(rec: Record, res: ChildResult[bool]) -> bool:
     """Did the child delete it (or find it gone already)?"""
-    if not isinstance(res, dict):
-        return False
-    if "ok" in res:
+    if res.error is None:
         return True
-    exc = error_from(res.get("err") or {}, f"delete as {rec.user}")
+    exc = res.error.exception(f"delete as {rec.user}")
     if isinstance(exc, NotFound):
         return True  # gone already (the job's own retention): record it
     log.warning("retention: kept %s/%s step %d: %s", rec.user, rec.key, rec.step, exc)

@@ -4,7 +4,9 @@ Every function here runs in a child process that has become the user whose data 
 touches, so the kernel applies that user's permissions and a planted link can reach
 nothing the user could not. Each calls :func:`~slurm_ckpt.node.asuser.alive` as it makes
 progress: the parent kills a child that stops showing signs of life (its user may have
-stopped it) and goes on with other users. Results go back as JSON.
+stopped it) and goes on with other users. Results go back as JSON: typed ones
+(:class:`~slurm_ckpt.tiers.copy.CopyResult`, :class:`~slurm_ckpt.node.asuser.ChildResult`)
+encode themselves, and root decodes and checks them (:mod:`slurm_ckpt.node.work`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from slurm_ckpt.core.layout import LOCK_PREFIX, parse_step_dirname
 from slurm_ckpt.core.manifest import MANIFEST_NAME, manifest_facts
 from slurm_ckpt.core.names import validate_key
 from slurm_ckpt.errors import CkptError, InvalidName, NotFound, TierError
-from slurm_ckpt.node.asuser import alive, describe
+from slurm_ckpt.node.asuser import ChildResult, alive
 from slurm_ckpt.node.guard import (
     OwnPermissionDenied,
     UnsafeCheckpoint,
@@ -31,7 +33,7 @@ from slurm_ckpt.node.guard import (
     check_user_dir,
 )
 from slurm_ckpt.node.warm import committed_manifest, guard_user_dir, owner_tiers, warm_of
-from slurm_ckpt.tiers.copy import copy_checkpoint
+from slurm_ckpt.tiers.copy import CopyResult, copy_checkpoint
 from slurm_ckpt.tiers.posix import PosixTier
 from slurm_ckpt.tiers.registry import tiers_from_config
 
@@ -88,7 +90,7 @@ def scan_local(root: str, user: str, budget_s: float) -> Dict[str, Any]:
     return {"rows": out, "partial": False}
 
 
-def flush_as_user(cfg: Config, user: str, key: str, step: int, uid: int) -> Dict[str, Any]:
+def flush_as_user(cfg: Config, user: str, key: str, step: int, uid: int) -> CopyResult:
     tiers = owner_tiers(cfg)  # the object tier with root's lent keys (node.warm)
     warm = warm_of(cfg, tiers)  # the PFS, or the object store on a site without one
     alive()
@@ -97,7 +99,7 @@ def flush_as_user(cfg: Config, user: str, key: str, step: int, uid: int) -> Dict
     check_step_files(tiers["local"], user, key, step, uid)
     alive()
     try:
-        res = copy_checkpoint(
+        return copy_checkpoint(
             tiers["local"],
             warm,
             user,
@@ -124,12 +126,6 @@ def flush_as_user(cfg: Config, user: str, key: str, step: int, uid: int) -> Dict
         if exc.errno == errno.EDQUOT:
             raise fsio.tier_error(exc, warm.where(user, key, step)) from None  # QuotaExceeded
         raise
-    return {
-        "nbytes": res.nbytes,
-        "copied": res.copied_bytes,
-        "seconds": res.seconds,
-        "already": res.already_present,
-    }
 
 
 def _all_own(local: Any, warm: Any, user: str, uid: int) -> bool:
@@ -153,20 +149,20 @@ def _all_own(local: Any, warm: Any, user: str, uid: int) -> bool:
 
 def flush_many_as_user(
     cfg: Config, user: str, uid: int, items: List[List[Any]], budget_s: float
-) -> List[Dict[str, Any]]:
+) -> List[ChildResult[CopyResult]]:
     """:func:`flush_as_user` for several checkpoints of one user in one child (a fork
     of a large root process costs more than copying a tiny checkpoint): one result per
-    item done, in order - ``{"ok": {...}}`` or ``{"err": ...}`` (:func:`describe`) -
-    stopping when ``budget_s`` is spent (the rest are not in the list)."""
+    item done, in order - its :class:`CopyResult` or its error - stopping when
+    ``budget_s`` is spent (the rest are not in the list)."""
     end = time.monotonic() + budget_s
-    out: List[Dict[str, Any]] = []
+    out: List[ChildResult[CopyResult]] = []
     for key, step in items:
         if out and time.monotonic() >= end:
             break
         try:
-            out.append({"ok": flush_as_user(cfg, user, str(key), int(step), uid)})
+            out.append(ChildResult(flush_as_user(cfg, user, str(key), int(step), uid)))
         except Exception as exc:  # noqa: BLE001 - each item's own outcome, to the parent
-            out.append({"err": describe(exc)})
+            out.append(ChildResult.failed(exc))
     return out
 
 
@@ -192,19 +188,21 @@ def delete_as_user(cfg: Config, user: str, key: str, step: int, uid: int, need_w
 
 def delete_many_as_user(
     cfg: Config, user: str, uid: int, items: List[List[Any]], budget_s: float
-) -> List[Dict[str, Any]]:
+) -> List[ChildResult[bool]]:
     """:func:`delete_as_user` for several checkpoints (``[key, step, need_warm]``): one
-    result per item done, in order (``{"ok": true}`` or ``{"err": ...}``), stopping when
-    ``budget_s`` is spent."""
+    result per item done, in order (True, or its error), stopping when ``budget_s`` is
+    spent."""
     end = time.monotonic() + budget_s
-    out: List[Dict[str, Any]] = []
+    out: List[ChildResult[bool]] = []
     for key, step, need_warm in items:
         if out and time.monotonic() >= end:
             break
         try:
-            out.append({"ok": delete_as_user(cfg, user, str(key), int(step), uid, bool(need_warm))})
+            out.append(
+                ChildResult(delete_as_user(cfg, user, str(key), int(step), uid, bool(need_warm)))
+            )
         except Exception as exc:  # noqa: BLE001 - each item's own outcome, to the parent
-            out.append({"err": describe(exc)})
+            out.append(ChildResult.failed(exc))
     return out
 
 

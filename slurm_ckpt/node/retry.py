@@ -5,11 +5,12 @@ re-drains every pass) so that nobody reimages a node that still holds the only c
 That must not let one user keep a node out of service, so a failure is sorted by whose
 doing it is:
 
-* **the owner's** (:func:`user_caused`): an unsafe checkpoint (symlinks, special files,
-  hard links, a manifest that lies about its files, too many files), a PFS directory of
-  theirs that is world-writable, a symlink, or squatted by someone else, a flush child
-  they stopped. The checkpoint is *held* (``hold`` = the reason code): still retried
-  after its backoff - the user may fix it - but it never keeps the node drained;
+* **the owner's** (its exception class declares ``user_caused``, :mod:`slurm_ckpt.errors`):
+  an unsafe checkpoint (symlinks, special files, hard links, a manifest that lies about
+  its files, too many files), a PFS directory of theirs that is world-writable, a
+  symlink, or squatted by someone else, a flush child they stopped. The checkpoint is
+  *held* (``hold`` = the reason code): still retried after its backoff - the user may
+  fix it - but it never keeps the node drained;
 * **anything else** (the PFS full or failing, a hung copy): retried after a backoff that
   doubles each time (``retry_backoff``, at most :data:`RETRY_MAX_S`), and after
   ``max_retries`` failures in a row it is *given up* (``gave_up``): still retried, still
@@ -34,7 +35,6 @@ __all__ = [
     "clear_failures",
     "held",
     "retry_due",
-    "user_caused",
 ]
 
 RETRY_MAX_S = 3600.0
@@ -92,8 +92,3 @@ def retry_due(fields: Mapping[str, Any], now: float) -> bool:
     """May a flush of this record be tried at ``now`` (wall clock)?"""
     at = fields.get("retry_at")
     return not isinstance(at, (int, float)) or at <= now
-
-
-def user_caused(exc: BaseException) -> bool:
-    """Was this flush failure the checkpoint owner's doing (see the module docstring)?"""
-    return bool(getattr(exc, "user_caused", False))

@@ -27,12 +27,20 @@ from slurm_ckpt.errors import CkptError, InvalidName, SlurmError
 from slurm_ckpt.ledger import WARM_SLOT, Ident, Ledger, Record, State
 from slurm_ckpt.ledger.events import EventLog
 from slurm_ckpt.ledger.status_store import status_store
-from slurm_ckpt.node.asuser import AsUserTimeout, error_from, run_as
+from slurm_ckpt.node.asuser import (
+    AsUserError,
+    AsUserTimeout,
+    ChildResult,
+    decode_list,
+    decode_value,
+    run_as,
+)
 from slurm_ckpt.node.flush_engine import (
     HANDED_TO_STAGER,
     Flusher,
     FlushOutcome,
     FlushResult,
+    FlushStatus,
 )
 from slurm_ckpt.node.guard import ensure_ledger_dir
 from slurm_ckpt.node.local_retention import run_retention
@@ -45,6 +53,7 @@ from slurm_ckpt.node.partner_flush import mark_partner_copies
 from slurm_ckpt.node.retry import RetryPolicy, held, retry_due
 from slurm_ckpt.node.warm import lend_credentials
 from slurm_ckpt.slurm.client import SlurmClient
+from slurm_ckpt.tiers.copy import CopyResult
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +136,7 @@ class NodeWork:
         self._sizes: Dict[Ident, int] = {}  # bytes of what flush() copies (child limits)
         self._queue: List[Ident] = []  # flush()'s order, for batches of small ones
         self._queue_pos: Dict[Ident, int] = {}
-        self._prefetched: Dict[Ident, Dict[str, Any]] = {}  # results of batch children
+        self._prefetched: Dict[Ident, ChildResult[CopyResult]] = {}  # of batch children
         self._gate: Any = _NO_GATE  # the PFS slot gate, made at the first flush
         self._events: Optional[EventLog] = None
         ensure_ledger_dir(cfg.ledger.dir)
@@ -356,18 +365,20 @@ class NodeWork:
         h = self.cfg.hooks
         return CHILD_LIMIT_FACTOR * h.child_timeout + max(0, nbytes) / h.min_flush_rate
 
-    def _copy_as_owner(self, ident: Ident, left: Optional[float]) -> Dict[str, Any]:
+    def _copy_as_owner(self, ident: Ident, left: Optional[float]) -> CopyResult:
+        """A :data:`~slurm_ckpt.node.flush_engine.CopyFn`: the copy runs in a child that
+        has become the owner; what it sends back is checked before the engine sees it
+        (:meth:`CopyResult.from_json`, and it must be about the step asked for)."""
+        where = f"flush as {ident[0]}"
         done = self._prefetched.pop(ident, None)
         if done is not None:  # copied by the child of an earlier checkpoint of its owner
-            if "ok" in done:
-                return done["ok"]  # type: ignore[no-any-return]
-            raise error_from(done.get("err") or {}, f"flush as {ident[0]}")
+            return _of_step(done.unwrap(where), ident, where)
         ids = self.users[ident[0]]
         batch = self._batch_from(ident)
         cap = self.child_limit(sum(self._sizes.get(i, 0) for i in batch))
         timeout = cap if left is None else min(left, cap)
         if len(batch) == 1:
-            return run_as(  # type: ignore[no-any-return]
+            got = run_as(
                 ids.uid,
                 ids.gid,
                 flush_as_user,
@@ -379,6 +390,7 @@ class NodeWork:
                 stall_timeout=self.cfg.hooks.child_timeout,
                 what="flush",
             )
+            return _of_step(decode_value(CopyResult.from_json, got, where), ident, where)
         got = run_as(
             ids.uid,
             ids.gid,
@@ -393,9 +405,10 @@ class NodeWork:
             stall_timeout=self.cfg.hooks.child_timeout,
             what="flush",
         )
-        for i, res in zip(batch, got if isinstance(got, list) else []):
-            if isinstance(res, dict):
-                self._prefetched[i] = res
+        results = decode_list(CopyResult.from_json, got, where)
+        if len(results) > len(batch):
+            raise AsUserError(f"{where}: garbled result from the child")
+        self._prefetched.update(zip(batch, results))
         if ident not in self._prefetched:
             raise AsUserTimeout(f"flush as {ids.name}: no time left for {ident[1]}/{ident[2]}")
         return self._copy_as_owner(ident, left)
@@ -434,7 +447,7 @@ class NodeWork:
         self._prefetched = {}
 
         def seen(res: FlushResult) -> None:
-            if res.hold and (res.status != "handed" or res.stuck):
+            if res.hold and (res.status != FlushStatus.HANDED or res.stuck):
                 self._report_hold(res)
             if on_result is not None:
                 on_result(res)
@@ -471,7 +484,8 @@ class NodeWork:
         if owed is None or outcome is None:
             recs = [r for r in self.owed(running) if not held(r.extra)]
             return len(recs), sum(r.nbytes for r in recs)
-        gone = {r.ident for r in outcome.results if r.status in ("flushed", "already", "gone")}
+        done = (FlushStatus.FLUSHED, FlushStatus.ALREADY, FlushStatus.GONE)
+        gone = {r.ident for r in outcome.results if r.status in done}
         held_now = {r.ident for r in outcome.results if r.hold}
         recs = [
             r for r in owed if r.ident not in gone and r.ident not in held_now and not held(r.extra)
@@ -495,3 +509,10 @@ class NodeWork:
             status_store(self.cfg).publish(self.ledger, more)
         except CkptError as exc:
             log.warning("node status not published: %s", exc)
+
+
+def _of_step(res: CopyResult, ident: Ident, where: str) -> CopyResult:
+    """``res``, when it is about ``ident``'s step (a child's result is untrusted data)."""
+    if res.step != ident[2]:
+        raise AsUserError(f"{where}: garbled result from the child")
+    return res

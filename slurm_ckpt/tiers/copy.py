@@ -22,10 +22,11 @@ bounded batches, so a checkpoint of 100,000 files needs no more descriptors than
 
 from __future__ import annotations
 
+import math
 import os
 import time
-from dataclasses import dataclass
-from typing import List, Optional
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Dict, List, Optional
 
 from slurm_ckpt.core import fsio
 from slurm_ckpt.core.chunks import BandwidthLimiter, ShortRead, hash_pieces, run_chunks
@@ -41,9 +42,15 @@ __all__ = ["FILES_PER_BATCH", "CopyResult", "SourceCorrupt", "copy_checkpoint"]
 FILES_PER_BATCH = 64
 
 
-@dataclass
+@dataclass(frozen=True)
 class CopyResult:
-    """What one copy did: bytes moved, time, and whether it resumed or found it done."""
+    """What one copy did: bytes moved, time, and whether it resumed or found it done.
+
+    The one type from a copy to its caller: :func:`copy_checkpoint` returns it, the flush
+    engine's copy functions return it (:data:`slurm_ckpt.node.flush_engine.CopyFn`), and
+    root's child that copies as the owner sends it back as JSON (:meth:`to_json`), which
+    root reads back with :meth:`from_json` - checked field by field, as data from a
+    process the user may have influenced."""
 
     step: int
     nbytes: int
@@ -56,9 +63,39 @@ class CopyResult:
     def rate(self) -> float:
         return self.copied_bytes / self.seconds if self.seconds > 0 else 0.0
 
+    def to_json(self) -> Dict[str, Any]:
+        """The fields as plain JSON values (what a child sends its parent)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: Any) -> CopyResult:
+        """The result a child sent, validated: exactly these fields, non-negative
+        integers, a finite non-negative time, booleans. ``ValueError`` on anything
+        else (the caller turns it into its own one-line error)."""
+        if not isinstance(obj, dict) or set(obj) != _FIELDS:
+            raise ValueError("not a copy result")
+        ints = {k: obj[k] for k in ("step", "nbytes", "copied_bytes", "resumed_files")}
+        for k, v in ints.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"copy result: bad {k}")
+        secs = obj["seconds"]
+        if isinstance(secs, bool) or not isinstance(secs, (int, float)):
+            raise ValueError("copy result: bad seconds")
+        if not math.isfinite(secs) or secs < 0:
+            raise ValueError("copy result: bad seconds")
+        if not isinstance(obj["already_present"], bool):
+            raise ValueError("copy result: bad already_present")
+        return cls(seconds=float(secs), already_present=obj["already_present"], **ints)
+
+
+_FIELDS = frozenset(f.name for f in fields(CopyResult))
+
 
 class SourceCorrupt(VerifyError):
     """The source's bytes do not match its own manifest; it must not be propagated."""
+
+    bad_source = True
+    hold_code = "source_bad"
 
 
 def copy_checkpoint(

@@ -1,0 +1,126 @@
+"""How a Checkpointer waits and ends: its background work, ``close()``, the requeue.
+
+The :class:`~slurm_ckpt.job.checkpointer.Checkpointer` facade takes these methods from
+:class:`ClosingMethods` (a mixin, as :mod:`slurm_ckpt.job.seams` is): ``wait_snapshot``
+(the lazy snapshot's copy), ``wait``, ``close`` and the requeue that a save after the
+time-limit signal asks for. Why apart: the end of a run is one concept - how long the
+flushes are awaited after a preemption signal, what is left to the epilog, what is
+published, when the job is requeued - and the facade stays a facade (``self`` is the
+Checkpointer).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Optional
+
+from slurm_ckpt.job.pipeline import DEADLINE_MARGIN_S
+from slurm_ckpt.job.stats import CheckpointStats
+from slurm_ckpt.slurm.requeue import requeue_reason
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ClosingMethods"]
+
+
+class ClosingMethods:
+    """The Checkpointer's waits and its end (see the module docstring)."""
+
+    # Provided by the Checkpointer (declared for readers and type checkers).
+    _books: Any
+    _closed: bool
+    _deadline: Any
+    _drain: Any
+    _flag: Any
+    _job_state_fn: Optional[Callable[[], Optional[str]]]
+    _pipeline: Any
+    _requeue: bool
+    _requeue_fn: Callable[[str], Any]
+    _requeued: bool
+    _restorer: Any
+    _schedule: Any
+    _staging: Any
+    config: Any
+    partner: Any
+    stats: CheckpointStats
+
+    def wait_snapshot(self) -> float:
+        """Block until the newest lazy snapshot is copied (at once when none is pending);
+        returns the seconds waited. Call it before writing parameters or optimizer state
+        in place outside ``optimizer.step()`` (e.g. through ``p.data``)."""
+        drain = self._drain
+        if drain is None:
+            return 0.0
+        waited = drain.wait()
+        if waited > 0:
+            self._pipeline.count(snapshot_waits=1, snapshot_wait_s=waited)
+        if drain.done:
+            self._drain = None
+        return waited
+
+    def wait(self, flush: bool = True, timeout: Optional[float] = None) -> bool:
+        """Block until the local write (and, with ``flush``, every queued flush) is done.
+        Returns False on timeout."""
+        until = None if timeout is None else time.time() + timeout
+        done = self._pipeline.wait_for(lambda: self._pipeline.idle(flush), until)
+        self._pipeline.log_deferred()
+        return done
+
+    def close(self) -> CheckpointStats:
+        """Wait for the local write and the PFS flushes, flush the newest checkpoint if it
+        was not, requeue if asked, and put the signal handlers back.
+
+        After a preemption signal the wait for the flushes ends at the job's deadline
+        (minus a margin): flushes still open are left to the epilog (ledger:
+        FLUSH_PENDING). The local write is always awaited. Never raises for storage
+        problems."""
+        if self._closed:
+            return self.stats
+        self._closed = True
+        if self._restorer is not None:
+            self._restorer.cancel()  # a weights-first restore whose rest was never asked for
+        until = None
+        if self._flag.received is not None or self._schedule.preempt_saved:
+            d = self._deadline.deadline()
+            until = None if d is None else d - DEADLINE_MARGIN_S
+        dcp = self.__dict__.get("_dcp")  # DCP parts (dcp_writer): picked up and flushed too
+        if dcp is not None:
+            dcp.finish(until)
+        self._pipeline.finish(until)
+        if self.partner is not None:
+            self.partner.close(60.0 if until is None else max(0.0, until - time.time()))
+        self._maybe_requeue()
+        self._flag.uninstall()
+        self._staging.close()
+        if self.config.tiers.pfs is not None:  # node status lives on the PFS (none: skipped)
+            self._books.publish(self.config.tiers.pfs.root)
+        return self.stats
+
+    def _maybe_requeue(self) -> None:
+        if not self._requeue or not self._schedule.preempt_saved or self._requeued:
+            return
+        cause: Optional[str] = None
+        if self._job_state_fn is not None:
+            try:
+                cause = self._job_state_fn()
+            except Exception as exc:  # noqa: BLE001 - never fail close() on a provider
+                log.warning("[ckpt] job state provider failed: %s", exc)
+        why = requeue_reason(
+            cause,
+            detail=f"checkpoint of step {self._schedule.ref_step} saved after signal "
+            f"{self._flag.received}, job state {cause}",
+        )
+        if why is None:
+            log.info(
+                "[ckpt] not requeueing: job state is %s (only a time limit is requeued here; "
+                "SLURM requeues preempted jobs itself)",
+                cause or "unknown",
+            )
+            return
+        self._requeued = True
+        try:
+            self._requeue_fn(why)
+        except Exception as exc:  # noqa: BLE001
+            log.error("[ckpt] requeue failed: %s", exc)
+        self._books.emit("requeue", reason=why)

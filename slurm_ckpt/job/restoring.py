@@ -1,0 +1,185 @@
+"""The restore side of the Checkpointer: the newest step that verifies, read back.
+
+The :class:`~slurm_ckpt.job.checkpointer.Checkpointer` facade takes these methods from
+:class:`RestoreMethods` (a mixin, as :mod:`slurm_ckpt.job.seams` is): ``restore``,
+``restore_weights``, ``restore_rest``, and what a restore does with a copy that fails
+verification (``BAD`` in the ledger; a corrupt shared-tier copy is removed, so that a
+good one is flushed again); on a spare after a node loss, the partner fetch that comes
+first (:mod:`slurm_ckpt.job.partner_fetch`). The reading itself is
+:class:`~slurm_ckpt.job.restore.Restorer`; this is the part that needs the facade's
+tiers, identity, schedule and bookkeeping (``self`` is the Checkpointer). Why apart:
+saving and restoring are two concepts, and the facade stays a facade.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, List, Optional, Sequence
+
+from slurm_ckpt.core.units import format_bytes
+from slurm_ckpt.errors import CkptError, NotFound
+from slurm_ckpt.job.dist import dist_agree
+from slurm_ckpt.job.partner_fetch import Fetched, relaunched
+from slurm_ckpt.job.restore import Restored, Restorer, check_tier_names
+from slurm_ckpt.ledger.record import State
+from slurm_ckpt.tiers.base import Tier
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RestoreMethods"]
+
+
+class RestoreMethods:
+    """The Checkpointer's restore side (see the module docstring)."""
+
+    # Provided by the Checkpointer (declared for readers and type checkers).
+    _books: Any
+    _schedule: Any
+    _agree: Optional[Callable[[Any], Any]]
+    _restorer: Optional[Restorer]
+    restored: Optional[Restored]
+    local: Tier
+    tiers: List[Tier]
+    user: str
+    key: str
+    shard_key: str
+    rank: int
+    world_size: int
+    partner: Any
+
+    def _mark_bad(self, key: str, tier: str, step: int, reason: str) -> None:
+        self._books.set_state(step, tier, State.BAD, reason, code="verify_failed", key=key)
+
+    def _uncommit_corrupt(self, tier: Tier, key: str, step: int) -> None:
+        """A shared-tier copy whose bytes do not match its manifest is not a checkpoint:
+        it is removed (manifest first), so that every node still holding a good local
+        copy of that step sees it gone at its next reconcile and flushes it again, and
+        no node's retention takes the copy that rotted for the safe one (while it stayed
+        committed, a re-flush would find the identical manifest and copy nothing). This
+        node's own good copy, if any, is owed again too: the ledger says BAD there."""
+        if tier.name == self.local.name:
+            return  # the job's own local copy: retention and the next save deal with it
+        try:
+            tier.delete(self.user, key, step)
+        except CkptError as exc:
+            log.warning(
+                "[ckpt] could not remove the corrupt %s: %s", tier.where(self.user, key, step), exc
+            )
+            return
+        log.warning(
+            "[ckpt] removed the corrupt %s; it is flushed again from a good copy",
+            tier.where(self.user, key, step),
+        )
+        self._books.emit("corrupt_removed", step=step, tier=tier.name)
+
+    def _make_restorer(
+        self,
+        tiers: Optional[Sequence[str]] = None,
+        step: Optional[int] = None,
+        expect_data_version: Optional[str] = None,
+        on_data_change: str = "warn",
+    ) -> Restorer:
+        if tiers is not None:
+            tiers = check_tier_names(tiers, [t.name for t in self.tiers], self.config.tiers.warm)
+        return Restorer(
+            self.tiers if tiers is None else [t for t in self.tiers if t.name in tiers],
+            self.user,
+            self.key,
+            self.rank,
+            self.world_size,
+            mark_bad=self._mark_bad,
+            on_corrupt=self._uncommit_corrupt,
+            agree=self._agree or dist_agree(),
+            step=step,
+            expect_data_version=expect_data_version,
+            on_data_change=on_data_change,
+        )
+
+    def restore(
+        self,
+        weights_only: bool = False,
+        *,
+        step: Optional[int] = None,
+        tiers: Optional[Sequence[str]] = None,
+        expect_data_version: Optional[str] = None,
+        on_data_change: str = "warn",
+    ) -> Optional[Restored]:
+        """The newest complete checkpoint that verifies, on any configured tier (local,
+        PFS, object store, cold; the fastest that holds it); None when there is none.
+        With ``weights_only`` only the model weights (top-level keys such as ``model``)
+        are returned as soon as they are read and verified, while the rest of the step is
+        read in the background; get it with :meth:`restore_rest` (which may roll back to
+        an older step, see there).
+
+        ``step`` restores that step only (e.g. back to three days ago, from the cold
+        tier); ``tiers`` limits the tiers looked at (names, e.g. ``["cold"]``).
+        ``expect_data_version``: the data version the job has now; a checkpoint trained
+        on another one is restored with a warning (``on_data_change="warn"``) or refused
+        with :class:`~slurm_ckpt.job.restore.DataVersionMismatch` (``"refuse"``)."""
+        if self._restorer is not None:
+            self._restorer.cancel()
+        fetched = self._fetch_partner(step) if tiers is None else None
+        self._restorer = self._make_restorer(tiers, step, expect_data_version, on_data_change)
+        got = self._restorer.restore(weights_only=weights_only)
+        # Read from local, where the fetch just put it: say where it came from.
+        if (
+            got is not None
+            and fetched is not None
+            and (got.step, got.tier)
+            == (
+                fetched.step,
+                self.local.name,
+            )
+        ):
+            got.tier = "partner"
+        if got is None:
+            log.info("[ckpt] restore: no checkpoint of %s found", self.shard_key)
+            return None
+        self.restored = got
+        self._schedule.restored(got.step, got.tokens)
+        log.info(
+            "[ckpt] restored step=%d tokens=%s from %s (%s in %.3fs)%s",
+            got.step,
+            got.tokens,
+            got.tier,
+            format_bytes(got.nbytes),
+            got.seconds,
+            " weights only" if weights_only else "",
+        )
+        return got
+
+    def restore_weights(self) -> Optional[Restored]:
+        """``restore(weights_only=True)``."""
+        return self.restore(weights_only=True)
+
+    def restore_rest(self) -> Restored:
+        """Everything but the weights, from the step :meth:`restore_weights` chose.
+
+        If that part of the step fails verification and no other tier holds it with the
+        same weights, an older step is restored whole and returned with
+        ``rolled_back=True``: its ``state`` has the weights too, apply them again. Raises
+        :class:`VerifyError` when no older step verifies either."""
+        if self._restorer is None:
+            raise CkptError("restore_rest(): call restore(weights_only=True) first")
+        got = self._restorer.restore_rest()
+        if got.rolled_back:
+            self.restored = got
+            self._schedule.restored(got.step, got.tokens)
+        return got
+
+    def _fetch_partner(self, step: Optional[int]) -> Optional[Fetched]:
+        """In a step relaunched after a node loss, a rank whose local tier holds nothing
+        of its series (it runs on a spare) first fetches its newest checkpoint from the
+        rank holding its partner copy (docs/spares.md). Done before the restore lists
+        its steps, so the agreement counts it as this rank's local step."""
+        if self.partner is None or not relaunched():
+            return None
+        try:
+            if self.local.steps(self.user, self.shard_key):
+                return None
+        except NotFound:
+            pass
+        except (CkptError, OSError) as exc:
+            log.warning("[ckpt] partner fetch skipped: %s", exc)
+            return None
+        return self.partner.fetch(step)

@@ -35,6 +35,7 @@ from slurm_ckpt.ledger import State
 from slurm_ckpt.node.asuser import (
     AsUserError,
     AsUserTimeout,
+    ChildGarbled,
     ChildStopped,
     decode_list,
     decode_value,
@@ -243,8 +244,10 @@ def test_a_forged_child_result_is_refused_as_garbled_never_trusted() -> None:
         "not json": b"\x80\x81",
     }
     for blob in forged.values():
-        with pytest.raises(AsUserError, match="garbled result from the child"):
+        with pytest.raises(ChildGarbled, match="garbled result from the child") as garbled:
             run_as_user("ckptuser1", _forge, blob)
+        # only the user can garble their child's result: held, never a drain
+        assert garbled.value.user_caused and garbled.value.hold_code == "garbled"
     bad = dict(good.to_json(), copied_bytes=-1)
     for value in (bad, dict(good.to_json(), already_present="yes"), [good.to_json()], None):
         with pytest.raises(AsUserError, match="flush: garbled"):

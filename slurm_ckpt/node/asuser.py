@@ -50,6 +50,7 @@ __all__ = [
     "AsUserError",
     "AsUserTimeout",
     "ChildError",
+    "ChildGarbled",
     "ChildResult",
     "ChildStopped",
     "alive",
@@ -94,6 +95,16 @@ class ChildKilled(AsUserError):
 
     user_caused = True
     hold_code = "killed"
+
+
+class ChildGarbled(AsUserError):
+    """The child's result is not one root accepts (not JSON, another shape, a value its
+    type's check refuses). Root's own child writes only well-formed results, so only
+    its user - who may ptrace it, or write to its result pipe - can garble one: the
+    user's doing (that checkpoint is held), never a reason to drain the node."""
+
+    user_caused = True
+    hold_code = "garbled"
 
 
 #: Signals a process gets from its own fault, not from someone else.
@@ -192,7 +203,7 @@ class ChildResult(Generic[T]):
                 return cls(error=ChildError.from_json(obj["err"]))
         except (ValueError, TypeError):
             pass
-        raise AsUserError(f"{where}: garbled result from the child")
+        raise ChildGarbled(f"{where}: garbled result from the child")
 
 
 def decode_value(decode: Callable[[Any], T], value: Any, where: str) -> T:
@@ -201,14 +212,14 @@ def decode_value(decode: Callable[[Any], T], value: Any, where: str) -> T:
     try:
         return decode(value)
     except (ValueError, TypeError):
-        raise AsUserError(f"{where}: garbled result from the child") from None
+        raise ChildGarbled(f"{where}: garbled result from the child") from None
 
 
 def decode_list(decode: Callable[[Any], T], value: Any, where: str) -> List[ChildResult[T]]:
     """The per-item results of a batch child (a list of :class:`ChildResult`), each
     checked; :class:`AsUserError` ("garbled") when any does not pass."""
     if not isinstance(value, list):
-        raise AsUserError(f"{where}: garbled result from the child")
+        raise ChildGarbled(f"{where}: garbled result from the child")
     return [ChildResult.from_json(item, decode, where) for item in value]
 
 
@@ -484,7 +495,7 @@ def run_as(
     try:
         msg = json.loads(blob)
     except ValueError:
-        raise AsUserError(f"{where}: garbled result from the child") from None
+        raise ChildGarbled(f"{where}: garbled result from the child") from None
     return ChildResult.from_json(msg, _as_is, where).unwrap(where)
 
 

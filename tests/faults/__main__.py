@@ -43,13 +43,14 @@ def campaign(
     run_seed: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Run ``runs`` runs of each scenario in ``names``; returns the figures. ``nodes``:
-    the two dev-cluster nodes whose names (drains) the runs use (default: the last two)."""
+    the dev-cluster nodes whose names (drains, DOWN) the runs use (default: the last
+    three; the partner scenarios use three, the others one or two)."""
     from helpers.cluster import start_cluster
 
     if os.geteuid() != 0:
         raise SystemExit("tests.faults: run as root (mounts, FUSE, users, SLURM drains)")
     cluster = start_cluster()
-    nodes = nodes or cluster.nodes[-2:]
+    nodes = nodes or cluster.nodes[-3:]
     say(
         f"fault campaign: seed {seed}, {runs} run(s) x {len(names)} scenario(s), "
         f"nodes {','.join(nodes)} of {cluster.state_dir}"
@@ -68,6 +69,8 @@ def campaign(
                 f"{res.restarts} restart(s), lost {res.lost}, "
                 f"{'OK' if not bad else 'FAILED'} ({time.monotonic() - t0:.1f}s)"
             )
+            for n in res.notes:
+                say(f"    {n}")
             for v in res.violations:
                 say(f"    VIOLATION {v}")
             if res.violations and res.hook_log:
@@ -88,7 +91,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=1234, help="master seed (printed, reproducible)")
     p.add_argument("--scenarios", default="", help="comma-separated names (default: all)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where FIGURES.md goes")
-    p.add_argument("--nodes", default="", help="two dev-cluster nodes to use (default: last two)")
+    p.add_argument("--nodes", default="", help="three dev-cluster nodes (default: last three)")
     p.add_argument("--run-seed", type=int, help="replay one run: its seed (from a report)")
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
     args = p.parse_args(argv)

@@ -55,6 +55,8 @@ class RunResult:
     error: Optional[str] = None
     hook_log: str = ""
     seconds: float = 0.0
+    #: what a scenario wants in the report besides the figures (e.g. the I5 bound)
+    notes: List[str] = field(default_factory=list)
 
 
 class Run:

@@ -6,8 +6,9 @@ fails the test with the campaign's own report. Needs root, FUSE and the dev clus
 the other cluster tests.
 
 The checker test proves the invariants can fail: a listed checkpoint with a flipped bit,
-a verified checkpoint deleted with nothing newer kept, and an unflushed one on a node
-nobody drained must each be reported.
+a verified checkpoint deleted with nothing newer kept, an unflushed one on a node
+nobody drained, and a restart after a node loss older than the newest step whose partner
+copy was committed must each be reported.
 """
 
 from __future__ import annotations
@@ -71,6 +72,18 @@ def test_the_checker_reports_each_kind_of_violation(site: FaultSite) -> None:
     _commit(site, f"local:{node}", 3)
     assert not tr.check_flushed(node, "k", {3}, "t3")
     assert [v for v in tr.violations if v.startswith("I3 t3")], tr.violations
+    # I5: after a single node loss a restart resumed older than the newest step whose
+    # partner copy was committed (step 3 verified on the surviving node); a damaged
+    # copy does not count towards that step
+    tr.violations.clear()
+    tr.observe("t4")
+    bound = tr.surviving({f"local:{node}", "pfs"})
+    assert bound == 3
+    assert tr.check_node_loss(3, bound, 5, "t4") and tr.violations == []
+    assert not tr.check_node_loss(1, bound, 5, "t4")
+    assert [v for v in tr.violations if v.startswith("I5 t4")], tr.violations
+    tr.damaged.add((f"local:{node}", "k", 3))
+    assert tr.surviving({f"local:{node}", "pfs"}) is None
 
 
 def test_fault_campaign_ci_size(slurm_cluster: DevCluster) -> None:

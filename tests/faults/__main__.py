@@ -4,6 +4,8 @@
 
     python -m tests.faults --runs 20 --seed 1234            # every scenario, 20 runs each
     python -m tests.faults --runs 2 --scenarios eio-pfs,damage
+    python -m tests.faults --runs 20 --scenarios node-loss --out /tmp/nl     # one scenario
+    python -m tests.faults --merge /tmp/nl                 # ... into the figures in --out
 
 Needs root (mounts, FUSE, users) and the SLURM dev cluster (``DEV_CLUSTER_DIR`` and
 ``DEV_CLUSTER_PORT`` choose which one; it is brought up if it is not running). Runs the
@@ -27,7 +29,13 @@ for p in (REPO, REPO / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from tests.faults.campaign import figures, markdown, run_one, write_figures  # noqa: E402
+from tests.faults.campaign import (  # noqa: E402
+    figures,
+    markdown,
+    merge_figures,
+    run_one,
+    write_figures,
+)
 from tests.faults.scenarios import SCENARIOS  # noqa: E402
 
 DEFAULT_OUT = REPO / "tests" / "faults" / "results"
@@ -43,13 +51,14 @@ def campaign(
     run_seed: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Run ``runs`` runs of each scenario in ``names``; returns the figures. ``nodes``:
-    the two dev-cluster nodes whose names (drains) the runs use (default: the last two)."""
+    the dev-cluster nodes whose names (drains, DOWN) the runs use (default: the last
+    three; the partner scenarios use three, the others one or two)."""
     from helpers.cluster import start_cluster
 
     if os.geteuid() != 0:
         raise SystemExit("tests.faults: run as root (mounts, FUSE, users, SLURM drains)")
     cluster = start_cluster()
-    nodes = nodes or cluster.nodes[-2:]
+    nodes = nodes or cluster.nodes[-3:]
     say(
         f"fault campaign: seed {seed}, {runs} run(s) x {len(names)} scenario(s), "
         f"nodes {','.join(nodes)} of {cluster.state_dir}"
@@ -68,6 +77,8 @@ def campaign(
                 f"{res.restarts} restart(s), lost {res.lost}, "
                 f"{'OK' if not bad else 'FAILED'} ({time.monotonic() - t0:.1f}s)"
             )
+            for n in res.notes:
+                say(f"    {n}")
             for v in res.violations:
                 say(f"    VIOLATION {v}")
             if res.violations and res.hook_log:
@@ -88,12 +99,27 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=1234, help="master seed (printed, reproducible)")
     p.add_argument("--scenarios", default="", help="comma-separated names (default: all)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where FIGURES.md goes")
-    p.add_argument("--nodes", default="", help="two dev-cluster nodes to use (default: last two)")
+    p.add_argument("--nodes", default="", help="three dev-cluster nodes (default: last three)")
     p.add_argument("--run-seed", type=int, help="replay one run: its seed (from a report)")
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="DIR",
+        help="run nothing: put the runs in these campaign outputs in place of their "
+        "scenarios' runs in --out (FIGURES.md says where each scenario's figures come from)",
+    )
     args = p.parse_args(argv)
     if args.list:
         print("\n".join(SCENARIOS))
+        return 0
+    if args.merge:
+        missing = [d for d in [args.out, *args.merge] if not (d / "figures.json").is_file()]
+        if missing:
+            print(f"tests.faults: error: no figures.json in {missing[0]}", file=sys.stderr)
+            return 2
+        print(markdown(merge_figures(args.out, args.merge, "the earlier full run")))
         return 0
     names = [n for n in args.scenarios.split(",") if n] or list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]

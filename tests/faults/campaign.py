@@ -55,6 +55,8 @@ class RunResult:
     error: Optional[str] = None
     hook_log: str = ""
     seconds: float = 0.0
+    #: what a scenario wants in the report besides the figures (e.g. the I5 bound)
+    notes: List[str] = field(default_factory=list)
 
 
 class Run:
@@ -290,6 +292,7 @@ def figures(results: List[RunResult], seed: int, runs: int) -> Dict[str, Any]:
         "interval": INTERVAL,
         "seconds": round(sum(r.seconds for r in results), 1),
         "machine": f"{platform.node()} {os.cpu_count()} cores, {platform.release()}",
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "per_scenario": {
             s: {
                 "runs": sum(1 for r in results if r.scenario == s),
@@ -330,9 +333,48 @@ def markdown(fig: Dict[str, Any]) -> str:
             f"| {name} | {s['runs']} | {s['faults']} | {s['violations']} | {s['errors']} | "
             f"{s['restarts']} | {s['lost_max']} |"
         )
+    if fig.get("provenance"):
+        lines += ["", "Where each scenario's figures come from (merged with `--merge`):", ""]
+        by_source: Dict[str, List[str]] = {}
+        for name, src in sorted(fig["provenance"].items()):
+            by_source.setdefault(src, []).append(name)
+        lines += [f"* {src}: {', '.join(names)}" for src, names in sorted(by_source.items())]
     lines += ["", "Faults by kind:", ""]
     lines += [f"* {k}: {v}" for k, v in fig["faults_by_kind"].items()]
     return "\n".join(lines) + "\n"
+
+
+def merge_figures(out: Path, sources: List[Path], earlier: str) -> Dict[str, Any]:
+    """The figures in ``out`` with the runs of ``sources`` (campaign outputs of some
+    scenarios) in place of theirs; every scenario keeps a note of where its runs come
+    from (``earlier`` for those already in ``out`` without one). Writes ``out``."""
+    old = json.loads((out / "figures.json").read_text())
+    provenance: Dict[str, str] = dict(old["figures"].get("provenance") or {})
+    runs: Dict[str, List[RunResult]] = {}
+    for r in old["runs"]:
+        runs.setdefault(r["scenario"], []).append(RunResult(**r))
+        provenance.setdefault(r["scenario"], earlier)
+    new: Dict[str, List[RunResult]] = {}
+    for src in sources:
+        data = json.loads((src / "figures.json").read_text())
+        fig = data["figures"]
+        when = fig.get("date") or time.strftime(
+            "%Y-%m-%d", time.gmtime((src / "figures.json").stat().st_mtime)
+        )
+        for r in data["runs"]:
+            new.setdefault(r["scenario"], []).append(RunResult(**r))
+            provenance[r["scenario"]] = (
+                f"rerun on this code {when} (`--runs {fig['runs_per_scenario']} "
+                f"--seed {fig['seed']} --scenarios {r['scenario']}`)"
+            )
+    runs.update(new)
+    results = [r for name in sorted(runs) for r in runs[name]]
+    per_run = {len(v) for v in runs.values()}
+    fig = figures(results, old["figures"]["seed"], max(per_run))
+    fig["provenance"] = provenance
+    fig["machine"] = old["figures"]["machine"]
+    write_figures(fig, results, out)
+    return fig
 
 
 def write_figures(fig: Dict[str, Any], results: List[RunResult], out: Path) -> None:

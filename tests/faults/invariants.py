@@ -11,7 +11,13 @@ I3  every checkpoint committed locally when a job ended is verified on the PFS o
     reason (``slurm_ckpt:``), and then verified once the fault is gone and the stager ran;
 I4  a restart resumes at the newest step that verifies on a tier it can read (local
     first, the PFS) and loses no more than one interval of work when the newest save
-    before the fault had been committed - none at all after SIGTERM.
+    before the fault had been committed - none at all after SIGTERM;
+I5  with partner copies on, a single node loss loses at most the steps since the newest
+    step whose partner copy was committed: the requeued job resumes at a step no older
+    than the newest one of which every rank's shard was verified, at the loss, on a node
+    that survived or on the PFS (the lost node's shards as partner copies on its partner).
+    After a second loss (the partner too) or a damaged partner copy it resumes at the
+    newest step complete and verified on what is left, and never loads anything wrong (I1).
 """
 
 from __future__ import annotations
@@ -101,4 +107,52 @@ class Tracker:
                 f"I3 {when}: {key} steps {sorted(missing)} committed on {node} are not on the "
                 f"PFS and the node is not drained by us (reason {reason or None!r})"
             )
+        return False
+
+    # -- I5: partner copies ---------------------------------------------------------------
+    def surviving(self, tiers: Set[str]) -> Optional[int]:
+        """The newest step of which every key (rank shard) has an intact verified copy on
+        one of ``tiers`` in the last snapshot - what a node loss must not lose (I5)."""
+        best: Optional[int] = None
+        per_key = []
+        for key in self.keys:
+            snap = self.last.get(key) or self.snapshot(key)
+            per_key.append(
+                {
+                    s
+                    for tid in tiers
+                    for s, ok in snap.get(tid, {}).items()
+                    if ok and (tid, key, s) not in self.damaged
+                }
+            )
+        if per_key:
+            common = set.intersection(*per_key)
+            best = max(common, default=None)
+        return best
+
+    def newest_complete(self, tiers: List[str]) -> Optional[int]:
+        """The newest step whose every shard verifies on one and the same tier of
+        ``tiers`` (the restore's rule without an agreement function), last snapshot."""
+        best: Optional[int] = None
+        for tid in tiers:
+            sets = []
+            for key in self.keys:
+                snap = self.last.get(key) or self.snapshot(key)
+                sets.append({s for s, ok in snap.get(tid, {}).items() if ok})
+            common = set.intersection(*sets) if sets else set()
+            if common and (best is None or max(common) > best):
+                best = max(common)
+        return best
+
+    def check_node_loss(
+        self, got: Optional[int], bound: Optional[int], reached: int, when: str
+    ) -> bool:
+        """I5: a restart after one node loss resumed no older than ``bound`` (the newest
+        step whose partner copy was committed). True when it holds."""
+        if (got or 0) >= (bound or 0):
+            return True
+        self.violation(
+            f"I5 {when}: a single node loss lost {reached - (got or 0)} steps (resumed at "
+            f"{got}); the newest step whose partner copy was committed was {bound}"
+        )
         return False

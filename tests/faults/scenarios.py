@@ -563,3 +563,7 @@ def node_loss(run: Run) -> None:
             f"prolog on {a} did not rescue {sorted(committed)}",
         )
     run.finish(b)
+
+
+# The partner-copy scenarios (node losses with partner copies on) register themselves.
+from tests.faults import partner_scenarios  # noqa: E402, F401

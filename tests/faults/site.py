@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 from slurm_ckpt.errors import NotFound, TierError, VerifyError
 from slurm_ckpt.tiers.posix import PosixTier
@@ -209,6 +209,7 @@ class FaultSite:
         self.clock_file: Optional[Path] = None
         self.clock_lib: Optional[Path] = None
         self.job_seq = 0
+        self.downed: Set[str] = set()
 
     # -- filesystems --------------------------------------------------------------------
     def _mountpoint(self, name: str) -> Path:
@@ -420,13 +421,14 @@ class FaultSite:
         )
 
     def worker(self, node: str, job: str, key: str, restart: int = 0, **args: Any) -> Worker:
+        progress = args.pop("progress", None) or self.progress(key)
         argv = [
             str(PY), str(self.worker_py),
             "--config", str(self.config_path(node)),
             "--key", key,
             "--job", job,
             "--node", node,
-            "--progress", str(self.progress(key)),
+            "--progress", str(progress),
         ]  # fmt: skip
         crash_at, crash_log = args.pop("crash_at", None), args.pop("crash_log", None)
         for k, v in args.items():
@@ -472,6 +474,12 @@ class FaultSite:
     def resume(self, node: str) -> None:
         self.scontrol("update", f"nodename={node}", "state=resume")
 
+    def node_down(self, node: str) -> None:
+        """The node is lost: SLURM marks it DOWN (what a partner's epilog asks before it
+        flushes a partner copy, node/partner_flush.py); :meth:`close` resumes it."""
+        self.scontrol("update", f"nodename={node}", "state=down", "reason=fault campaign: lost")
+        self.downed.add(node)
+
     # -- tiers --------------------------------------------------------------------------
     def tiers(self) -> Dict[str, PosixTier]:
         """``local:<node>`` for each node, and ``pfs``."""
@@ -499,7 +507,7 @@ class FaultSite:
     # -- teardown -----------------------------------------------------------------------
     def close(self) -> None:
         for node in self.local:
-            if (self.node_reason(node) or "").startswith("slurm_ckpt:"):
+            if node in self.downed or (self.node_reason(node) or "").startswith("slurm_ckpt:"):
                 self.resume(node)
         for mp in reversed(self._mounts):
             if self.fuse_control.get(mp.name) is not None:

@@ -15,6 +15,7 @@ It runs as the job user, with the site config of its node. Output, one line per 
     SAVED step=s               save() returned (snapshot taken)
     COMMITTED step=s           the local tier holds step s
     FLUSHED step=s             the PFS holds a verified copy of step s
+    PARTNERED / RECEIVED step=s    the partner committed our copy / we committed one
     LOCALFAIL step=s / FLUSHFAIL step=s   a save / flush failed (training goes on)
     PREEMPTED step=s           a signal came; step s was saved; exit 0
     DONE step=s digest=D
@@ -120,6 +121,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--sleep", type=float, default=0.02)
     p.add_argument("--kill-wait", type=float, default=10.0)
     p.add_argument("--progress")
+    # Partner-copy scenarios: one worker per rank ("node"); every rank trains the same
+    # trajectory, so each rank's shard is checkable against the same reference.
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--partner-host", default=None, help="address of this rank's partner server")
     args = p.parse_args(argv)
 
     from slurm_ckpt import Checkpointer
@@ -131,6 +137,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             "flush_done": "FLUSHED",
             "local_failed": "LOCALFAIL",
             "flush_failed": "FLUSHFAIL",
+            "partner_done": "PARTNERED",  # the partner committed our copy of the step
+            "partner_received": "RECEIVED",  # we committed a partner copy of another rank
         }.get(name)
         if tag:
             emit(f"{tag} step={info['step']}")
@@ -143,6 +151,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         node=args.node,
         kill_wait_s=args.kill_wait,
         on_event=on_event,
+        rank=args.rank,
+        world_size=args.world_size,
+        partner_host=args.partner_host,
     )
     got = ckpt.restore()
     if got is None:

@@ -818,7 +818,7 @@ def claims_of(result: Dict[str, Any]) -> List[Dict[str, Any]]:
                     name,
                     [x["lazy"]["step_wait_s"] / max(1, x["lazy"][per]) for x in loop],
                     what=f"{what} (seconds; lazy save every {every:.0f}s)",
-                    baseline="none: seconds, reported",
+                    baseline="an absolute time (seconds), not a ratio",
                 )
             )
         out.append(
@@ -826,7 +826,7 @@ def claims_of(result: Dict[str, Any]) -> List[Dict[str, Any]]:
                 "loop_lazy_save_block_per_save_s",
                 [x["lazy"]["stall_s"] / max(1, x["lazy"]["saves"]) for x in loop],
                 what="lazy save() blocks the loop, per save (seconds)",
-                baseline="none: seconds, reported",
+                baseline="an absolute time (seconds), not a ratio",
             )
         )
     return out

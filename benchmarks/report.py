@@ -103,6 +103,12 @@ BENCHES = [
         ),
         1800,
     ),
+    (
+        "partner_loop",
+        "Partner copies: training throughput on vs off",
+        lambda out, q: ["partner_loop.py", "--json", out] + (["--quick"] if q else []),
+        1800,
+    ),
 ]
 
 

@@ -52,3 +52,24 @@ def test_checkpointer_writer_and_flush_threads_run_niced(tmp_path: Path) -> None
         assert ck.stats.committed == 1 and ck.stats.flushes == 1
     finally:
         ck.close()
+
+
+def test_partner_copy_threads_run_niced(tmp_path: Path) -> None:
+    from test_partner import node, save_all, states
+
+    mine = nice_of(threading.get_native_id())
+    a, b = node(tmp_path, "na", 0), node(tmp_path, "nb", 1)
+    try:
+        save_all([a, b], 1, states(1)[0])  # both links have sent and received a copy
+        threads = [t for t in threading.enumerate() if t.name.startswith("ckpt-partner-")]
+        names = {t.name.rsplit("-", 1)[0] for t in threads}
+        assert {"ckpt-partner-send", "ckpt-partner-recv"} <= names
+        ours = [t for t in threads if t.name.split("-")[2] in ("send", "recv")]
+        ours = [t for t in ours if t.name.endswith(("run.rank00000", "run.rank00001"))]
+        assert len(ours) == 4, [t.name for t in threads]
+        for t in ours:
+            assert t.native_id is not None
+            assert nice_of(t.native_id) == min(19, mine + BACKGROUND_NICE), t.name
+    finally:
+        a.close()
+        b.close()

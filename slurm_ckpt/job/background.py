@@ -20,10 +20,11 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BACKGROUND_NICE", "yield_cpu"]
+__all__ = ["BACKGROUND_NICE", "yield_cpu", "yielding"]
 
 #: Added to the nice value of the checkpoint writer and flush threads (0: unchanged).
 #: 10 gives them about a tenth of a normal thread's share when both want a core.
@@ -42,3 +43,13 @@ def yield_cpu(increment: int = BACKGROUND_NICE) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, now + increment))
     except OSError as exc:  # e.g. a seccomp filter: the thread keeps its priority
         log.debug("[ckpt] background thread keeps its priority: %s", exc)
+
+
+def yielding(target: Callable[[], None]) -> Callable[[], None]:
+    """``target`` for a thread that first yields the CPU to training (:func:`yield_cpu`)."""
+
+    def run() -> None:
+        yield_cpu()
+        target()
+
+    return run

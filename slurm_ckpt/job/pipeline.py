@@ -38,7 +38,7 @@ from slurm_ckpt.core.commit import AlreadyCommitted
 from slurm_ckpt.core.retention import CkptInfo, RetentionPolicy, plan_local_deletions
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, TierError
-from slurm_ckpt.job.background import yield_cpu
+from slurm_ckpt.job.background import yielding
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord, reason_of
 from slurm_ckpt.job.signals import Deadline
 from slurm_ckpt.job.staging import write_direct
@@ -59,16 +59,6 @@ __all__ = [
 
 #: Work planned to end this long before the deadline (clock skew, process teardown).
 DEADLINE_MARGIN_S = 5.0
-
-
-def _yielding(target: Callable[[], None]) -> Callable[[], None]:
-    """``target`` on a thread that yields the CPU to training (job/background.py)."""
-
-    def run() -> None:
-        yield_cpu()
-        target()
-
-    return run
 
 
 class CheckpointFailed(CkptError):
@@ -206,7 +196,7 @@ class Pipeline:
             return
         for name, target in (("ckpt-local", self._local_loop), ("ckpt-flush", self._flush_loop)):
             t = threading.Thread(
-                target=_yielding(target), name=f"{name}-{self.shard.key}", daemon=True
+                target=yielding(target), name=f"{name}-{self.shard.key}", daemon=True
             )
             t.start()
             self._threads.append(t)

@@ -83,7 +83,7 @@ def rank_main(argv: List[str]) -> int:
     (root / "pfs").mkdir(parents=True, exist_ok=True)
     ckpt = Checkpointer(
         local=root / "local",
-        pfs=root / "pfs",
+        warm=root / "pfs",
         key="bench",
         install_signals=False,
         end_time_fn=None,

@@ -71,7 +71,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         ckpt = Checkpointer(
             local=work / "local",
-            pfs=work / "pfs",
+            warm=work / "pfs",
             key="gpu",
             interval_steps=1,
             install_signals=False,
@@ -94,7 +94,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             d2h = time.perf_counter() - t0
             ckpt.wait()
             got = Checkpointer(
-                local=work / "local", pfs=work / "pfs", key="gpu", install_signals=False
+                local=work / "local", warm=work / "pfs", key="gpu", install_signals=False
             )
             restored = got.restore()
             got.close()
@@ -179,7 +179,7 @@ def lazy_rounds(
     ]
     host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=bool(dev.type == "cuda")) for t in flat]
     ckpt = Checkpointer(
-        local=work / "lazy-local", pfs=work / "lazy-pfs", key="gpu-lazy", install_signals=False
+        local=work / "lazy-local", warm=work / "lazy-pfs", key="gpu-lazy", install_signals=False
     )
     tc = sct.TorchCheckpointer(ckpt, model, opt, rng=False)
     out: List[Dict[str, Any]] = []
@@ -205,7 +205,7 @@ def lazy_rounds(
         )
         check_opt = torch.optim.AdamW(check_model.parameters(), lr=1e-3)
         got = Checkpointer(
-            local=work / "lazy-local", pfs=work / "lazy-pfs", key="gpu-lazy", install_signals=False
+            local=work / "lazy-local", warm=work / "lazy-pfs", key="gpu-lazy", install_signals=False
         )
         res = sct.restore(got, check_model, check_opt)
         got.close()

@@ -148,7 +148,7 @@ class Ours:
         self.local_done: Dict[int, float] = {}
         self._ev = threading.Condition()
         self.ckpt = Checkpointer(
-            local=local, pfs=pfs, key=key, install_signals=False, on_event=self._on_event, **kw
+            local=local, warm=pfs, key=key, install_signals=False, on_event=self._on_event, **kw
         )
 
     def _on_event(self, name: str, info: Dict[str, Any]) -> None:
@@ -315,7 +315,7 @@ def bench_restore(
     def fresh() -> Checkpointer:
         return Checkpointer(
             local=work / "local",
-            pfs=work / "pfs",
+            warm=work / "pfs",
             key="bench-restore",
             interval_steps=1,
             install_signals=False,

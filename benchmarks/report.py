@@ -95,6 +95,12 @@ BENCHES = [
         1800,
     ),
     (
+        "partner",
+        "Partner copies: a lost rank's restore from its partner vs a capped PFS",
+        lambda out, q: ["partner.py", "--json", out] + (["--quick"] if q else []),
+        1800,
+    ),
+    (
         "fleet_sim",
         "Fleet: 10,000 nodes flushing to one PFS (simulation)",
         lambda out, q: (

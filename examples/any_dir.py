@@ -4,8 +4,8 @@
 Run it twice: the first run trains to ``--stop-at`` and "dies"; the second resumes from
 the newest verified checkpoint and trains to the end::
 
-    python examples/any_dir.py --local /tmp/l --pfs /tmp/p --steps 40 --stop-at 25
-    python examples/any_dir.py --local /tmp/l2 --pfs /tmp/p --steps 40   # another node
+    python examples/any_dir.py --local /tmp/l --warm /tmp/p --steps 40 --stop-at 25
+    python examples/any_dir.py --local /tmp/l2 --warm /tmp/p --steps 40   # another node
 
 Each save is ``with ckpt.output(step=...) as path:``: write anything into ``path`` (here
 ``torch.save`` files and a JSON file); on exit the files are hashed, committed with the
@@ -13,7 +13,7 @@ manifest last and flushed to the PFS. ``ckpt.restore_path()`` hands back the new
 complete checkpoint that verifies, on the local tier (fetched from the PFS when only it
 has it: the second command above uses an empty local tier). ``ckpt.adopt(step, dir)``
 does the same for a directory your framework already wrote (``--adopt``).
-Under SLURM use ``Checkpointer.from_env()`` instead of ``--local``/``--pfs``.
+Under SLURM use ``Checkpointer.from_env()`` instead of ``--local``/``--warm``.
 """
 
 from __future__ import annotations
@@ -34,20 +34,22 @@ from slurm_ckpt import Checkpointer  # noqa: E402
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--local", required=True, help="the node-local tier (a directory)")
-    p.add_argument("--pfs", required=True, help="the shared tier (a directory)")
+    p.add_argument(
+        "--warm", "--pfs", dest="warm", required=True, help="the shared tier (a directory)"
+    )
     p.add_argument("--key", default="any-dir-demo")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--every", type=int, default=10, help="save every N steps")
     p.add_argument("--stop-at", type=int, help="stop after this step (a simulated crash)")
     p.add_argument("--adopt", action="store_true", help="write elsewhere, then adopt()")
     a = p.parse_args()
-    for d in (a.local, a.pfs):
+    for d in (a.local, a.warm):
         os.makedirs(d, exist_ok=True)
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    ckpt = Checkpointer(local=a.local, pfs=a.pfs, key=a.key, end_time_fn=None)
+    ckpt = Checkpointer(local=a.local, warm=a.warm, key=a.key, end_time_fn=None)
     start = 0
     path = ckpt.restore_path()
     if path is not None:
@@ -84,8 +86,8 @@ def main() -> int:
             print(f"STOPPED step={step}")
             break
     ckpt.close()  # waits for the flushes to the PFS
-    for info in ckpt.pfs.steps(ckpt.user, ckpt.shard_key):
-        ok = ckpt.pfs.verify(ckpt.user, ckpt.shard_key, info.step).ok
+    for info in ckpt.warm.steps(ckpt.user, ckpt.shard_key):
+        ok = ckpt.warm.verify(ckpt.user, ckpt.shard_key, info.step).ok
         print(f"PFS step={info.step} verified={ok}")
     return 0
 

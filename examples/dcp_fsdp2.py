@@ -2,7 +2,7 @@
 
 Runs on CPU (gloo) as well as on GPUs (NCCL for training, gloo for checkpointing)::
 
-    torchrun --nproc-per-node 2 examples/dcp_fsdp2.py --local-root /tmp/l --pfs-root /tmp/p
+    torchrun --nproc-per-node 2 examples/dcp_fsdp2.py --local-root /tmp/l --warm-root /tmp/p
     # under SLURM: srun ... python examples/dcp_fsdp2.py   (site config, key = job id)
 
 Kill it (SIGTERM: the preemption save at the next step; SIGKILL: nothing) and start it
@@ -34,7 +34,9 @@ from slurm_ckpt import Checkpointer
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--local-root", help="node-local tier (default: the site config)")
-    ap.add_argument("--pfs-root", help="PFS tier (default: the site config)")
+    ap.add_argument(
+        "--warm-root", "--pfs-root", dest="warm_root", help="warm tier (default: the site config)"
+    )
     ap.add_argument("--key", default="dcp-example")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--every", type=int, default=10, help="save every N steps")
@@ -60,7 +62,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     if args.local_root:
-        ckpt = Checkpointer(local=args.local_root, pfs=args.pfs_root, key=args.key)
+        ckpt = Checkpointer(local=args.local_root, warm=args.warm_root, key=args.key)
     else:
         ckpt = Checkpointer.from_env(key=args.key)
 

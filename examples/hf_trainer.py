@@ -3,11 +3,11 @@
 
 ::
 
-    python examples/hf_trainer.py --local /tmp/l --pfs /tmp/p --out /tmp/hf-out
+    python examples/hf_trainer.py --local /tmp/l --warm /tmp/p --out /tmp/hf-out
     # interrupt it (Ctrl-C is not it: `kill -TERM <pid>`, as SLURM does), run it again:
     # it resumes from the newest verified checkpoint-N, with the data where they stopped
 
-Under SLURM drop ``--local``/``--pfs``: the tiers come from the site config, the key
+Under SLURM drop ``--local``/``--warm``: the tiers come from the site config, the key
 from the job (``Checkpointer.from_env``), and ``#SBATCH --signal=B:TERM@120`` (or the
 site's preemption SIGTERM) makes the Trainer save at the next step boundary and stop;
 ``ckpt.close()`` waits for the flush and requeues when asked (``requeue=True``).
@@ -47,16 +47,16 @@ class RandomTokens(Dataset):  # type: ignore[type-arg]
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--local", help="node-local tier (default: the site config)")
-    p.add_argument("--pfs", help="shared tier (default: the site config)")
+    p.add_argument("--warm", "--pfs", dest="warm", help="shared tier (default: the site config)")
     p.add_argument("--key", default="hf-demo")
     p.add_argument("--out", default="hf-out", help="the Trainer's output_dir")
     p.add_argument("--epochs", type=int, default=3)
     a = p.parse_args()
 
-    if a.local and a.pfs:
-        for d in (a.local, a.pfs):
+    if a.local and a.warm:
+        for d in (a.local, a.warm):
             os.makedirs(d, exist_ok=True)
-        ckpt = Checkpointer(local=a.local, pfs=a.pfs, key=a.key)
+        ckpt = Checkpointer(local=a.local, warm=a.warm, key=a.key)
     else:
         ckpt = Checkpointer.from_env(key=a.key)
 

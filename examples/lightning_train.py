@@ -9,7 +9,7 @@ Lightning keeps in its checkpoint).
 
 Standalone::
 
-    python examples/lightning_train.py --local /tmp/l --pfs /tmp/p --key demo \\
+    python examples/lightning_train.py --local /tmp/l --warm /tmp/p --key demo \\
         --steps 60 --interval-steps 10
 
 Under SLURM (tiers from the site config, one part per step on every rank; one task per
@@ -132,7 +132,7 @@ class Tiny(pl.LightningModule):
 def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--local", help="node-local tier root (else the site config)")
-    p.add_argument("--pfs", help="PFS tier root (else the site config)")
+    p.add_argument("--warm", "--pfs", dest="warm", help="warm tier root (else the site config)")
     p.add_argument("--key", default=None, help="checkpoint series (default: the job id)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--samples", type=int, default=96, help="dataset size (one epoch)")
@@ -157,8 +157,8 @@ def checkpointer(args: argparse.Namespace) -> Checkpointer:
     from slurm_ckpt.lightning import lightning_checkpointer
 
     opts = {"interval_steps": args.interval_steps, "rank": 0, "world_size": 1}
-    if args.local and args.pfs:
-        return Checkpointer(local=args.local, pfs=args.pfs, key=args.key or "lightning", **opts)
+    if args.local and args.warm:
+        return Checkpointer(local=args.local, warm=args.warm, key=args.key or "lightning", **opts)
     return lightning_checkpointer(args.key, **opts)
 
 

@@ -9,7 +9,7 @@ and the dev-cluster demo run it; it is also the smallest complete example of the
 
 Standalone::
 
-    python examples/train_tiny.py --local /tmp/l --pfs /tmp/p --key demo --steps 200 \\
+    python examples/train_tiny.py --local /tmp/l --warm /tmp/p --key demo --steps 200 \\
         --interval-steps 20 --digest-out /tmp/digest
 
 Under SLURM (tiers from the site config, rank/world size from the environment; see
@@ -300,10 +300,10 @@ def make_checkpointer(
 
     if args.no_ckpt:
         return None
-    if args.local or args.pfs:
+    if args.local or args.warm:
         ckpt = Checkpointer(
             local=args.local,
-            pfs=args.pfs,
+            warm=args.warm,
             key=args.key,
             interval_steps=args.interval_steps,
             rank=rank,
@@ -324,7 +324,12 @@ def make_checkpointer(
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--local", help="node-local tier root (standalone mode)")
-    p.add_argument("--pfs", help="parallel-filesystem tier root (standalone mode)")
+    p.add_argument(
+        "--warm",
+        "--pfs",
+        dest="warm",
+        help="warm tier root, a PFS or shared directory (standalone mode; --pfs: old name)",
+    )
     p.add_argument(
         "--key",
         default=os.environ.get("SLURM_CKPT_KEY")

@@ -4,7 +4,7 @@
 
     from slurm_ckpt.lightning import SlurmCheckpointIO, SlurmCheckpointCallback
 
-    with Checkpointer(local=..., pfs=..., key="run", interval_steps=500) as ckpt:
+    with Checkpointer(local=..., warm=..., key="run", interval_steps=500) as ckpt:
         io = SlurmCheckpointIO(ckpt)
         trainer = L.Trainer(plugins=[io], callbacks=[SlurmCheckpointCallback(io)], ...)
         trainer.fit(model, loader, ckpt_path=io.restore_path())   # None: a fresh start

@@ -142,7 +142,7 @@ def main() -> int:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     if args.cmd == "load":  # every key given, one after the other (one launch, several checks)
         for key in args.key.split(","):
-            ckpt = Checkpointer(local=args.local, pfs=args.pfs, key=key, end_time_fn=None)
+            ckpt = Checkpointer(local=args.local, warm=args.pfs, key=key, end_time_fn=None)
             model, opt, sched = build(world)
             got = resume(ckpt, model, opt, sched, key)
             if got is not None and rank == 0 and args.dump:
@@ -151,7 +151,7 @@ def main() -> int:
         dist.destroy_process_group()
         return 0
     key = args.key
-    ckpt = Checkpointer(local=args.local, pfs=args.pfs, key=key, end_time_fn=None)
+    ckpt = Checkpointer(local=args.local, warm=args.pfs, key=key, end_time_fn=None)
     model, opt, sched = build(world)
     got = resume(ckpt, model, opt, sched, key)
     start = 0 if got is None else got["meta"]["step"]

@@ -80,7 +80,7 @@ def main() -> int:
     for d in (a.workdir, Path(a.local), Path(a.pfs)):
         d.mkdir(parents=True, exist_ok=True)
 
-    ckpt = Checkpointer(local=a.local, pfs=a.pfs, key="hf-run", end_time_fn=None)
+    ckpt = Checkpointer(local=a.local, warm=a.pfs, key="hf-run", end_time_fn=None)
 
     set_seed(0)
     torch.set_num_threads(1)  # tiny matrices: threads only contend on a shared machine

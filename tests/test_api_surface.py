@@ -48,7 +48,7 @@ def test_every_option_is_an_explicit_keyword_with_one_line_of_help() -> None:
     assert defaults["end_time_fn"] is UNSET
     doc = inspect.getdoc(Checkpointer) or ""
     guide = (REPO / "docs" / "user-guide-options.md").read_text()
-    for name in ["local", "pfs", "key", "config", *OPTION_NAMES]:
+    for name in ["local", "warm", "key", "config", *OPTION_NAMES]:
         assert re.search(rf"^\s+{name}: \S", doc, re.M), f"{name} has no line in help()"
         assert f"`{name}`" in guide, f"{name} is not in docs/user-guide-options.md"
 
@@ -122,7 +122,7 @@ def test_a_laptop_needs_only_a_local_tier_and_keeps_the_newest_keep_local(
     tmp_path: Path,
 ) -> None:
     ckpt = laptop(tmp_path, keep_local=2, interval_steps=1)
-    assert ckpt.pfs is None and [t.name for t in ckpt.tiers] == ["local"]
+    assert ckpt.warm is None and [t.name for t in ckpt.tiers] == ["local"]
     for step in range(1, 6):
         ckpt.save(
             {"w": np.full(64, step, dtype=np.int64)}, step=step, preemption=step == 3
@@ -140,13 +140,13 @@ def test_a_laptop_needs_only_a_local_tier_and_keeps_the_newest_keep_local(
 
 def test_a_missing_tier_root_is_made_for_the_user_mode_0700(tmp_path: Path) -> None:
     local, pfs = tmp_path / "a" / "b" / "local", tmp_path / "pfs"
-    ckpt = Checkpointer(local=local, pfs=pfs, key="run", install_signals=False)
+    ckpt = Checkpointer(local=local, warm=pfs, key="run", install_signals=False)
     ckpt.save(STATE, step=1)
     ckpt.close()
     for root in (local, pfs):
         st = os.stat(root)
         assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
-    assert [i.step for i in ckpt.pfs.steps(ckpt.user, "run")] == [1]  # type: ignore[union-attr]
+    assert [i.step for i in ckpt.warm.steps(ckpt.user, "run")] == [1]  # type: ignore[union-attr]
 
 
 def test_a_site_config_with_a_missing_root_is_still_refused(tmp_path: Path) -> None:

@@ -68,7 +68,7 @@ def make(tmp_path: Path, **kw: Any) -> Checkpointer:
     os.makedirs(pfs, exist_ok=True)
     kw.setdefault("install_signals", False)
     kw.setdefault("end_time_fn", None)
-    return Checkpointer(local=local, pfs=pfs, key=kw.pop("key", "run"), **kw)
+    return Checkpointer(local=local, warm=pfs, key=kw.pop("key", "run"), **kw)
 
 
 def sample_state(seed: int = 0) -> Dict[str, Any]:
@@ -110,7 +110,7 @@ def clone(state: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def steps(ckpt: Checkpointer, tier: str) -> List[int]:
-    t = ckpt.local if tier == "local" else ckpt.pfs
+    t = ckpt.local if tier == "local" else ckpt.warm
     return [s.step for s in t.steps(ckpt.user, ckpt.shard_key)]
 
 
@@ -127,7 +127,7 @@ def test_save_then_restore_in_a_new_process_object(tmp_path: Path, caplog: Any) 
     stats = ckpt.close()
     assert (stats.saves, stats.committed, stats.flushes, stats.failures) == (1, 1, 1, 0)
     assert steps(ckpt, "local") == [10] and steps(ckpt, "pfs") == [10]
-    assert ckpt.pfs.verify(ckpt.user, "run", 10).ok
+    assert ckpt.warm.verify(ckpt.user, "run", 10).ok
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[ckpt] step=")]
     assert len(lines) == 1
     assert "step=10 snapshot=" in lines[0] and " local=" in lines[0] and " flush=" in lines[0]
@@ -177,7 +177,7 @@ def test_save_returns_after_the_snapshot_not_after_the_write(tmp_path: Path) -> 
 def test_flush_runs_after_save_returns_on_a_slow_pfs(tmp_path: Path) -> None:
     # A bandwidth cap makes the flush slow; the order is still proven by events.
     ev = Events(gate_on=("flush_start", 1))
-    ckpt = make(tmp_path, on_event=ev, pfs_bandwidth="20MB/s")
+    ckpt = make(tmp_path, on_event=ev, warm_bandwidth="20MB/s")
     ckpt.save({"model": {"w": torch.ones(256, 1024)}}, step=1)
     ev.wait_for("flush_start", 1)
     assert ckpt.wait(flush=False)
@@ -458,7 +458,7 @@ keep_local = 4
     assert ckpt.local.root == str(tmp_path / "l")
     ckpt.save({"x": np.arange(3)}, step=3)
     ckpt.close()
-    m = ckpt.pfs.manifest(ckpt.user, "4242", 3)
+    m = ckpt.warm.manifest(ckpt.user, "4242", 3)
     assert (m.job, m.node, m.meta["rank"], m.meta["world_size"]) == ("4242", "gpu-node17", 0, 1)
     # Keyword arguments override the config.
     ckpt = Checkpointer.from_env(key="other", interval_tokens=10)
@@ -494,7 +494,7 @@ def test_exit_without_close_still_commits_the_local_write(tmp_path: Path) -> Non
     code = (
         "import numpy as np\n"
         "from slurm_ckpt import Checkpointer\n"
-        f"c = Checkpointer(local={str(tmp_path / 'local')!r}, pfs={str(tmp_path / 'pfs')!r},\n"
+        f"c = Checkpointer(local={str(tmp_path / 'local')!r}, warm={str(tmp_path / 'pfs')!r},\n"
         "                 key='run', install_signals=False, end_time_fn=None)\n"
         "c.save({'model': {'w': np.ones(8 * 2**20, np.float32)}}, step=3)\n"
         "# no close(): the interpreter exits while the write runs in a daemon thread\n"
@@ -566,7 +566,7 @@ def test_runs_as_a_user_below_root_owned_tiers() -> None:
     def run() -> Any:
         ck = Checkpointer(
             local=local,
-            pfs=pfs,
+            warm=pfs,
             key="run",
             install_signals=False,
             end_time_fn=None,
@@ -575,7 +575,7 @@ def test_runs_as_a_user_below_root_owned_tiers() -> None:
         ck.save({"model": {"w": torch.ones(4)}}, step=1)
         ck.close()
         assert ck.ledger is not None
-        return [s.step for s in ck.pfs.steps("nobody", "run")], str(ck.ledger.directory)
+        return [s.step for s in ck.warm.steps("nobody", "run")], str(ck.ledger.directory)
 
     steps, ledger_dir = in_child_as(65534, 65534, run)
     assert steps == [1]

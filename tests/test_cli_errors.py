@@ -129,7 +129,7 @@ def test_verify_names_files_the_manifest_does_not_list(site: Site) -> None:
 
 def test_restore_parsable(site: Site) -> None:
     to = site.base / "back"
-    flags = ["--local", str(site.roots["local"]), "--pfs", str(site.roots["pfs"])]
+    flags = ["--local", str(site.roots["local"]), "--warm", str(site.roots["pfs"])]
     code, out, err = run_here(
         ["restore", "run", "-u", "alice", "--to", str(to), "--parsable", *flags]
     )

@@ -1,7 +1,8 @@
 """The CLI on a user's own checkpoints without a site config (issue 18, laptop mode).
 
-* tier flags ``--local DIR [--pfs DIR] [--cold DIR]`` on ``list``, ``verify``, ``restore``,
-  ``drill``, ``status`` and ``config check``;
+* tier flags ``--local DIR [--warm DIR] [--cold DIR]`` (``--pfs``: the old name of
+  ``--warm``) on ``list``, ``verify``, ``restore``, ``drill``, ``status`` and
+  ``config check``;
 * a per-user config (``$XDG_CONFIG_HOME/slurm-ckpt/config.toml``), read by a non-root
   user's user commands when the site has none; ``config check`` accepts its user-owned
   roots, while root keeps refusing them (and never reads a user's config).
@@ -37,8 +38,8 @@ def laptop(tmp_path: Path) -> Site:
 
 def _flags(s: Site, *tiers: str) -> List[str]:
     out: List[str] = []
-    for t in tiers or ("local", "pfs"):
-        out += [f"--{t}", str(s.roots[t])]
+    for t in tiers or ("local", "warm"):
+        out += [f"--{t}", str(s.roots["pfs" if t in ("warm", "pfs") else t])]
     return out
 
 
@@ -66,10 +67,22 @@ def test_tier_flags_list_verify_restore_drill(laptop: Site, tmp_path: Path) -> N
     assert (r.returncode, r.stdout.strip()) == (0, "ok: <tier flags>"), r.stderr
 
 
+def test_the_old_pfs_flag_still_names_the_warm_directory(laptop: Site) -> None:
+    old = ckpt_slurm("list", "run", "-u", "alice", "--json", *_flags(laptop, "local", "pfs"))
+    new = ckpt_slurm("list", "run", "-u", "alice", "--json", *_flags(laptop))
+    assert old.returncode == 0 and new.returncode == 0, old.stderr + new.stderr
+    rows = [
+        {(x["tier"], x["step"], x["path"]) for x in json.loads(r.stdout)["checkpoints"]}
+        for r in (old, new)
+    ]
+    assert rows[0] == rows[1] and ("pfs", 1) in {(t, s) for t, s, _ in rows[0]}
+
+
 @pytest.mark.parametrize(
     "argv,needle",
     [
-        (["list", "--pfs", "{pfs}"], "--pfs needs --local DIR too"),
+        (["list", "--warm", "{pfs}"], "--warm needs --local DIR too"),
+        (["list", "--pfs", "{pfs}"], "--warm needs --local DIR too"),  # the old name
         (["list", "--local", "{base}/absent"], "does not exist"),
         (["list", "--local", "{base}/c.toml"], "is a file"),
         (["list", "--local", "{local}", "--config", "{base}/c.toml"], "not both"),

@@ -209,7 +209,7 @@ class MultiSite(TrainSite):
         self.c.run(["scontrol", "update", f"jobid={jobid}", f"ReqNodeList={nodes}"])
 
     # -- tiers --------------------------------------------------------------------------
-    def pfs_verified(self, key: str, rank: int) -> List[int]:
+    def warm_verified(self, key: str, rank: int) -> List[int]:
         pfs = PosixTier("pfs", str(self.pfs_root))
         try:
             steps = [s.step for s in pfs.steps(USER, shard(key, rank))]
@@ -219,7 +219,7 @@ class MultiSite(TrainSite):
 
     def complete_on_pfs(self, key: str, world: int) -> int:
         """The newest step every rank's shard has verified on the PFS (0: none)."""
-        common = set.intersection(*(set(self.pfs_verified(key, r)) for r in range(world)))
+        common = set.intersection(*(set(self.warm_verified(key, r)) for r in range(world)))
         return max(common, default=0)
 
     def local_steps(self, node: str, key: str, rank: int) -> List[int]:
@@ -303,7 +303,7 @@ def test_multinode_preempted_requeued_elsewhere_resumes_exact(
             assert run.done(rank) == [(STEPS, t.reference_digest_world(world))], out
         for rank in range(world):
             t.wait_hook("epilog", job, second.split(",")[rank])
-            assert {step, STEPS} <= set(t.pfs_verified(key, rank)), rank
+            assert {step, STEPS} <= set(t.warm_verified(key, rank)), rank
     finally:
         t.c.run(["scancel", job] + ([high] if high else []), check=False)
 
@@ -377,7 +377,7 @@ def test_node_loss_disk_survives_prolog_rescues_newer_step(t: MultiSite) -> None
         t.c.wait_job_state(probe, "COMPLETED", timeout=60)
         t.wait_hook("prolog", probe, "n2")
         t.c.wait_until(
-            lambda: set(newer) <= set(t.pfs_verified(key, 1)),
+            lambda: set(newer) <= set(t.warm_verified(key, 1)),
             timeout=60,
             what=f"rank 1's shards {newer} flushed from n2 once it is back",
         )

@@ -10,8 +10,10 @@ the test says so at once rather than wait 300 s). What must hold:
   batch script run;
 * ckpt-srun relaunches the step on the two surviving nodes plus the spare, each surviving
   rank on its own node again and the lost rank on the spare;
-* the surviving ranks resume from their node's local copy, the rank on the spare from
-  the PFS (``RESUMED ... tier=``), all at one step;
+* partner copies are on and ``flush_every`` is so high that the PFS holds only the first
+  step when the node dies: the surviving ranks resume from their node's local copy, the
+  rank on the spare fetches its newest step from its partner copy on n3
+  (``RESUMED ... tier=partner``), all at that step, which is not on the PFS;
 * the run ends bitwise equal to an uninterrupted run of the same world size;
 * ckpt-srun says how long the recovery took; the test prints the time from the node's
   death to every rank training again (no timed assertion: it is a measurement).
@@ -82,7 +84,13 @@ def t(site: SpareSite) -> Iterator[SpareSite]:
     site.ensure_hooks()
     # Survivors keep every step locally, so that the step all ranks agree on (bounded by
     # what the lost rank has on the PFS) is on their own disk: their read is local.
-    site.configure(hooks={"stage_on_requeue": False}, retention={"keep_local": 10})
+    # Partner copies on, flush_every so high that only the first step reaches the PFS:
+    # the newest step of the lost rank is on its partner's disk only.
+    site.configure(
+        hooks={"stage_on_requeue": False},
+        retention={"keep_local": 10, "flush_every": 1000},
+        partner={"enabled": True, "keep_partner": 2},
+    )
     yield site
     site.configure(hooks={"stage_on_requeue": False})
 
@@ -91,9 +99,19 @@ def test_lost_node_step_relaunched_on_spare_same_job_bitwise_exact(t: SpareSite)
     key = f"spare-{t.tok}"
     job = t.spare_job(key)
     try:
-        t.wait_ranks(job, WORLD, rf"FLUSHED step={2 * INTERVAL}$", timeout=180)
+        t.wait_ranks(job, WORLD, rf"FLUSHED step={INTERVAL}$", timeout=180)
+        # Rank 1 (n2) has its partner copy of a step the PFS lacks on n3 (rank 2).
+        newer = 2 * INTERVAL
+        t.c.wait_until(
+            lambda: newer in t.local_steps("n3", key, 1),
+            timeout=120,
+            interval=0.1,
+            what=f"rank 1's partner copy of step {newer} on n3",
+        )
         died = time.monotonic()
-        t.c.power_off(LOST)
+        t.c.power_off(LOST, wipe_local=True)
+        held = t.local_steps("n3", key, 1)  # rank 1's partner copies, nowhere else now
+        pfs_at_loss = t.complete_on_pfs(key, WORLD)
         # The controller's verdict once SlurmdTimeout passes, without the wait.
         t.c.run(["scontrol", "update", f"nodename={LOST}", "state=down", "reason=test: lost"])
         t.c.wait_until(
@@ -116,19 +134,23 @@ def test_lost_node_step_relaunched_on_spare_same_job_bitwise_exact(t: SpareSite)
         assert f"node {LOST} lost" in out and f"relaunching the step on spare {SPARE}" in out
         m = re.search(r"recovery: relaunched step 1 starts ([0-9.]+)s after the failed", out)
         assert m, out
-        # Survivors read their local copy, the spare's rank the PFS; one step for all.
+        # Survivors read their local copy, the spare's rank its partner copy on n3; one
+        # step for all: the newest partner copy, which the PFS did not have.
         res = {r: run.resumed(r) for r in range(WORLD)}
         assert [len(v) for v in res.values()] == [1] * WORLD, out
-        assert {r: v[0]["tier"] for r, v in res.items()} == {0: "local", 1: "pfs", 2: "local"}
+        tiers = {r: v[0]["tier"] for r, v in res.items()}
+        assert tiers == {0: "local", 1: "partner", 2: "local"}, out
         steps = {int(v[0]["step"]) for v in res.values()}
-        assert len(steps) == 1 and min(steps) >= 2 * INTERVAL, (steps, out)
+        assert pfs_at_loss == INTERVAL and max(held) >= newer, (pfs_at_loss, held)
+        assert steps == {max(held)}, (steps, held, out)
         ref = t.reference_digest_world(WORLD)
         for rank in range(WORLD):
             assert run.done(rank) == [(STEPS, ref)], (rank, out)
         print(
             f"\n[spares] {LOST} died -> every rank training again after {training_again:.1f}s "
             f"(ckpt-srun: relaunch {m.group(1)}s after the failed step ended; "
-            f"resumed at step {min(steps)})"
+            f"resumed at step {min(steps)}, rank 1 from its partner copy; the PFS had "
+            f"step {pfs_at_loss})"
         )
     finally:
         t.c.run(["scancel", job], check=False)

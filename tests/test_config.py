@@ -56,8 +56,8 @@ root = "/archive/ckpt"
 [retention]
 keep_local = 4
 flush_every = 2
-keep_pfs = 5
-keep_pfs_every = "12h"
+keep_warm = 5
+keep_warm_every = "12h"
 
 [copy]
 streams = 8
@@ -124,7 +124,7 @@ def test_minimal_config_has_documented_defaults(tmp_path):
     assert cfg.tiers.pfs.bandwidth_limit is None
     assert cfg.tiers.object is None and cfg.tiers.cold is None
     assert cfg.retention == RetentionConfig(
-        keep_local=2, flush_every=1, keep_pfs=3, keep_pfs_every=86400.0
+        keep_local=2, flush_every=1, keep_warm=3, keep_warm_every=86400.0
     )
     assert cfg.copy == CopyConfig(streams=4, chunk_size=64 * 2**20, buffer_size=16 * 2**20)
     assert cfg.job.signals == ("SIGTERM", "SIGUSR1", "SIGUSR2")
@@ -148,7 +148,7 @@ def test_full_config_values_and_round_trip(tmp_path):
     assert cfg.tiers.object is not None and cfg.tiers.object.prefix == "site/a"
     assert cfg.tiers.cold is not None and cfg.tiers.cold.root == Path("/archive/ckpt")
     assert (cfg.retention.keep_local, cfg.retention.flush_every) == (4, 2)
-    assert cfg.retention.keep_pfs_every == 12 * 3600
+    assert cfg.retention.keep_warm_every == 12 * 3600
     assert cfg.copy == CopyConfig(streams=8, chunk_size=128 * 2**20, buffer_size=2**20)
     assert cfg.job.interval_tokens == 2_000_000_000
     assert cfg.job.interval_seconds == 1800.0
@@ -169,7 +169,7 @@ def test_full_config_values_and_round_trip(tmp_path):
     assert again.to_dict() == data
     human = cfg.to_dict(human=True)
     assert human["copy"]["chunk_size"] == "128.0MiB"
-    assert human["retention"]["keep_pfs_every"] == "12h00m"
+    assert human["retention"]["keep_warm_every"] == "12h00m"
 
 
 def test_config_is_frozen(tmp_path):
@@ -279,7 +279,7 @@ def test_relative_path(tmp_path):
         ("[copy]\nchunk_size = 'big'", "copy.chunk_size: expected a size such as 64MiB"),
         ("[copy]\nchunk_size = [1]", "copy.chunk_size: expected a number or a string"),
         ("[retention]\nkeep_local = true", "retention.keep_local: expected an integer"),
-        ("[retention]\nkeep_pfs_every = 'soon'", "retention.keep_pfs_every: expected a dur"),
+        ("[retention]\nkeep_warm_every = 'soon'", "retention.keep_warm_every: expected a dur"),
         ("[job]\nsignals = 'SIGTERM'", "job.signals: expected an array of signal names"),
         ("[job]\nsignals = ['SIGNOPE']", "job.signals: unknown signal 'SIGNOPE'"),
         ("[job]\nsignals = ['SIGKILL']", "job.signals: SIGKILL cannot be caught"),
@@ -467,7 +467,7 @@ def test_standalone_overrides(tmp_path):
         job={"interval_seconds": "10min", "signals": ["USR1"]},
         tiers={"local": {"min_free": "1GiB"}, "cold": {"root": str(tmp_path / "cold")}},
     )
-    assert cfg.retention.keep_local == 5 and cfg.retention.keep_pfs == 3
+    assert cfg.retention.keep_local == 5 and cfg.retention.keep_warm == 3
     assert cfg.copy.streams == 8
     assert cfg.job.interval_seconds == 600.0 and cfg.job.signals == ("SIGUSR1",)
     assert cfg.tiers.local.min_free == 2**30

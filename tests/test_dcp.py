@@ -45,7 +45,7 @@ class Evil:
 @pytest.fixture
 def ckpt(mounts: Any, pfs: Path) -> Iterator[Checkpointer]:
     local = mounts.tmpfs("64m", "local")
-    c = Checkpointer(local=local, pfs=pfs, key="run", install_signals=False, end_time_fn=None)
+    c = Checkpointer(local=local, warm=pfs, key="run", install_signals=False, end_time_fn=None)
     yield c
     c.close()
 
@@ -101,15 +101,15 @@ def test_save_load_round_trip_metadata_is_json_and_flushed(ckpt: Checkpointer) -
     assert reader.read_from == {0: "local"}
     ckpt.close()
     # the one flush engine took the part to the PFS, verified; the ledger says so
-    assert [i.step for i in ckpt.pfs.steps(ckpt.user, "run.dcp.rank00000")] == [7]
-    assert ckpt.pfs.verify(ckpt.user, "run.dcp.rank00000", 7).ok
+    assert [i.step for i in ckpt.warm.steps(ckpt.user, "run.dcp.rank00000")] == [7]
+    assert ckpt.warm.verify(ckpt.user, "run.dcp.rank00000", 7).ok
     rec = ckpt._dcp.books.records()[7]
     assert rec.tiers["local"] == State.COMMITTED and rec.tiers["pfs"] == State.VERIFIED
     # the operator's tools see the part as any checkpoint: list and verify
     cfg = Path(ckpt.local.root).parent / "dcp-cli.toml"
     cfg.write_text(
         f'[tiers.local]\nroot = "{ckpt.local.root}"\nrequire_mount = false\nmin_free = 0\n'
-        f'[tiers.pfs]\nroot = "{ckpt.pfs.root}"\n[ledger]\ndir = "{cfg.parent / "ledger"}"\n'
+        f'[tiers.pfs]\nroot = "{ckpt.warm.root}"\n[ledger]\ndir = "{cfg.parent / "ledger"}"\n'
     )
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     cli = [sys.executable, "-m", "slurm_ckpt.cli.main", "--config", str(cfg)]

@@ -20,7 +20,7 @@ def _make(tmp_path: Path, end: List[float]) -> Checkpointer:
         os.makedirs(tmp_path / d, exist_ok=True)
     return Checkpointer(
         local=tmp_path / "local",
-        pfs=tmp_path / "pfs",
+        warm=tmp_path / "pfs",
         key="run",
         interval_steps=10**9,  # no interval save in this test
         install_signals=False,

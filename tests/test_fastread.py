@@ -187,10 +187,10 @@ def test_restored_tensors_are_independent_views(tmp_path: Path) -> None:
     }
     (tmp_path / "l").mkdir()
     (tmp_path / "p").mkdir()
-    ckpt = Checkpointer(local=tmp_path / "l", pfs=tmp_path / "p", key="k", install_signals=False)
+    ckpt = Checkpointer(local=tmp_path / "l", warm=tmp_path / "p", key="k", install_signals=False)
     ckpt.save(state, step=1)
     ckpt.close()
-    again = Checkpointer(local=tmp_path / "l", pfs=tmp_path / "p", key="k", install_signals=False)
+    again = Checkpointer(local=tmp_path / "l", warm=tmp_path / "p", key="k", install_signals=False)
     got = again.restore()
     again.close()
     a = got.state["model"]["a"]

@@ -29,11 +29,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class Site(helper_site.Site):
-    def __init__(self, tmp: Path, keep_pfs: int = 2, every: str = "0", cold: bool = False):
+    def __init__(self, tmp: Path, keep_warm: int = 2, every: str = "0", cold: bool = False):
         super().__init__(
             tmp,
             tiers=("local", "pfs", "cold") if cold else ("local", "pfs"),
-            extra=f'[retention]\nkeep_pfs = {keep_pfs}\nkeep_pfs_every = "{every}"\n',
+            extra=f'[retention]\nkeep_warm = {keep_warm}\nkeep_warm_every = "{every}"\n',
         )
         self.tmp = tmp
         (tmp / "cold").mkdir(exist_ok=True)
@@ -71,7 +71,7 @@ class Site(helper_site.Site):
 
 
 def test_keeps_newest_verified_and_verifies_only_what_it_relies_on(tmp_path: Path) -> None:
-    site = Site(tmp_path, keep_pfs=2)
+    site = Site(tmp_path, keep_warm=2)
     site.save(range(1, 6))
     site.corrupt(1)  # an old, doomed copy: not worth re-hashing, and not re-hashed
     (res,) = run_gc(site.cfg).series
@@ -83,7 +83,7 @@ def test_keeps_newest_verified_and_verifies_only_what_it_relies_on(tmp_path: Pat
 
 
 def test_dry_run_deletes_nothing(tmp_path: Path) -> None:
-    site = Site(tmp_path, keep_pfs=2)
+    site = Site(tmp_path, keep_warm=2)
     site.save(range(1, 6))
     report = run_gc(site.cfg, dry_run=True)
     (res,) = report.series
@@ -94,7 +94,7 @@ def test_dry_run_deletes_nothing(tmp_path: Path) -> None:
 
 
 def test_corrupt_newest_does_not_count_as_verified(tmp_path: Path) -> None:
-    site = Site(tmp_path, keep_pfs=2)
+    site = Site(tmp_path, keep_warm=2)
     site.save(range(1, 6))
     site.corrupt(5)
     (res,) = run_gc(site.cfg).series
@@ -107,7 +107,7 @@ def test_corrupt_newest_does_not_count_as_verified(tmp_path: Path) -> None:
 
 
 def test_damaged_newest_manifest_does_not_count(tmp_path: Path) -> None:
-    site = Site(tmp_path, keep_pfs=2)
+    site = Site(tmp_path, keep_warm=2)
     site.save(range(1, 6))
     mpath = Path(site.pfs.step_path("alice", "run", 5)) / "manifest.json"
     mpath.write_bytes(mpath.read_bytes().replace(b'"size": 2000', b'"size": 2001'))
@@ -118,7 +118,7 @@ def test_damaged_newest_manifest_does_not_count(tmp_path: Path) -> None:
 
 
 def test_never_deletes_the_only_verified_copy(tmp_path: Path) -> None:
-    site = Site(tmp_path, keep_pfs=1)
+    site = Site(tmp_path, keep_warm=1)
     site.save(range(1, 6))
     for step in (2, 3, 4, 5):
         site.corrupt(step)
@@ -129,7 +129,7 @@ def test_never_deletes_the_only_verified_copy(tmp_path: Path) -> None:
 
 
 def test_nothing_verifies_nothing_deleted(tmp_path: Path) -> None:
-    site = Site(tmp_path, keep_pfs=1)
+    site = Site(tmp_path, keep_warm=1)
     site.save(range(1, 4))
     for step in (1, 2, 3):
         site.corrupt(step, name="opt.bin")
@@ -138,7 +138,7 @@ def test_nothing_verifies_nothing_deleted(tmp_path: Path) -> None:
 
 
 def test_pins_are_honoured(tmp_path: Path) -> None:
-    site = Site(tmp_path, keep_pfs=1)
+    site = Site(tmp_path, keep_warm=1)
     site.save(range(1, 6), meta={2: {"pinned": True}})
     (tmp_path / "pfs/alice/run" / pin_name(1)).touch()
     (res,) = run_gc(site.cfg).series
@@ -146,7 +146,7 @@ def test_pins_are_honoured(tmp_path: Path) -> None:
 
 
 def test_window_keepers_verified_when_they_shield_a_deletion(tmp_path: Path) -> None:
-    site = Site(tmp_path, keep_pfs=1, every="100s")
+    site = Site(tmp_path, keep_warm=1, every="100s")
     wall = {1: 10.0, 2: 20.0, 3: 110.0, 4: 120.0, 5: 210.0, 6: 220.0}
     site.save(range(1, 7), wall=wall)
     policy = policy_from_config(site.cfg)
@@ -164,7 +164,7 @@ def test_window_keepers_verified_when_they_shield_a_deletion(tmp_path: Path) -> 
 
 
 def test_cold_tier_and_archiving_in_progress(tmp_path: Path) -> None:
-    site = Site(tmp_path, keep_pfs=1, cold=True)
+    site = Site(tmp_path, keep_warm=1, cold=True)
     site.save(range(1, 5))
     for step in range(1, 4):  # real copies on the cold tier: identical manifests
         copy_checkpoint(site.pfs, site.cold, "alice", "run", step)
@@ -188,7 +188,7 @@ def test_a_next_tier_copy_counts_only_when_identical_and_verifying(tmp_path: Pat
     """What the cold tier merely lists is no reason to drop the PFS copy: a step written
     there independently (other manifest bytes) is still owed, and so is an identical
     copy that no longer verifies; the PFS keeps both."""
-    site = Site(tmp_path, keep_pfs=1, cold=True)
+    site = Site(tmp_path, keep_warm=1, cold=True)
     site.save([1], wall={1: 1000.0})
     site.save([2], wall={2: 90000.0})
     site.save([3])
@@ -207,7 +207,7 @@ def test_a_next_tier_copy_counts_only_when_identical_and_verifying(tmp_path: Pat
 
 
 def test_user_and_key_filters(tmp_path: Path) -> None:
-    site = Site(tmp_path, keep_pfs=1)
+    site = Site(tmp_path, keep_warm=1)
     site.save(range(1, 4))
     site.save(range(1, 4), key="other")
     site.save(range(1, 4), user="bob")
@@ -228,7 +228,7 @@ def test_plan_series_replans_after_each_failure() -> None:
         return step not in bad
 
     deletions, results = plan_series(
-        infos, 100.0, RetentionPolicy(keep_pfs=2, keep_pfs_every_s=0), verify
+        infos, 100.0, RetentionPolicy(keep_warm=2, keep_warm_every_s=0), verify
     )
     # The two newest that verify are 5 and 3. 7 and 6 fail but are newer than 5, so the
     # policy keeps them; 4 fails and is older than 5, so it may go.
@@ -238,7 +238,7 @@ def test_plan_series_replans_after_each_failure() -> None:
 
 
 def test_cli_dry_run_json_then_text(tmp_path: Path) -> None:
-    site = Site(tmp_path, keep_pfs=2)
+    site = Site(tmp_path, keep_warm=2)
     site.save(range(1, 5))
     r = ckpt_slurm("gc", "--dry-run", "--json", config=site.cfg_path)
     assert r.returncode == 0, r.stderr
@@ -257,7 +257,7 @@ def test_cli_dry_run_json_then_text(tmp_path: Path) -> None:
 
 @pytest.mark.root
 def test_failed_deletion_is_reported_with_exit_1(tmp_path: Path) -> None:
-    site = Site(tmp_path, keep_pfs=1)
+    site = Site(tmp_path, keep_warm=1)
     site.save(range(1, 4))
     stuck = Path(site.pfs.step_path("alice", "run", 1))
     subprocess.run(["chattr", "+i", str(stuck)], check=True)  # even root cannot unlink in it

@@ -34,7 +34,7 @@ def make_ckpt(tmp_path: Path, **kw: Any) -> Checkpointer:
         os.makedirs(tmp_path / d, exist_ok=True)
     kw.setdefault("install_signals", False)
     kw.setdefault("end_time_fn", None)
-    return Checkpointer(local=tmp_path / "local", pfs=tmp_path / "pfs", key="lazy", **kw)
+    return Checkpointer(local=tmp_path / "local", warm=tmp_path / "pfs", key="lazy", **kw)
 
 
 def objects(seed: int = 0) -> Tuple[Any, Any, Any, Any]:
@@ -240,7 +240,7 @@ KILLED = textwrap.dedent(
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 256)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ck = Checkpointer(local={local!r}, pfs={pfs!r}, key="lazy", install_signals=False,
+    ck = Checkpointer(local={local!r}, warm={pfs!r}, key="lazy", install_signals=False,
                       end_time_fn=None)
     tc = sct.TorchCheckpointer(ck, model, opt)
     model(torch.randn(4, 256)).sum().backward(); opt.step()
@@ -273,3 +273,118 @@ def test_sigkill_during_the_drain_leaves_nothing_committed(tmp_path):
     got = ck.restore()
     ck.close()
     assert got is not None and got.step == 1
+
+
+# ------------------------------------------------------------ composing with the rest
+class Events:
+    """The Checkpointer's event hook: records names and lets a test wait for one."""
+
+    def __init__(self) -> None:
+        self.names: list = []
+        self._cv = threading.Condition()
+
+    def __call__(self, name: str, info: Dict[str, Any]) -> None:
+        with self._cv:
+            self.names.append(name)
+            self._cv.notify_all()
+
+    def wait_for(self, name: str) -> None:
+        with self._cv:
+            assert self._cv.wait_for(lambda: name in self.names, WAIT), name
+
+
+def test_close_with_the_copy_pending_commits_the_values_at_save(tmp_path):
+    """close() right after save(): it waits for the background copy, then commits the
+    values of save() time, although the optimizer stepped in between."""
+    model, opt, sched, scaler = objects(7)
+    step(model, opt, sched, scaler)
+    ck = make_ckpt(tmp_path)
+    tc = sct.TorchCheckpointer(ck, model, opt, sched, scaler)
+    gate = Gate(ck)
+    want = expected_state(model, opt, sched, scaler)
+    assert tc.save(step=1).deferred_bytes > 0
+    assert gate.entered.wait(WAIT)
+    stepper = threading.Thread(target=step, args=(model, opt, sched, scaler))
+    stepper.start()
+    closer = threading.Thread(target=tc.close)
+    closer.start()
+    gate.opened.set()
+    stepper.join(WAIT)
+    closer.join(WAIT)
+    assert not stepper.is_alive() and not closer.is_alive()
+    assert ck.stats.committed == 1 and ck.stats.failures == 0
+    assert_same(want, restored_state(tmp_path, 1))
+
+
+def test_signal_save_at_the_step_boundary_is_lazy_and_exact(tmp_path):
+    """SIGTERM mid-loop: should_save() says so at the next boundary, the save is a
+    preemption save with a deferred copy, the optimizer steps at once, and the
+    checkpoint (flushed to the warm tier at close) holds the values of save() time."""
+    model, opt, sched, scaler = objects(8)
+    ck = make_ckpt(tmp_path, install_signals=True, interval_steps=1000)
+    tc = sct.TorchCheckpointer(ck, model, opt, sched, scaler)
+    want, at = None, -1
+    try:
+        for s in range(20):
+            step(model, opt, sched, scaler)
+            if s == 4:
+                os.kill(os.getpid(), signal.SIGTERM)  # handled: sets the flag only
+            if tc.should_save(step=s):
+                want, at = expected_state(model, opt, sched, scaler), s
+                assert tc.save(step=s).deferred_bytes > 0
+                step(model, opt, sched, scaler)  # at once: waits for the copy
+                break
+    finally:
+        stats = tc.close()
+    assert want is not None and at == 4
+    assert tc.preempted and stats.committed == 1 and stats.failures == 0
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers put back
+    warm = make_ckpt(tmp_path)
+    got = warm.restore(tiers=["pfs"])  # the preemption save was flushed at close
+    warm.close()
+    assert got is not None and got.step == 4
+    assert_same(want, restored_state(tmp_path, 4))
+
+
+def test_a_save_while_the_copy_drains_waits_and_is_reported_never_skipped(tmp_path):
+    """The copy cannot keep up (held by the gate): the next save waits for it, says so
+    (a backpressure event and the stats' wait time), and both checkpoints commit."""
+    model, opt, sched, scaler = objects(9)
+    step(model, opt, sched, scaler)
+    ev = Events()
+    ck = make_ckpt(tmp_path, on_event=ev)
+    tc = sct.TorchCheckpointer(ck, model, opt, sched, scaler)
+    gate = Gate(ck)
+    tc.save(step=1)
+    assert gate.entered.wait(WAIT)
+    want: Dict[str, Any] = {}
+
+    def second() -> None:
+        want["s"] = expected_state(model, opt, sched, scaler)  # no step in between
+        tc.save(step=2)
+
+    t = threading.Thread(target=second)
+    t.start()
+    ev.wait_for("backpressure_wait")
+    assert "snapshot_start" not in ev.names[ev.names.index("backpressure_wait") :]
+    gate.opened.set()
+    t.join(WAIT)
+    assert not t.is_alive()
+    stats = tc.close()
+    assert stats.committed == 2 and stats.failures == 0 and stats.wait_s > 0
+    assert_same(want["s"], restored_state(tmp_path, 2))
+
+
+def test_a_state_over_the_staging_limit_is_written_synchronously_and_exact(tmp_path):
+    """Memory stays bounded: a state larger than the staging limit is not deferred into
+    unbounded buffers; it is written synchronously (a logged warning), still exact."""
+    model, opt, sched, scaler = objects(10)
+    step(model, opt, sched, scaler)
+    ck = make_ckpt(tmp_path, staging_memory_limit=64 * 1024)
+    tc = sct.TorchCheckpointer(ck, model, opt, sched, scaler)
+    want = expected_state(model, opt, sched, scaler)
+    saved = tc.save(step=1)
+    assert saved.synchronous and saved.deferred_bytes == 0
+    step(model, opt, sched, scaler)
+    tc.close()
+    assert_same(want, restored_state(tmp_path, 1))

@@ -443,7 +443,7 @@ def test_to_local_info_feeds_the_planner(led):
     for step in (1, 2, 3):
         led.mark("alice", "run1", step, "pfs", State.VERIFIED)
     infos = [r.to_local_info() for r in led.records(user="alice", key="run1")]
-    assert [i.pfs_verified for i in infos] == [True, True, True, False, False]
+    assert [i.warm_verified for i in infos] == [True, True, True, False, False]
     assert plan_local_deletions(infos, RetentionPolicy(keep_local=0)) == [1, 2, 3]
 
 
@@ -453,7 +453,7 @@ def test_to_local_info_feeds_the_planner(led):
 def test_reconcile_rebuilds_an_empty_ledger(led):
     counts = led.reconcile(
         local_steps=[("alice", "run1", 10, 111), ("alice", "run1", 20, 222)],
-        pfs_verified_steps=[("alice", "run1", 10, 111), ("carol", "x", 5, 1)],
+        warm_verified_steps=[("alice", "run1", 10, 111), ("carol", "x", 5, 1)],
     )
     assert counts == {"added": 2, "fixed": 0, "pruned": 0}
     r10, r20 = led.records()
@@ -488,7 +488,7 @@ def test_reconcile_fixes_and_prunes(led):
     )
     counts = led.reconcile(
         local_steps=[("alice", "run1", s, 1000) for s in (2, 3, 4)],
-        pfs_verified_steps=[("alice", "run1", 3, 1000)],
+        warm_verified_steps=[("alice", "run1", 3, 1000)],
     )
     assert counts == {"added": 0, "fixed": 2, "pruned": 3}
     by = {r.step: r for r in led.records()}
@@ -861,7 +861,8 @@ def test_status_summary(led, clock):
     assert st["failures"] == {"pfs_io": 1}
     assert st["jobs"]["11"]["pending"] == 3 and st["jobs"]["11"]["pending_bytes"] == 600
     assert st["jobs"]["11"]["in_flight"] == 1 and st["jobs"]["11"]["failed"] == 1
-    assert st["jobs"]["22"]["latest_pfs_verified_step"] == 4
+    assert st["jobs"]["22"]["latest_warm_verified_step"] == 4
+    assert st["jobs"]["22"]["latest_pfs_verified_step"] == 4  # the old name, one release
     assert st["jobs"]["22"]["keys"] == ["alice/run2"]
     assert st["extra"] == {"stager": "up"}
 

@@ -96,7 +96,7 @@ def _args(tiers: Tuple[Path, Path], *more: str) -> List[str]:
 def _checkpointer(tiers: Tuple[Path, Path]) -> Checkpointer:
     local, pfs = tiers
     return Checkpointer(
-        local=local, pfs=pfs, key="lit", install_signals=False, rank=0, world_size=1
+        local=local, warm=pfs, key="lit", install_signals=False, rank=0, world_size=1
     )
 
 
@@ -138,8 +138,8 @@ def test_sigterm_mid_epoch_resumes_bitwise_from_the_pfs(
     assert pre >= 13 and max(run.batches()) == pre  # saved at the step it stopped at
     assert run.values("SAVED") == [10, pre]
     with _checkpointer(tiers) as ckpt:  # after the job: verified on the PFS
-        assert ckpt.pfs.verify(ckpt.user, ckpt.shard_key, pre).ok
-        assert ckpt.pfs.verify(ckpt.user, ckpt.shard_key, 10).ok
+        assert ckpt.warm.verify(ckpt.user, ckpt.shard_key, pre).ok
+        assert ckpt.warm.verify(ckpt.user, ckpt.shard_key, 10).ok
         user = ckpt.user
     local, _ = tiers
     shutil.rmtree(local / user)  # another node: nothing local
@@ -183,7 +183,7 @@ def test_sigusr1_under_slurm_one_owner_and_no_save_in_the_handler(
     assert not list(tmp_path.rglob("hpc_ckpt_*")), "Lightning saved inside its handler"
     assert not trip.exists(), f"Lightning ran scontrol {trip.read_text()}"
     with _checkpointer(tiers) as ckpt:
-        assert ckpt.pfs.verify(ckpt.user, ckpt.shard_key, pre).ok
+        assert ckpt.warm.verify(ckpt.user, ckpt.shard_key, pre).ok
     _resume_and_finish(tiers, tmp_path, reference, pre, "local")
 
 
@@ -209,9 +209,9 @@ def test_resume_from_an_epoch_end_and_the_retention_owns_deletion(
         assert path is not None and ckpt.restored is not None and ckpt.restored.step == 24
         io.remove_checkpoint(path)
         assert Path(path).is_file()
-        for tier in (ckpt.local, ckpt.pfs):
+        for tier in (ckpt.local, ckpt.warm):
             assert tier.verify(ckpt.user, ckpt.shard_key, 24).ok
-        assert ckpt.pfs.verify(ckpt.user, ckpt.shard_key, 8).ok  # rotated out by Lightning
+        assert ckpt.warm.verify(ckpt.user, ckpt.shard_key, 8).ok  # rotated out by Lightning
     _resume_and_finish(tiers, tmp_path, reference, 24, "local")
 
 
@@ -239,7 +239,7 @@ def test_ddp_two_processes_sigterm_past_the_first_epoch_resumes_bitwise(
     assert 14 <= pre < 36 and run.values("SAVED") == [10, pre]
     assert max(run.batches(0)) == max(run.batches(1)) == pre
     with _checkpointer(tiers) as ckpt:
-        assert ckpt.pfs.verify(ckpt.user, ckpt.shard_key, pre).ok
+        assert ckpt.warm.verify(ckpt.user, ckpt.shard_key, pre).ok
     again = LightningProc(_args(tiers, *ddp), tmp_path)
     try:
         for _ in range(2):  # each rank restores the same step
@@ -261,7 +261,7 @@ def test_a_multi_part_checkpointer_is_refused(tmp_path: Path) -> None:
     (tmp_path / "l").mkdir()
     (tmp_path / "p").mkdir()
     ckpt = Checkpointer(
-        local=tmp_path / "l", pfs=tmp_path / "p", key="k", install_signals=False, rank=1,
+        local=tmp_path / "l", warm=tmp_path / "p", key="k", install_signals=False, rank=1,
         world_size=2,
     )  # fmt: skip
     try:
@@ -280,7 +280,7 @@ def test_model_parallel_is_routed_to_the_dcp_backend(tmp_path: Path) -> None:
     (tmp_path / "l").mkdir()
     (tmp_path / "p").mkdir()
     with Checkpointer(
-        local=tmp_path / "l", pfs=tmp_path / "p", key="k", install_signals=False
+        local=tmp_path / "l", warm=tmp_path / "p", key="k", install_signals=False
     ) as ckpt:
         io = SlurmCheckpointIO(ckpt)
         trainer = pl.Trainer(

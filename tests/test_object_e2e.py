@@ -78,7 +78,7 @@ def site(tmp_path: Path, mounts, s3_server):
                 "tiers": tiers,
                 "ledger": {"dir": str(tmp_path / "ledger")},
                 "copy": {"chunk_size": "1MiB", "streams": 4, "buffer_size": "256KiB"},
-                "retention": {"keep_local": 1, "keep_pfs": 1, "keep_pfs_every": 0},
+                "retention": {"keep_local": 1, "keep_warm": 1, "keep_warm_every": 0},
             }
         )
 
@@ -233,7 +233,7 @@ def test_a_full_object_store_leaves_the_pfs_copy_alone(site, s3_server) -> None:
     assert not report.ok
     errors = [e for a in report.aged for e in a.errors]
     assert errors and all("HTTP 500" in e and "\n" not in e for e in errors), errors
-    # keep_pfs=1, but both are still owed to the object store: neither is dropped.
+    # keep_warm=1, but both are still owed to the object store: neither is dropped.
     assert steps(cfg)["pfs"] == [1, 2] and steps(cfg)["object"] == [], report.to_dict()
     tiers = tiers_from_config(cfg)
     assert all(tiers["pfs"].verify(USER, KEY, s).ok for s in (1, 2))
@@ -241,7 +241,7 @@ def test_a_full_object_store_leaves_the_pfs_copy_alone(site, s3_server) -> None:
     report = run_gc(cfg, as_owner=False)
     assert report.ok, report.to_dict()
     assert report.aged[0].copied == [1, 2]
-    # Both arrived (verified there); then retention (keep_pfs=1) applies to each tier.
+    # Both arrived (verified there); then retention (keep_warm=1) applies to each tier.
     assert steps(cfg)["pfs"] == [2] and steps(cfg)["object"] == [2]
 
 

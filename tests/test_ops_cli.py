@@ -88,7 +88,7 @@ def state_for(step: int) -> Dict[str, Any]:
 def _save_with_checkpointer(local: str, pfs: str, steps: List[int], torch: bool = False) -> None:
     from slurm_ckpt.job import Checkpointer
 
-    ckpt = Checkpointer(local=local, pfs=pfs, key="run", install_signals=False, end_time_fn=None)
+    ckpt = Checkpointer(local=local, warm=pfs, key="run", install_signals=False, end_time_fn=None)
     for s in steps:
         st: Dict[str, Any] = state_for(s)
         if torch:

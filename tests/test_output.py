@@ -30,7 +30,7 @@ def make(tmp_path: Path, **kw: Any) -> Checkpointer:
     os.makedirs(pfs, exist_ok=True)
     kw.setdefault("install_signals", False)
     kw.setdefault("end_time_fn", None)
-    return Checkpointer(local=local, pfs=pfs, key=kw.pop("key", "run"), **kw)
+    return Checkpointer(local=local, warm=pfs, key=kw.pop("key", "run"), **kw)
 
 
 def write_tree(path: Path, seed: int) -> Dict[str, bytes]:
@@ -61,7 +61,7 @@ def test_output_commits_flushes_and_restores(tmp_path: Path) -> None:
         want = write_tree(path, 10)
         want["optim.pt"] = (path / "optim.pt").read_bytes()
     ckpt.close()
-    for tier in (ckpt.local, ckpt.pfs):
+    for tier in (ckpt.local, ckpt.warm):
         (info,) = tier.steps(ckpt.user, ckpt.shard_key)
         assert info.step == 10 and info.manifest.tokens == 1000
         assert info.manifest.meta["state_format"] == DIR_FORMAT
@@ -72,7 +72,7 @@ def test_output_commits_flushes_and_restores(tmp_path: Path) -> None:
     assert torch.load(got / "optim.pt", weights_only=True)["w"].tolist() == [10.0] * 4
     assert again.restored is not None and again.restored.tokens == 1000
     assert again.restore() is None  # not a save() state: skipped, and kept
-    assert again.pfs.verify(again.user, again.shard_key, 10).ok
+    assert again.warm.verify(again.user, again.shard_key, 10).ok
     again.close()
 
 
@@ -83,7 +83,7 @@ def test_output_body_that_raises_commits_nothing(tmp_path: Path) -> None:
         raise RuntimeError("framework failed mid-save")
     ckpt.close()
     assert ckpt.local.steps(ckpt.user, ckpt.shard_key) == []
-    assert ckpt.pfs.steps(ckpt.user, ckpt.shard_key) == []
+    assert ckpt.warm.steps(ckpt.user, ckpt.shard_key) == []
     assert os.listdir(tmp_path / "local" / ckpt.user / ckpt.shard_key) == []  # no debris
     assert make(tmp_path).restore_path() is None
 
@@ -110,7 +110,7 @@ def test_adopt_survives_the_frameworks_rotation(tmp_path: Path) -> None:
         p.unlink() if p.is_file() else p.rmdir()
     src.rmdir()
     ckpt.close()
-    assert ckpt.pfs.verify(ckpt.user, ckpt.shard_key, 500).ok
+    assert ckpt.warm.verify(ckpt.user, ckpt.shard_key, 500).ok
     step_dir = Path(ckpt.local.location(ckpt.user, ckpt.shard_key, 500))
     assert all(p.stat().st_nlink == 1 for p in step_dir.rglob("*") if p.is_file())
     got = make(tmp_path).restore_path()
@@ -126,7 +126,7 @@ def test_adopt_copies_apart_while_the_framework_keeps_its_files(tmp_path: Path) 
     assert read_tree(src)["model.bin"] == want["model.bin"]  # the framework's copy untouched
     assert all(p.stat().st_nlink == 1 for p in src.rglob("*") if p.is_file())
     assert ckpt.local.verify(ckpt.user, ckpt.shard_key, 7).ok
-    assert ckpt.pfs.verify(ckpt.user, ckpt.shard_key, 7).ok
+    assert ckpt.warm.verify(ckpt.user, ckpt.shard_key, 7).ok
 
 
 def test_adopt_fails_when_the_framework_rewrites_a_file_in_place(tmp_path: Path) -> None:
@@ -245,14 +245,14 @@ def test_restore_keeps_a_verified_copy_that_is_not_a_state(tmp_path: Path) -> No
     ``torch.save`` file as "corrupt", and no flush ever put it back."""
     ckpt = make(tmp_path)
     user, key = ckpt.user, ckpt.shard_key
-    w = ckpt.pfs.writer(user, key, 5, meta={"rank": 0, "world_size": 1})
+    w = ckpt.warm.writer(user, key, 5, meta={"rank": 0, "world_size": 1})
     with w, w.open_stream("model.pt") as f:
         torch.save({"w": torch.arange(8)}, f)
     ckpt.close()
     r = make(tmp_path)
     assert r.restore() is None
-    steps: List[int] = [i.step for i in r.pfs.steps(user, key)]
-    assert steps == [5] and r.pfs.verify(user, key, 5).ok
+    steps: List[int] = [i.step for i in r.warm.steps(user, key)]
+    assert steps == [5] and r.warm.verify(user, key, 5).ok
     r.close()
 
 
@@ -269,7 +269,7 @@ def test_restore_takes_the_newest_state_and_restore_path_the_newest_directory(
     assert got is not None and got.step == 1 and torch.equal(got.state["model"]["w"], torch.ones(3))
     p = r.restore_path()
     assert p is not None and (p / "x").read_bytes() == b"dir"
-    for tier in (r.local, r.pfs):
+    for tier in (r.local, r.warm):
         assert [i.step for i in tier.steps(r.user, r.shard_key)] == [1, 2]
     r.close()
 
@@ -299,7 +299,7 @@ def test_preemption_pending_until_the_directory_save_is_taken(tmp_path: Path) ->
         assert not ckpt.preemption_pending and ckpt.preempted
     finally:
         ckpt.close()
-    assert ckpt.pfs.verify(ckpt.user, ckpt.shard_key, 4).ok  # the preemption save: flushed
+    assert ckpt.warm.verify(ckpt.user, ckpt.shard_key, 4).ok  # the preemption save: flushed
 
 
 def test_restore_path_from_the_pfs_only_keeps_a_sound_local_copy(tmp_path: Path) -> None:
@@ -360,7 +360,7 @@ local, pfs, src = sys.argv[1:4]
 # No ledger (a supported mode): its own crash points are proven elsewhere, and these
 # runs enumerate the checkpoint's.
 c = Checkpointer(
-    local=local, pfs=pfs, key="run", install_signals=False, end_time_fn=None,
+    local=local, warm=pfs, key="run", install_signals=False, end_time_fn=None,
     ledger_dir="/dev/null/no-ledger",
 )
 with c.output(step=1) as p:  # written in place
@@ -426,7 +426,7 @@ def test_a_kill_at_any_point_of_output_or_adopt_commits_whole_or_nothing(
 def test_restore_path_from_a_tier_that_does_not_exist_raises(tmp_path: Path) -> None:
     """As restore(tiers=["nvme"]): a tier name that is not configured is a one-line error,
     never a silent None (which reads as "no checkpoint")."""
-    ck = Checkpointer(local=tmp_path / "l", pfs=tmp_path / "p", key="run", install_signals=False)
+    ck = Checkpointer(local=tmp_path / "l", warm=tmp_path / "p", key="run", install_signals=False)
     try:
         with pytest.raises(CkptError, match="nvme"):
             ck.restore_path(tiers=["nvme"])

@@ -54,7 +54,7 @@ def node(tmp: Path, name: str, rank: int, **kw: Any) -> Checkpointer:
     kw.setdefault("partner", True)
     return Checkpointer(
         local=tmp / name / "local",
-        pfs=tmp / "pfs",
+        warm=tmp / "pfs",
         key=KEY,
         rank=rank,
         world_size=2,
@@ -228,7 +228,7 @@ def test_one_rank_has_no_partner(tmp_path: Path, world: int) -> None:
     (tmp_path / "p").mkdir()
     c = Checkpointer(
         local=tmp_path / "l",
-        pfs=tmp_path / "p",
+        warm=tmp_path / "p",
         key=KEY,
         rank=0,
         world_size=world,

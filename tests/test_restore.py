@@ -33,7 +33,7 @@ def make(root: Path, local: Optional[Path] = None, **kw: Any) -> Checkpointer:
     (root / "pfs").mkdir(parents=True, exist_ok=True)
     kw.setdefault("install_signals", False)
     kw.setdefault("end_time_fn", None)
-    return Checkpointer(local=local, pfs=root / "pfs", key=kw.pop("key", "run"), **kw)
+    return Checkpointer(local=local, warm=root / "pfs", key=kw.pop("key", "run"), **kw)
 
 
 def save_steps(root: Path, steps: List[int], **kw: Any) -> Checkpointer:
@@ -226,7 +226,7 @@ def test_training_back_over_an_abandoned_step_replaces_it(tmp_path: Path) -> Non
     again = make(tmp_path)
     got = again.restore()
     assert (got.step, got.state["optimizer"]["step"]) == (2, 222)
-    assert again.pfs.verify(again.user, "run", 2).ok
+    assert again.warm.verify(again.user, "run", 2).ok
     again.close()
 
 
@@ -337,7 +337,7 @@ def test_multi_rank_per_node_local_tiers_agree_on_the_pfs(tmp_path: Path) -> Non
     _run(_rank_save, [(str(tmp_path), r, world, [1, 2, 3], True) for r in range(world)])
     # Rank 0's flush of step 3 never happened (node lost before the copy).
     ckpt = make(tmp_path, local=tmp_path / "node0", key="job", rank=0, world_size=world)
-    ckpt.pfs.delete(ckpt.user, "job.rank00000", 3)
+    ckpt.warm.delete(ckpt.user, "job.rank00000", 3)
     ckpt.close()
     got = _restore_all(tmp_path, world, per_node=True, agree=False)
     assert {r: got[r][0] for r in range(world)} == {0: 2, 1: 2, 2: 2}
@@ -386,8 +386,8 @@ def test_a_rotten_pfs_copy_is_uncommitted_so_a_good_local_copy_is_flushed_again(
     b = make(tmp_path, local=tmp_path / "local-b")
     check(b.restore(), 1, "pfs")
     b.close()
-    assert [s.step for s in b.pfs.steps(b.user, "run")] == [1]
+    assert [s.step for s in b.warm.steps(b.user, "run")] == [1]
     a = make(tmp_path)
-    res = copy_checkpoint(a.local, a.pfs, a.user, "run", 2)
-    assert not res.already_present and a.pfs.verify(a.user, "run", 2).ok
+    res = copy_checkpoint(a.local, a.warm, a.user, "run", 2)
+    assert not res.already_present and a.warm.verify(a.user, "run", 2).ok
     a.close()

@@ -13,7 +13,7 @@ from slurm_ckpt.core.retention import (
     RetentionPolicy,
     needs_flush,
     plan_local_deletions,
-    plan_pfs_deletions,
+    plan_warm_deletions,
     selected_for_flush,
 )
 from slurm_ckpt.errors import CkptError, ConfigError
@@ -31,7 +31,7 @@ def local(step, *, seq=None, sel=True, forced=False, pinned=False, pfs=False, t=
         forced=forced,
         pinned=pinned,
         verified=True,
-        pfs_verified=pfs,
+        warm_verified=pfs,
     )
 
 
@@ -51,7 +51,7 @@ def pfs(step, t, *, verified=True, pinned=False, nxt=None):
 
 def test_policy_defaults():
     p = RetentionPolicy()
-    assert (p.keep_local, p.flush_every, p.keep_pfs, p.keep_pfs_every_s) == (2, 1, 3, DAY)
+    assert (p.keep_local, p.flush_every, p.keep_warm, p.keep_warm_every_s) == (2, 1, 3, DAY)
 
 
 @pytest.mark.parametrize(
@@ -60,13 +60,13 @@ def test_policy_defaults():
         {"keep_local": -1},
         {"flush_every": 0},
         {"flush_every": -3},
-        {"keep_pfs": -1},
-        {"keep_pfs_every_s": -1.0},
-        {"keep_pfs_every_s": float("nan")},
+        {"keep_warm": -1},
+        {"keep_warm_every_s": -1.0},
+        {"keep_warm_every_s": float("nan")},
         {"keep_local": 1.5},
         {"keep_local": True},
         {"flush_every": "2"},
-        {"keep_pfs_every_s": "1d"},
+        {"keep_warm_every_s": "1d"},
     ],
 )
 def test_policy_rejects_bad_values(kwargs):
@@ -78,8 +78,8 @@ def test_policy_rejects_bad_values(kwargs):
 
 
 def test_policy_accepts_edge_values():
-    RetentionPolicy(keep_local=0, flush_every=1, keep_pfs=0, keep_pfs_every_s=0)
-    RetentionPolicy(keep_pfs_every_s=math.inf)
+    RetentionPolicy(keep_local=0, flush_every=1, keep_warm=0, keep_warm_every_s=0)
+    RetentionPolicy(keep_warm_every_s=math.inf)
     RetentionPolicy(flush_every=10**9)
 
 
@@ -115,7 +115,7 @@ def test_needs_flush_honours_forced():
 
 def test_ckptinfo_defaults_are_cautious():
     info = CkptInfo(step=5)
-    assert info.selected_for_flush and not info.verified and not info.pfs_verified
+    assert info.selected_for_flush and not info.verified and not info.warm_verified
     # Default-built entries are never deleted from local (not flushed yet).
     assert plan_local_deletions([CkptInfo(step=s) for s in range(5)], RetentionPolicy(0)) == []
 
@@ -143,7 +143,7 @@ def test_local_not_selected_goes_once_superseded():
 def test_local_forced_is_protected_until_verified():
     infos = [local(1, sel=False, forced=True), local(2, sel=False), local(3, sel=False)]
     assert plan_local_deletions(infos, RetentionPolicy(keep_local=1)) == [2]
-    infos[0].pfs_verified = True
+    infos[0].warm_verified = True
     assert plan_local_deletions(infos, RetentionPolicy(keep_local=1)) == [1, 2]
 
 
@@ -156,7 +156,7 @@ def test_local_keep_zero_still_protects_pending_flush():
     infos = [local(s, pfs=False) for s in range(5)]
     assert plan_local_deletions(infos, RetentionPolicy(keep_local=0)) == []
     for i in infos:
-        i.pfs_verified = True
+        i.warm_verified = True
     assert plan_local_deletions(infos, RetentionPolicy(keep_local=0)) == [0, 1, 2, 3, 4]
 
 
@@ -197,7 +197,7 @@ def test_pfs_keeps_newest_n_and_one_per_window():
     # Four checkpoints a day for 5 days, all verified.
     infos = [pfs(d * 4 + k, d * DAY + k * 6 * 3600.0) for d in range(5) for k in range(4)]
     now = 5 * DAY
-    doomed = plan_pfs_deletions(infos, now, RetentionPolicy(keep_pfs=3, keep_pfs_every_s=DAY))
+    doomed = plan_warm_deletions(infos, now, RetentionPolicy(keep_warm=3, keep_warm_every_s=DAY))
     kept = sorted({i.step for i in infos} - set(doomed))
     # Oldest of each day (0, 4, 8, 12, 16) + newest three (17, 18, 19).
     assert kept == [0, 4, 8, 12, 16, 17, 18, 19]
@@ -205,56 +205,58 @@ def test_pfs_keeps_newest_n_and_one_per_window():
 
 def test_pfs_windows_disabled():
     infos = [pfs(s, s * 1000.0) for s in range(10)]
-    doomed = plan_pfs_deletions(infos, 1e6, RetentionPolicy(keep_pfs=2, keep_pfs_every_s=0))
+    doomed = plan_warm_deletions(infos, 1e6, RetentionPolicy(keep_warm=2, keep_warm_every_s=0))
     assert doomed == list(range(8))
 
 
 def test_pfs_infinite_window_keeps_the_oldest_verified():
     infos = [pfs(s, s * 1000.0) for s in range(10)]
-    doomed = plan_pfs_deletions(infos, 1e6, RetentionPolicy(keep_pfs=1, keep_pfs_every_s=math.inf))
+    doomed = plan_warm_deletions(
+        infos, 1e6, RetentionPolicy(keep_warm=1, keep_warm_every_s=math.inf)
+    )
     assert doomed == list(range(1, 9))
 
 
 def test_pfs_window_choice_is_stable_as_new_checkpoints_arrive():
-    pol = RetentionPolicy(keep_pfs=1, keep_pfs_every_s=DAY)
+    pol = RetentionPolicy(keep_warm=1, keep_warm_every_s=DAY)
     infos = []
     first_of_window = {}
     for s in range(40):
         t = s * 3 * 3600.0  # every 3 hours: 8 per day
         first_of_window.setdefault(math.floor(t / DAY), s)
         infos.append(pfs(s, t))
-        doomed = plan_pfs_deletions(infos, t + 1, pol)
+        doomed = plan_warm_deletions(infos, t + 1, pol)
         # The oldest checkpoint of a window is never deleted.
         assert not set(doomed) & set(first_of_window.values())
         infos = [i for i in infos if i.step not in doomed]  # apply, as the GC would
         # What survives: the first of each window plus the newest one.
         assert [i.step for i in infos] == sorted(set(first_of_window.values()) | {s})
         # Planning again right away deletes nothing: no churn.
-        assert plan_pfs_deletions(infos, t + 1, pol) == []
+        assert plan_warm_deletions(infos, t + 1, pol) == []
 
 
 def test_pfs_keep_zero_still_keeps_newest_verified():
     infos = [pfs(s, s * 10.0) for s in range(5)]
-    doomed = plan_pfs_deletions(infos, 1e6, RetentionPolicy(keep_pfs=0, keep_pfs_every_s=0))
+    doomed = plan_warm_deletions(infos, 1e6, RetentionPolicy(keep_warm=0, keep_warm_every_s=0))
     assert doomed == [0, 1, 2, 3]
 
 
 def test_pfs_newest_verified_kept_even_if_newer_ones_are_bad():
     infos = [pfs(1, 10), pfs(2, 20), pfs(3, 30, verified=False), pfs(4, 40, verified=False)]
-    doomed = plan_pfs_deletions(infos, 100, RetentionPolicy(keep_pfs=0, keep_pfs_every_s=0))
+    doomed = plan_warm_deletions(infos, 100, RetentionPolicy(keep_warm=0, keep_warm_every_s=0))
     # 2 is the newest verified; 3 and 4 may still be verifying.
     assert doomed == [1]
 
 
 def test_pfs_old_unverified_copies_may_go():
     infos = [pfs(1, 10, verified=False), pfs(2, 20), pfs(3, 30)]
-    doomed = plan_pfs_deletions(infos, 100, RetentionPolicy(keep_pfs=5, keep_pfs_every_s=0))
+    doomed = plan_warm_deletions(infos, 100, RetentionPolicy(keep_warm=5, keep_warm_every_s=0))
     assert doomed == [1]
 
 
 def test_pfs_nothing_verified_nothing_deleted():
     infos = [pfs(s, s, verified=False) for s in range(5)]
-    assert plan_pfs_deletions(infos, 100, RetentionPolicy(keep_pfs=0, keep_pfs_every_s=0)) == []
+    assert plan_warm_deletions(infos, 100, RetentionPolicy(keep_warm=0, keep_warm_every_s=0)) == []
 
 
 def test_pfs_pinned_and_next_tier_unverified_are_kept():
@@ -265,19 +267,19 @@ def test_pfs_pinned_and_next_tier_unverified_are_kept():
         pfs(4, 40, nxt=None),
         pfs(5, 50),
     ]
-    doomed = plan_pfs_deletions(infos, 100, RetentionPolicy(keep_pfs=1, keep_pfs_every_s=0))
+    doomed = plan_warm_deletions(infos, 100, RetentionPolicy(keep_warm=1, keep_warm_every_s=0))
     assert doomed == [3, 4]
 
 
 def test_pfs_future_commits_are_kept():
     infos = [pfs(1, 10), pfs(2, 5000), pfs(3, 30)]
-    doomed = plan_pfs_deletions(infos, 100, RetentionPolicy(keep_pfs=1, keep_pfs_every_s=0))
+    doomed = plan_warm_deletions(infos, 100, RetentionPolicy(keep_warm=1, keep_warm_every_s=0))
     # 2 is in the future (clock skew): kept. 3 is the newest by step.
     assert doomed == [1]
 
 
 def test_pfs_empty():
-    assert plan_pfs_deletions([], 0.0) == []
+    assert plan_warm_deletions([], 0.0) == []
 
 
 # -- property tests -----------------------------------------------------------------------
@@ -286,8 +288,8 @@ policies = st.builds(
     RetentionPolicy,
     keep_local=st.integers(0, 6),
     flush_every=st.integers(1, 6),
-    keep_pfs=st.integers(0, 6),
-    keep_pfs_every_s=st.one_of(
+    keep_warm=st.integers(0, 6),
+    keep_warm_every_s=st.one_of(
         st.just(0.0), st.just(math.inf), st.floats(1.0, 10 * DAY, allow_nan=False)
     ),
 )
@@ -303,7 +305,7 @@ local_infos = st.lists(
         forced=st.booleans(),
         pinned=st.booleans(),
         verified=st.booleans(),
-        pfs_verified=st.booleans(),
+        warm_verified=st.booleans(),
         next_tier_verified=st.none(),
     ),
     max_size=30,
@@ -320,7 +322,7 @@ pfs_infos = st.lists(
         forced=st.booleans(),
         pinned=st.booleans(),
         verified=st.booleans(),
-        pfs_verified=st.booleans(),
+        warm_verified=st.booleans(),
         next_tier_verified=st.one_of(st.none(), st.booleans()),
     ),
     max_size=30,
@@ -337,7 +339,7 @@ def test_prop_local_invariants(infos, policy):
     for i in infos:
         if i.step in doomed:
             # The rule that cannot be configured away.
-            assert not (needs_flush(i) and not i.pfs_verified)
+            assert not (needs_flush(i) and not i.warm_verified)
             assert not i.pinned
     # The newest keep_local distinct steps survive.
     newest = sorted(steps, reverse=True)[: policy.keep_local]
@@ -345,7 +347,7 @@ def test_prop_local_invariants(infos, policy):
     # Everything not protected and outside the newest keep_local goes.
     for s in steps - set(newest):
         entries = [i for i in infos if i.step == s]
-        protected = any(i.pinned or (needs_flush(i) and not i.pfs_verified) for i in entries)
+        protected = any(i.pinned or (needs_flush(i) and not i.warm_verified) for i in entries)
         assert (s in doomed) == (not protected)
     # Order of the input does not matter.
     assert plan_local_deletions(list(reversed(infos)), policy) == doomed
@@ -357,20 +359,20 @@ def test_prop_local_rule_survives_adversarial_policies(infos, adversarial):
     pol = [
         RetentionPolicy(keep_local=0, flush_every=1),
         RetentionPolicy(keep_local=0, flush_every=10**9),
-        RetentionPolicy(keep_local=0, keep_pfs=0, keep_pfs_every_s=0),
-        RetentionPolicy(keep_local=0, flush_every=2, keep_pfs=0, keep_pfs_every_s=math.inf),
+        RetentionPolicy(keep_local=0, keep_warm=0, keep_warm_every_s=0),
+        RetentionPolicy(keep_local=0, flush_every=2, keep_warm=0, keep_warm_every_s=math.inf),
     ][adversarial]
     doomed = set(plan_local_deletions(infos, pol))
     for i in infos:
-        if needs_flush(i) and not i.pfs_verified:
+        if needs_flush(i) and not i.warm_verified:
             assert i.step not in doomed
 
 
 @settings(max_examples=400, deadline=None)
 @given(infos=pfs_infos, policy=policies, now=st.floats(0, 40 * DAY, allow_nan=False))
 def test_prop_pfs_invariants(infos, policy, now):
-    doomed = set(plan_pfs_deletions(infos, now, policy))
-    assert sorted(doomed) == plan_pfs_deletions(infos, now, policy)
+    doomed = set(plan_warm_deletions(infos, now, policy))
+    assert sorted(doomed) == plan_warm_deletions(infos, now, policy)
     assert doomed <= {i.step for i in infos}
     verified = [i for i in infos if i.verified]
     if verified:
@@ -379,8 +381,8 @@ def test_prop_pfs_invariants(infos, policy, now):
         assert newest.step not in doomed
         # At least one verified checkpoint always survives.
         assert any(i.step not in doomed for i in verified)
-        # The newest keep_pfs verified steps survive.
-        vsteps = sorted({i.step for i in verified}, reverse=True)[: policy.keep_pfs]
+        # The newest keep_warm verified steps survive.
+        vsteps = sorted({i.step for i in verified}, reverse=True)[: policy.keep_warm]
         assert not set(vsteps) & doomed
     for i in infos:
         if i.step in doomed:
@@ -389,9 +391,9 @@ def test_prop_pfs_invariants(infos, policy, now):
             assert i.wall_time <= now
     # Stability: applying the plan and planning again deletes nothing more.
     survivors = [i for i in infos if i.step not in doomed]
-    assert plan_pfs_deletions(survivors, now, policy) == []
+    assert plan_warm_deletions(survivors, now, policy) == []
     # Order of the input does not matter.
-    assert set(plan_pfs_deletions(list(reversed(infos)), now, policy)) == doomed
+    assert set(plan_warm_deletions(list(reversed(infos)), now, policy)) == doomed
 
 
 @settings(max_examples=200, deadline=None)
@@ -408,16 +410,16 @@ def test_prop_pfs_no_churn_over_a_growing_history(policy, gaps):
     for step, gap in enumerate(gaps):
         t += gap
         infos.append(pfs(step, t))
-        doomed = set(plan_pfs_deletions(infos, t, policy))
+        doomed = set(plan_warm_deletions(infos, t, policy))
         assert not doomed & closed_keepers
         infos = [i for i in infos if i.step not in doomed]
-        w = policy.keep_pfs_every_s
+        w = policy.keep_warm_every_s
         if 0 < w < math.inf:
             current = math.floor(t / w)
             for i in infos:
                 if math.floor(i.wall_time / w) < current:
                     # Only window keepers (or still-newest ones) survive in closed windows
-                    # once more than keep_pfs newer checkpoints exist.
+                    # once more than keep_warm newer checkpoints exist.
                     newer = [j for j in infos if j.step > i.step]
-                    if len(newer) >= max(policy.keep_pfs, 1):
+                    if len(newer) >= max(policy.keep_warm, 1):
                         closed_keepers.add(i.step)

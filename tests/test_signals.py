@@ -34,7 +34,7 @@ def make(tmp_path: Path, **kw: Any) -> Checkpointer:
     (tmp_path / "pfs").mkdir(exist_ok=True)
     kw.setdefault("end_time_fn", None)
     kw.setdefault("interval_steps", 10**9)
-    return Checkpointer(local=tmp_path / "local", pfs=tmp_path / "pfs", key="run", **kw)
+    return Checkpointer(local=tmp_path / "local", warm=tmp_path / "pfs", key="run", **kw)
 
 
 STATE = {"model": {"w": np.arange(1000, dtype=np.float32)}, "opt": {"step": 1}}
@@ -64,7 +64,7 @@ def test_signal_sets_a_flag_chains_and_saves_at_the_next_step(tmp_path: Path) ->
     assert ckpt.preempted
     assert not ckpt.should_save(step=3)
     ckpt.close()
-    assert [s.step for s in ckpt.pfs.steps(ckpt.user, "run")] == [2]
+    assert [s.step for s in ckpt.warm.steps(ckpt.user, "run")] == [2]
     r = ckpt.ledger.get(ckpt.user, "run", 2)
     assert r.forced and r.state("pfs") is State.VERIFIED
     # Handlers are put back on close.
@@ -132,7 +132,7 @@ def test_too_little_time_left_leaves_the_flush_to_the_epilog(tmp_path: Path) -> 
     assert stats.left_to_epilog == 1 and stats.flushes == 0
     # Saved locally and committed; the PFS copy is owed, and the ledger says who does it.
     assert [s.step for s in ckpt.local.steps(ckpt.user, "run")] == [5]
-    assert ckpt.pfs.steps(ckpt.user, "run") == []
+    assert ckpt.warm.steps(ckpt.user, "run") == []
     rec = ckpt.ledger.get(ckpt.user, "run", 5)
     assert rec.state("local") is State.COMMITTED
     assert rec.state("pfs") is State.FLUSH_PENDING and rec.error == "left to epilog"

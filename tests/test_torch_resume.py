@@ -479,7 +479,7 @@ def test_corrupt_or_partial_checkpoints_are_never_restored(tmp_path: Path) -> No
 
     def checkpointer() -> Any:
         return Checkpointer(
-            local=local, pfs=pfs, key="tiny", interval_steps=10, install_signals=False
+            local=local, warm=pfs, key="tiny", interval_steps=10, install_signals=False
         )
 
     model, opt, sched, _, scaler = make_objects()

@@ -98,3 +98,11 @@ bytes_sent
 bytes_received
 last_sent_step
 last_received_step
+
+# The deprecated option alias pfs_bandwidth= (kept one release): Checkpointer.__init__
+# passes it on through locals(), and job/options.resolve_aliases reads it with getattr.
+pfs_bandwidth
+
+# The deprecated Python names of retention.keep_warm/keep_warm_every (kept one release
+# for code that reads config.retention.keep_pfs*; tests/test_warm_aliases.py uses them).
+keep_pfs_every

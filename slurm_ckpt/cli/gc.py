@@ -81,8 +81,8 @@ def _gc_columns(dry_run: bool) -> List[Column]:
 def gc_cmd(
     state: CliState, dry_run: bool, user: Optional[str], key: Optional[str], out: OutputFormat
 ) -> int:
-    """Apply retention on the PFS (and cold) tiers: keep the newest retention.keep_pfs
-    checkpoints that verify now, one per retention.keep_pfs_every, and pinned ones.
+    """Apply retention on the PFS (and cold) tiers: keep the newest retention.keep_warm
+    checkpoints that verify now, one per retention.keep_warm_every, and pinned ones.
 
     Damaged step directories (CORRUPT, INCOMPLETE, UNREADABLE, FOREIGN) are reported;
     CORRUPT and INCOMPLETE ones older than a checkpoint that verifies now are reclaimed.

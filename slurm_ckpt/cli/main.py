@@ -210,13 +210,14 @@ def _add_config_option(cmd: click.Command) -> None:
 #: Help of the tier flags (user commands without a site config, :mod:`.sources`).
 TIER_FLAG_HELP = {
     "local": "The local tier's directory (a Checkpointer's local=), instead of a config file.",
-    "pfs": "The warm tier's directory (a Checkpointer's pfs=); with --local.",
+    "warm": "The warm tier's directory (a Checkpointer's warm=); with --local. "
+    "--pfs: its old name (deprecated).",
     "cold": "The cold (archive) tier's directory; with --local.",
 }
 
 
 def _set_tier_root(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> None:
-    """``--local/--pfs/--cold DIR`` of a user command: the tiers without a config file."""
+    """``--local/--warm/--cold DIR`` of a user command: the tiers without a config file."""
     if value is not None:
         state = ctx.find_object(CliState) or ctx.ensure_object(CliState)
         state.tier_roots[str(param.name)] = value
@@ -234,10 +235,10 @@ def _add_tier_flags(cmd: click.Command, words: Tuple[str, ...] = ()) -> None:
         return
     if not is_user_command(words):
         return
-    for flag, tier in TIER_FLAGS:
+    for flags, tier in TIER_FLAGS:
         cmd.params.append(
             click.Option(
-                [flag, tier],
+                [*flags, tier],
                 metavar="DIR",
                 default=None,
                 expose_value=False,

@@ -2,11 +2,11 @@
 
 On a cluster the site config (``/etc/slurm-ckpt/config.toml``, ``$SLURM_CKPT_CONFIG`` or
 ``--config``) names the tiers. A user on a laptop or workstation has none, and their
-checkpoints sit in directories they chose (``Checkpointer(local=..., pfs=...)``). So the
+checkpoints sit in directories they chose (``Checkpointer(local=..., warm=...)``). So the
 *user commands* (:data:`USER_COMMANDS`: ``list``, ``status``, ``restore``, ``drill``,
 ``verify``, ``config show|check``) also take:
 
-* tier flags ``--local DIR [--pfs DIR] [--cold DIR]``: the tiers, no file at all (a local
+* tier flags ``--local DIR [--warm DIR] [--cold DIR]``: the tiers, no file at all (a local
   tier alone is fine: a laptop may have no second disk);
 * a per-user config, ``$XDG_CONFIG_HOME/slurm-ckpt/config.toml`` (default
   ``~/.config/slurm-ckpt/config.toml``), same format as the site's, read only when no site
@@ -55,11 +55,12 @@ USER_COMMANDS = frozenset(
     }
 )
 
-#: The tier flags, as ``(option, tier)``.
-TIER_FLAGS: Tuple[Tuple[str, str], ...] = (
-    ("--local", "local"),
-    ("--pfs", "pfs"),
-    ("--cold", "cold"),
+#: The tier flags, as ``(options, tier)``. ``--pfs`` is the old name of ``--warm``
+#: (deprecated, kept one release).
+TIER_FLAGS: Tuple[Tuple[Tuple[str, ...], str], ...] = (
+    (("--local",), "local"),
+    (("--warm", "--pfs"), "warm"),
+    (("--cold",), "cold"),
 )
 
 
@@ -78,7 +79,7 @@ def is_user_command(words: Sequence[str]) -> bool:
 
 
 def tier_flag_config(roots: Dict[str, str]) -> Config:
-    """A configuration made of tier flags alone (``{"local": DIR, "pfs": DIR, ...}``).
+    """A configuration made of tier flags alone (``{"local": DIR, "warm": DIR, ...}``).
 
     Like :meth:`Config.standalone` (a plain directory as the local tier, no mount or
     free-space demand), but the warm tier is optional: a laptop user may have only the
@@ -91,12 +92,12 @@ def tier_flag_config(roots: Dict[str, str]) -> Config:
     extra: Dict[str, Dict[str, str]] = {}
     if "cold" in roots:
         extra["cold"] = {"root": os.path.abspath(roots["cold"])}
-    pfs = roots.get("pfs")
-    # Config.standalone insists on a warm tier; without --pfs build with a stand-in that
+    warm = roots.get("warm")
+    # Config.standalone insists on a warm tier; without --warm build with a stand-in that
     # is dropped at once (never touched: it overlaps nothing and is removed before use).
-    stand_in = pfs if pfs is not None else os.path.abspath(local).rstrip("/") + ".no-pfs"
+    stand_in = warm if warm is not None else os.path.abspath(local).rstrip("/") + ".no-pfs"
     cfg = Config.standalone(local, stand_in, tiers=extra)
-    if pfs is None:
+    if warm is None:
         cfg = dataclasses.replace(cfg, tiers=dataclasses.replace(cfg.tiers, pfs=None))
     return dataclasses.replace(cfg, source="<tier flags>")
 
@@ -122,7 +123,7 @@ def load_cli_config(
             return load_config(user)
         raise ConfigError(
             f"no config: {DEFAULT_CONFIG_PATH} not found and no {user} (pass --config, "
-            f"set {ENV_CONFIG}, or give the tiers: --local DIR [--pfs DIR])"
+            f"set {ENV_CONFIG}, or give the tiers: --local DIR [--warm DIR])"
         )
     return load_config(None)
 

@@ -32,6 +32,7 @@ from slurm_ckpt.cli.table import (
     plural,
     warn,
 )
+from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.units import format_bytes, format_duration, format_rate
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ops.status import SlurmSnapshot, collect_status, no_slurm
@@ -143,7 +144,7 @@ NODE_COLUMNS = [
 
 def _shared_names(doc: Dict[str, Any]) -> List[str]:
     """The shared tiers the document has, the warm tier first."""
-    warm = doc.get("warm_tier", "pfs")
+    warm = doc.get("warm_tier", PFS)
     names = [warm]
     for j in doc["jobs"]:
         names += [n for n in j["tiers"] if n not in ("local", *names)]

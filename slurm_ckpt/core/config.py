@@ -25,6 +25,7 @@ import os
 import signal
 import stat
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
@@ -48,6 +49,7 @@ from slurm_ckpt.core.config_schema import (  # noqa: F401 - the section classes 
     KIND_STR,
     KIND_URL,
     LEDGER_SUBDIR,
+    PFS,
     PREFIX_RE,
     SECTION_CLASSES,
     STANDALONE_SOURCE,
@@ -161,7 +163,7 @@ class Config:
             }
         }
         if pfs is not None:
-            data["tiers"]["pfs"] = {"root": os.path.abspath(os.fspath(pfs))}
+            data["tiers"][PFS] = {"root": os.path.abspath(os.fspath(pfs))}
         problems: List[str] = []
         for name, value in overrides.items():
             if name not in TOP_KEYS:
@@ -445,10 +447,23 @@ def _parse_section(
         problems.append(f"{src}: {prefix}: expected a table [{prefix}], got {_type_name(data)}")
         return None
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    renamed = {f.metadata["old"]: f.name for f in fields.values() if f.metadata.get("old")}
     kwargs: Dict[str, Any] = {}
     ok = True
     elsewhere = _all_keys()
     for key, value in data.items():
+        if key in renamed:  # a former name, read for one release
+            new = renamed[key]
+            if data.get(new) is not None:
+                problems.append(f"{src}: {prefix}.{key} is the old name of {new}: give one")
+                ok = False
+                continue
+            warnings.warn(
+                f"{src}: {prefix}.{key} is deprecated, say {prefix}.{new}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            key = new
         if key not in fields:
             problems.append(_unknown(src, prefix, str(key), list(fields), elsewhere))
             ok = False
@@ -509,9 +524,9 @@ def _build(data: Mapping[str, Any], src: str) -> Config:
                 # may have no warm tier; a site always has one.
                 no_warm_ok = src == STANDALONE_SOURCE
                 if name == "local" or (
-                    name == "pfs" and tiers_raw.get("object") is None and not no_warm_ok
+                    name == PFS and tiers_raw.get("object") is None and not no_warm_ok
                 ):
-                    hint = " (or [tiers.object] for a site without one)" if name == "pfs" else ""
+                    hint = " (or [tiers.object] for a site without one)" if name == PFS else ""
                     problems.append(f"{src}: [tiers.{name}] is missing (required){hint}")
                 continue
             tiers_objs[name] = _parse_section(cls, raw, src, f"tiers.{name}", problems)
@@ -536,7 +551,7 @@ def _build(data: Mapping[str, Any], src: str) -> Config:
     # Cross-field checks.
     roots = [
         (f"tiers.{n}.root", tiers_objs[n].root)
-        for n in ("local", "pfs", "cold")
+        for n in ("local", PFS, "cold")
         if tiers_objs.get(n) is not None
     ]
     for i, (ka, ra) in enumerate(roots):
@@ -561,7 +576,7 @@ def _build(data: Mapping[str, Any], src: str) -> Config:
         adm is not None
         and adm.enabled
         and adm.dir is None
-        and tiers_objs.get("pfs") is None
+        and tiers_objs.get(PFS) is None
         and isinstance(tiers_raw, Mapping)
         and tiers_raw.get("object") is not None
     ):
@@ -578,7 +593,7 @@ def _build(data: Mapping[str, Any], src: str) -> Config:
         raise ConfigError("; ".join(problems))
     tiers = TiersConfig(
         local=tiers_objs["local"],
-        pfs=tiers_objs.get("pfs"),
+        pfs=tiers_objs.get(PFS),
         object=tiers_objs.get("object"),
         cold=tiers_objs.get("cold"),
     )

@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_CONFIG_PATH",
     "ENV_CONFIG",
     "LEDGER_SUBDIR",
+    "PFS",
     "AdmissionConfig",
     "ColdTierConfig",
     "CopyConfig",
@@ -63,10 +64,16 @@ KIND_BASE_UNITS = {KIND_SIZE: "bytes", KIND_DURATION: "seconds", KIND_BANDWIDTH:
 
 
 def field_of(
-    kind: str, default: Any = dataclasses.MISSING, *, minimum: float = 0, optional: bool = False
+    kind: str,
+    default: Any = dataclasses.MISSING,
+    *,
+    minimum: float = 0,
+    optional: bool = False,
+    old: Optional[str] = None,
 ) -> Any:
-    """A dataclass field carrying its config kind (and lower bound) as metadata."""
-    meta = {"kind": kind, "min": minimum, "optional": optional}
+    """A dataclass field carrying its config kind (and lower bound) as metadata. ``old``:
+    the key's former name, still read for one release (a deprecation warning)."""
+    meta = {"kind": kind, "min": minimum, "optional": optional, "old": old}
     if default is dataclasses.MISSING:
         return field(metadata=meta)
     return field(default=default, metadata=meta)
@@ -140,6 +147,13 @@ class ColdTierConfig:
     keep_for: float = field_of(KIND_DURATION, 30 * 86400.0, minimum=1e-9)
 
 
+#: The name of the ``[tiers.pfs]`` section and of the tier built from it: a POSIX
+#: parallel filesystem (Lustre, GPFS, BeeGFS, NFS) specifically. The *warm* tier (where
+#: every flush goes) is this one when configured, else the object store:
+#: :attr:`TiersConfig.warm`. Code that means the warm tier says ``warm``, never ``PFS``.
+PFS = "pfs"
+
+
 @dataclass(frozen=True)
 class TiersConfig:
     """``[tiers]``: local is required, and a warm tier: pfs, or object (a site without
@@ -153,7 +167,7 @@ class TiersConfig:
     @property
     def warm(self) -> str:
         """The tier every flush goes to: ``pfs`` when there is one, else ``object``."""
-        return "pfs" if self.pfs is not None else "object"
+        return PFS if self.pfs is not None else "object"
 
 
 @dataclass(frozen=True)
@@ -162,12 +176,22 @@ class RetentionConfig:
 
     #: Newest checkpoints kept on the local tier.
     keep_local: int = field_of(KIND_INT, 2, minimum=1)
-    #: Every Mth local checkpoint is flushed (copied) to the PFS.
+    #: Every Mth local checkpoint is flushed (copied) to the warm tier.
     flush_every: int = field_of(KIND_INT, 1, minimum=1)
-    #: Newest checkpoints kept on the PFS.
-    keep_pfs: int = field_of(KIND_INT, 3, minimum=1)
-    #: Additionally keep one PFS checkpoint per this many seconds; 0 disables.
-    keep_pfs_every: float = field_of(KIND_DURATION, 86400.0)
+    #: Newest checkpoints kept on the warm tier (the PFS, or the object store).
+    keep_warm: int = field_of(KIND_INT, 3, minimum=1, old="keep_pfs")
+    #: Additionally keep one warm-tier checkpoint per this many seconds; 0 disables.
+    keep_warm_every: float = field_of(KIND_DURATION, 86400.0, old="keep_pfs_every")
+
+    @property
+    def keep_pfs(self) -> int:
+        """Deprecated name of :attr:`keep_warm` (one release)."""
+        return self.keep_warm
+
+    @property
+    def keep_pfs_every(self) -> float:
+        """Deprecated name of :attr:`keep_warm_every` (one release)."""
+        return self.keep_warm_every
 
 
 @dataclass(frozen=True)
@@ -302,7 +326,7 @@ class PartnerConfig:
 
 TIER_CLASSES = {
     "local": LocalTierConfig,
-    "pfs": PfsTierConfig,
+    PFS: PfsTierConfig,
     "object": ObjectTierConfig,
     "cold": ColdTierConfig,
 }

@@ -19,7 +19,7 @@ Conventions
 The rule no policy value can change
 -----------------------------------
 A local checkpoint that is selected for flushing (or forced) is never planned for deletion
-before its PFS copy is verified (:attr:`CkptInfo.pfs_verified`). ``keep_local=0`` or any
+before its warm copy is verified (:attr:`CkptInfo.warm_verified`). ``keep_local=0`` or any
 other value only affects checkpoints that are not protected by that rule.
 """
 
@@ -36,7 +36,7 @@ __all__ = [
     "RetentionPolicy",
     "needs_flush",
     "plan_local_deletions",
-    "plan_pfs_deletions",
+    "plan_warm_deletions",
     "selected_for_flush",
 ]
 
@@ -53,26 +53,26 @@ class RetentionPolicy:
     """How many checkpoints each tier keeps.
 
     * ``keep_local``: newest local checkpoints kept (0 allowed: keep only what still waits
-      for its PFS copy).
+      for its warm copy).
     * ``flush_every``: flush one local save in ``flush_every`` (1 = every save).
-    * ``keep_pfs``: newest verified PFS checkpoints kept.
-    * ``keep_pfs_every_s``: also keep one PFS checkpoint per window of this many seconds
+    * ``keep_warm``: newest verified warm-tier checkpoints kept.
+    * ``keep_warm_every_s``: also keep one warm-tier checkpoint per window of this many seconds
       (windows aligned to the epoch; the oldest verified checkpoint of each window is kept).
       0 disables the windows; ``inf`` keeps the single oldest verified checkpoint.
     """
 
     keep_local: int = 2
     flush_every: int = 1
-    keep_pfs: int = 3
-    keep_pfs_every_s: float = 86400.0
+    keep_warm: int = 3
+    keep_warm_every_s: float = 86400.0
 
     def __post_init__(self) -> None:
         _check_count("keep_local", self.keep_local, 0)
         _check_count("flush_every", self.flush_every, 1)
-        _check_count("keep_pfs", self.keep_pfs, 0)
-        w = self.keep_pfs_every_s
+        _check_count("keep_warm", self.keep_warm, 0)
+        w = self.keep_warm_every_s
         if isinstance(w, bool) or not isinstance(w, (int, float)) or math.isnan(w) or w < 0:
-            raise ConfigError(f"retention.keep_pfs_every_s: expected seconds >= 0, got {w!r}")
+            raise ConfigError(f"retention.keep_warm_every_s: expected seconds >= 0, got {w!r}")
 
 
 DEFAULT_POLICY = RetentionPolicy()
@@ -84,12 +84,12 @@ class CkptInfo:
 
     * ``wall_time``: commit time on this tier (epoch seconds).
     * ``verified``: the copy on *this* tier passed verification against its manifest.
-    * ``pfs_verified``: for local entries, a verified copy exists on the PFS.
-    * ``next_tier_verified``: for PFS entries, ``None`` when no next tier (cold) is
+    * ``warm_verified``: for local entries, a verified copy exists on the warm tier.
+    * ``next_tier_verified``: for warm-tier entries, ``None`` when no next tier (cold) is
       configured or required for it, else whether the copy there is verified.
 
     The defaults are the cautious ones: an entry built without saying otherwise is
-    selected for flush, not verified and not on the PFS, so the planners keep it.
+    selected for flush, not verified and not on the warm tier, so the planners keep it.
     """
 
     step: int
@@ -100,12 +100,12 @@ class CkptInfo:
     forced: bool = False
     pinned: bool = False
     verified: bool = False
-    pfs_verified: bool = False
+    warm_verified: bool = False
     next_tier_verified: Optional[bool] = None
 
 
 def selected_for_flush(seq: int, policy: Optional[RetentionPolicy] = None) -> bool:
-    """Whether the ``seq``-th (0-based) local save of a run is copied to the PFS.
+    """Whether the ``seq``-th (0-based) local save of a run is copied to the warm tier.
 
     Saves 0, N, 2N, ... are selected (``N = policy.flush_every``). A negative ``seq``
     (unknown position, e.g. a checkpoint found on disk without a ledger record) is always
@@ -118,7 +118,7 @@ def selected_for_flush(seq: int, policy: Optional[RetentionPolicy] = None) -> bo
 
 
 def needs_flush(info: CkptInfo) -> bool:
-    """The recorded decision: this checkpoint must reach the PFS."""
+    """The recorded decision: this checkpoint must reach the warm tier."""
     return bool(info.selected_for_flush or info.forced)
 
 
@@ -131,7 +131,7 @@ def _local_protected(info: CkptInfo) -> bool:
     if info.pinned:
         return True
     # The rule that cannot be configured away.
-    return needs_flush(info) and not info.pfs_verified
+    return needs_flush(info) and not info.warm_verified
 
 
 def plan_local_deletions(
@@ -140,8 +140,8 @@ def plan_local_deletions(
     """Steps that may be deleted from the local tier (ascending, no duplicates).
 
     Kept: the newest ``keep_local`` checkpoints; every pinned one; every one selected for
-    flush (or forced) whose PFS copy is not verified yet. Everything else may go: a
-    checkpoint not selected for flush once it is superseded, a flushed one once its PFS
+    flush (or forced) whose warm copy is not verified yet. Everything else may go: a
+    checkpoint not selected for flush once it is superseded, a flushed one once its warm
     copy is verified and it is outside the newest ``keep_local``.
 
     ``local`` must hold one series. A step listed more than once is deleted only if no
@@ -163,7 +163,7 @@ def plan_local_deletions(
     return sorted({i.step for i in ordered} - keep)
 
 
-def _pfs_window_keepers(verified: List[CkptInfo], every_s: float) -> Set[int]:
+def _warm_window_keepers(verified: List[CkptInfo], every_s: float) -> Set[int]:
     """One step per epoch-aligned window: the oldest verified checkpoint in it.
 
     The oldest (not the newest) so that later checkpoints landing in the same window never
@@ -180,18 +180,18 @@ def _pfs_window_keepers(verified: List[CkptInfo], every_s: float) -> Set[int]:
     return {i.step for i in chosen.values()}
 
 
-def plan_pfs_deletions(
-    pfs: List[CkptInfo], now: float, policy: Optional[RetentionPolicy] = None
+def plan_warm_deletions(
+    warm: List[CkptInfo], now: float, policy: Optional[RetentionPolicy] = None
 ) -> List[int]:
-    """Steps that may be deleted from the PFS tier (ascending, no duplicates).
+    """Steps that may be deleted from the warm tier (ascending, no duplicates).
 
     Kept:
 
-    * the newest ``keep_pfs`` verified checkpoints;
-    * the oldest verified checkpoint of each ``keep_pfs_every_s`` window (epoch-aligned, so
+    * the newest ``keep_warm`` verified checkpoints;
+    * the oldest verified checkpoint of each ``keep_warm_every_s`` window (epoch-aligned, so
       the choice is stable from run to run);
     * pinned checkpoints;
-    * the newest verified checkpoint, always (even with ``keep_pfs=0``): it may be the only
+    * the newest verified checkpoint, always (even with ``keep_warm=0``): it may be the only
       verified copy anywhere;
     * unverified checkpoints newer than the newest verified one (a copy or a verification
       may still be in progress);
@@ -203,7 +203,7 @@ def plan_pfs_deletions(
     verified checkpoint.
     """
     p = policy or DEFAULT_POLICY
-    ordered = _newest_first(pfs)
+    ordered = _newest_first(warm)
     verified = [i for i in ordered if i.verified]
     keep: Set[int] = set()
     newest_verified = verified[0] if verified else None
@@ -211,12 +211,12 @@ def plan_pfs_deletions(
         keep.add(newest_verified.step)
     count: List[int] = []
     for info in verified:
-        if len(count) >= p.keep_pfs:
+        if len(count) >= p.keep_warm:
             break
         if info.step not in count:
             count.append(info.step)
     keep.update(count)
-    keep |= _pfs_window_keepers(verified, float(p.keep_pfs_every_s))
+    keep |= _warm_window_keepers(verified, float(p.keep_warm_every_s))
     for info in ordered:
         if (
             info.pinned

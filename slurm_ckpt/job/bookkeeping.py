@@ -27,7 +27,7 @@ from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ledger import events
 from slurm_ckpt.ledger.ledger import Ledger
 from slurm_ckpt.ledger.metrics import refresh_textfile
-from slurm_ckpt.ledger.record import Record, State, one_line
+from slurm_ckpt.ledger.record import WARM_SLOT, Record, State, one_line
 from slurm_ckpt.ledger.user_status import publish_user_status
 
 log = logging.getLogger(__name__)
@@ -212,8 +212,8 @@ class Bookkeeper:
             if rec is None:
                 return None
             rec.selected_for_flush = False
-            if rec.tiers.get("pfs") == State.FLUSH_PENDING:
-                del rec.tiers["pfs"]
+            if rec.tiers.get(WARM_SLOT) == State.FLUSH_PENDING:
+                del rec.tiers[WARM_SLOT]
             rec.extra["flush_note"] = why
             return rec
 

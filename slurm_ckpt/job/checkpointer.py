@@ -2,7 +2,7 @@
 
 ::
 
-    ckpt = Checkpointer(local="/nvme/ckpt", pfs="/pfs/ckpt", key="my-run",
+    ckpt = Checkpointer(local="/nvme/ckpt", warm="/pfs/ckpt", key="my-run",
                         interval_tokens=50_000_000)      # or Checkpointer.from_env()
     restored = ckpt.restore()                            # None, or .step .tokens .state .tier
     for step, batch in loader:
@@ -45,12 +45,13 @@ from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import current_user, node_name, validate_key, validate_user
 from slurm_ckpt.core.retention import RetentionPolicy, selected_for_flush
 from slurm_ckpt.core.units import format_bytes
-from slurm_ckpt.errors import CkptError, TierError
+from slurm_ckpt.errors import CkptError, NotFound, TierError
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord
 from slurm_ckpt.job.dist import dist_agree
 from slurm_ckpt.job.lazy import Drain, defer_mask
-from slurm_ckpt.job.options import OPTION_NAMES, UNSET, Options, build_config
+from slurm_ckpt.job.options import OPTION_NAMES, UNSET, Options, build_config, resolve_aliases
 from slurm_ckpt.job.partner import PartnerLink, open_partner
+from slurm_ckpt.job.partner_fetch import Fetched, relaunched
 from slurm_ckpt.job.pipeline import (
     DEADLINE_MARGIN_S,
     CheckpointFailed,
@@ -116,7 +117,7 @@ class Checkpointer(FrameworkSeams):
 
     Standalone (no SLURM, no config file; a laptop needs only ``local``)::
 
-        Checkpointer(local="/nvme/ckpt", pfs="/pfs/ckpt", key="my-run", interval_steps=500)
+        Checkpointer(local="/nvme/ckpt", warm="/pfs/ckpt", key="my-run", interval_steps=500)
 
     Under SLURM: :meth:`from_env` (site config, job id, rank, ckpt-srun's signal).
     Every option is keyword-only; given here, a site setting overrides the config's.
@@ -124,9 +125,9 @@ class Checkpointer(FrameworkSeams):
 
     Where:
       local: node-local tier root (made, mode 0700, when missing in standalone use).
-      pfs: warm tier root (a parallel filesystem); without it nothing is flushed.
+      warm: warm tier root (a PFS or shared directory); without it nothing is flushed.
       key: the checkpoint series (one per training run), required.
-      config: a site :class:`Config` instead of ``local``/``pfs``.
+      config: a site :class:`Config` instead of ``local``/``warm``.
     When to save (the first one reached; none anywhere: every 50M tokens):
       interval_tokens: save every N tokens (pass ``tokens=`` to should_save).
       interval_steps: save every N steps.
@@ -140,7 +141,7 @@ class Checkpointer(FrameworkSeams):
       flush_policy: "skip" (a newer save replaces a queued flush) or "wait" (save waits).
       max_consecutive_failures: failed saves in a row before save() raises.
       staging_memory_limit: cap on the snapshot buffers (bytes or "8GiB").
-      pfs_bandwidth: cap on flush bandwidth (bytes/s or "500MB/s").
+      warm_bandwidth: cap on flush bandwidth (bytes/s or "500MB/s").
       ledger_dir: where the node ledger lives.
     Partner copies (docs/partner.md; the site's ``[partner]`` otherwise):
       partner: copy each committed checkpoint to the next node of the job (True/False).
@@ -165,12 +166,15 @@ class Checkpointer(FrameworkSeams):
       agree: ``fn(value) -> min over ranks`` for restore (default torch.distributed).
       on_event: ``fn(name, info)``, called from background threads too: keep it quick,
         never call the Checkpointer from it.
+    Deprecated aliases (one release, a DeprecationWarning):
+      pfs: the old name of ``warm``.
+      pfs_bandwidth: the old name of ``warm_bandwidth``.
     """
 
     def __init__(
         self,
         local: Optional[PathLike] = None,
-        pfs: Optional[PathLike] = None,
+        warm: Optional[PathLike] = None,
         key: Optional[str] = None,
         *,
         config: Optional[Config] = None,
@@ -185,7 +189,7 @@ class Checkpointer(FrameworkSeams):
         flush_policy: str = "skip",
         max_consecutive_failures: Optional[int] = None,
         staging_memory_limit: Optional[Union[int, str]] = None,
-        pfs_bandwidth: Optional[Union[float, str]] = None,
+        warm_bandwidth: Optional[Union[float, str]] = None,
         ledger_dir: Optional[PathLike] = None,
         partner: Optional[bool] = None,
         keep_partner: Optional[int] = None,
@@ -206,13 +210,16 @@ class Checkpointer(FrameworkSeams):
         signal_lead_s: Optional[float] = None,
         agree: Optional[Callable[[int], int]] = None,
         on_event: Optional[Callable[[str, Dict[str, Any]], None]] = None,
+        pfs: Optional[PathLike] = None,
+        pfs_bandwidth: Optional[Union[float, str]] = None,
     ) -> None:
         given = dict(locals())
         options = {name: given[name] for name in OPTION_NAMES}
         if key is None:
             raise CkptError("Checkpointer: key= is required (or use Checkpointer.from_env())")
         opts = Options(**options).validate()
-        self.config = cfg = build_config(config, local, pfs, opts)
+        warm = resolve_aliases(warm, opts)
+        self.config = cfg = build_config(config, local, warm, opts)
         standalone = config is None
         if standalone:
             make_roots(cfg)
@@ -228,23 +235,23 @@ class Checkpointer(FrameworkSeams):
         self.policy = RetentionPolicy(
             keep_local=r.keep_local,
             flush_every=r.flush_every,
-            keep_pfs=r.keep_pfs,
-            keep_pfs_every_s=r.keep_pfs_every,
+            keep_warm=r.keep_warm,
+            keep_warm_every_s=r.keep_warm_every,
         )
         tiers = tiers_from_config(cfg)
         # The warm tier every flush goes to: the PFS, or the object store on a site
-        # without one (the ledger keeps its state in the "pfs" slot either way).
+        # without one (the ledger keeps its state in its WARM_SLOT either way).
         # Laptop mode (standalone, local= alone): no warm tier, nothing is ever flushed,
         # and local retention keeps the newest keep_local.
         self.local = tiers["local"]
-        self.pfs: Optional[Tier] = tiers.get(cfg.tiers.warm)
+        self.warm: Optional[Tier] = tiers.get(cfg.tiers.warm)
         self.tiers = list(tiers.values())  # restore looks at all of them, hot to cold
         self.local.check_user(self.user)
-        if self.pfs is not None:
+        if self.warm is not None:
             try:
-                self.pfs.check_user(self.user)
+                self.warm.check_user(self.user)
             except TierError as exc:
-                log.warning("[ckpt] PFS tier not usable now (flushes will fail): %s", exc)
+                log.warning("[ckpt] warm tier not usable now (flushes will fail): %s", exc)
         if standalone:
             sweep_debris(self.local, self.user, self.shard_key)
 
@@ -263,7 +270,7 @@ class Checkpointer(FrameworkSeams):
         self._staging = StagingArea(cfg.job.staging_memory_limit)
         self._pipeline = Pipeline(
             self.local,
-            self.pfs,
+            self.warm,
             Shard(
                 self.user,
                 self.shard_key,
@@ -355,10 +362,18 @@ class Checkpointer(FrameworkSeams):
             kwargs["signals"] = signals
         return cls(key=key, config=cfg, **kwargs)
 
+    @property
+    def pfs(self) -> Optional[Tier]:
+        """Deprecated (one release): the old name of :attr:`warm`, the warm tier."""
+        warnings.warn(
+            "Checkpointer.pfs is deprecated, say Checkpointer.warm", DeprecationWarning, 2
+        )
+        return self.warm
+
     def __repr__(self) -> str:
         return (
             f"Checkpointer(key={self.shard_key!r}, local={self.local.root!r}, "
-            f"warm={None if self.pfs is None else self.pfs.where(self.user, self.shard_key)!r}, "
+            f"warm={None if self.warm is None else self.warm.where(self.user, self.shard_key)!r}, "
             f"rank={self.rank}/{self.world_size})"
         )
 
@@ -508,7 +523,7 @@ class Checkpointer(FrameworkSeams):
             reason=reason,
             nbytes=nbytes,
             forced=preempt,
-            selected=self.pfs is not None and (preempt or selected_for_flush(seq, self.policy)),
+            selected=self.warm is not None and (preempt or selected_for_flush(seq, self.policy)),
             index_data=data,
             meta=meta,
         )
@@ -687,7 +702,7 @@ class Checkpointer(FrameworkSeams):
         on_data_change: str = "warn",
     ) -> Restorer:
         if tiers is not None:
-            tiers = check_tier_names(tiers, [t.name for t in self.tiers])
+            tiers = check_tier_names(tiers, [t.name for t in self.tiers], self.config.tiers.warm)
         return Restorer(
             self.tiers if tiers is None else [t for t in self.tiers if t.name in tiers],
             self.user,
@@ -725,8 +740,20 @@ class Checkpointer(FrameworkSeams):
         with :class:`~slurm_ckpt.job.restore.DataVersionMismatch` (``"refuse"``)."""
         if self._restorer is not None:
             self._restorer.cancel()
+        fetched = self._fetch_partner(step) if tiers is None else None
         self._restorer = self._make_restorer(tiers, step, expect_data_version, on_data_change)
         got = self._restorer.restore(weights_only=weights_only)
+        # Read from local, where the fetch just put it: say where it came from.
+        if (
+            got is not None
+            and fetched is not None
+            and (got.step, got.tier)
+            == (
+                fetched.step,
+                self.local.name,
+            )
+        ):
+            got.tier = "partner"
         if got is None:
             log.info("[ckpt] restore: no checkpoint of %s found", self.shard_key)
             return None
@@ -742,6 +769,23 @@ class Checkpointer(FrameworkSeams):
             " weights only" if weights_only else "",
         )
         return got
+
+    def _fetch_partner(self, step: Optional[int]) -> Optional[Fetched]:
+        """In a step relaunched after a node loss, a rank whose local tier holds nothing
+        of its series (it runs on a spare) first fetches its newest checkpoint from the
+        rank holding its partner copy (docs/spares.md). Done before the restore lists
+        its steps, so the agreement counts it as this rank's local step."""
+        if self.partner is None or not relaunched():
+            return None
+        try:
+            if self.local.steps(self.user, self.shard_key):
+                return None
+        except NotFound:
+            pass
+        except (CkptError, OSError) as exc:
+            log.warning("[ckpt] partner fetch skipped: %s", exc)
+            return None
+        return self.partner.fetch(step)
 
     def restore_weights(self) -> Optional[Restored]:
         """``restore(weights_only=True)``."""

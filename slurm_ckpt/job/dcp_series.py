@@ -75,7 +75,7 @@ class DcpSeries:
         self.policy = ckpt.policy
         self.pipe = Pipeline(
             ckpt.local,
-            ckpt.pfs,
+            ckpt.warm,
             Shard(
                 ckpt.user,
                 self.key,

@@ -1,6 +1,6 @@
 """The Checkpointer's keyword options, in one typed place, and the Config they become.
 
-``Checkpointer(local=..., pfs=..., key=..., interval_tokens=..., ...)`` takes a site
+``Checkpointer(local=..., warm=..., key=..., interval_tokens=..., ...)`` takes a site
 config (or the tier paths: ``local`` alone is laptop mode) plus keyword-only options.
 Options that are site settings (intervals, retention, staging memory, bandwidth, ledger
 directory) are folded into a :class:`~slurm_ckpt.core.config.Config` through
@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import difflib
 import os
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 from slurm_ckpt.core.config import Config
-from slurm_ckpt.core.config_schema import STANDALONE_SOURCE
+from slurm_ckpt.core.config_schema import PFS, STANDALONE_SOURCE
 from slurm_ckpt.errors import CkptError
 
 __all__ = ["FLUSH_POLICIES", "OPTION_NAMES", "UNSET", "Options", "build_config"]
@@ -47,7 +48,7 @@ class Options:
     Site settings (override the config): ``interval_tokens``, ``interval_steps``,
     ``interval_seconds``, ``interval`` (``"auto"``: Young/Daly), ``mtbi``,
     ``keep_local``, ``flush_every``, ``signals``, ``max_consecutive_failures``,
-    ``staging_memory_limit``, ``pfs_bandwidth``, ``ledger_dir``; partner copies
+    ``staging_memory_limit``, ``warm_bandwidth``, ``ledger_dir``; partner copies
     (``[partner]``, docs/partner.md): ``partner`` (on/off), ``keep_partner``,
     ``partner_bandwidth``, ``partner_dir`` (the rendezvous base directory).
 
@@ -59,6 +60,10 @@ class Options:
     ``requeue_fn(reason)``, ``job_state_fn() -> state``, ``end_time_fn() -> epoch``
     (default ``SLURM_JOB_END_TIME``), ``kill_wait_s``, ``signal_lead_s``,
     ``agree(value) -> min over ranks``, ``on_event(name, info)``.
+
+    Deprecated aliases, kept one release (a :class:`DeprecationWarning` each): ``pfs``
+    for ``warm`` (the warm tier's directory) and ``pfs_bandwidth`` for
+    ``warm_bandwidth``; :func:`resolve_aliases` folds them in.
     """
 
     interval_tokens: Optional[int] = None
@@ -72,7 +77,7 @@ class Options:
     flush_policy: str = "skip"
     max_consecutive_failures: Optional[int] = None
     staging_memory_limit: Optional[Union[int, str]] = None
-    pfs_bandwidth: Optional[Union[float, str]] = None
+    warm_bandwidth: Optional[Union[float, str]] = None
     ledger_dir: Optional[PathLike] = None
     partner: Optional[bool] = None
     keep_partner: Optional[int] = None
@@ -93,6 +98,8 @@ class Options:
     signal_lead_s: Optional[float] = None
     agree: Optional[Callable[[int], int]] = None
     on_event: Optional[Callable[[str, Dict[str, Any]], None]] = None
+    pfs: Optional[PathLike] = None
+    pfs_bandwidth: Optional[Union[float, str]] = None
 
     def validate(self) -> Options:
         """One-line errors for values no config check sees (the identity, the policy)."""
@@ -114,13 +121,37 @@ class Options:
         return cls(**kwargs).validate()
 
 
+#: Deprecated option names (kept one release: the warm tier was once called "pfs" even
+#: where it is an object store) and the names that replaced them.
+DEPRECATED_ALIASES = {"pfs": "warm", "pfs_bandwidth": "warm_bandwidth"}
+
+
+def resolve_aliases(warm: Optional[PathLike], opts: Options) -> Optional[PathLike]:
+    """Fold the deprecated ``pfs=``/``pfs_bandwidth=`` into ``warm``/``warm_bandwidth``
+    (a warning each; both names at once is a one-line error). Returns the warm root."""
+    values: Dict[str, Any] = {"warm": warm, "warm_bandwidth": opts.warm_bandwidth}
+    for old, new in DEPRECATED_ALIASES.items():
+        value = getattr(opts, old)
+        if value is None:
+            continue
+        if values[new] is not None:
+            raise CkptError(f"Checkpointer: give {new}= or its old name {old}=, not both")
+        warnings.warn(
+            f"Checkpointer: {old}= is deprecated, say {new}=", DeprecationWarning, stacklevel=3
+        )
+        values[new] = value
+        setattr(opts, old, None)
+    opts.warm_bandwidth = values["warm_bandwidth"]
+    return values["warm"]
+
+
 #: The option names in declaration order: ``Checkpointer.__init__`` lists exactly these as
 #: keyword-only parameters, with the same defaults (tests/test_api_surface.py holds it).
 OPTION_NAMES = tuple(f.name for f in fields(Options))
 
 
 def build_config(
-    config: Optional[Config], local: Optional[PathLike], pfs: Optional[PathLike], opts: Options
+    config: Optional[Config], local: Optional[PathLike], warm: Optional[PathLike], opts: Options
 ) -> Config:
     """One validated Config from a config (or the tier paths) plus the option overrides.
 
@@ -128,26 +159,33 @@ def build_config(
     same one-line errors as the site config file. An interval given here replaces all the
     config's interval settings (the config's "every 50M tokens" must not linger beside a
     job's "every 500 steps").
+
+    ``warm`` is a directory: the root of the ``[tiers.pfs]`` tier (a parallel filesystem,
+    or any shared directory). ``warm_bandwidth`` caps the configured warm tier, whichever
+    it is (``[tiers.pfs]``, or ``[tiers.object]`` on a site without a PFS).
     """
     if config is None:
         if local is None:
-            raise CkptError("Checkpointer: give local= (and pfs= for a warm tier), or config=")
+            raise CkptError("Checkpointer: give local= (and warm= for a warm tier), or config=")
         # local= alone is laptop mode: one tier, no flushes (STANDALONE_SOURCE allows it)
-        base = Config.standalone(local, pfs).to_dict()
+        base = Config.standalone(local, warm).to_dict()
         source = STANDALONE_SOURCE
     else:
         base = config.to_dict()
         source = config.source
         if local is not None:
             base["tiers"]["local"]["root"] = os.path.abspath(os.fspath(local))
-        if pfs is not None:
-            base["tiers"]["pfs"]["root"] = os.path.abspath(os.fspath(pfs))
+        if warm is not None:
+            if base["tiers"].get(PFS) is None:
+                raise CkptError("Checkpointer: warm= (a directory) needs a [tiers.pfs] site")
+            base["tiers"][PFS]["root"] = os.path.abspath(os.fspath(warm))
     if opts.ledger_dir is not None:
         base["ledger"]["dir"] = os.path.abspath(os.fspath(opts.ledger_dir))
-    if opts.pfs_bandwidth is not None:
-        if base["tiers"].get("pfs") is None:
-            raise CkptError("Checkpointer: pfs_bandwidth= needs a PFS tier (pfs=)")
-        base["tiers"]["pfs"]["bandwidth_limit"] = opts.pfs_bandwidth
+    if opts.warm_bandwidth is not None:
+        section = next((n for n in (PFS, "object") if base["tiers"].get(n)), None)
+        if section is None:
+            raise CkptError("Checkpointer: warm_bandwidth= needs a warm tier (warm=)")
+        base["tiers"][section]["bandwidth_limit"] = opts.warm_bandwidth
     job = {
         "interval_tokens": opts.interval_tokens,
         "interval_steps": opts.interval_steps,

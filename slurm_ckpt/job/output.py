@@ -480,7 +480,7 @@ def restore_path(
 ) -> Optional[Path]:
     """:meth:`Checkpointer.restore_path`: see the module docstring."""
     if tiers is not None:  # an unknown tier name is an error, as for restore()
-        tiers = check_tier_names(tiers, [t.name for t in ckpt.tiers])
+        tiers = check_tier_names(tiers, [t.name for t in ckpt.tiers], ckpt.config.tiers.warm)
     r = DirRestorer(
         ckpt.local,
         ckpt.tiers if tiers is None else [t for t in ckpt.tiers if t.name in tiers],

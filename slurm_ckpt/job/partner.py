@@ -37,19 +37,20 @@ import time
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
-import xxhash
-
-from slurm_ckpt.core.chunks import BandwidthLimiter, io_buffer
+from slurm_ckpt.core.chunks import BandwidthLimiter
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.manifest import Manifest
 from slurm_ckpt.errors import CkptError, NotFound, VerifyError
 from slurm_ckpt.job.background import yielding
 from slurm_ckpt.job.bookkeeping import Bookkeeper
+from slurm_ckpt.job.partner_fetch import FETCH, Fetched, fetch_own, receive_step, send_step
+from slurm_ckpt.job.partner_fetch import serve as serve_fetch
 from slurm_ckpt.job.partner_net import (
     Peer,
     Rendezvous,
     WireError,
     client_handshake,
+    launch_tag,
     listening_socket,
     local_host,
     recv_exact,
@@ -59,7 +60,7 @@ from slurm_ckpt.job.partner_net import (
     server_handshake,
 )
 from slurm_ckpt.ledger.ledger import Ledger
-from slurm_ckpt.ledger.record import Record, State
+from slurm_ckpt.ledger.record import WARM_SLOT, Record, State
 from slurm_ckpt.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,10 @@ class PartnerStats:
     refused: int = 0
     bytes_received: int = 0
     deleted: int = 0
+    #: Steps served back to their owner (a rank relaunched on a spare) and fetched here.
+    served: int = 0
+    fetched: int = 0
+    fetch_failures: int = 0
     last_sent_step: Optional[int] = None
     last_received_step: Optional[int] = None
     last_error: Optional[str] = None
@@ -136,7 +141,8 @@ class PartnerLink:
         self._stop = False
         self._partner: Optional[Peer] = None
         self._key_re = re.compile(re.escape(base_key) + r"\.rank\d{5}")
-        self._secret = rendezvous.secret()
+        self._secret = self.secret = rendezvous.secret()
+        self.rendezvous_timeout = RENDEZVOUS_TIMEOUT_S
         self._sock = listening_socket(bind)
         self._sock.settimeout(0.5)  # the accept loop looks at _stop this often
         self.port = self._sock.getsockname()[1]
@@ -248,22 +254,7 @@ class PartnerLink:
                     return
                 if answer != _GO:
                     raise WireError(f"partner refused step {step}: {_reason(s, session)}")
-                buf = io_buffer(self.piece)
-                for e in m.files:
-                    src = reader.open(e.path)
-                    try:
-                        pos = 0
-                        while pos < e.size:
-                            n = min(self.piece, e.size - pos)
-                            if self.limiter is not None:
-                                self.limiter.acquire(n)
-                            got = src.readinto(buf[:n], pos)
-                            if got <= 0:
-                                raise VerifyError(f"{reader.where}/{e.path}: short read at {pos}")
-                            s.sendall(buf[:got])
-                            pos += got
-                    finally:
-                        src.close()
+                send_step(s, reader, self.piece, self.limiter)
                 answer = recv_exact(s, 1)
                 if answer != _OK:
                     raise WireError(f"partner did not commit step {step}: {_reason(s, session)}")
@@ -303,6 +294,9 @@ class PartnerLink:
                     return
                 conn.settimeout(IO_TIMEOUT_S)
                 mbytes = recv_frame(conn, session)
+                if mbytes.startswith(FETCH):
+                    serve_fetch(self, conn, session, mbytes)
+                    return
                 m = Manifest.from_bytes(mbytes, "partner manifest")
                 step = m.step
                 why = self._refusal(m)
@@ -366,31 +360,19 @@ class PartnerLink:
 
     def _receive(self, conn: socket.socket, m: Manifest) -> None:
         """Stream every file in, chunk digests checked against the manifest; commit."""
-        buf = io_buffer(self.piece)
-        with self.local.writer(m.user, m.key, m.step, copy_of=m) as w:
-            for e in m.files:
-                sink = w.file(e.path, e.size)
-                for ci, digest in enumerate(e.chunks):
-                    off = ci * m.chunk_size
-                    end = min(e.size, off + m.chunk_size)
-                    h = xxhash.xxh3_128()
-                    pos = off
-                    while pos < end:
-                        n = min(self.piece, end - pos)
-                        view = buf[:n]
-                        got = 0
-                        while got < n:
-                            k = conn.recv_into(view[got:], n - got)
-                            if k == 0:
-                                raise WireError("sender went away mid-copy")
-                            got += k
-                        h.update(view)
-                        sink.write(view, pos)
-                        pos += n
-                    if h.hexdigest() != digest:
-                        raise VerifyError(f"{e.path}: bytes {off}-{end} do not match the manifest")
-                sink.finish()
-            w.commit()
+        receive_step(conn, self.local, m, self.piece)
+
+    def refuse_series(self, key: str) -> Optional[str]:
+        """Why a fetch of ``key`` is not served here (None: serve it): only the other
+        rank series of this job's checkpoint."""
+        if key == self.key or not self._key_re.fullmatch(key):
+            return "not a rank series of this job's checkpoint"
+        return None
+
+    def fetch(self, step: Optional[int] = None) -> Optional[Fetched]:
+        """Bring this rank's newest step (or ``step``) over from the rank holding its
+        partner copy onto the local tier (:mod:`.partner_fetch`); None if none did."""
+        return fetch_own(self, step)
 
     def _after_commit(self, m: Manifest) -> None:
         self._count(received=1, bytes_received=m.total_bytes, last_received_step=m.step)
@@ -427,7 +409,7 @@ class PartnerLink:
         rec = None if self.ledger is None else self.ledger.get(self.user, key, step)
         if rec is None:
             return written_on is not None and written_on != self.node
-        return bool(rec.extra.get("partner_of")) or rec.tiers.get("pfs") == State.VERIFIED
+        return bool(rec.extra.get("partner_of")) or rec.tiers.get(WARM_SLOT) == State.VERIFIED
 
     # -- the end ----------------------------------------------------------------------
     def close(self, timeout: Optional[float] = 30.0) -> None:
@@ -462,8 +444,8 @@ def _partner_record(m: Manifest, ledger: Ledger) -> Any:
         # Selected: the epilog (or stager) of this node flushes it unless the PFS has
         # it verified already - the whole point when the owner's node is gone.
         rec.selected_for_flush = True
-        if rec.tiers.get("pfs") not in (State.VERIFIED.value, State.FLUSHING.value):
-            rec.tiers["pfs"] = State.FLUSH_PENDING
+        if rec.tiers.get(WARM_SLOT) not in (State.VERIFIED.value, State.FLUSHING.value):
+            rec.tiers[WARM_SLOT] = State.FLUSH_PENDING
         rec.extra["partner_of"] = m.node or "?"
         return rec
 
@@ -526,7 +508,7 @@ def open_partner(
             world_size=world_size,
             node=node,
             job=job,
-            rendezvous=Rendezvous(directory, rank, world_size),
+            rendezvous=Rendezvous(directory, rank, world_size, launch_tag()),
             host=host or local_host(),
             bind=cfg.partner.bind or "",
             bandwidth=cfg.partner.bandwidth or 0.0,

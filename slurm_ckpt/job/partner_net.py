@@ -41,6 +41,7 @@ __all__ = [
     "Rendezvous",
     "WireError",
     "client_handshake",
+    "launch_tag",
     "recv_exact",
     "recv_frame",
     "ring_partner",
@@ -92,9 +93,13 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
 class Rendezvous:
     """The job's rendezvous directory: the secret and one address file per rank."""
 
-    def __init__(self, directory: str, rank: int, world_size: int) -> None:
+    def __init__(self, directory: str, rank: int, world_size: int, launch: str = "") -> None:
         self.dir = os.path.abspath(directory)
         self.rank, self.world_size = rank, world_size
+        #: Which launch of the job's ranks this is (:func:`launch_tag`): a step that
+        #: ckpt-srun relaunched after a node loss keeps the directory, and the lost
+        #: ranks' old addresses there must not be taken for the new ones.
+        self.launch = launch
 
     def _open(self) -> int:
         """The directory, created ``0700`` if absent; refused unless it is a real
@@ -144,6 +149,7 @@ class Rendezvous:
         fd = self._open()
         try:
             doc = {"rank": self.rank, "node": node, "host": host, "port": port}
+            doc["launch"] = self.launch
             fsio.atomic_replace(fd, f"rank-{self.rank}.json", json.dumps(doc).encode())
         finally:
             os.close(fd)
@@ -170,6 +176,8 @@ class Rendezvous:
                 try:
                     data, _st = fsio.read_regular(fd, f"rank-{r}.json", limit=4096)
                     doc = json.loads(data)
+                    if doc.get("launch", "") != self.launch:
+                        continue  # an address of an earlier launch (a lost node's)
                     out[r] = Peer(r, str(doc["node"]), str(doc["host"]), int(doc["port"]))
                 except (OSError, ValueError, KeyError, TypeError, CkptError):
                     continue
@@ -243,6 +251,13 @@ def client_handshake(sock: socket.socket, secret: bytes) -> bytes:
     if not hmac.compare_digest(recv_exact(sock, MAC), _mac(secret, b"server", ns, nc)):
         raise WireError("partner failed authentication")
     return _mac(secret, b"session", ns, nc)
+
+
+def launch_tag() -> str:
+    """This launch of the ranks: the SLURM step and ckpt-srun's relaunch count (every
+    rank of one launch sees the same; a relaunch after a node loss differs)."""
+    step = os.environ.get("SLURM_STEP_ID", "")
+    return f"{step}/{os.environ.get('SLURM_CKPT_RELAUNCH', '0')}"
 
 
 def local_host() -> str:

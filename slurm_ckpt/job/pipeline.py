@@ -43,7 +43,7 @@ from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord, reason_of
 from slurm_ckpt.job.signals import Deadline
 from slurm_ckpt.job.staging import write_direct
 from slurm_ckpt.job.state import STATE_FORMAT
-from slurm_ckpt.ledger.record import State
+from slurm_ckpt.ledger.record import WARM_SLOT, State
 from slurm_ckpt.node.flush_engine import LEFT_TO_EPILOG, Flusher, FlushResult, copy_in_process
 from slurm_ckpt.tiers.base import Tier, TierWriter
 
@@ -142,9 +142,9 @@ class Pipeline:
                 copy_in_process(local, warm),
                 books.ledger,
                 src=local.name,
-                # The ledger's warm-tier slot is "pfs" whatever the warm tier is (an object
-                # store on a site without a PFS): local retention and the hooks read it there.
-                dst="pfs",
+                # The ledger's warm-tier slot, whatever the warm tier is (an object store
+                # on a site without a PFS): local retention and the hooks read it there.
+                dst=WARM_SLOT,
                 hand_off_note=LEFT_TO_EPILOG,
             )
         self.cv = threading.Condition()
@@ -560,7 +560,7 @@ class Pipeline:
             and newest.flush_status in ("not selected", "skipped")
         ):
             newest.forced = newest.selected = True
-            self.books.set_state(newest.step, "pfs", State.FLUSH_PENDING, forced=True)
+            self.books.set_state(newest.step, WARM_SLOT, State.FLUSH_PENDING, forced=True)
             self.queue_flush(newest)
         done = self.wait_for(lambda: self.flush_current is None and not self.flush_queue, until)
         if not done:

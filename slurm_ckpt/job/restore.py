@@ -49,9 +49,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
+from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.fastread import READ_STREAMS
 from slurm_ckpt.core.manifest import Manifest
 from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
@@ -109,11 +111,32 @@ def shard_prefix(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
-def check_tier_names(tiers: Sequence[str], have: Sequence[str]) -> List[str]:
+#: ``restore(tiers=[...])``'s name for the configured warm tier, whichever it is.
+WARM = "warm"
+
+
+def check_tier_names(
+    tiers: Sequence[str], have: Sequence[str], warm: Optional[str] = None
+) -> List[str]:
     """``restore(tiers=[...])``: a name that is no tier of this Checkpointer raises (a typo
-    such as ``"nvme"`` must not read as "no checkpoint" and a fresh start)."""
+    such as ``"nvme"`` must not read as "no checkpoint" and a fresh start).
+
+    ``"warm"`` names the warm tier (``warm``: its name, ``"pfs"`` or ``"object"``). The
+    old name ``"pfs"`` on a site without a PFS is a deprecated alias of ``"warm"`` (one
+    release); on a site with one it is the PFS tier itself."""
     names = [tiers] if isinstance(tiers, str) else list(tiers)
-    for name in names:
+    if warm not in have:  # laptop mode: no warm tier
+        warm = None
+    for i, name in enumerate(names):
+        if name == PFS and name not in have and warm is not None:
+            warnings.warn(
+                'restore(tiers=["pfs"]) on a site without a PFS: say "warm"',
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            name = WARM
+        if name == WARM and warm is not None:
+            names[i] = name = warm
         if name not in have:
             raise CkptError(
                 f"restore(): no tier {name!r} here (this Checkpointer has: {', '.join(have)})"
@@ -128,6 +151,9 @@ class Restored:
     step: int
     tokens: Optional[int]
     state: Any
+    #: The tier read (``local``, ``pfs``, ``s3``, ``cold``), or ``partner``: the step was
+    #: first fetched from the rank holding this rank's partner copy (a rank relaunched on
+    #: a spare node, :mod:`slurm_ckpt.job.partner_fetch`), then read from local.
     tier: str
     key: str = ""
     rank: int = 0

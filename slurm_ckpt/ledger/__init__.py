@@ -7,7 +7,7 @@ from slurm_ckpt.ledger.node_status import (
     read_node_statuses,
     status_path,
 )
-from slurm_ckpt.ledger.record import Ident, Record, State
+from slurm_ckpt.ledger.record import WARM_SLOT, Ident, Record, State
 
 __all__ = [
     "LEDGER_NAME",
@@ -17,6 +17,7 @@ __all__ = [
     "LedgerError",
     "Record",
     "State",
+    "WARM_SLOT",
     "node_status",
     "publish_status",
     "read_node_statuses",

@@ -4,6 +4,8 @@ File layout (every line valid JSON)::
 
     {"format":"slurm_ckpt.ledger","version":1,"node":...,"records":N,"failures":{...}}
     ["alice","run1",100,<TAB>{"tiers":{"local":"COMMITTED","pfs":"FLUSHING"},...}]
+
+(``"pfs"`` there is the warm tier's slot, :data:`~slurm_ckpt.ledger.record.WARM_SLOT`.)
     ...
     {"end":N,"xxh3_64":"<hex digest of every byte before this line>"}
 

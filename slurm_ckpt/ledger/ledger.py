@@ -41,6 +41,7 @@ from slurm_ckpt.ledger.codec import Corrupt, Data, from_raw, raw_pending, to_raw
 from slurm_ckpt.ledger.lockfile import LockBusy, LockFile
 from slurm_ckpt.ledger.record import (
     LIVE_LOCAL,
+    WARM_SLOT,
     Ident,
     Record,
     State,
@@ -221,7 +222,7 @@ class Ledger:
         """A checkpoint was committed on the local tier.
 
         Creates (or refreshes) the record: ``local=COMMITTED``; when selected or forced and
-        the PFS holds no live copy, ``pfs=FLUSH_PENDING``. A re-commit of a step keeps
+        the PFS holds no live copy, ``WARM_SLOT=FLUSH_PENDING``. A re-commit of a step keeps
         ``pinned`` and a verified PFS state.
         """
         check_ident(user, key, step)
@@ -237,9 +238,9 @@ class Ledger:
             rec.selected_for_flush = bool(selected_for_flush)
             rec.forced = bool(forced) or rec.forced
             merge_durations(rec, durations)
-            pfs = rec.tiers.get("pfs")
-            if rec.needs_flush and pfs not in (State.VERIFIED, State.FLUSHING):
-                rec.tiers["pfs"] = State.FLUSH_PENDING
+            warm = rec.tiers.get(WARM_SLOT)
+            if rec.needs_flush and warm not in (State.VERIFIED, State.FLUSHING):
+                rec.tiers[WARM_SLOT] = State.FLUSH_PENDING
                 rec.error = None
                 rec.attempts = 0
             rec.updated_at = now
@@ -407,7 +408,7 @@ class Ledger:
     def reconcile(
         self,
         local_steps: Iterable[Tuple[str, str, int, int]],
-        pfs_verified_steps: Iterable[Tuple[str, str, int, int]],
+        warm_verified_steps: Iterable[Tuple[str, str, int, int]],
         *,
         prune: bool = True,
         jobs: Optional[Dict[Tuple[str, str, int], Optional[str]]] = None,
@@ -415,17 +416,17 @@ class Ledger:
         """Bring the ledger in line with what is committed on the tiers.
 
         ``local_steps``: ``(user, key, step, nbytes)`` of every committed checkpoint on this
-        node's local tier. ``pfs_verified_steps``: the same for verified PFS copies.
+        node's local tier. ``warm_verified_steps``: the same for verified warm-tier copies.
 
         * A local checkpoint without a record gets one (``local=COMMITTED``, selected for
           flush: unknown history is treated cautiously). A record whose local state is
           not live becomes ``COMMITTED``.
-        * A record of this node whose step has a verified PFS copy becomes ``pfs=VERIFIED``
+        * A record of this node whose step has a verified warm copy becomes ``WARM_SLOT=VERIFIED``
           (PFS entries never create records: the PFS is shared by all nodes).
         * With ``prune`` (the scans are complete): a record whose local copy is live but
           absent from the scan becomes ``local=DELETED``; one whose PFS copy was verified
           but is gone gets its PFS state cleared (so it is flushed again) if the local copy
-          still exists, else ``pfs=DELETED``.
+          still exists, else ``WARM_SLOT=DELETED``.
 
         ``jobs`` maps ``(user, key, step)`` to the job id found in its manifest, so that
         records rebuilt from a scan still say which job wrote them (``ckpt-slurm status``
@@ -435,8 +436,8 @@ class Ledger:
         """
         jobs = jobs or {}
         local_map = {(u, k, int(s)): int(n) for u, k, s, n in local_steps}
-        pfs_map = {(u, k, int(s)): int(n) for u, k, s, n in pfs_verified_steps}
-        for u, k, s in list(local_map) + list(pfs_map):
+        warm_map = {(u, k, int(s)): int(n) for u, k, s, n in warm_verified_steps}
+        for u, k, s in list(local_map) + list(warm_map):
             check_ident(u, k, s)
         counts = {"added": 0, "fixed": 0, "pruned": 0}
         now = self.clock()
@@ -449,9 +450,10 @@ class Ledger:
                     rec.tiers["local"] = State.COMMITTED
                     rec.committed_at["local"] = now
                     rec.selected_for_flush = True
-                    rec.tiers["pfs"] = State.VERIFIED if ident in pfs_map else State.FLUSH_PENDING
-                    if ident in pfs_map:
-                        rec.verified_at["pfs"] = now
+                    verified = ident in warm_map
+                    rec.tiers[WARM_SLOT] = State.VERIFIED if verified else State.FLUSH_PENDING
+                    if ident in warm_map:
+                        rec.verified_at[WARM_SLOT] = now
                     rec.extra["reconciled"] = True
                     self._put(data, rec)
                     counts["added"] += 1
@@ -473,13 +475,13 @@ class Ledger:
                     rec.updated_at = now
                     self._put(data, rec)
                     counts["fixed"] += 1
-            for ident, nbytes in pfs_map.items():
+            for ident, nbytes in warm_map.items():
                 raw = data.get(ident)
-                if raw is None or (raw.get("tiers") or {}).get("pfs") == State.VERIFIED.value:
+                if raw is None or (raw.get("tiers") or {}).get(WARM_SLOT) == State.VERIFIED.value:
                     continue
                 rec = from_raw(raw)
-                rec.tiers["pfs"] = State.VERIFIED
-                rec.verified_at.setdefault("pfs", now)
+                rec.tiers[WARM_SLOT] = State.VERIFIED
+                rec.verified_at.setdefault(WARM_SLOT, now)
                 if not rec.nbytes:
                     rec.nbytes = nbytes
                 rec.updated_at = now
@@ -494,12 +496,12 @@ class Ledger:
                     if tiers.get("local") in LIVE_LOCAL and ident not in local_map:
                         rec.tiers["local"] = State.DELETED
                         changed = True
-                    if tiers.get("pfs") == State.VERIFIED.value and ident not in pfs_map:
+                    if tiers.get(WARM_SLOT) == State.VERIFIED.value and ident not in warm_map:
                         if rec.tiers.get("local") in LIVE_LOCAL and rec.needs_flush:
-                            del rec.tiers["pfs"]
-                            rec.verified_at.pop("pfs", None)
+                            del rec.tiers[WARM_SLOT]
+                            rec.verified_at.pop(WARM_SLOT, None)
                         else:
-                            rec.tiers["pfs"] = State.DELETED
+                            rec.tiers[WARM_SLOT] = State.DELETED
                         changed = True
                     if changed:
                         rec.updated_at = now

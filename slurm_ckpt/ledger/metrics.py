@@ -29,19 +29,19 @@ Metrics (all gauges unless noted; every series has a ``node`` label)
 ``slurm_ckpt_warm_tier_info{tier}``               1 for that tier: ``pfs`` or ``object``
 ``slurm_ckpt_flush_bytes{user,key}``              size of that flush
 ``slurm_ckpt_flushed_bytes_total``                counter: bytes flushed (from events)
-``slurm_ckpt_flush_queue_bytes``                  bytes committed locally, owed to the PFS
-``slurm_ckpt_flush_queue_checkpoints``            checkpoints owed to the PFS
+``slurm_ckpt_flush_queue_bytes``                  bytes committed locally, owed to the warm tier
+``slurm_ckpt_flush_queue_checkpoints``            checkpoints owed to the warm tier
 ``slurm_ckpt_flushes_in_flight``                  copies running now
 ``slurm_ckpt_steps_at_risk{user,key}``            newest local step minus newest step
-                                                  verified on the PFS (whole newest step
-                                                  when the node knows of no PFS copy)
-``slurm_ckpt_bytes_at_risk{user,key}``            bytes of that series owed to the PFS
+                                                  verified on the warm tier (whole newest step
+                                                  when the node knows of no warm copy)
+``slurm_ckpt_bytes_at_risk{user,key}``            bytes of that series owed to the warm tier
 ``slurm_ckpt_failures_total{reason}``             counter: ledger failure counters
 ``slurm_ckpt_events_total{type}``                 counter: events by type
 ``slurm_ckpt_hook_seconds{hook}``                 duration of the last run of each hook
 ``slurm_ckpt_hook_success{hook}``                 1 if that run succeeded, else 0
 ``slurm_ckpt_hook_last_run_timestamp_seconds{hook}``  when it ran (epoch seconds)
-``slurm_ckpt_admission_queue_depth``              flushes queued for a PFS slot,
+``slurm_ckpt_admission_queue_depth``              flushes queued for a warm-tier slot,
                                                   cluster-wide, at this node's last ask
 ``slurm_ckpt_admission_slots_in_use``             slots held then (the "PFS queue
                                                   watermark" beside it)
@@ -58,9 +58,10 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.ledger.events import events_path, read_summary
 from slurm_ckpt.ledger.ledger import Ledger
-from slurm_ckpt.ledger.record import LIVE_LOCAL, State
+from slurm_ckpt.ledger.record import LIVE_LOCAL, WARM_SLOT, State
 
 __all__ = [
     "METRICS",
@@ -119,27 +120,27 @@ METRICS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
     ),
     _P + "admission_queue_depth": (
         "gauge",
-        "Flushes queued for a PFS slot, cluster-wide, at this node's last request.",
+        "Flushes queued for a warm-tier slot, cluster-wide, at this node's last request.",
         (),
     ),
     _P + "admission_slots_in_use": (
         "gauge",
-        "PFS slots held, cluster-wide, at this node's last request.",
+        "Warm-tier slots held, cluster-wide, at this node's last request.",
         (),
     ),
     _P + "admission_wait_seconds": (
         "gauge",
-        "Seconds this node's last flush waited for a PFS slot (jitter included).",
+        "Seconds this node's last flush waited for a warm-tier slot (jitter included).",
         (),
     ),
     _P + "admission_wait_seconds_sum": (
         "counter",
-        "Seconds waited for PFS slots, summed (divide by the requests for the mean).",
+        "Seconds waited for warm-tier slots, summed (divide by the requests for the mean).",
         (),
     ),
     _P + "admission_requests": (
         "counter",
-        "Requests for a PFS slot by outcome (admitted, not_admitted within the budget).",
+        "Requests for a warm-tier slot by outcome (admitted, not_admitted within the budget).",
         ("outcome",),
     ),
 }
@@ -184,8 +185,8 @@ class NodeMetrics:
     admission: Dict[str, float] = field(default_factory=dict)
     admission_wait_sum: float = 0.0
     admission_requests: Dict[str, int] = field(default_factory=dict)
-    #: The warm tier (``cfg.tiers.warm``): the ledger's "pfs" slot stands for it.
-    warm: str = "pfs"
+    #: The warm tier (``cfg.tiers.warm``): the ledger's :data:`WARM_SLOT` stands for it.
+    warm: str = PFS
 
 
 def _series_of(label: str) -> Optional[Series]:
@@ -197,7 +198,7 @@ def collect(ledger: Ledger, events_file: Optional[Path] = None) -> NodeMetrics:
     """Gather the node's numbers from the ledger and (when given) the event summary."""
     m = NodeMetrics(node=ledger.node)
     newest_local: Dict[Series, int] = {}
-    newest_pfs: Dict[Series, int] = {}
+    newest_warm: Dict[Series, int] = {}
     for rec in ledger.records():
         series = (rec.user, rec.key)
         tiers = {t: str(getattr(s, "value", s)) for t, s in rec.tiers.items()}
@@ -206,13 +207,13 @@ def collect(ledger: Ledger, events_file: Optional[Path] = None) -> NodeMetrics:
         m.stall.offer(series, local_at, d.get("stall_s", d.get("snapshot_s")))
         m.local.offer(series, local_at, d.get("local_s"))
         if "flush_s" in d:
-            flushed_at = rec.verified_at.get("pfs", rec.updated_at)
+            flushed_at = rec.verified_at.get(WARM_SLOT, rec.updated_at)
             m.flush.offer(series, flushed_at, d["flush_s"])
             m.flush_bytes.offer(series, flushed_at, rec.nbytes)
         if tiers.get("local") in LIVE_LOCAL:
             newest_local[series] = max(rec.step, newest_local.get(series, -1))
-        if tiers.get("pfs") == State.VERIFIED.value:
-            newest_pfs[series] = max(rec.step, newest_pfs.get(series, -1))
+        if tiers.get(WARM_SLOT) == State.VERIFIED.value:
+            newest_warm[series] = max(rec.step, newest_warm.get(series, -1))
         if rec.pending_flush:
             m.queue_checkpoints += 1
             m.queue_bytes += int(rec.nbytes)
@@ -220,7 +221,7 @@ def collect(ledger: Ledger, events_file: Optional[Path] = None) -> NodeMetrics:
         m.in_flight += sum(1 for s in tiers.values() if s == State.FLUSHING.value)
     for series, step in newest_local.items():
         # With no PFS copy known to this node, everything up to the newest step is at risk.
-        m.steps_at_risk[series] = max(0, step - max(newest_pfs.get(series, 0), 0))
+        m.steps_at_risk[series] = max(0, step - max(newest_warm.get(series, 0), 0))
         m.bytes_at_risk.setdefault(series, 0)
     m.failures = {str(k): int(v) for k, v in ledger.failures().items()}
     if events_file is not None:
@@ -405,7 +406,7 @@ def refresh_textfile(
     from prometheus_client import write_to_textfile
 
     m = collect(ledger, events_file or events_path(cfg, ledger.node))
-    m.warm = cfg.tiers.warm  # what the ledger's warm slot ("pfs") stands for
+    m.warm = cfg.tiers.warm  # what the ledger's WARM_SLOT stands for
     os.makedirs(target.parent, mode=0o755, exist_ok=True)
     write_to_textfile(str(target), build_registry(m))
     return target

@@ -37,7 +37,14 @@ from slurm_ckpt.core.names import validate_node
 from slurm_ckpt.errors import TierError
 from slurm_ckpt.ledger.codec import VERSION
 from slurm_ckpt.ledger.ledger import Ledger
-from slurm_ckpt.ledger.record import FAILED_STATES, LIVE_LOCAL, State, is_held, is_pending
+from slurm_ckpt.ledger.record import (
+    FAILED_STATES,
+    LIVE_LOCAL,
+    WARM_SLOT,
+    State,
+    is_held,
+    is_pending,
+)
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +101,9 @@ def node_status(
                 "failed": 0,
                 "keys": [],
                 "latest_step": None,
+                "latest_warm_verified_step": None,
+                # The old name of latest_warm_verified_step, kept one release for readers
+                # of an older version (mixed-version clusters).
                 "latest_pfs_verified_step": None,
                 "last_commit_at": None,
                 "partner_copies": 0,
@@ -110,8 +120,9 @@ def node_status(
             if raw.get("partner_of"):  # another node's checkpoint, copied here
                 js["partner_copies"] += 1
                 js["latest_partner_step"] = max(step, js["latest_partner_step"] or 0)
-        if tiers.get("pfs") == State.VERIFIED.value:
-            js["latest_pfs_verified_step"] = max(step, js["latest_pfs_verified_step"] or 0)
+        if tiers.get(WARM_SLOT) == State.VERIFIED.value:
+            newest = max(step, js["latest_warm_verified_step"] or 0)
+            js["latest_warm_verified_step"] = js["latest_pfs_verified_step"] = newest
         committed = (raw.get("committed_at") or {}).get("local")
         if committed is not None:
             js["last_commit_at"] = max(committed, js["last_commit_at"] or 0.0)

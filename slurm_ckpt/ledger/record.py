@@ -19,7 +19,7 @@ from slurm_ckpt.errors import InvalidName
 __all__ = [
     "FAILED_STATES",
     "LIVE_LOCAL",
-    "NOT_PENDING_PFS",
+    "NOT_PENDING_WARM",
     "Ident",
     "Record",
     "State",
@@ -27,13 +27,23 @@ __all__ = [
     "check_tier",
     "is_held",
     "is_pending",
+    "WARM_SLOT",
     "apply_fields",
     "merge_durations",
     "one_line",
+    "shown_tier",
 ]
 
 MAX_REASON = 500
 _TIER_RE = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+
+#: The ledger's on-disk key for the warm tier's slot in a record's ``tiers`` (and its
+#: ``committed_at``/``verified_at``/... dicts): "owed to / verified on the warm tier",
+#: whatever that tier is (the PFS, or the object store on a site without one:
+#: ``cfg.tiers.warm``). It stays ``"pfs"`` because ledgers already on disk say so; code
+#: says ``WARM_SLOT`` and never the literal, and what people see names the configured
+#: warm tier (:func:`shown_tier`).
+WARM_SLOT = "pfs"
 
 #: A checkpoint's identity: ``(user, key, step)``.
 Ident = Tuple[str, str, int]
@@ -54,7 +64,7 @@ class State(str, Enum):
 
 STATES = {s.value: s for s in State}
 LIVE_LOCAL = (State.COMMITTED.value, State.VERIFIED.value)
-NOT_PENDING_PFS = (State.VERIFIED.value, State.DELETED.value)
+NOT_PENDING_WARM = (State.VERIFIED.value, State.DELETED.value)
 FAILED_STATES = (State.FAILED.value, State.BAD.value)
 
 
@@ -153,7 +163,7 @@ class Record:
             forced=self.forced,
             pinned=self.pinned,
             verified=self.tiers.get("local") == State.VERIFIED.value,
-            pfs_verified=self.tiers.get("pfs") == State.VERIFIED.value,
+            warm_verified=self.tiers.get(WARM_SLOT) == State.VERIFIED.value,
             next_tier_verified=None,
         )
 
@@ -162,12 +172,17 @@ def is_pending(tiers: Dict[str, Any], selected: Any, forced: Any) -> bool:
     return bool(
         (selected or forced)
         and tiers.get("local") in LIVE_LOCAL
-        and tiers.get("pfs") not in NOT_PENDING_PFS
+        and tiers.get(WARM_SLOT) not in NOT_PENDING_WARM
     )
 
 
+def shown_tier(slot: Any, warm: str) -> Any:
+    """The tier a ledger slot name stands for on a site whose warm tier is ``warm``."""
+    return warm if slot == WARM_SLOT else slot
+
+
 def is_held(fields: Any) -> bool:
-    """Owed to the PFS but no reason to keep a node drained: held because of its owner's
+    """Owed to the warm tier but no reason to keep a node drained: held because of its owner's
     doing (``hold``), or given up after the retry limit (``gave_up``); see
     :mod:`slurm_ckpt.node.retry`. ``fields``: a raw record or a record's ``extra``."""
     return bool(fields.get("hold") or fields.get("gave_up"))

@@ -24,6 +24,7 @@ from typing import Any, Dict, Iterable, List, Optional
 
 from slurm_ckpt.core import fsio, trust
 from slurm_ckpt.core.config import LEDGER_SUBDIR
+from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.names import validate_node, validate_user
 from slurm_ckpt.errors import CkptError, TierError
 from slurm_ckpt.ledger.ledger import Ledger
@@ -48,7 +49,7 @@ def publish_user_status(ledger: Ledger, pfs_root: Path, user: str) -> Path:
     try:
         rfd = fsio.open_dir(str(pfs_root))
         try:
-            dfd = trust.open_user_subdir(rfd, user, [LEDGER_SUBDIR, "nodes"], True, "pfs")
+            dfd = trust.open_user_subdir(rfd, user, [LEDGER_SUBDIR, "nodes"], True, PFS)
         finally:
             os.close(rfd)
         try:
@@ -72,7 +73,7 @@ def read_user_statuses(pfs_root: Path, users: Iterable[str]) -> List[Dict[str, A
         for user in users:
             try:
                 dfd = trust.open_user_subdir(
-                    rfd, validate_user(user), [LEDGER_SUBDIR, "nodes"], False, "pfs"
+                    rfd, validate_user(user), [LEDGER_SUBDIR, "nodes"], False, PFS
                 )
             except (OSError, CkptError):
                 continue  # none, not readable by us, or squatted

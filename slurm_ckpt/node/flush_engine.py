@@ -49,7 +49,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, NotFound, TierError, TimedOut
-from slurm_ckpt.ledger import Ident, Ledger, Record, State
+from slurm_ckpt.ledger import WARM_SLOT, Ident, Ledger, Record, State
 from slurm_ckpt.node.marks import MarkBuffer, set_state
 from slurm_ckpt.node.retry import RetryPolicy, clear_failures, user_caused
 from slurm_ckpt.tiers.base import Tier
@@ -180,8 +180,9 @@ def copy_in_process(src: Tier, dst: Tier, progress: Optional[ProgressFn] = None)
 
 class Flusher:
     """Flushes checkpoints of one source tier to one destination tier (names as in the
-    ledger: ``"local"`` -> ``"pfs"``) through ``copy``, recording every outcome in
-    ``ledger`` (optional: ckpt-srun and plain directories run without one).
+    ledger: ``"local"`` -> :data:`~slurm_ckpt.ledger.WARM_SLOT`) through ``copy``,
+    recording every outcome in ``ledger`` (optional: ckpt-srun and plain directories run
+    without one).
 
     ``hand_off_note`` says who finishes what this process cannot (``"left to epilog"``
     in a job, ``"handed to stager"`` on the root side). ``clock`` is the clock deadlines
@@ -196,7 +197,7 @@ class Flusher:
         ledger: Optional[Ledger] = None,
         *,
         src: str = "local",
-        dst: str = "pfs",
+        dst: str = WARM_SLOT,
         hand_off_note: str = HANDED_TO_STAGER,
         clock: Callable[[], float] = time.monotonic,
         slots: Optional[Any] = None,

@@ -42,8 +42,8 @@ def plan(work: NodeWork, running: Optional[Set[str]]) -> List[Record]:
     policy = RetentionPolicy(
         keep_local=r.keep_local,
         flush_every=r.flush_every,
-        keep_pfs=r.keep_pfs,
-        keep_pfs_every_s=r.keep_pfs_every,
+        keep_warm=r.keep_warm,
+        keep_warm_every_s=r.keep_warm_every,
     )
     series: Dict[Tuple[str, str], List[Record]] = {}
     for rec in work.ledger.records():

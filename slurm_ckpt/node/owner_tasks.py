@@ -18,6 +18,7 @@ from typing import Any, Dict, List
 
 from slurm_ckpt.core import fsio
 from slurm_ckpt.core.config import LEDGER_SUBDIR, Config
+from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.layout import LOCK_PREFIX, parse_step_dirname
 from slurm_ckpt.core.manifest import MANIFEST_NAME, manifest_facts
 from slurm_ckpt.core.names import validate_key
@@ -169,21 +170,21 @@ def flush_many_as_user(
     return out
 
 
-def delete_as_user(cfg: Config, user: str, key: str, step: int, uid: int, need_pfs: bool) -> bool:
-    """Delete a local checkpoint; with ``need_pfs`` only if the PFS holds the very same
+def delete_as_user(cfg: Config, user: str, key: str, step: int, uid: int, need_warm: bool) -> bool:
+    """Delete a local checkpoint; with ``need_warm`` only if the warm tier holds the very same
     committed checkpoint (identical manifest bytes) - the ledger is a cache, this is the
     last word before bytes disappear."""
     tiers = owner_tiers(cfg)
     local, warm = tiers["local"], warm_of(cfg, tiers)  # warm: the PFS or the object store
     alive()
     check_step_files(local, user, key, step, uid)
-    if need_pfs:
+    if need_warm:
         mine = committed_manifest(local, user, key, step)
         theirs = committed_manifest(warm, user, key, step)
         if mine is None or mine != theirs:
             raise CkptError(
                 f"{local.where(user, key, step)}: no identical committed copy on the "
-                f"{'PFS' if warm.name == 'pfs' else warm.name + ' tier'}; kept"
+                f"{'PFS' if warm.name == PFS else warm.name + ' tier'}; kept"
             )
     local.delete(user, key, step)
     return True
@@ -192,16 +193,16 @@ def delete_as_user(cfg: Config, user: str, key: str, step: int, uid: int, need_p
 def delete_many_as_user(
     cfg: Config, user: str, uid: int, items: List[List[Any]], budget_s: float
 ) -> List[Dict[str, Any]]:
-    """:func:`delete_as_user` for several checkpoints (``[key, step, need_pfs]``): one
+    """:func:`delete_as_user` for several checkpoints (``[key, step, need_warm]``): one
     result per item done, in order (``{"ok": true}`` or ``{"err": ...}``), stopping when
     ``budget_s`` is spent."""
     end = time.monotonic() + budget_s
     out: List[Dict[str, Any]] = []
-    for key, step, need_pfs in items:
+    for key, step, need_warm in items:
         if out and time.monotonic() >= end:
             break
         try:
-            out.append({"ok": delete_as_user(cfg, user, str(key), int(step), uid, bool(need_pfs))})
+            out.append({"ok": delete_as_user(cfg, user, str(key), int(step), uid, bool(need_warm))})
         except Exception as exc:  # noqa: BLE001 - each item's own outcome, to the parent
             out.append({"err": describe(exc)})
     return out

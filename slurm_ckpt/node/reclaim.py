@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Set
 
 from slurm_ckpt.errors import CkptError, SlurmError
-from slurm_ckpt.ledger import State
+from slurm_ckpt.ledger import WARM_SLOT, State
 from slurm_ckpt.node.asuser import run_as
 from slurm_ckpt.node.owner_tasks import reclaim_as_user
 from slurm_ckpt.node.work import NodeWork
@@ -84,7 +84,7 @@ def reclaim_departed(
         local = rec.state("local")
         if local is State.BAD:
             lists["junk"].append([rec.key, rec.step])
-        elif local in (State.COMMITTED, State.VERIFIED) and rec.state("pfs") is State.VERIFIED:
+        elif local in (State.COMMITTED, State.VERIFIED) and rec.state(WARM_SLOT) is State.VERIFIED:
             lists["safe"].append([rec.key, rec.step])
     hooks = work.cfg.hooks
     for user in out.users:

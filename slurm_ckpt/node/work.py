@@ -24,7 +24,7 @@ from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import UserIds, user_ids, validate_key
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, InvalidName, SlurmError
-from slurm_ckpt.ledger import Ident, Ledger, Record, State
+from slurm_ckpt.ledger import WARM_SLOT, Ident, Ledger, Record, State
 from slurm_ckpt.ledger.events import EventLog
 from slurm_ckpt.ledger.status_store import status_store
 from slurm_ckpt.node.asuser import AsUserTimeout, error_from, run_as
@@ -75,8 +75,8 @@ _NO_GATE = object()
 # --------------------------------------------------------------------------- users
 
 
-def _pfs_verified(raw: Dict[str, Any]) -> bool:
-    return (raw.get("tiers") or {}).get("pfs") == State.VERIFIED.value
+def _warm_verified(raw: Dict[str, Any]) -> bool:
+    return (raw.get("tiers") or {}).get(WARM_SLOT) == State.VERIFIED.value
 
 
 # --------------------------------------------------------------------------- root side
@@ -256,7 +256,7 @@ class NodeWork:
                 self.scan_nodes[(ids.name, key, step)] = owner
         verified = [
             (raw["user"], raw["key"], raw["step"], int(raw.get("nbytes", 0)))
-            for raw in Ledger.select(self.ledger.snapshot(), None, None, None, _pfs_verified)
+            for raw in Ledger.select(self.ledger.snapshot(), None, None, None, _warm_verified)
         ]
         counts = self.ledger.reconcile(local, verified, prune=complete, jobs=self.scan_jobs)
         try:
@@ -448,7 +448,7 @@ class NodeWork:
     def _report_hold(self, res: FlushResult) -> None:
         user, key, step = res.ident
         if res.hold in ("squatted", "unsafe_dir"):
-            self._refuse("pfs", user, res.error or res.hold, res.hold)
+            self._refuse(self.cfg.tiers.warm, user, res.error or res.hold, res.hold)
             return
         self.emit("refused", user=user, key=key, step=step, reason=res.hold, error=res.error or "")
 

@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from slurm_ckpt.core.aging import plan_aging, plan_cold_deletions
 from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.retention import CkptInfo
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.node.asuser import run_as_user
@@ -76,7 +77,7 @@ class AgeResult:
 
 def chain(cfg: Config, tiers: Dict[str, Tier]) -> List[Tuple[Tier, Tier, float]]:
     """``(from, to, every_s)`` for each link of the configured chain."""
-    names = [n for n in ("pfs", "object", "cold") if n in tiers]
+    names = [n for n in (PFS, "object", "cold") if n in tiers]
     links = []
     for a, b in zip(names, names[1:]):
         every = cfg.tiers.object.every if b == "object" else cfg.tiers.cold.every  # type: ignore[union-attr]

@@ -34,6 +34,7 @@ from typing import List, Optional
 
 from slurm_ckpt.core import trust
 from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ops.object_check import object_findings
@@ -143,7 +144,7 @@ def check_roots(cfg: Config, owner: Optional[int] = None) -> List[Finding]:
                 )
             )
     if cfg.tiers.pfs is not None:
-        _root("pfs", "tiers.pfs.root", str(cfg.tiers.pfs.root), False, out, owner)
+        _root(PFS, "tiers.pfs.root", str(cfg.tiers.pfs.root), False, out, owner)
     for sev, msg, _fix in object_findings(cfg):  # the object tier answers (warm or not)
         if sev != "ok":
             out.append(Finding(ERROR if sev == "error" else WARNING, msg))

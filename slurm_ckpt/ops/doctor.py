@@ -29,6 +29,7 @@ from slurm_ckpt import __version__
 from slurm_ckpt.admission.policy import AdmissionError
 from slurm_ckpt.admission.store import check_store_dir, slots_dir
 from slurm_ckpt.core.config import LEDGER_SUBDIR, Config
+from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import SlurmError
 from slurm_ckpt.ledger.events import events_path, read_events
@@ -444,7 +445,7 @@ def _check_root(name: str, path: Path, shared: bool) -> Finding:
 def check_tiers(cfg: Config) -> List[Finding]:
     out = [_check_root("local", Path(cfg.tiers.local.root), False)]
     if cfg.tiers.pfs is not None:
-        out.append(_check_root("pfs", Path(cfg.tiers.pfs.root), True))
+        out.append(_check_root(PFS, Path(cfg.tiers.pfs.root), True))
     if cfg.tiers.cold is not None:
         out.append(_check_root("cold", Path(cfg.tiers.cold.root), True))
     # The object tier (the warm tier on a site without a PFS): reachable with root's keys.

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.progress import ProgressFn, report
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ledger import LEDGER_NAME, Ident, Ledger, Record
@@ -238,7 +239,7 @@ def flush_series(cfg: Config, user: str, key: str, timeout: Optional[float] = No
             if res.status == "handed":
                 lines.append(f"{what}: not flushed (flush timeout; the epilog will)")
             elif res.ok:
-                there = "the PFS" if pfs.name == "pfs" else f"the {pfs.name} tier"
+                there = "the PFS" if pfs.name == PFS else f"the {pfs.name} tier"
                 state = (
                     f"already on {there}"
                     if res.status == "already"

@@ -1,6 +1,6 @@
 """``ckpt-slurm gc``: retention on the shared tiers (PFS, and cold when configured).
 
-The policy is :func:`slurm_ckpt.core.retention.plan_pfs_deletions` with the site's
+The policy is :func:`slurm_ckpt.core.retention.plan_warm_deletions` with the site's
 ``[retention]`` values; this module decides what each checkpoint's ``verified`` flag is,
 and that is where the safety lies. A checkpoint counts as verified only if it verifies
 *now* (every byte re-hashed against its manifest): a copy that rotted since it was written
@@ -8,14 +8,14 @@ must not be what lets retention delete the last good one.
 
 Re-hashing a whole PFS on every run would be too slow, so :func:`plan_series` verifies
 exactly the checkpoints whose verified status lets something else be deleted: the newest
-``keep_pfs`` (at least one) of those presumed good, and a window keeper of
-``keep_pfs_every`` whose window holds a checkpoint planned for deletion. Everything not
+``keep_warm`` (at least one) of those presumed good, and a window keeper of
+``keep_warm_every`` whose window holds a checkpoint planned for deletion. Everything not
 yet verified is presumed good while planning; when a verification fails, that checkpoint
 stops counting and the plan is made again (the next one in line then gets verified). The
 result is the plan with every safety-relevant ``verified`` flag measured, so:
 
 * the newest checkpoint that verifies is never deleted (it may be the only good copy);
-* a corrupt newest checkpoint does not count towards ``keep_pfs``: one more older one is
+* a corrupt newest checkpoint does not count towards ``keep_warm``: one more older one is
   kept (the corrupt one too, by the policy's rule for unverified newer copies);
 * with nothing verifying, nothing is deleted.
 
@@ -53,10 +53,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.layout import PARTIAL_PREFIX, parse_step_dirname, step_dirname
 from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.core.progress import ProgressFn
-from slurm_ckpt.core.retention import CkptInfo, RetentionPolicy, plan_pfs_deletions
+from slurm_ckpt.core.retention import CkptInfo, RetentionPolicy, plan_warm_deletions
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ops.age import AgeResult, aged_steps, aging_plan, chain, gc_cold_series, run_aging
 from slurm_ckpt.ops.damage import reclaimable, scan_series
@@ -79,7 +80,7 @@ __all__ = [
 #: ``<key>/.pin-step-NNNNNNNNNN`` pins that step on a shared tier.
 PIN_PREFIX = ".pin-"
 #: Shared tiers gc works on, in this order.
-GC_TIERS = ("pfs", "object")
+GC_TIERS = (PFS, "object")
 
 
 def pin_name(step: int) -> str:
@@ -92,8 +93,8 @@ def policy_from_config(cfg: Config) -> RetentionPolicy:
     return RetentionPolicy(
         keep_local=r.keep_local,
         flush_every=r.flush_every,
-        keep_pfs=r.keep_pfs,
-        keep_pfs_every_s=r.keep_pfs_every,
+        keep_warm=r.keep_warm,
+        keep_warm_every_s=r.keep_warm_every,
     )
 
 
@@ -111,11 +112,11 @@ def _must_verify(infos: List[CkptInfo], deleted: Set[int], policy: RetentionPoli
     presumed = [i for i in ordered if i.verified]
     must: List[int] = []
     for info in presumed:
-        if len(must) >= max(policy.keep_pfs, 1):
+        if len(must) >= max(policy.keep_warm, 1):
             break
         if info.step not in must:
             must.append(info.step)
-    every = float(policy.keep_pfs_every_s)
+    every = float(policy.keep_warm_every_s)
     if every > 0 and deleted:
         doomed_windows = {_window(i, every) for i in infos if i.step in deleted}
         for info in presumed:
@@ -142,7 +143,7 @@ def plan_series(
     results: Dict[int, bool] = {}
     while True:
         current = [replace(i, verified=results.get(i.step, True)) for i in infos]
-        deletions = plan_pfs_deletions(current, now, policy)
+        deletions = plan_warm_deletions(current, now, policy)
         todo = [s for s in _must_verify(current, set(deletions), policy) if s not in results]
         if not todo:
             return deletions, results

@@ -20,6 +20,7 @@ from typing import Any, List
 
 from slurm_ckpt.core import trust
 from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.names import validate_user
 from slurm_ckpt.errors import InvalidName
 from slurm_ckpt.ledger.status_store import status_store
@@ -58,7 +59,7 @@ def check_security(cfg: Config, finding: Any) -> List[Any]:
     out: List[Any] = []
     roots = [("local", cfg.tiers.local.root)]
     if cfg.tiers.pfs is not None:  # (a site without one: the object store has no owners)
-        roots.append(("pfs", cfg.tiers.pfs.root))
+        roots.append((PFS, cfg.tiers.pfs.root))
     if cfg.tiers.cold is not None:
         roots.append(("cold", cfg.tiers.cold.root))
     bad = 0

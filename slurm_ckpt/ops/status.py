@@ -92,11 +92,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Dict, List, Optional, Set, Tuple, Union
 
 from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.names import validate_key, validate_node, validate_user
 from slurm_ckpt.errors import CkptError
+from slurm_ckpt.ledger.record import shown_tier
 from slurm_ckpt.ledger.status_store import status_store
 from slurm_ckpt.ledger.user_status import read_user_statuses
-from slurm_ckpt.ledger.warm_slot import shown_tier
 from slurm_ckpt.ops.catalog import Series, SeriesHead
 from slurm_ckpt.ops.catalog_tiers import shared_heads
 from slurm_ckpt.slurm.client import SlurmClient
@@ -195,7 +196,7 @@ class _Job:
     series: Set[Series] = field(default_factory=set)
     nodes: Set[str] = field(default_factory=set)
     latest_step: Optional[int] = None
-    latest_pfs_verified: Optional[int] = None
+    latest_warm_verified: Optional[int] = None
     last_commit_at: Optional[float] = None
     pending: int = 0
     pending_bytes: int = 0
@@ -250,7 +251,7 @@ def _tier_entry(heads: List[SeriesHead], now: float) -> Optional[Dict[str, Any]]
     }
 
 
-def _flight(entry: Dict[str, Any], now: float, warm: str = "pfs") -> Dict[str, Any]:
+def _flight(entry: Dict[str, Any], now: float, warm: str = PFS) -> Dict[str, Any]:
     since = _num(entry.get("since"))
     return {
         "user": entry.get("user"),
@@ -269,7 +270,7 @@ def build_status(
     node_statuses: List[Dict[str, Any]],
     slurm: SlurmSnapshot,
     shared: Dict[str, Dict[Series, SeriesHead]],
-    warm: str = "pfs",
+    warm: str = PFS,
     statuses_at: Optional[str] = None,
     user: Optional[str] = None,
     job: Optional[str] = None,
@@ -353,9 +354,10 @@ def build_status(
             latest = _num(js.get("latest_step"))
             if latest is not None:
                 j.latest_step = int(_max(j.latest_step, latest))  # type: ignore[arg-type]
-            verified = _num(js.get("latest_pfs_verified_step"))
+            # A node of an older version says only latest_pfs_verified_step (one release).
+            verified = _num(js.get("latest_warm_verified_step", js.get("latest_pfs_verified_step")))
             if verified is not None:
-                j.latest_pfs_verified = int(_max(j.latest_pfs_verified, verified))  # type: ignore[arg-type]
+                j.latest_warm_verified = int(_max(j.latest_warm_verified, verified))  # type: ignore[arg-type]
             commit = _num(js.get("last_commit_at"))
             j.last_commit_at = _max(j.last_commit_at, commit)
             j.pending += _int(js.get("pending"))
@@ -442,9 +444,9 @@ def build_status(
             tiers[name] = _tier_entry(groups.get(gid, []), now)
         steps_at_risk: Optional[int] = None
         if j.latest_step is not None:
-            # The node statuses' "pfs" fields are the ledger's warm-tier slot (whatever
-            # the warm tier is: slurm_ckpt.ledger.warm_slot).
-            safe = j.latest_pfs_verified if j.latest_pfs_verified is not None else 0
+            # The node statuses' warm fields are the ledger's WARM_SLOT (whatever the
+            # warm tier is: slurm_ckpt.ledger.record).
+            safe = j.latest_warm_verified if j.latest_warm_verified is not None else 0
             if tiers.get(warm) is not None:
                 safe = max(safe, tiers[warm]["step"])
             steps_at_risk = max(0, j.latest_step - safe)

@@ -17,6 +17,7 @@ import os
 from typing import List, Optional, Tuple
 
 from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.errors import ConfigError
 
 __all__ = ["missing_roots", "require_roots"]
@@ -25,7 +26,7 @@ __all__ = ["missing_roots", "require_roots"]
 def _posix_roots(cfg: Config) -> List[Tuple[str, str]]:
     out = [("local", str(cfg.tiers.local.root))]
     if cfg.tiers.pfs is not None:
-        out.append(("pfs", str(cfg.tiers.pfs.root)))
+        out.append((PFS, str(cfg.tiers.pfs.root)))
     if cfg.tiers.cold is not None:
         out.append(("cold", str(cfg.tiers.cold.root)))
     return out
@@ -48,7 +49,7 @@ def require_roots(cfg: Config, tier: Optional[str] = None) -> List[str]:
     missing = missing_roots(cfg, tier)
     if not missing:
         return []
-    fatal = [(n, r) for n, r in missing if n == "pfs"]
+    fatal = [(n, r) for n, r in missing if n == PFS]
     readable = [n for n, _ in _posix_roots(cfg) if tier in (None, n)]
     if cfg.tiers.object is not None and tier in (None, "object"):
         readable.append("object")

@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.posix import PosixTier
 from slurm_ckpt.tiers.s3 import S3Tier
 
 #: Tier names from hot to cold: restore looks in this order, flushes go down it.
-ORDER = ("local", "pfs", "object", "cold")
+ORDER = ("local", PFS, "object", "cold")
 
 
 def tiers_from_config(
@@ -34,8 +35,8 @@ def tiers_from_config(
     }
     tiers: Dict[str, Tier] = {"local": PosixTier("local", str(cfg.tiers.local.root), **common)}
     if cfg.tiers.pfs is not None:
-        tiers["pfs"] = PosixTier(
-            "pfs", str(cfg.tiers.pfs.root), bandwidth=cfg.tiers.pfs.bandwidth_limit, **common
+        tiers[PFS] = PosixTier(
+            PFS, str(cfg.tiers.pfs.root), bandwidth=cfg.tiers.pfs.bandwidth_limit, **common
         )
     o = cfg.tiers.object
     if o is not None:
@@ -69,4 +70,4 @@ def warm_tier(cfg: Config, tiers: Dict[str, Tier]) -> Tier:
 
 def warm_tiers(cfg: Config) -> List[str]:
     """The shared tiers after the hot one, in flush order (``pfs``, then ``object``)."""
-    return [n for n in ("pfs", "object") if getattr(cfg.tiers, n) is not None]
+    return [n for n in (PFS, "object") if getattr(cfg.tiers, n) is not None]

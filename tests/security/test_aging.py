@@ -44,7 +44,7 @@ def _sections(osite: ObjectSite, cold: Optional[Path] = None) -> Dict[str, Any]:
     out: Dict[str, Any] = {
         "pfs": {"root": str(osite.site.pfs / "warm-root")},
         "object": {"every": 0},
-        "retention": {"keep_pfs": 1, "keep_pfs_every": 0},
+        "retention": {"keep_warm": 1, "keep_warm_every": 0},
     }
     (osite.site.pfs / "warm-root").mkdir(exist_ok=True)
     os.chmod(osite.site.pfs / "warm-root", 0o1777)

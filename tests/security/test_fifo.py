@@ -67,8 +67,8 @@ def _plant_fifos(pfs: str) -> None:
 
 
 def test_fifos_never_hang_root_gc_verify_status_list(site: Site) -> None:
-    cfg = site.cfg(retention={"keep_pfs": 1, "keep_pfs_every": 0})
-    conf = site.config_file(retention={"keep_pfs": 1, "keep_pfs_every": 0})
+    cfg = site.cfg(retention={"keep_warm": 1, "keep_warm_every": 0})
+    conf = site.config_file(retention={"keep_warm": 1, "keep_warm_every": 0})
     for step in (1, 2):
         _on_pfs(cfg, VICTIM, "run", step, job="7")
     as_user(ATTACKER, _plant_fifos, str(site.pfs))

@@ -75,8 +75,8 @@ def _victim_series(cfg: Any) -> None:
 
 
 def test_gc_status_list_go_on_for_everyone(site: Site) -> None:
-    cfg = site.cfg(retention={"keep_pfs": 1, "keep_pfs_every": 0})
-    conf = site.config_file(retention={"keep_pfs": 1, "keep_pfs_every": 0})
+    cfg = site.cfg(retention={"keep_warm": 1, "keep_warm_every": 0})
+    conf = site.config_file(retention={"keep_warm": 1, "keep_warm_every": 0})
     _victim_series(cfg)
     # The attacker also claims the victim's job id in a well-formed manifest.
     as_user(ATTACKER, _plant_all, str(site.pfs))
@@ -117,7 +117,7 @@ def test_retention_survives_nan_wall_time_in_the_ledger_path(site: Site) -> None
     """gc in-process, one user's NaN next to another's series: the victim is planned."""
     from slurm_ckpt.ops.gc import run_gc
 
-    cfg = site.cfg(retention={"keep_pfs": 1, "keep_pfs_every": "1h"})
+    cfg = site.cfg(retention={"keep_warm": 1, "keep_warm_every": "1h"})
     _victim_series(cfg)
     as_user(ATTACKER, _plant_all, str(site.pfs))
     report = run_gc(cfg)

@@ -82,7 +82,7 @@ def _poison(scratch: str, pfs: str) -> None:
         os.makedirs(os.path.join(scratch, d), exist_ok=True)
     ck = Checkpointer(
         local=os.path.join(scratch, "l"),
-        pfs=os.path.join(scratch, "p"),
+        warm=os.path.join(scratch, "p"),
         key="run",
         install_signals=False,
         end_time_fn=None,
@@ -112,7 +112,7 @@ def _victim_job(local: str, pfs: str) -> Any:
     """As the victim: the training job's restore and one save with its flush."""
     from slurm_ckpt import Checkpointer
 
-    ck = Checkpointer(local=local, pfs=pfs, key="run", install_signals=False, end_time_fn=None)
+    ck = Checkpointer(local=local, warm=pfs, key="run", install_signals=False, end_time_fn=None)
     got = ck.restore()
     restored: Optional[Any] = None if got is None else got.state.get("loader")
     ck.save({"blob": b"mine", "loader": {"epoch": 1}}, step=1, preemption=True)  # flushed

@@ -1,0 +1,297 @@
+#!/usr/bin/env python3
+"""Restore of a lost rank from its partner copy vs from a PFS capped at a per-node share.
+
+Issue 21's must-show: a rank relaunched on a spare node (``ckpt-srun --spares``) reads
+its newest checkpoint back from the node holding its partner copy, instead of from the
+PFS, where a node's share of the bandwidth is small (500 MB/s per node in seed 1).
+
+Setup, on one machine: two ranks (world size 2, rank 1's shard ``--size`` bytes of
+float32 tensors) save step 1 with partner copies on, so rank 1's partner copy is on
+"node" ``na`` and a verified copy on the PFS directory. Then the holder, rank 0
+relaunched on ``na``, runs in a **process of its own** (its partner server answers the
+fetch). Per round, in alternating order, after dropping the page cache (root; not when ``--dir``
+is on tmpfs, the default, which has no page cache to drop):
+
+* **partner**: a fresh rank 1 on a fresh "spare" local tier, in a relaunched step
+  (``SLURM_CKPT_RELAUNCH=1``): ``restore()`` fetches the step from ``na`` over TCP on
+  127.0.0.1 (authenticated; every chunk hashed against the manifest; committed on the
+  spare's local tier), then reads and verifies it from there and builds the state
+  (``Restored.tier == "partner"``);
+* **capped PFS**: a fresh rank 1 with partner copies off: ``restore()`` reads the PFS
+  copy, verified, through a reader capped at ``--pfs-rate`` (500 MB/s): every
+  ``readinto`` of the PFS copy first takes its bytes from a token bucket
+  (``slurm_ckpt.core.chunks.BandwidthLimiter``, burst 0.25 s, shared by the read
+  streams), and the source reports no file descriptor, so no read bypasses the cap.
+
+Both restores are checked bitwise against the saved state (not timed).
+
+Claims (median over rounds): partner / capped PFS <= 0.3. Reported: partner / the cap's
+floor (``size / rate``, the time the capped PFS needs for the bytes alone, what no
+reader behind that cap can beat).
+
+    python benchmarks/partner.py --json /tmp/partner.json [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO))
+
+KEY = "bench"
+JOB = "77"
+
+
+def drop_caches() -> None:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("3\n")
+    except OSError:
+        pass  # not root: the reads hit the page cache (reported as is)
+
+
+def make(base: Path, name: str, rank: int, **kw: Any) -> Any:
+    """One rank on its own "node" (local tier and ledger of its own, the shared PFS)."""
+    from slurm_ckpt import Checkpointer
+
+    for d in (base / name / "local", base / name / "ledger", base / "pfs"):
+        d.mkdir(parents=True, exist_ok=True)
+    os.chmod(base / name / "ledger", 0o700)
+    kw.setdefault("partner", True)
+    return Checkpointer(
+        local=base / name / "local",
+        warm=base / "pfs",
+        key=KEY,
+        rank=rank,
+        world_size=2,
+        node=name,
+        job=JOB,
+        ledger_dir=base / name / "ledger",
+        install_signals=False,
+        end_time_fn=None,
+        keep_partner=2,
+        keep_local=2,
+        partner_dir=base / "rendezvous",
+        partner_host="127.0.0.1",
+        agree=lambda v: v,  # one rank's restore is measured: its own newest step
+        **kw,
+    )
+
+
+def state(size: int, tensors: int = 8) -> Dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    n = size // 4 // tensors
+    return {"model": {f"w{i}": torch.randn(n, generator=g) for i in range(tensors)}}
+
+
+def same(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+    import torch
+
+    return a["model"].keys() == b["model"].keys() and all(
+        torch.equal(a["model"][k], b["model"][k]) for k in a["model"]
+    )
+
+
+class CappedSource:
+    """A PFS file whose every read first takes its bytes from the shared bucket."""
+
+    def __init__(self, src: Any, limiter: Any) -> None:
+        self.src, self.limiter, self.size = src, limiter, src.size
+
+    def readinto(self, buf: memoryview, offset: int) -> int:
+        self.limiter.acquire(len(buf))
+        return int(self.src.readinto(buf, offset))
+
+    def fileno(self) -> Optional[int]:
+        return None  # no direct-I/O path around the cap
+
+    def close(self) -> None:
+        self.src.close()
+
+
+class CappedReader:
+    def __init__(self, reader: Any, limiter: Any) -> None:
+        self.reader, self.limiter = reader, limiter
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.reader, name)
+
+    def __enter__(self) -> CappedReader:
+        self.reader.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.reader.__exit__(*exc)
+
+    def open(self, relpath: str) -> CappedSource:
+        return CappedSource(self.reader.open(relpath), self.limiter)
+
+
+class CappedTier:
+    """The PFS tier with its reads capped at ``rate`` bytes/s (everything else as is)."""
+
+    def __init__(self, tier: Any, rate: float) -> None:
+        from slurm_ckpt.core.chunks import BandwidthLimiter
+
+        self.tier, self.limiter = tier, BandwidthLimiter(rate, burst_s=0.02)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tier, name)
+
+    def reader(self, user: str, key: str, step: int) -> CappedReader:
+        return CappedReader(self.tier.reader(user, key, step), self.limiter)
+
+
+def holder_main(base: str) -> int:
+    """Rank 0 relaunched on ``na``: serves rank 1's partner copy until stdin closes."""
+    c = make(Path(base), "na", 0)
+    print("READY", flush=True)
+    sys.stdin.read()
+    c.partner.close(5)
+    c._pipeline.finish(0)
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "holder":
+        return holder_main(sys.argv[2])
+    from claims import claim  # benchmarks/claims.py: the shape benchmarks/report reads
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", type=Path, default=Path("/dev/shm/slurm-ckpt-partner-bench"))
+    ap.add_argument("--size", type=int, default=2**30, help="bytes of the lost rank's shard")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--pfs-rate", type=float, default=500e6, help="PFS read cap, bytes/s")
+    ap.add_argument("--quick", action="store_true", help="256 MiB, 2 rounds")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.size, args.rounds = 2**28, 2
+    os.environ.pop("SLURM_STEP_ID", None)
+    os.environ.pop("SLURM_CKPT_RELAUNCH", None)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    base = args.dir
+    base.mkdir(parents=True)
+    # tmpfs holds its files in memory: no page cache to drop (dropping the machine's
+    # cache would only slow every other process down).
+    on_tmpfs = (
+        "tmpfs"
+        in subprocess.run(
+            ["findmnt", "-no", "FSTYPE", "--target", str(base)], capture_output=True, text=True
+        ).stdout
+    )
+    st = state(args.size)
+    a, b = make(base, "na", 0, flush_every=1), make(base, "nb", 1, flush_every=1)
+    for c in (a, b):
+        c.save(st if c is b else state(2**20), step=1)
+    for c in (a, b):
+        assert c.wait(flush=True) and c.partner.wait_idle(600)
+    for c in (a, b):
+        c.close()  # only now: a closed link withdraws the address the other sends to
+    os.environ["SLURM_CKPT_RELAUNCH"] = "1"
+    holder = subprocess.Popen(
+        [sys.executable, __file__, "holder", str(base)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "READY"
+    rows: List[Dict[str, float]] = []
+    nbytes = 0
+    try:
+        for i in range(args.rounds):
+            row: Dict[str, float] = {}
+            for kind in ("partner", "pfs") if i % 2 == 0 else ("pfs", "partner"):
+                name = f"{kind}{i}"
+                c = make(base, name, 1, partner=(kind == "partner"), flush_every=1000)
+                if kind == "pfs":
+                    c.tiers = [CappedTier(t, args.pfs_rate) if t is c.warm else t for t in c.tiers]
+                if not on_tmpfs:
+                    drop_caches()
+                t0 = time.monotonic()
+                got = c.restore()
+                row[kind] = time.monotonic() - t0
+                if got is not None:
+                    row[f"{kind}_load"] = got.seconds  # the read of the restore alone
+                want = "partner" if kind == "partner" else c.warm.name
+                assert got is not None and got.tier == want and got.step == 1, got
+                assert same(got.state, st), f"{kind}: restored state differs"
+                nbytes = got.nbytes
+                if c.partner is not None:
+                    c.partner.close(5)
+                c._pipeline.finish(0)
+                shutil.rmtree(base / name, ignore_errors=True)
+            rows.append(row)
+            print(
+                f"round {i}: partner {row['partner']:.3f}s (fetch "
+                f"{row['partner'] - row['partner_load']:.3f}s + load {row['partner_load']:.3f}s)"
+                f"  capped PFS {row['pfs']:.3f}s  ratio {row['partner'] / row['pfs']:.3f}",
+                flush=True,
+            )
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(60)
+    floor = nbytes / args.pfs_rate
+    ours = [r["partner"] for r in rows]
+    theirs = [r["pfs"] for r in rows]
+    doc = {
+        "bytes": nbytes,
+        "pfs_rate": args.pfs_rate,
+        "rounds": rows,
+        "floor_s": floor,
+        "claims": [
+            claim(
+                "partner_restore_vs_capped_pfs",
+                [o / t for o, t in zip(ours, theirs)],
+                what="restore of a lost rank: fetch from its partner over TCP + verify + load",
+                baseline=f"restore from the PFS capped at {args.pfs_rate / 1e6:.0f} MB/s",
+                target=0.3,
+                ours_s=ours,
+                baseline_s=theirs,
+            ),
+            claim(
+                "partner_load_vs_capped_pfs",
+                [r["partner_load"] / r["pfs"] for r in rows],
+                what="its read from the spare's local tier alone, after the fetch (verified)",
+                baseline=f"restore from the PFS capped at {args.pfs_rate / 1e6:.0f} MB/s",
+                ours_s=[r["partner_load"] for r in rows],
+                baseline_s=theirs,
+            ),
+            claim(
+                "partner_restore_vs_pfs_floor",
+                [o / floor for o in ours],
+                what="the same partner restore",
+                baseline=f"size / {args.pfs_rate / 1e6:.0f} MB/s (the cap's floor)",
+                ours_s=ours,
+            ),
+        ],
+    }
+    print(
+        f"{nbytes / 2**20:.0f} MiB: partner {statistics.median(ours):.3f}s, capped PFS "
+        f"{statistics.median(theirs):.3f}s (floor {floor:.3f}s); "
+        f"ratio {doc['claims'][0]['median']:.3f} ({doc['claims'][0]['verdict']})"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(doc, indent=2))
+    shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

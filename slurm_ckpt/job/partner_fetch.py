@@ -1,0 +1,339 @@
+"""Fetch a rank's own checkpoint back from the node that holds its partner copy.
+
+When a node dies and ``ckpt-srun --spares`` relaunches the step with a spare in its
+place, the rank on the spare finds nothing on its new node's local tier. Its newest
+checkpoints are on its partner's disk (the ring successor of the job's *original* node
+layout), and with ``flush_every`` high the warm tier holds only older ones. This module
+brings that copy over, verified, so the restore reads it as a local checkpoint:
+
+* **Who holds it.** The ring the copies went round was built over the old node set,
+  which the relaunched ranks no longer see. So the fetching rank asks every other rank
+  of the relaunched step (nearest in rank order first) which steps of its series it
+  holds, and takes the newest. Only ranks whose local tier lacks their own series ask:
+  a survivor never does, and one list request per other rank is a few milliseconds.
+* **Transport.** The same authenticated connection as the copies
+  (:mod:`.partner_net`: HMAC handshake with the job's secret, MACed control frames),
+  on the same server thread and bounded buffer. The request is a control frame starting
+  with :data:`FETCH`; the holder only serves rank series of this job and user.
+* **Verification.** The received manifest must be the asking rank's own series, step,
+  rank and world size. Every chunk is hashed and compared with that manifest as it
+  arrives and the copy is committed through the local tier's writer in copy mode,
+  manifest last; a mismatch aborts the write, so nothing unsound is ever committed.
+  The restore then reads and verifies it again, as from any tier.
+* **Falling back.** No holder (the partner node is gone too), a refused or failed
+  fetch: nothing is committed, and the restore goes on over the other tiers (the warm
+  tier). The failure is logged and counted, never raised.
+
+The step agreement of :class:`~slurm_ckpt.job.restore.Restorer` then counts the fetched
+step like any local one. Every rank fetches (or not) before it lists its steps, so the
+agreement stays the same deterministic min-reduce.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+import xxhash
+
+from slurm_ckpt.core.chunks import BandwidthLimiter, io_buffer
+from slurm_ckpt.core.manifest import Manifest
+from slurm_ckpt.errors import CkptError, NotFound, VerifyError
+from slurm_ckpt.job.partner_net import (
+    Peer,
+    WireError,
+    client_handshake,
+    recv_exact,
+    recv_frame,
+    send_frame,
+)
+from slurm_ckpt.ledger.record import WARM_SLOT, Record, State
+from slurm_ckpt.tiers.base import Tier, TierReader
+
+if TYPE_CHECKING:  # pragma: no cover - the link imports this module
+    from slurm_ckpt.job.partner import PartnerLink
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FETCH", "Fetched", "fetch_own", "receive_step", "relaunched", "send_step", "serve"]
+
+#: First bytes of a fetch request frame (a copy's first frame is a manifest: JSON).
+FETCH = b"FETCH1\n"
+#: Socket timeout of a fetch's list request and of each read of the copy.
+FETCH_TIMEOUT_S = 30.0
+
+#: Tries of one request when the connection fails (see :func:`_retried`).
+ATTEMPTS = 4
+
+_GO, _NO, _OK = b"G", b"N", b"K"
+
+
+@dataclass
+class Fetched:
+    """One step brought over from a partner and committed on the local tier."""
+
+    step: int
+    node: str
+    nbytes: int
+    seconds: float
+
+
+def relaunched() -> bool:
+    """Whether this is a step ckpt-srun relaunched after a node loss."""
+    n = os.environ.get("SLURM_CKPT_RELAUNCH", "0")
+    return n.isdigit() and int(n) > 0
+
+
+# ------------------------------------------------------------------------- the bytes
+
+
+def send_step(
+    sock: socket.socket,
+    reader: TierReader,
+    piece: int,
+    limiter: Optional[BandwidthLimiter] = None,
+) -> None:
+    """Stream every payload file of ``reader``'s step, in manifest order, one buffer."""
+    buf = io_buffer(piece)
+    for e in reader.manifest.files:
+        src = reader.open(e.path)
+        try:
+            pos = 0
+            while pos < e.size:
+                n = min(piece, e.size - pos)
+                if limiter is not None:
+                    limiter.acquire(n)
+                got = src.readinto(buf[:n], pos)
+                if got <= 0:
+                    raise VerifyError(f"{reader.where}/{e.path}: short read at {pos}")
+                sock.sendall(buf[:got])
+                pos += got
+        finally:
+            src.close()
+
+
+def receive_step(sock: socket.socket, local: Tier, m: Manifest, piece: int) -> None:
+    """Stream every file of ``m`` in, each chunk's digest checked against the manifest
+    before the next is taken; commit (manifest last). Any mismatch aborts the write."""
+    buf = io_buffer(piece)
+    with local.writer(m.user, m.key, m.step, copy_of=m) as w:
+        for e in m.files:
+            sink = w.file(e.path, e.size)
+            for ci, digest in enumerate(e.chunks):
+                off = ci * m.chunk_size
+                end = min(e.size, off + m.chunk_size)
+                h = xxhash.xxh3_128()
+                pos = off
+                while pos < end:
+                    n = min(piece, end - pos)
+                    view = buf[:n]
+                    got = 0
+                    while got < n:
+                        k = sock.recv_into(view[got:], n - got)
+                        if k == 0:
+                            raise WireError("sender went away mid-copy")
+                        got += k
+                    h.update(view)
+                    sink.write(view, pos)
+                    pos += n
+                if h.hexdigest() != digest:
+                    raise VerifyError(f"{e.path}: bytes {off}-{end} do not match the manifest")
+            sink.finish()
+        w.commit()
+
+
+# ------------------------------------------------------------------------ the holder
+
+
+def serve(link: PartnerLink, conn: socket.socket, session: bytes, request: bytes) -> None:
+    """Answer one fetch request (the holder's side; ``conn`` is authenticated)."""
+    try:
+        req = json.loads(request[len(FETCH) :])
+        op, key = str(req["op"]), str(req["key"])
+    except (ValueError, KeyError, TypeError):
+        raise WireError("malformed fetch request") from None
+    why = link.refuse_series(key)
+    if why is not None:
+        link._count(refused=1)
+        conn.sendall(_NO)
+        send_frame(conn, why.encode(), session)
+        log.warning("[ckpt] partner fetch of %s refused: %s", key, why)
+        return
+    if op == "list":
+        try:
+            steps = [i.step for i in link.local.steps(link.user, key)]
+        except NotFound:
+            steps = []
+        conn.sendall(_GO)
+        send_frame(conn, json.dumps(steps).encode(), session)
+        return
+    if op != "get":
+        raise WireError(f"unknown fetch request {op!r}")
+    step = int(req["step"])
+    try:
+        reader = link.local.reader(link.user, key, step)
+    except (NotFound, VerifyError) as exc:
+        conn.sendall(_NO)
+        send_frame(conn, f"no step {step} here ({exc})".encode(), session)
+        return
+    with reader:
+        conn.sendall(_GO)
+        send_frame(conn, reader.manifest_bytes, session)
+        send_step(conn, reader, link.piece)  # no cap: the whole job waits for this
+    if recv_exact(conn, 1) == _OK:
+        link._count(served=1)
+        log.info("[ckpt] served step %d of %s back to its owner", step, key)
+
+
+# ----------------------------------------------------------------------- the fetcher
+
+
+def _connect(link: PartnerLink, peer: Peer) -> Tuple[socket.socket, bytes]:
+    s = socket.create_connection((peer.host, peer.port), timeout=FETCH_TIMEOUT_S)
+    try:
+        s.settimeout(FETCH_TIMEOUT_S)
+        return s, client_handshake(s, link.secret)
+    except BaseException:
+        s.close()
+        raise
+
+
+def _ask(link: PartnerLink, s: socket.socket, session: bytes, req: Dict[str, Any]) -> None:
+    send_frame(s, FETCH + json.dumps(req).encode(), session)
+    if recv_exact(s, 1) != _GO:
+        try:
+            why = recv_frame(s, session).decode("utf-8", "replace")
+        except (CkptError, OSError):
+            why = "no reason given"
+        raise WireError(f"refused: {why}")
+
+
+def _retried(fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, again after a short pause when the connection failed: a holder
+    serves a few connections at once and hangs up on more (many ranks lost at once ask
+    it together); a copy that failed verification is not asked for again."""
+    for attempt in range(ATTEMPTS):
+        try:
+            return fn(*args)
+        except VerifyError:
+            raise
+        except (CkptError, OSError):
+            if attempt == ATTEMPTS - 1:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _held(link: PartnerLink, peer: Peer) -> List[int]:
+    s, session = _connect(link, peer)
+    with s:
+        _ask(link, s, session, {"op": "list", "key": link.key})
+        steps = json.loads(recv_frame(s, session))
+    return [int(x) for x in steps]
+
+
+def _get(link: PartnerLink, peer: Peer, step: int) -> Manifest:
+    s, session = _connect(link, peer)
+    with s:
+        _ask(link, s, session, {"op": "get", "key": link.key, "step": step})
+        m = Manifest.from_bytes(recv_frame(s, session), "partner manifest")
+        meta = m.meta
+        if (m.user, m.key, m.step) != (link.user, link.key, step) or (
+            meta.get("rank", 0),
+            meta.get("world_size", 1),
+        ) != (link.rank, link.world_size):
+            raise VerifyError(f"{peer.node} sent {m.key}/{m.step}, not {link.key}/{step}")
+        receive_step(s, link.local, m, link.piece)
+        s.sendall(_OK)
+    return m
+
+
+def fetch_own(link: PartnerLink, step: Optional[int] = None) -> Optional[Fetched]:
+    """Bring this rank's newest step (or ``step``) over from whichever rank holds it, if
+    its local tier lacks it; None when no one holds one or the fetch failed (logged and
+    counted; the restore then reads the warm tier)."""
+    t0 = time.monotonic()
+    try:
+        peers = link.rdv.peers(link.rendezvous_timeout)
+    except (CkptError, OSError) as exc:
+        log.warning("[ckpt] partner fetch: %s", exc)
+        link._count(fetch_failures=1, last_error=str(exc))
+        return None
+    n = link.world_size
+    others = sorted((r for r in peers if r != link.rank), key=lambda r: (r - link.rank) % n)
+    best: Optional[Tuple[int, Peer]] = None
+    for r in others:
+        try:
+            held = _retried(_held, link, peers[r])
+        except (CkptError, OSError, ValueError) as exc:
+            log.warning("[ckpt] partner fetch: rank %d on %s: %s", r, peers[r].node, exc)
+            continue
+        held = [s for s in held if step is None or s == step]
+        if held and (best is None or max(held) > best[0]):
+            best = (max(held), peers[r])
+    if best is None:
+        log.info("[ckpt] partner fetch: no rank holds a copy of %s", link.key)
+        return None
+    got_step, peer = best
+    try:
+        link.local.manifest_bytes(link.user, link.key, got_step)
+        log.info("[ckpt] partner fetch: step %d is here already", got_step)
+        return None
+    except NotFound:
+        pass
+    except VerifyError:
+        link.local.delete(link.user, link.key, got_step)
+    try:
+        m = _retried(_get, link, peer, got_step)
+    except (CkptError, OSError, ValueError) as exc:
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        log.warning(
+            "[ckpt] partner fetch of step %d from %s failed, not committed: %s",
+            got_step,
+            peer.node,
+            reason,
+        )
+        link._count(fetch_failures=1, last_error=reason)
+        return None
+    seconds = time.monotonic() - t0
+    _record(link, m, peer.node)
+    link._count(fetched=1)
+    log.info(
+        "[ckpt] step %d of %s fetched from its partner copy on %s (%d bytes, %.3fs)",
+        got_step,
+        link.key,
+        peer.node,
+        m.total_bytes,
+        seconds,
+    )
+    link._event("partner_fetched", step=got_step, node=peer.node, fetch_s=seconds)
+    return Fetched(got_step, peer.node, m.total_bytes, seconds)
+
+
+def _record(link: PartnerLink, m: Manifest, node: str) -> None:
+    """The fetched step is this rank's own checkpoint now: committed here, flushed when
+    the warm tier lacks it (it may be the only copy left besides the holder's)."""
+    if link.ledger is None:
+        return
+    now = link.ledger.clock()
+
+    def fn(rec: Optional[Record]) -> Record:
+        if rec is None:
+            rec = Record(m.user, m.key, m.step, created_at=now)
+        rec.set_state("local", State.COMMITTED, now)
+        rec.nbytes, rec.job = m.total_bytes, m.job
+        rec.selected_for_flush = True
+        if rec.tiers.get(WARM_SLOT) not in (State.VERIFIED.value, State.FLUSHING.value):
+            rec.tiers[WARM_SLOT] = State.FLUSH_PENDING
+        rec.extra["fetched_from"] = node
+        return rec
+
+    try:
+        link.ledger.update(m.user, m.key, m.step, fn)
+    except (CkptError, OSError) as exc:
+        log.warning("[ckpt] ledger: fetched step not recorded: %s", exc)

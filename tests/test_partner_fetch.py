@@ -1,0 +1,188 @@
+"""A rank relaunched on a spare fetches its shard from its partner copy (issue 21 item
+3), in one process: Checkpointers are "nodes" with local tiers of their own, a shared
+PFS, real TCP on 127.0.0.1 (tests/test_partner.py's setup).
+
+Node nb (rank 1) is lost with its disk; with ``flush_every`` high its newest steps are
+on no PFS, only on na as partner copies. The step is "relaunched"
+(``SLURM_CKPT_RELAUNCH=1``): rank 0 again on na, rank 1 on a fresh node nc. What must
+hold:
+
+1. rank 1 fetches its newest step from na over the authenticated transport, commits it
+   on nc verified, and both ranks restore that step bitwise (``tier == "partner"``);
+2. the holder gone too (na lost as well): nothing to fetch, both restore the newest step
+   the PFS has, bitwise;
+3. a corrupt partner copy is refused and never committed; rank 1 reads the PFS;
+4. a requester without the job's secret, or asking for a series that is no rank of this
+   job, gets nothing.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import threading
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import pytest
+from test_checkpointer import assert_state_equal
+from test_partner import local_tier, node, rank_key, save_all, states
+
+from slurm_ckpt import Checkpointer
+from slurm_ckpt.job.partner_fetch import FETCH
+from slurm_ckpt.job.partner_net import WireError, client_handshake, recv_exact, send_frame
+from slurm_ckpt.job.restore import Restored
+from slurm_ckpt.tiers.posix import PosixTier
+
+
+class ThreadAgree:
+    """``agree`` for ranks that are threads of one process: a min-reduce on a barrier."""
+
+    def __init__(self, n: int) -> None:
+        self.barrier = threading.Barrier(n, timeout=120)
+        self.values: Dict[int, int] = {}
+        self.lock = threading.Lock()
+
+    def fn(self, rank: int) -> Callable[[int], int]:
+        def agree(value: int) -> int:
+            with self.lock:
+                self.values[rank] = value
+            self.barrier.wait()
+            out = min(self.values.values())
+            self.barrier.wait()
+            return out
+
+        return agree
+
+
+def restore_all(ranks: List[Checkpointer]) -> List[Restored]:
+    """Every rank's restore() at once (collective, like under torch.distributed)."""
+    out: List[Optional[Restored]] = [None] * len(ranks)
+    errors: List[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            out[i] = ranks[i].restore()
+        except BaseException as exc:  # handed to the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ranks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors, errors
+    assert all(r is not None for r in out), out
+    return out  # type: ignore[return-value]
+
+
+def lose(c: Checkpointer, tmp: Path, name: str) -> None:
+    """The node dies with its disk: its rank never closes (no final flush)."""
+    c.partner.close(0)  # type: ignore[union-attr]
+    c._pipeline.finish(0)
+    shutil.rmtree(tmp / name / "local")
+
+
+def end(c: Checkpointer) -> None:
+    """A surviving rank's step ends (the failed step is killed: no final flush)."""
+    c.partner.close(0)  # type: ignore[union-attr]
+    c._pipeline.finish(0)
+
+
+@pytest.fixture
+def lost_nb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Three steps saved by rank 0 on na and rank 1 on nb; the PFS has step 1 only; nb
+    is lost. Then the relaunch starts: ``relaunch(a_node, b_node)`` gives the new ranks."""
+    a, b = node(tmp_path, "na", 0), node(tmp_path, "nb", 1)
+    st = states(3)
+    for step in (1, 2, 3):
+        save_all([a, b], step, st[step - 1])
+    pfs = PosixTier("pfs", str(tmp_path / "pfs"))
+    assert [i.step for i in pfs.steps("root", rank_key(1))] == [1]
+    assert [i.step for i in local_tier(tmp_path, "na").steps("root", rank_key(1))] == [2, 3]
+    lose(b, tmp_path, "nb")
+    end(a)
+    monkeypatch.setenv("SLURM_CKPT_RELAUNCH", "1")
+    agree = ThreadAgree(2)
+    made: List[Checkpointer] = []
+
+    def relaunch(a_node: str, b_node: str) -> List[Checkpointer]:
+        for rank, name in enumerate((a_node, b_node)):
+            made.append(node(tmp_path, name, rank, agree=agree.fn(rank)))
+        return made
+
+    yield tmp_path, st, relaunch
+    for c in made:
+        c.close()
+
+
+def test_rank_on_a_spare_reads_its_partner_copy_bitwise(lost_nb: Any) -> None:
+    tmp, st, relaunch = lost_nb
+    a, c = relaunch("na", "nc")
+    got = restore_all([a, c])
+    assert [(g.step, g.tier) for g in got] == [(3, "local"), (3, "partner")]
+    for g in got:
+        assert_state_equal(st[2], g.state)
+    nc = local_tier(tmp, "nc")
+    assert [i.step for i in nc.steps("root", rank_key(1))] == [3]
+    assert nc.verify("root", rank_key(1), 3).ok
+    assert nc.manifest_bytes("root", rank_key(1), 3) == local_tier(tmp, "na").manifest_bytes(
+        "root", rank_key(1), 3
+    )
+    assert (a.partner.stats.served, c.partner.stats.fetched) == (1, 1)  # type: ignore[union-attr]
+    rec = c.ledger.get("root", rank_key(1), 3) if c.ledger is not None else None
+    assert rec is not None and rec.extra["fetched_from"] == "na" and rec.pending_flush
+
+
+def test_holder_gone_too_falls_back_to_the_warm_tier(lost_nb: Any) -> None:
+    tmp, st, relaunch = lost_nb
+    shutil.rmtree(tmp / "na" / "local")  # the partner node is lost as well
+    c0, c1 = relaunch("nd", "nc")
+    got = restore_all([c0, c1])
+    warm = c1.warm.name  # type: ignore[union-attr]
+    assert [(g.step, g.tier) for g in got] == [(1, warm), (1, warm)]
+    for g in got:
+        assert_state_equal(st[0], g.state)
+    assert c1.partner.stats.fetched == 0  # type: ignore[union-attr]
+    assert local_tier(tmp, "nc").keys("root") in ([], [rank_key(1)])
+    assert not local_tier(tmp, "nc").steps("root", rank_key(1))
+
+
+def test_corrupt_partner_copy_is_refused_never_committed(lost_nb: Any) -> None:
+    tmp, st, relaunch = lost_nb
+    na = local_tier(tmp, "na")
+    m = na.manifest("root", rank_key(1), 3)
+    big = max(m.files, key=lambda e: e.size)
+    path = Path(na.step_path("root", rank_key(1), 3)) / big.path
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    a, c = relaunch("na", "nc")
+    got = restore_all([a, c])
+    warm = c.warm.name  # type: ignore[union-attr]
+    # Rank 0 keeps steps 2 and 3 locally (keep_local=2): step 1 is on the PFS only.
+    assert [(g.step, g.tier) for g in got] == [(1, warm), (1, warm)]
+    for g in got:
+        assert_state_equal(st[0], g.state)
+    stats = c.partner.stats  # type: ignore[union-attr]
+    assert (stats.fetched, stats.fetch_failures) == (0, 1)
+    assert "do not match the manifest" in (stats.last_error or "")
+    assert not local_tier(tmp, "nc").steps("root", rank_key(1))  # never committed
+
+
+def test_fetch_needs_the_secret_and_a_rank_series_of_this_job(lost_nb: Any) -> None:
+    tmp, _st, relaunch = lost_nb
+    a, c = relaunch("na", "nc")
+    port = a.partner.port  # type: ignore[union-attr]
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    with s, pytest.raises(WireError):
+        client_handshake(s, b"x" * 32)  # not the job's secret: hung up on
+    assert a.partner.stats.refused == 1  # type: ignore[union-attr]
+    secret = a.partner.secret  # type: ignore[union-attr]
+    for key in (f"other.rank{1:05d}", rank_key(0), "../x"):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            session = client_handshake(s, secret)
+            send_frame(s, FETCH + f'{{"op": "get", "key": "{key}", "step": 3}}'.encode(), session)
+            assert recv_exact(s, 1) == b"N"
+    assert a.partner.stats.refused == 4  # type: ignore[union-attr]
+    assert a.partner.stats.served == 0  # type: ignore[union-attr]

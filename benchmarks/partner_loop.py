@@ -20,7 +20,7 @@ local writes and partner copies end inside the timed window. The phases alternat
 side goes first, round by round, so a drift of the shared machine's load hits both
 alike; each round's ratio is on / off steps/s, the figure is their median (and spread).
 Everything else is the same on both sides: the Checkpointer, its ``flush_every`` (high:
-the PFS is touched by the first save only), the model, the step. The load average is
+the warm tier is touched by the first save only), the model, the step. The load average is
 recorded with each phase. On a machine with as many cores as ranks, the partner
 sender, receiver and the local writers compete with training for the same cores: the
 hard case; on a GPU node the training's compute is not on these cores.
@@ -107,7 +107,7 @@ def phase(
     """One timed phase on this rank; the checkpointer is built and closed outside it."""
     node = f"n{rank}"
     root = work / node
-    for d in (root / "local", root / "ledger", work / "pfs", work / "rendezvous"):
+    for d in (root / "local", root / "ledger", work / "warm", work / "rendezvous"):
         d.mkdir(parents=True, exist_ok=True)
     os.chmod(root / "ledger", 0o700)
     opts: Dict[str, Any] = {}
@@ -120,7 +120,7 @@ def phase(
         )
     ckpt = Checkpointer(
         local=root / "local",
-        pfs=work / "pfs",
+        warm=work / "warm",
         key=KEY,
         rank=rank,
         world_size=WORLD,

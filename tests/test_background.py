@@ -38,7 +38,7 @@ def test_checkpointer_writer_and_flush_threads_run_niced(tmp_path: Path) -> None
     (tmp_path / "warm").mkdir()
     mine = nice_of(threading.get_native_id())
     ck = Checkpointer(
-        local=tmp_path / "local", pfs=tmp_path / "warm", key="bg", install_signals=False
+        local=tmp_path / "local", warm=tmp_path / "warm", key="bg", install_signals=False
     )
     try:
         ck.save({"w": np.arange(1000, dtype=np.float32)}, step=1)

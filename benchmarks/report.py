@@ -109,6 +109,12 @@ BENCHES = [
         ),
         1800,
     ),
+    (
+        "partner_loop",
+        "Partner copies: training throughput on vs off",
+        lambda out, q: ["partner_loop.py", "--json", out] + (["--quick"] if q else []),
+        1800,
+    ),
 ]
 
 

@@ -41,6 +41,7 @@ from slurm_ckpt.core.chunks import BandwidthLimiter
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.manifest import Manifest
 from slurm_ckpt.errors import CkptError, NotFound, VerifyError
+from slurm_ckpt.job.background import yielding
 from slurm_ckpt.job.bookkeeping import Bookkeeper
 from slurm_ckpt.job.partner_fetch import FETCH, Fetched, fetch_own, receive_step, send_step
 from slurm_ckpt.job.partner_fetch import serve as serve_fetch
@@ -151,7 +152,9 @@ class PartnerLink:
         self._threads: List[threading.Thread] = []
         loops = (("ckpt-partner-send", self._send_loop), ("ckpt-partner-recv", self._accept_loop))
         for name, target in loops:
-            t = threading.Thread(target=target, name=f"{name}-{key}", daemon=True)
+            # background work like the local writer's: it yields the CPU to training
+            # (job/background.py); the receiver's connection threads inherit it
+            t = threading.Thread(target=yielding(target), name=f"{name}-{key}", daemon=True)
             t.start()
             self._threads.append(t)
 

@@ -38,6 +38,7 @@ from slurm_ckpt.core.commit import AlreadyCommitted
 from slurm_ckpt.core.retention import CkptInfo, RetentionPolicy, plan_local_deletions
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, TierError
+from slurm_ckpt.job.background import yielding
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord, reason_of
 from slurm_ckpt.job.signals import Deadline
 from slurm_ckpt.job.staging import write_direct
@@ -163,7 +164,9 @@ class Pipeline:
         if self._threads:
             return
         for name, target in (("ckpt-local", self._local_loop), ("ckpt-flush", self._flush_loop)):
-            t = threading.Thread(target=target, name=f"{name}-{self.shard.key}", daemon=True)
+            t = threading.Thread(
+                target=yielding(target), name=f"{name}-{self.shard.key}", daemon=True
+            )
             t.start()
             self._threads.append(t)
 

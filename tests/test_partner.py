@@ -241,3 +241,23 @@ def test_one_rank_has_no_partner(tmp_path: Path, world: int) -> None:
         c.save(sample_state(0), step=1)
     finally:
         c.close()
+
+
+def test_a_rank_whose_partner_closed_first_closes_at_once(tmp_path: Path) -> None:
+    """Ranks end in any order. Rank 1 closes (withdraws its address) before rank 0 has
+    ever looked its partner up; rank 0's last save then has no partner to go to, and its
+    close() must end at once, not after the rendezvous timeout (300 s; the fault
+    campaign saw one-minute job ends from this)."""
+    import threading
+
+    r0, r1 = node(tmp_path, "na", 0), node(tmp_path, "nb", 1)
+    r1.close()
+    assert r0.partner is not None
+    r0.partner.wait_idle(60)
+    r0.save(sample_state(1), step=1)
+    assert r0.wait(flush=False)
+    closer = threading.Thread(target=r0.close)
+    closer.start()
+    closer.join(60)  # a bound far below the 300 s the sender would wait without the fix
+    assert not closer.is_alive(), "close() waited for a partner that had already closed"
+    assert [i.step for i in local_tier(tmp_path, "na").steps(r0.user, rank_key(0))] == [1]

@@ -139,6 +139,8 @@ class PartnerLink:
         self._pending: Optional[int] = None
         self._sending: Optional[int] = None
         self._stop = False
+        #: Set at close(): a copy on the wire may finish, a wait for addresses ends.
+        self._closing = False
         self._partner: Optional[Peer] = None
         self._key_re = re.compile(re.escape(base_key) + r"\.rank\d{5}")
         self._secret = self.secret = rendezvous.secret()
@@ -230,7 +232,7 @@ class PartnerLink:
 
     def _target(self) -> Optional[Peer]:
         if self._partner is None:
-            peers = self.rdv.peers(RENDEZVOUS_TIMEOUT_S)
+            peers = self.rdv.peers(RENDEZVOUS_TIMEOUT_S, stop=lambda: self._closing)
             self._partner = ring_partner(peers, self.rank)
             if self._partner is not None:
                 p = self._partner
@@ -414,6 +416,7 @@ class PartnerLink:
     # -- the end ----------------------------------------------------------------------
     def close(self, timeout: Optional[float] = 30.0) -> None:
         """Finish the copy on the wire (bounded), stop serving, withdraw the address."""
+        self._closing = True
         self.wait_idle(timeout)
         with self.cv:
             self._stop = True

@@ -30,7 +30,7 @@ import stat
 import struct
 import time
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 from slurm_ckpt.core import fsio
 from slurm_ckpt.errors import CkptError
@@ -154,13 +154,20 @@ class Rendezvous:
         finally:
             os.close(fd)
 
-    def peers(self, timeout: float) -> Dict[int, Peer]:
-        """Every rank's address, waiting up to ``timeout`` seconds for all to publish."""
+    def peers(self, timeout: float, stop: Callable[[], bool] = lambda: False) -> Dict[int, Peer]:
+        """Every rank's address, waiting up to ``timeout`` seconds for all to publish, or
+        until ``stop()`` says this rank is closing (a rank that closed first has withdrawn
+        its address: waiting on for it would hold this rank's close for the timeout)."""
         until = time.monotonic() + timeout
         while True:
             got = self._read_all()
             if len(got) == self.world_size:
                 return got
+            if stop():
+                raise CkptError(
+                    f"partner rendezvous {self.dir}: closing with {len(got)} of "
+                    f"{self.world_size} ranks published"
+                )
             if time.monotonic() >= until:
                 raise CkptError(
                     f"partner rendezvous {self.dir}: {len(got)} of {self.world_size} ranks "

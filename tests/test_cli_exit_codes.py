@@ -126,11 +126,16 @@ def _failed_flush(w: World) -> Tuple[int, str]:
 
 
 def _interrupted(w: World) -> Tuple[int, str]:
-    """Ctrl-C while ``guard --wait`` waits: SIGINT is sent only once the guard's own code
-    is on the stack (checked in a SIGALRM handler), so it lands inside the command."""
+    """Ctrl-C while ``guard --wait`` waits: SIGINT is sent only while the guard's own code
+    is on the stack (checked in a SIGALRM handler), so it lands inside the command. The
+    timer stays armed: a KeyboardInterrupt that lands in a finalizer (``__del__`` run by
+    the garbage collector inside the guard's loop) is dropped by Python, so the next
+    tick that still finds the guard on the stack presses Ctrl-C again, as a user would.
+    Once the interrupt has unwound the guard, the timer is not armed again (one
+    CI run hung for its whole 120 s with a single SIGINT that was never seen)."""
     script = textwrap.dedent(
         """
-        import os, signal, sys
+        import atexit, os, signal, sys
         from slurm_ckpt.cli import main as m
 
         def busy(frame):
@@ -140,11 +145,18 @@ def _interrupted(w: World) -> Tuple[int, str]:
                 frame = frame.f_back
             return False
 
+        sent = []
+
         def tick(signum, frame):
-            if busy(frame):
+            if busy(frame):  # (again, if the last one was dropped)
+                sent.append(1)
+                signal.setitimer(signal.ITIMER_REAL, 0.2)
                 os.kill(os.getpid(), signal.SIGINT)
-            else:
+            elif not sent:  # not in the guard yet
                 signal.setitimer(signal.ITIMER_REAL, 0.02)
+
+        # disarmed at exit: a tick after Python dropped its handlers would kill with SIGALRM
+        atexit.register(signal.setitimer, signal.ITIMER_REAL, 0)
 
         signal.signal(signal.SIGALRM, tick)
         signal.setitimer(signal.ITIMER_REAL, 0.02)

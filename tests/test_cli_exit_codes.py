@@ -138,6 +138,12 @@ def _interrupted(w: World) -> Tuple[int, str]:
         import atexit, os, signal, sys
         from slurm_ckpt.cli import main as m
 
+        # Signal state survives fork and exec: a SIGINT ignored or blocked, or a SIGALRM
+        # blocked, in the test process (seen in full-suite runs, not file by file) would
+        # leave this Ctrl-C unseen. Start from what a user's shell gives.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGALRM})
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
         def busy(frame):
             while frame is not None:
                 if frame.f_code.co_filename.endswith(os.path.join("ops", "maint.py")):

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import logging
 import os
 import secrets
@@ -60,12 +61,10 @@ from slurm_ckpt.core.manifest import FileEntry, Manifest
 from slurm_ckpt.core.retention import selected_for_flush
 from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
 from slurm_ckpt.job.bookkeeping import SaveRecord
-from slurm_ckpt.job.dist import dist_agree
 from slurm_ckpt.job.restore import (
     NotThisFormat,
     Restored,
     Restorer,
-    check_tier_names,
     payload_format,
 )
 from slurm_ckpt.tiers.base import Tier
@@ -479,21 +478,12 @@ def restore_path(
     on_data_change: str = "warn",
 ) -> Optional[Path]:
     """:meth:`Checkpointer.restore_path`: see the module docstring."""
-    if tiers is not None:  # an unknown tier name is an error, as for restore()
-        tiers = check_tier_names(tiers, [t.name for t in ckpt.tiers], ckpt.config.tiers.warm)
-    r = DirRestorer(
-        ckpt.local,
-        ckpt.tiers if tiers is None else [t for t in ckpt.tiers if t.name in tiers],
-        ckpt.user,
-        ckpt.key,
-        ckpt.rank,
-        ckpt.world_size,
-        mark_bad=ckpt._mark_bad,
-        on_corrupt=ckpt._uncommit_corrupt,
-        agree=ckpt._agree or dist_agree(),
-        step=step,
-        expect_data_version=expect_data_version,
-        on_data_change=on_data_change,
+    r = ckpt._make_restorer(
+        tiers,
+        step,
+        expect_data_version,
+        on_data_change,
+        factory=functools.partial(DirRestorer, ckpt.local),
     )
     got = r.restore()
     if got is None:

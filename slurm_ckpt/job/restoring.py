@@ -78,10 +78,14 @@ class RestoreMethods:
         step: Optional[int] = None,
         expect_data_version: Optional[str] = None,
         on_data_change: str = "warn",
+        factory: Callable[..., Restorer] = Restorer,
     ) -> Restorer:
+        """The one place a restorer of this rank is built (``restore()``, and
+        ``restore_path()`` with ``factory=partial(DirRestorer, local)``): the tier list
+        (an unknown name is an error), the agreement and the corrupt-copy handling."""
         if tiers is not None:
             tiers = check_tier_names(tiers, [t.name for t in self.tiers], self.config.tiers.warm)
-        return Restorer(
+        return factory(
             self.tiers if tiers is None else [t for t in self.tiers if t.name in tiers],
             self.user,
             self.key,

@@ -501,6 +501,43 @@ def test_reconcile_fixes_and_prunes(led):
     assert by[6].tiers == {"local": State.WRITING}  # in progress: left alone
 
 
+def _two_hooks_race(led, clock, since):
+    """Two epilogs on one node at once, as in the landing CI's load test: hook B takes its
+    view (the local scan and the ledger's verified steps) first; hook A then flushes steps
+    119 and 120 and retention deletes step 118's local copy; then B reconciles with its
+    view."""
+    for step in (118, 119, 120):
+        commit(led, step)
+    clock.tick()
+    b_since = clock()  # B starts: its scan sees 118-120, the ledger says none is verified
+    b_local = [("alice", "run1", s, 1000) for s in (118, 119, 120)]
+    b_verified: list = []
+    clock.tick()
+    led.mark_many([("alice", "run1", 119), ("alice", "run1", 120)], "pfs", State.VERIFIED)
+    led.mark("alice", "run1", 118, "pfs", State.VERIFIED)
+    led.mark("alice", "run1", 118, "local", State.DELETED)
+    clock.tick()
+    return led.reconcile(b_local, b_verified, since=b_since if since else None)
+
+
+def test_a_reconcile_leaves_what_changed_after_its_scan_began(led, clock):
+    counts = _two_hooks_race(led, clock, since=True)
+    assert counts == {"added": 0, "fixed": 0, "pruned": 0}
+    assert led.pending_flush() == []  # A's flushes stand: nothing is owed again
+    by = {r.step: r for r in led.records()}
+    assert by[118].tiers == {"local": State.DELETED, "pfs": State.VERIFIED}  # A's retention
+    assert by[119].tiers["pfs"] == State.VERIFIED and by[120].tiers["pfs"] == State.VERIFIED
+
+
+def test_without_since_a_stale_reconcile_undoes_another_hooks_flush(led, clock):
+    """Why ``since`` exists: the old behaviour, kept for callers whose scans are the truth
+    (no other writer), owes the flushed steps again and revives the deleted copy."""
+    _two_hooks_race(led, clock, since=False)
+    # 118 too: its deleted local copy comes back and its verified warm copy is forgotten.
+    assert sorted(r.step for r in led.pending_flush()) == [118, 119, 120]
+    assert led.get("alice", "run1", 118).tiers["local"] == State.COMMITTED
+
+
 def test_reconcile_without_prune_only_adds(led):
     commit(led, 1)
     counts = led.reconcile([("alice", "run1", 2, 5)], [], prune=False)

@@ -39,8 +39,8 @@ from slurm_ckpt.errors import EXIT_FAILED, CkptError, NotFound
 from slurm_ckpt.ledger import codec
 from slurm_ckpt.ledger.codec import Corrupt, Data, from_raw, raw_pending, to_raw
 from slurm_ckpt.ledger.lockfile import LockBusy, LockFile
+from slurm_ckpt.ledger.reconcile import reconcile_data
 from slurm_ckpt.ledger.record import (
-    LIVE_LOCAL,
     WARM_SLOT,
     Ident,
     Record,
@@ -412,6 +412,7 @@ class Ledger:
         *,
         prune: bool = True,
         jobs: Optional[Dict[Tuple[str, str, int], Optional[str]]] = None,
+        since: Optional[float] = None,
     ) -> Dict[str, int]:
         """Bring the ledger in line with what is committed on the tiers.
 
@@ -432,6 +433,13 @@ class Ledger:
         records rebuilt from a scan still say which job wrote them (``ckpt-slurm status``
         groups by job).
 
+        ``since`` (this ledger's clock when the scans began): a record changed at or after
+        it is newer than the scans and is left as it is. Two hooks on one node reconcile at
+        once (the epilogs of two jobs ending together): without it, the slower one's stale
+        view undid the other's flush (its list of verified steps predates the flush, so
+        the prune cleared the warm state and the steps were owed again, forever) or its
+        retention (a scan that saw a copy since deleted brought the record back).
+
         Returns counts: ``added``, ``fixed``, ``pruned``.
         """
         jobs = jobs or {}
@@ -439,75 +447,11 @@ class Ledger:
         warm_map = {(u, k, int(s)): int(n) for u, k, s, n in warm_verified_steps}
         for u, k, s in list(local_map) + list(warm_map):
             check_ident(u, k, s)
-        counts = {"added": 0, "fixed": 0, "pruned": 0}
         now = self.clock()
         with self._transaction() as data:
-            for ident, nbytes in local_map.items():
-                raw = data.get(ident)
-                if raw is None:
-                    rec = Record(*ident, nbytes=nbytes, created_at=now, updated_at=now)
-                    rec.job = jobs.get(ident)
-                    rec.tiers["local"] = State.COMMITTED
-                    rec.committed_at["local"] = now
-                    rec.selected_for_flush = True
-                    verified = ident in warm_map
-                    rec.tiers[WARM_SLOT] = State.VERIFIED if verified else State.FLUSH_PENDING
-                    if ident in warm_map:
-                        rec.verified_at[WARM_SLOT] = now
-                    rec.extra["reconciled"] = True
-                    self._put(data, rec)
-                    counts["added"] += 1
-                elif (raw.get("tiers") or {}).get("local") not in LIVE_LOCAL:
-                    if _held_bad(raw, now):
-                        continue  # refused as unsafe: looked at again after its backoff
-                    rec = from_raw(raw)
-                    rec.tiers["local"] = State.COMMITTED
-                    rec.committed_at.setdefault("local", now)
-                    if not rec.nbytes:
-                        rec.nbytes = nbytes
-                    rec.job = rec.job or jobs.get(ident)
-                    rec.updated_at = now
-                    self._put(data, rec)
-                    counts["fixed"] += 1
-                elif not raw.get("job") and jobs.get(ident):
-                    rec = from_raw(raw)
-                    rec.job = jobs[ident]
-                    rec.updated_at = now
-                    self._put(data, rec)
-                    counts["fixed"] += 1
-            for ident, nbytes in warm_map.items():
-                raw = data.get(ident)
-                if raw is None or (raw.get("tiers") or {}).get(WARM_SLOT) == State.VERIFIED.value:
-                    continue
-                rec = from_raw(raw)
-                rec.tiers[WARM_SLOT] = State.VERIFIED
-                rec.verified_at.setdefault(WARM_SLOT, now)
-                if not rec.nbytes:
-                    rec.nbytes = nbytes
-                rec.updated_at = now
-                self._put(data, rec)
-                counts["fixed"] += 1
-            if prune:
-                for raw in data.decode_all():
-                    ident = (raw["user"], raw["key"], raw["step"])
-                    tiers = raw.get("tiers") or {}
-                    changed = False
-                    rec = from_raw(raw)
-                    if tiers.get("local") in LIVE_LOCAL and ident not in local_map:
-                        rec.tiers["local"] = State.DELETED
-                        changed = True
-                    if tiers.get(WARM_SLOT) == State.VERIFIED.value and ident not in warm_map:
-                        if rec.tiers.get("local") in LIVE_LOCAL and rec.needs_flush:
-                            del rec.tiers[WARM_SLOT]
-                            rec.verified_at.pop(WARM_SLOT, None)
-                        else:
-                            rec.tiers[WARM_SLOT] = State.DELETED
-                        changed = True
-                    if changed:
-                        rec.updated_at = now
-                        self._put(data, rec)
-                        counts["pruned"] += 1
-        return counts
+            return reconcile_data(
+                data, local_map, warm_map, now, prune=prune, jobs=jobs, since=since
+            )
 
     # -- reads (lock-free) -------------------------------------------------------------------
 
@@ -575,17 +519,6 @@ class Ledger:
         return self.select(data, user, key, job, raw_pending)
 
     # -- node status ------------------------------------------------------------------------
-
-
-def _held_bad(raw: Dict[str, Any], now: float) -> bool:
-    """A local copy found BAD (unsafe or corrupt) whose retry time has not come: a scan
-    that still lists it must not make it flushable again before then."""
-    retry_at = raw.get("retry_at")
-    return (
-        (raw.get("tiers") or {}).get("local") == State.BAD.value
-        and isinstance(retry_at, (int, float))
-        and retry_at > now
-    )
 
 
 def _bump(data: Data, code: str, n: int = 1) -> int:

@@ -216,6 +216,9 @@ class NodeWork:
         child is stopped or hangs is killed: that user is skipped this time.
         """
         local: List[Tuple[str, str, int, int]] = []
+        # What changes in the ledger from here on (another hook's flush or retention) is
+        # newer than these scans: the ledger leaves it as it is.
+        since = self.ledger.clock()
         complete = True
         self.users = {}
         self.scan_jobs = {}
@@ -267,7 +270,9 @@ class NodeWork:
             (raw["user"], raw["key"], raw["step"], int(raw.get("nbytes", 0)))
             for raw in Ledger.select(self.ledger.snapshot(), None, None, None, _warm_verified)
         ]
-        counts = self.ledger.reconcile(local, verified, prune=complete, jobs=self.scan_jobs)
+        counts = self.ledger.reconcile(
+            local, verified, prune=complete, jobs=self.scan_jobs, since=since
+        )
         try:
             mark_partner_copies(self.ledger, self.scan_nodes, self.node)
         except (CkptError, OSError) as exc:

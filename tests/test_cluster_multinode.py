@@ -33,11 +33,12 @@ import os
 import re
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple, TypeVar
 
 import pytest
-from helpers.cluster import DevCluster
+from helpers.cluster import DevCluster, at_least_nodes
 from test_cluster_e2e import CKPT_SRUN, PY, hooked_site
 from test_cluster_train import USER, TrainSite
 from test_torch_distributed import free_port
@@ -54,6 +55,10 @@ SLEEP = 0.1
 NEED_NODES = 4
 
 _LABEL = re.compile(r"^\s*(\d+): (.*)$")
+#: The batch script's first line: which job, which start, which nodes (MultiRun.runs).
+RUN_LINE = (
+    'echo "RUN job=$SLURM_JOB_ID restart=${SLURM_RESTART_COUNT:-0} nodes=$SLURM_JOB_NODELIST"\n'
+)
 
 
 def shard(key: str, rank: int) -> str:
@@ -96,6 +101,9 @@ class MultiRun:
             if m:
                 out.append((int(m.group(1)), m.group(2)))
         return out
+
+
+_Site = TypeVar("_Site", bound="MultiSite")
 
 
 class MultiSite(TrainSite):
@@ -155,6 +163,19 @@ class MultiSite(TrainSite):
                     p.kill()
                     p.wait()
 
+    @contextmanager
+    def running(self: _Site, *worlds: int) -> Iterator[_Site]:
+        """The site for a module of multi-node tests: a reference run per world size
+        started at once (they run while the tests do), the site hooks installed as the
+        cluster's Prolog/Epilog; the references stopped at the end."""
+        for world in worlds:
+            self.start_reference_world(world)
+        try:
+            with hooked_site(self):
+                yield self
+        finally:
+            self.stop_references()
+
     # -- jobs ---------------------------------------------------------------------------
     def multi_job(self, key: str, nodes: str, sbatch_args: List[str]) -> str:
         """``len(nodes)`` ranks, one per node, as the last line of the batch script.
@@ -163,21 +184,20 @@ class MultiSite(TrainSite):
         line with the rank. The digest goes next to the progress files, which the trainer
         keeps per rank (``.train_tiny-<key>-rank<r>.progress``)."""
         n = len(nodes.split(","))
+        body = RUN_LINE + (
+            f"exec {CKPT_SRUN} --key {key} --warn 0 -- -N{n} --ntasks-per-node=1 "
+            f"--label bash -c '{self.rank_cmd(key)}'\n"
+        )
+        return self.job(body, args=["-N", str(n), "-w", nodes, *sbatch_args])
+
+    def rank_cmd(self, key: str) -> str:
+        """What each rank runs: it says where it runs (``HOST``), then trains."""
         args = " ".join(self.trainer_args(key, STEPS))
-        rank_cmd = (
+        return (
             'echo "HOST rank=$SLURM_PROCID node=$SLURMD_NODENAME"; '
             f"exec {PY} {self.train} {args} --sleep-per-step {SLEEP} "
             f"--digest-out {self.out / key}.digest"
         )
-        body = (
-            'echo "RUN job=$SLURM_JOB_ID restart=${SLURM_RESTART_COUNT:-0} '
-            'nodes=$SLURM_JOB_NODELIST"\n'
-        )
-        body += (
-            f"exec {CKPT_SRUN} --key {key} --warn 0 -- -N{n} --ntasks-per-node=1 "
-            f"--label bash -c '{rank_cmd}'\n"
-        )
-        return self.job(body, args=["-N", str(n), "-w", nodes, *sbatch_args])
 
     def multi(self, jobid: str) -> MultiRun:
         return MultiRun(self.c.job_output(jobid))
@@ -235,19 +255,8 @@ class MultiSite(TrainSite):
 
 @pytest.fixture(scope="module")
 def site(slurm_cluster: DevCluster) -> Iterator[MultiSite]:
-    shape = len(slurm_cluster.nodes)
-    if shape < NEED_NODES:
-        slurm_cluster.up(nodes=str(NEED_NODES))
-    s = MultiSite(slurm_cluster)
-    s.start_reference_world(2)
-    s.start_reference_world(3)
-    try:
-        with hooked_site(s):
-            yield s
-    finally:
-        s.stop_references()
-        if shape < NEED_NODES:
-            slurm_cluster.up(nodes=str(shape))
+    with at_least_nodes(slurm_cluster, NEED_NODES), MultiSite(slurm_cluster).running(2, 3) as s:
+        yield s
 
 
 @pytest.fixture

@@ -31,9 +31,16 @@ import time
 from typing import Iterator
 
 import pytest
-from helpers.cluster import DevCluster
-from test_cluster_e2e import CKPT_SRUN, PY, hooked_site
-from test_cluster_multinode import INTERVAL, SLEEP, STEPS, MultiRun, MultiSite, _bring_back
+from helpers.cluster import DevCluster, at_least_nodes
+from test_cluster_e2e import CKPT_SRUN
+from test_cluster_multinode import (
+    INTERVAL,
+    RUN_LINE,
+    STEPS,
+    MultiRun,
+    MultiSite,
+    _bring_back,
+)
 
 pytestmark = pytest.mark.root
 
@@ -47,17 +54,9 @@ class SpareSite(MultiSite):
     def spare_job(self, key: str) -> str:
         """Three ranks on n1-n3 under ``ckpt-srun --spares 1``; n4 waits as the spare.
         ckpt-srun places the ranks itself (no -N/-w for srun)."""
-        args = " ".join(self.trainer_args(key, STEPS))
-        rank_cmd = (
-            'echo "HOST rank=$SLURM_PROCID node=$SLURMD_NODENAME"; '
-            f"exec {PY} {self.train} {args} --sleep-per-step {SLEEP} "
-            f"--digest-out {self.out / key}.digest"
-        )
-        body = (
-            'echo "RUN job=$SLURM_JOB_ID restart=${SLURM_RESTART_COUNT:-0} '
-            'nodes=$SLURM_JOB_NODELIST"\n'
+        body = RUN_LINE + (
             f"exec {CKPT_SRUN} --key {key} --warn 0 --spares 1 --node-wait 2min -- "
-            f"--ntasks-per-node=1 --label bash -c '{rank_cmd}'\n"
+            f"--ntasks-per-node=1 --label bash -c '{self.rank_cmd(key)}'\n"
         )
         nodes = ",".join(f"n{i}" for i in range(1, NEED_NODES + 1))
         return self.job(body, args=["-N", str(NEED_NODES), "-w", nodes, "--no-kill", "-p", "low"])
@@ -65,18 +64,8 @@ class SpareSite(MultiSite):
 
 @pytest.fixture(scope="module")
 def site(slurm_cluster: DevCluster) -> Iterator[SpareSite]:
-    shape = len(slurm_cluster.nodes)
-    if shape < NEED_NODES:
-        slurm_cluster.up(nodes=str(NEED_NODES))
-    s = SpareSite(slurm_cluster)
-    s.start_reference_world(WORLD)
-    try:
-        with hooked_site(s):
-            yield s
-    finally:
-        s.stop_references()
-        if shape < NEED_NODES:
-            slurm_cluster.up(nodes=str(shape))
+    with at_least_nodes(slurm_cluster, NEED_NODES), SpareSite(slurm_cluster).running(WORLD) as s:
+        yield s
 
 
 @pytest.fixture

@@ -19,17 +19,15 @@ See ``etc/config.toml`` for an annotated example with every key and its default.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import errno
 import os
-import signal
 import stat
 import sys
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from slurm_ckpt.core.config_parse import all_keys, parse_section, type_name, unknown_key
 from slurm_ckpt.core.config_schema import (  # noqa: F401 - the section classes are re-exported
     BUCKET_RE,
     DEFAULT_CONFIG_PATH,
@@ -74,12 +72,7 @@ from slurm_ckpt.core.config_schema import (  # noqa: F401 - the section classes 
     tiers_to_dict,
 )
 from slurm_ckpt.core.manifest_limits import ManifestLimits, set_limits
-from slurm_ckpt.core.units import (
-    parse_bandwidth,
-    parse_duration,
-    parse_size,
-)
-from slurm_ckpt.errors import CkptError, ConfigError
+from slurm_ckpt.errors import ConfigError
 
 if sys.version_info >= (3, 11):  # pragma: no cover - depends on the interpreter
     import tomllib as _toml
@@ -167,7 +160,7 @@ class Config:
         problems: List[str] = []
         for name, value in overrides.items():
             if name not in TOP_KEYS:
-                problems.append(_unknown(STANDALONE_SOURCE, "", name, TOP_KEYS))
+                problems.append(unknown_key(STANDALONE_SOURCE, "", name, TOP_KEYS))
                 continue
             if isinstance(value, TiersConfig):
                 value = tiers_to_dict(value)
@@ -281,220 +274,8 @@ def load_config(path: Optional[PathLike] = None) -> Config:
 # --------------------------------------------------------------------------- validation
 
 
-def _type_name(value: Any) -> str:
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a float"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, (list, tuple)):
-        return "an array"
-    if isinstance(value, Mapping):
-        return "a table"
-    return type(value).__name__
-
-
-def _unknown(
-    src: str, prefix: str, key: str, allowed: List[str], elsewhere: Optional[Dict[str, str]] = None
-) -> str:
-    where = f"{prefix}.{key}" if prefix else key
-    what = "key" if prefix else "section"
-    msg = f"{src}: unknown {what} '{where}'"
-    close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
-    if close:
-        hint = f"{prefix}.{close[0]}" if prefix else close[0]
-        return f"{msg} (did you mean '{hint}'?)"
-    if elsewhere and key in elsewhere:
-        return f"{msg} (did you mean '{elsewhere[key]}'?)"
-    return msg
-
-
-def _all_keys() -> Dict[str, str]:
-    """Bare key name -> its full dotted name, to point at misplaced keys."""
-    out: Dict[str, str] = {}
-    for tier, cls in TIER_CLASSES.items():
-        for f in dataclasses.fields(cls):
-            out.setdefault(f.name, f"tiers.{tier}.{f.name}")
-    for sec, cls in SECTION_CLASSES.items():
-        for f in dataclasses.fields(cls):
-            out.setdefault(f.name, f"{sec}.{f.name}")
-    return out
-
-
-def _convert(kind: str, value: Any, key: str, minimum: float) -> Any:
-    """Convert one value; raise ValueError with a message starting at the key."""
-    if kind == KIND_PATH:
-        if not isinstance(value, (str, os.PathLike)) or isinstance(value, bool):
-            raise ValueError(f"{key}: expected a path string, got {_type_name(value)}")
-        text = os.fspath(value)
-        if not text:
-            raise ValueError(f"{key}: must not be empty")
-        if "\x00" in text:
-            raise ValueError(f"{key}: contains a NUL byte")
-        if not os.path.isabs(text):
-            raise ValueError(f"{key}: must be an absolute path, got {text!r}")
-        return Path(os.path.normpath(text))
-    if kind == KIND_BOOL:
-        if not isinstance(value, bool):
-            raise ValueError(f"{key}: expected true or false, got {_type_name(value)} {value!r}")
-        return value
-    if kind == KIND_INT:
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{key}: expected an integer, got {_type_name(value)} {value!r}")
-        if value < minimum:
-            raise ValueError(f"{key}: must be at least {int(minimum)}, got {value}")
-        if value > MAX_CONFIG_INT:  # e.g. keep_local = 99999999999999999999999
-            raise ValueError(f"{key}: must be at most {MAX_CONFIG_INT}, got {value}")
-        return value
-    if kind in (KIND_SIZE, KIND_DURATION, KIND_BANDWIDTH):
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ValueError(
-                f"{key}: expected a number or a string such as {KIND_EXAMPLES[kind]}, "
-                f"got {_type_name(value)}"
-            )
-        try:
-            if kind == KIND_SIZE:
-                out: Any = parse_size(value, key)
-            elif kind == KIND_DURATION:
-                out = parse_duration(value, key)
-            else:
-                if isinstance(value, (int, float)) and value == 0:
-                    return None
-                if isinstance(value, str) and value.strip() in ("0", "0/s", "0B/s"):
-                    return None
-                out = parse_bandwidth(value, key)
-        except CkptError as exc:
-            hint = ""
-            if "has no unit" in str(exc):  # a quoted bare number: say what unquoted means
-                hint = f" (an unquoted TOML number is {KIND_BASE_UNITS[kind]})"
-            raise ValueError(str(exc) + hint) from None
-        if out < minimum or (minimum > 0 and out <= 0):
-            if kind == KIND_SIZE:
-                raise ValueError(f"{key}: must be at least {int(minimum)} bytes, got {value!r}")
-            raise ValueError(f"{key}: must be positive, got {value!r}")
-        return out
-    if kind == KIND_STR:
-        if not isinstance(value, str):
-            raise ValueError(f"{key}: expected a string, got {_type_name(value)}")
-        if not value.strip():
-            raise ValueError(f"{key}: must not be empty")
-        return value
-    if kind == KIND_URL:
-        if not isinstance(value, str):
-            raise ValueError(f"{key}: expected a URL string, got {_type_name(value)}")
-        if not value.startswith(("http://", "https://")) or len(value.split("://", 1)[1]) == 0:
-            raise ValueError(f"{key}: expected an http:// or https:// URL, got {value!r}")
-        return value
-    if kind == KIND_BUCKET:
-        if not isinstance(value, str):
-            raise ValueError(f"{key}: expected a string, got {_type_name(value)}")
-        if not BUCKET_RE.match(value) or ".." in value:
-            raise ValueError(
-                f"{key}: not a bucket name (3-63 of a-z, 0-9, '.', '-'), got {value!r}"
-            )
-        return value
-    if kind == KIND_PREFIX:
-        if not isinstance(value, str):
-            raise ValueError(f"{key}: expected a string, got {_type_name(value)}")
-        if value.startswith("/") or ".." in value.split("/") or not PREFIX_RE.match(value):
-            raise ValueError(f"{key}: must be a relative key prefix without '..', got {value!r}")
-        return value
-    if kind == KIND_SIGNALS:
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(
-                f'{key}: expected an array of signal names such as ["SIGTERM"], '
-                f"got {_type_name(value)}"
-            )
-        names: List[str] = []
-        for item in value:
-            if not isinstance(item, str):
-                raise ValueError(f'{key}: expected signal names such as "SIGUSR1", got {item!r}')
-            name = item.strip().upper()
-            if not name.startswith("SIG"):
-                name = "SIG" + name
-            if name in ("SIGKILL", "SIGSTOP"):
-                raise ValueError(f"{key}: {name} cannot be caught")
-            if not isinstance(getattr(signal, name, None), signal.Signals):
-                raise ValueError(f"{key}: unknown signal {item!r}")
-            if name not in names:
-                names.append(name)
-        return tuple(names)
-    if kind == KIND_AUTO:
-        if value != "auto":
-            raise ValueError(
-                f'{key}: expected "auto" or no value, got {value!r} '
-                "(use job.interval_seconds for a fixed period)"
-            )
-        return value
-    raise AssertionError(f"unknown config kind {kind}")  # pragma: no cover
-
-
-def _parse_section(
-    cls: type,
-    data: Any,
-    src: str,
-    prefix: str,
-    problems: List[str],
-    extra_defaults: Optional[Dict[str, Any]] = None,
-) -> Any:
-    """Build one section dataclass from a mapping, appending problems; None on failure."""
-    if not isinstance(data, Mapping):
-        problems.append(f"{src}: {prefix}: expected a table [{prefix}], got {_type_name(data)}")
-        return None
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    renamed = {f.metadata["old"]: f.name for f in fields.values() if f.metadata.get("old")}
-    kwargs: Dict[str, Any] = {}
-    ok = True
-    elsewhere = _all_keys()
-    for key, value in data.items():
-        if key in renamed:  # a former name, read for one release
-            new = renamed[key]
-            if data.get(new) is not None:
-                problems.append(f"{src}: {prefix}.{key} is the old name of {new}: give one")
-                ok = False
-                continue
-            warnings.warn(
-                f"{src}: {prefix}.{key} is deprecated, say {prefix}.{new}",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            key = new
-        if key not in fields:
-            problems.append(_unknown(src, prefix, str(key), list(fields), elsewhere))
-            ok = False
-            continue
-        if value is None:
-            continue  # None = unset (only reachable from dicts; TOML has no null)
-        meta = fields[key].metadata
-        try:
-            kwargs[key] = _convert(meta["kind"], value, f"{prefix}.{key}", meta["min"])
-        except ValueError as exc:
-            problems.append(f"{src}: {exc}")
-            ok = False
-    for name, value in (extra_defaults or {}).items():
-        kwargs.setdefault(name, value)
-    for name, f in fields.items():
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        if required and name not in kwargs and data.get(name) is None:
-            problems.append(f"{src}: {prefix}.{name} is missing (required)")
-            ok = False
-    if not ok:
-        return None
-    return cls(**kwargs)
-
-
 def _overlap(a: Path, b: Path) -> bool:
     return a == b or a in b.parents or b in a.parents
-
-
-#: The largest whole number a config value may hold (a signed 64-bit integer: what the
-#: ledger and the manifest can store; anything larger is a typo, not a setting).
-MAX_CONFIG_INT = 2**63 - 1
 
 
 def _build(data: Mapping[str, Any], src: str) -> Config:
@@ -503,7 +284,7 @@ def _build(data: Mapping[str, Any], src: str) -> Config:
         raise ConfigError(f"{src}: expected a table at the top level")
     for key in data:
         if key not in TOP_KEYS:
-            problems.append(_unknown(src, "", str(key), TOP_KEYS, _all_keys()))
+            problems.append(unknown_key(src, "", str(key), TOP_KEYS, all_keys()))
 
     # [tiers]
     tiers_raw = data.get("tiers")
@@ -512,11 +293,11 @@ def _build(data: Mapping[str, Any], src: str) -> Config:
         problems.append(f"{src}: [tiers.local] is missing (required)")
         problems.append(f"{src}: [tiers.pfs] is missing (required)")
     elif not isinstance(tiers_raw, Mapping):
-        problems.append(f"{src}: tiers: expected a table, got {_type_name(tiers_raw)}")
+        problems.append(f"{src}: tiers: expected a table, got {type_name(tiers_raw)}")
     else:
         for key in tiers_raw:
             if key not in TIER_CLASSES:
-                problems.append(_unknown(src, "tiers", str(key), list(TIER_CLASSES)))
+                problems.append(unknown_key(src, "tiers", str(key), list(TIER_CLASSES)))
         for name, cls in TIER_CLASSES.items():
             raw = tiers_raw.get(name)
             if raw is None:
@@ -529,7 +310,7 @@ def _build(data: Mapping[str, Any], src: str) -> Config:
                     hint = " (or [tiers.object] for a site without one)" if name == PFS else ""
                     problems.append(f"{src}: [tiers.{name}] is missing (required){hint}")
                 continue
-            tiers_objs[name] = _parse_section(cls, raw, src, f"tiers.{name}", problems)
+            tiers_objs[name] = parse_section(cls, raw, src, f"tiers.{name}", problems)
 
     # Optional sections.
     sections: Dict[str, Any] = {}
@@ -546,7 +327,7 @@ def _build(data: Mapping[str, Any], src: str) -> Config:
                     extra["dir"] = Path("/")
             else:
                 extra["dir"] = local.root / LEDGER_SUBDIR
-        sections[name] = _parse_section(cls, raw, src, name, problems, extra)
+        sections[name] = parse_section(cls, raw, src, name, problems, extra)
 
     # Cross-field checks.
     roots = [

@@ -34,6 +34,7 @@ import os
 import shlex
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
@@ -372,6 +373,21 @@ class DevCluster:
             if time.monotonic() >= deadline:
                 raise AssertionError(f"timed out after {timeout}s waiting for {what}")
             time.sleep(interval)
+
+
+@contextmanager
+def at_least_nodes(cluster: DevCluster, count: int) -> Iterator[DevCluster]:
+    """The cluster with at least ``count`` nodes while the block runs: a module whose jobs
+    need more nodes than the session's shape adds them, and puts the shape back at the end
+    so that the modules after it see the cluster they expect."""
+    shape = len(cluster.nodes)
+    if shape < count:
+        cluster.up(nodes=str(count))
+    try:
+        yield cluster
+    finally:
+        if shape < count:
+            cluster.up(nodes=str(shape))
 
 
 def start_cluster() -> DevCluster:

@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any, Dict
 
 import pytest
 from helpers import site as helper_site
-from helpers.cli import ckpt_slurm
+from helpers.cli import ckpt_slurm, run_here
 
 from slurm_ckpt.core.layout import step_dirname
 from slurm_ckpt.core.manifest import Manifest
 from slurm_ckpt.core.manifest import manifest_facts as _facts
 from slurm_ckpt.errors import VerifyError
 from slurm_ckpt.ledger import Ledger, State, publish_status
+from slurm_ckpt.node.partner_flush import mark_partner_copies
 from slurm_ckpt.ops.catalog import scan_catalog
 from slurm_ckpt.ops.status import (
     SlurmJob,
@@ -322,3 +323,52 @@ def test_slurm_unreachable_is_unknown_not_an_error(site: Site, tmp_path: Path) -
     assert not snap.available and snap.note
     doc = site.status(query=lambda: snap)
     assert {j["slurm_state"] for j in doc["jobs"]} == {"unknown"}
+
+
+def test_partner_column_and_json(site: Site, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``partner`` entry and column: null/"-" without partner copies; with them, the
+    newest step that has one and the nodes holding it. A partner copy is shown, not
+    counted as safe: steps_at_risk still counts from the warm tier (docs/partner.md)."""
+    monkeypatch.setenv("SLURM_CKPT_CONFIG", str(site.cfg_path))
+    monkeypatch.setenv("COLUMNS", "250")
+    doc = site.status()
+    assert [j["partner"] for j in doc["jobs"]] == [None] * 4
+    code, out, err = run_here(["status", "--no-slurm", "--parsable", "--job", "11"])
+    assert code == 0, err
+    head, row = out.splitlines()
+    fields = dict(zip(head.split("|"), row.split("|")))
+    assert fields["partner_step"] == "" and fields["partner_nodes"] == ""
+
+    # n1's steps 400 and 500 copied to n3, 500 to n4, 400 to n5: the newest with a
+    # partner copy is 500, on n3 and n4. The ledgers mark them as the hooks' scan does.
+    for node, steps in (("n3", (400, 500)), ("n4", (500,)), ("n5", (400,))):
+        ledger = Ledger(site.base / "ledgers" / node, node, clock=lambda: site.t_n1)
+        for seq, step in enumerate(steps):
+            ledger.record_local_commit("alice", "run1", step, NB, seq, 11, True)
+        marked = mark_partner_copies(ledger, {("alice", "run1", s): "n1" for s in steps}, node)
+        assert marked == len(steps)
+        publish_status(ledger, site.base / "pfs")
+    doc = site.status()
+    jobs = by_job(doc)
+    j = jobs[("11", "alice")]
+    assert j["partner"] == {"copies": 4, "step": 500, "nodes": ["n3", "n4"]}
+    assert j["steps_at_risk"] == 200 and doc["totals"]["steps_at_risk"] == 220
+    assert jobs[("13", "alice")]["partner"] is None  # another job's row is untouched
+
+    code, out, err = run_here(["status", "--no-slurm", "--json", "--job", "11"])
+    assert code == 0, err
+    assert json.loads(out)["jobs"][0]["partner"] == j["partner"]
+    code, out, err = run_here(["status", "--no-slurm", "--parsable", "--job", "11"])
+    assert code == 0, err
+    head, row = out.splitlines()
+    fields = dict(zip(head.split("|"), row.split("|")))
+    assert fields["partner_step"] == "500" and fields["partner_nodes"] == "n3,n4"
+    code, out, err = run_here(["status", "--no-slurm"])
+    assert code == 0, err
+    lines = out.splitlines()
+    header = next(ln for ln in lines if ln.lstrip().startswith("job "))
+    assert " partner " in f"{header} "
+    (row11,) = [ln for ln in lines if "alice/run1" in ln]
+    assert " 500@n[3-4] " in f"{row11} "
+    (row13,) = [ln for ln in lines if "alice/run2" in ln]
+    assert "@" not in row13

@@ -35,6 +35,7 @@ from slurm_ckpt.cli.table import (
 from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.units import format_bytes, format_duration, format_rate
 from slurm_ckpt.errors import CkptError
+from slurm_ckpt.ops.partner_status import partner_text
 from slurm_ckpt.ops.status import SlurmSnapshot, collect_status, no_slurm
 from slurm_ckpt.ops.tier_roots import require_roots
 from slurm_ckpt.slurm.hostlist import compress
@@ -121,6 +122,12 @@ JOB_COLUMNS = [
     Column("local_step", "local", fmt=_count, right=True),
     Column("local_age_s", "local age", fmt=format_duration, right=True, drop=5),
     Column("_tiers", "-"),  # replaced by the shared tiers' columns (job_columns)
+    # The newest step with a partner copy on a neighbour node, and where (STEP@NODES).
+    Column(
+        "partner", "partner", fmt=lambda v: partner_text(v, _nodes_text), drop=3, parsable=False
+    ),
+    Column("partner_step", "partner step", human=False),
+    Column("partner_nodes", "partner nodes", human=False),
     Column("steps_at_risk", "at risk", fmt=_count, right=True),
     Column("checkpoints_at_risk", "checkpoints at risk", human=False),
     Column("bytes_at_risk", "size at risk", fmt=format_bytes, right=True),
@@ -156,6 +163,7 @@ def _job_rows(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
     names = _shared_names(doc)
     for j in doc["jobs"]:
         local = j["tiers"]["local"]
+        partner = j.get("partner")
         pending = j["bytes_at_risk"] > 0
         per_tier: Dict[str, Any] = {}
         for name in names:
@@ -173,6 +181,9 @@ def _job_rows(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
                 "nodes": j["nodes"],
                 "local_step": None if local is None else local["step"],
                 "local_age_s": None if local is None else local.get("age_s"),
+                "partner": partner,
+                "partner_step": None if not partner else partner["step"],
+                "partner_nodes": None if not partner else partner.get("nodes"),
                 "steps_at_risk": j["steps_at_risk"],
                 "checkpoints_at_risk": j["checkpoints_at_risk"],
                 "bytes_at_risk": j["bytes_at_risk"],

@@ -63,6 +63,10 @@ to the job recorded in its newest PFS manifest; a series with neither has ``job:
     bytes_at_risk        their bytes
     in_flight            copies of this job running now
     failed               checkpoints whose last copy or verification failed
+    partner              the newest step with a partner copy on a neighbour node and
+                         where: {"copies", "step", "nodes"}, or null
+                         (:mod:`slurm_ckpt.ops.partner_status`; not counted in
+                         steps_at_risk)
     flush_rate_bps       bytes/s: a node-published ``flush_rate_bps`` if present, else the
                          newest warm-tier checkpoint's size over the time from its local
                          commit to its commit there (includes queueing: a pessimistic rate); null
@@ -100,6 +104,7 @@ from slurm_ckpt.ledger.status_store import status_store
 from slurm_ckpt.ledger.user_status import read_user_statuses
 from slurm_ckpt.ops.catalog import Series, SeriesHead
 from slurm_ckpt.ops.catalog_tiers import shared_heads
+from slurm_ckpt.ops.partner_status import PartnerSeen
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.records import REASON_PREFIX
 
@@ -204,8 +209,7 @@ class _Job:
     failed: int = 0
     rate: Optional[float] = None
     #: Partner copies of this job's checkpoints held on other nodes (docs/partner.md).
-    partner_copies: int = 0
-    latest_partner_step: Optional[int] = None
+    partner: PartnerSeen = field(default_factory=PartnerSeen)
 
 
 def _job_id(value: Any) -> Optional[str]:
@@ -364,10 +368,7 @@ def build_status(
             j.pending_bytes += _int(js.get("pending_bytes"))
             j.in_flight += _int(js.get("in_flight"))
             j.failed += _int(js.get("failed"))
-            j.partner_copies += _int(js.get("partner_copies"))
-            partner = _num(js.get("latest_partner_step"))
-            if partner is not None:
-                j.latest_partner_step = int(_max(j.latest_partner_step, partner))  # type: ignore[arg-type]
+            j.partner.add(name, js)
             if node_rate is not None and node_rate > 0:
                 j.rate = _max(j.rate, node_rate)
             for s in series:
@@ -493,9 +494,7 @@ def build_status(
                 "failed": j.failed,
                 "flush_rate_bps": None if rate is None else round(rate, 3),
                 "flush_eta_s": eta,
-                "partner": None
-                if not j.partner_copies
-                else {"copies": j.partner_copies, "step": j.latest_partner_step},
+                "partner": j.partner.entry(),
             }
         )
     rows.sort(key=lambda r: (r["user"], r["keys"], r["job"] or ""))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -290,3 +291,71 @@ def _partials(site: FaultSite, node: str) -> bool:
         if (root / key).is_dir()
         for p in (root / key).iterdir()
     )
+
+
+@scenario("partner-spare-lost", partner_site)
+def partner_spare_lost(run: Run) -> None:
+    """Node A is lost; the step is relaunched inside the allocation on the survivor B
+    plus the spare C (``ckpt-srun --spares``): rank 0 on C fetches its shard from B's
+    partner copy. C dies during that recovery (before its rank resumed, or just after),
+    with its disk. No half-fetched copy is ever listed on C (I1, checked before its disk
+    goes); with no spare left the job is requeued onto B, whose epilog first flushes
+    what it holds, and resumes no older than the newest step whose every shard survived
+    on B or the PFS (I5 for the second loss, I4 and I1 as always)."""
+    a, b, c = list(run.site.local)
+    workers = _run_until_fault(run, a, b)
+    lose_node(run, workers, [a], [a, b])
+    first = run.tracker.surviving({f"local:{b}", "pfs"})
+    wipe(run, [a])
+    run.fault("node loss (partner survives)")
+    assert run.job is not None
+    # ckpt-srun relaunches the step in the same allocation: no requeue (the restart count
+    # stays), SLURM_CKPT_RELAUNCH=1 (a new launch: a new ring; a rank on a spare fetches).
+    inside = run.restart - 1
+    reached = _reached(run)
+    # The ranks agree on the step as torch.distributed's jobs do (a min over the ranks):
+    # without it a rank sees only steps whose every shard is on one tier it can read.
+    agree_dir = run.site.out / f"{run.key}.agree.{run.restart}"
+    agree_dir.mkdir()
+    shutil.chown(agree_dir, USER, USER)
+    run.site.run_hook("prolog", c, run.job, inside)  # the spare's, at the job's start
+    relaunched = [
+        run.site.worker(
+            node, run.job, run.key, inside,
+            steps=run.steps, interval=run.interval, size=run.size, seed=run.seed,
+            sleep=run.sleep, rank=rank, world_size=WORLD, partner_host="127.0.0.1",
+            progress=_progress(run, rank), agree_dir=agree_dir,
+            env={"SLURM_CKPT_RELAUNCH": "1", "CAMPAIGN_LOG": "1"},
+        )
+        for rank, node in enumerate([c, b])
+    ]  # fmt: skip
+    run.result.restarts += 1
+    # The spare dies while its rank fetches and restores, or right after it resumed.
+    if run.rng.random() < 0.5:
+        m = relaunched[0].wait_for(r"^(START fresh|RESUMED step=(\d+) tier=(\S+) digest=(\S+))$")
+        if m is None:
+            run.check(False, f"rank 0 on the spare exited before starting:\n{relaunched[0].tail()}")
+        elif m.group(2) is not None:
+            run.check(
+                m.group(4) == run.ref[int(m.group(2))],
+                f"I1 relaunch on the spare: state loaded for step {m.group(2)} differs",
+            )
+            run.check(
+                int(m.group(2)) >= (first or 0),
+                f"I5 relaunch on the spare: resumed at {m.group(2)}, the newest step "
+                f"whose every shard survived on {b} or the PFS was {first}:\n"
+                f"{relaunched[0].tail()}\n{relaunched[1].tail()}",
+            )
+            run.result.notes.append(f"spare {c} resumed at {m.group(2)} from {m.group(3)}")
+            run.result.lost.append(max(0, reached - int(m.group(2))))
+    else:
+        time.sleep(run.rng.uniform(0.0, 0.5))
+    lose_node(run, relaunched, [c], [c, b])
+    run.restart = inside + 1  # the requeue that follows is the job's first
+    if _partials(run.site, c):
+        run.fault("half-fetched copy on the spare at its loss")
+    bound = run.tracker.surviving({f"local:{b}", "pfs"})
+    wipe(run, [c])
+    run.fault("spare lost during recovery")
+    epilog(run, b)  # no spare left: the job ends on B and is requeued
+    finish_ranks(run, b, bound, f"after losing {a}, then the spare {c}")

@@ -431,6 +431,7 @@ class FaultSite:
             "--progress", str(progress),
         ]  # fmt: skip
         crash_at, crash_log = args.pop("crash_at", None), args.pop("crash_log", None)
+        extra_env: Dict[str, str] = args.pop("env", None) or {}  # e.g. ckpt-srun's relaunch
         for k, v in args.items():
             argv += [f"--{k.replace('_', '-')}", str(v)]
         env = {
@@ -442,6 +443,7 @@ class FaultSite:
         }
         if crash_at is not None:  # SIGKILL at the N-th crash point (slurm_ckpt.core.faults)
             env.update(SLURM_CKPT_CRASH_AT=str(crash_at), SLURM_CKPT_CRASH_LOG=str(crash_log))
+        env.update(extra_env)
         if self.clock_lib is not None:
             env.update(LD_PRELOAD=str(self.clock_lib), CLOCKJUMP_FILE=str(self.clock_file))
         return Worker(argv, env, self.out)

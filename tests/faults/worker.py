@@ -108,6 +108,36 @@ def _progress(path: Optional[str], step: int) -> None:
     os.replace(tmp, path)
 
 
+def file_agree(directory: str, rank: int, world_size: int, timeout: float = 60.0) -> Any:
+    """The restore's ``agree`` (a min over the ranks) for plain processes, through files:
+    round ``n`` of rank ``r`` is ``<directory>/<n>.<r>`` (written whole, then renamed).
+    What ``torch.distributed``'s all_reduce(MIN) gives the real jobs: with it a rank
+    relaunched on a spare counts the shard it fetched from its partner copy. Every rank
+    calls it the same number of times (the restore's rounds); a rank waits for the others'
+    file of the round (a missing one past ``timeout`` is an error: a rank died)."""
+    rounds = iter(range(1 << 30))
+
+    def agree(value: int) -> int:
+        n = next(rounds)
+        mine = os.path.join(directory, f"{n}.{rank}")
+        with open(f"{mine}.tmp", "w") as fh:
+            fh.write(str(int(value)))
+        os.replace(f"{mine}.tmp", mine)
+        deadline = time.monotonic() + timeout
+        values = []
+        for r in range(world_size):
+            path = os.path.join(directory, f"{n}.{r}")
+            while not os.path.exists(path):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"agree round {n}: no value from rank {r}")
+                time.sleep(0.005)
+            with open(path) as fh:
+                values.append(int(fh.read()))
+        return min(values)
+
+    return agree
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--config", required=True)
@@ -126,8 +156,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--partner-host", default=None, help="address of this rank's partner server")
+    p.add_argument("--agree-dir", default=None, help="restore agreement through files here")
     args = p.parse_args(argv)
 
+    if os.environ.get("CAMPAIGN_LOG"):  # the library's log in the worker's output
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="log %(message)s")
     from slurm_ckpt import Checkpointer
     from slurm_ckpt.core.config import Config
 
@@ -154,6 +189,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         rank=args.rank,
         world_size=args.world_size,
         partner_host=args.partner_host,
+        agree=None
+        if args.agree_dir is None
+        else file_agree(args.agree_dir, args.rank, args.world_size),
     )
     got = ckpt.restore()
     if got is None:

@@ -135,7 +135,9 @@ def main() -> int:
     ap.add_argument("--kill-at", type=int, default=0)
     ap.add_argument("--child-term-at", type=int, default=0)
     ap.add_argument("--dump", default="")
-    ap.add_argument("--sleep", type=float, default=0.0, help="per step (cluster tests)")
+    ap.add_argument(
+        "--sleep", type=float, default=0.0, help="per step, first run only (cluster tests)"
+    )
     args = ap.parse_args()
 
     rank, world = rank_and_world_size()  # torchrun's RANK/WORLD_SIZE, else srun's task
@@ -171,12 +173,15 @@ def main() -> int:
             fut.result()
             pending = None
 
+    # Slow enough for a cluster test to preempt the first run mid-way; a requeued run
+    # (SLURM_RESTART_COUNT > 0) is preempted no more, so it goes at full speed.
+    sleep = args.sleep if os.environ.get("SLURM_RESTART_COUNT", "0") == "0" else 0.0
     step = start
     while step < args.steps:
         train_step(model, opt, sched, rank, world)
         step += 1
-        if args.sleep:
-            time.sleep(args.sleep)  # slow enough for a cluster test to preempt it mid-run
+        if sleep:
+            time.sleep(sleep)
         if args.term_at == step:
             os.kill(os.getpid(), signal.SIGTERM)  # as SLURM would, to every rank
         got_signal = ckpt.signal_received is not None

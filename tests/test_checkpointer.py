@@ -583,3 +583,34 @@ def test_runs_as_a_user_below_root_owned_tiers() -> None:
     assert os.listdir(local / ".slurm_ckpt") == []  # root's ledger untouched
     assert (local / "nobody" / ".slurm_ckpt" / "events.jsonl").stat().st_size > 0
     shutil.rmtree(tmp_path)
+
+
+def test_a_forked_child_leaves_the_exit_hook_to_its_parent(tmp_path: Path) -> None:
+    """A DataLoader worker is a fork of the trainer: it inherits the Checkpointer's exit
+    hook but none of its threads. Run in the child, the hook waited for a local write no
+    thread of the child does (each worker hung until its parent killed it: 5 s per epoch)
+    and handed the parent's flushes off again. The parent still runs it."""
+    import multiprocessing
+
+    ckpt = make(tmp_path)
+    marker = tmp_path / "hook-ran-in"
+
+    def record() -> None:
+        with open(marker, "a") as fh:
+            fh.write(f"{os.getpid()}\n")
+
+    ckpt._pipeline.finish_at_exit = record  # type: ignore[method-assign]
+
+    def child() -> None:  # ends through multiprocessing's exit: threading's hooks run
+        pass
+
+    p = multiprocessing.get_context("fork").Process(target=child)
+    p.start()
+    p.join()
+    assert p.exitcode == 0
+    assert not marker.exists()
+    from slurm_ckpt.job.checkpointer import _finish_at_exit
+
+    _finish_at_exit(lambda: ckpt, os.getpid())  # what the parent's exit runs
+    assert marker.read_text() == f"{os.getpid()}\n"
+    ckpt.close()

@@ -46,7 +46,8 @@ pytestmark = pytest.mark.root
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "dcp_worker.py"
-#: Small and short, but slow enough per step that the preemption lands mid-run.
+#: Small and short, but slow enough per step that the preemption lands mid-run (the
+#: worker sleeps on the first run only).
 STEPS = 40
 EVERY = 4
 SLEEP = 0.25

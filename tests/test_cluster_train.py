@@ -146,16 +146,20 @@ class TrainSite(E2E):
         step_cmd: Optional[str] = None,
     ) -> str:
         """Submit the trainer under ``ckpt-srun`` (as the job's last line, with exec)."""
+        slow = ""
         if step_cmd is None:
             args = " ".join(self.trainer_args(key, steps))
             step_cmd = (
-                f"{PY} {self.train} {args} --sleep-per-step {SLEEP} "
+                f"{PY} {self.train} {args} --sleep-per-step $per_step "
                 f"--progress-file {self.progress(key)} --digest-out {self.out / key}.digest"
             )
+            # Slow only the first run, for the signal or preemption to land mid-way; a
+            # requeued run is interrupted no more and goes at full speed.
+            slow = f'per_step={SLEEP}; [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ] || per_step=0\n'
         body = (
             'echo "RUN job=$SLURM_JOB_ID restart=${SLURM_RESTART_COUNT:-0} '
             'node=$SLURMD_NODENAME"\n'
-            f"exec {CKPT_SRUN} --key {key} {srun_opts} -- -n1 {step_cmd}\n"
+            f"{slow}exec {CKPT_SRUN} --key {key} {srun_opts} -- -n1 {step_cmd}\n"
         )
         return self.job(body, args=sbatch_args)
 

@@ -105,11 +105,13 @@ def _accept_all(_tensor: Any) -> bool:
     return True
 
 
-def _finish_at_exit(ref: Callable[[], Optional[Checkpointer]]) -> None:
+def _finish_at_exit(ref: Callable[[], Optional[Checkpointer]], pid: int) -> None:
     """At interpreter exit without close(): the pipeline finishes the local write. A
-    no-op after close()."""
+    no-op after close(), and in a forked child (a DataLoader worker inherits the hook but
+    not the pipeline's threads: it would wait for a write that no thread of its own does,
+    until its parent kills it, and hand the parent's flushes off a second time)."""
     ckpt = ref()
-    if ckpt is not None and not ckpt._closed:
+    if ckpt is not None and not ckpt._closed and os.getpid() == pid:
         ckpt._pipeline.finish_at_exit()
 
 
@@ -321,7 +323,7 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
         # threading's own exit hooks run (in reverse order) *before* concurrent.futures
         # refuses new work at shutdown, which the tier writer needs; plain atexit is too
         # late. The private hook exists since Python 3.9; fall back to atexit otherwise.
-        hook = functools.partial(_finish_at_exit, weakref.ref(self))
+        hook = functools.partial(_finish_at_exit, weakref.ref(self), os.getpid())
         register = getattr(threading, "_register_atexit", None)
         try:
             if register is None:

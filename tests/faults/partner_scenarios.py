@@ -204,17 +204,25 @@ def _run_until_fault(run: Run, a: str, b: str) -> List[Worker]:
     return workers
 
 
+def _lose_first_node(run: Run, a: str, b: str) -> Optional[int]:
+    """Train until the fault point, then lose node ``a`` with its disk while its partner
+    ``b`` survives; returns the newest step whose every shard survives on ``b`` or the
+    PFS (I5's bound)."""
+    workers = _run_until_fault(run, a, b)
+    lose_node(run, workers, [a], [a, b])
+    bound = run.tracker.surviving({f"local:{b}", "pfs"})
+    wipe(run, [a])
+    run.fault("node loss (partner survives)")
+    return bound
+
+
 @scenario("partner-node-loss", partner_site)
 def partner_node_loss(run: Run) -> None:
     """Node A is lost mid-job with its disk; its partner B survives. B's epilog flushes
     A's partner copies (A is DOWN); the requeued job resumes at the newest step whose
     partner copy was committed, or newer (I5)."""
     a, b, c = list(run.site.local)
-    workers = _run_until_fault(run, a, b)
-    lose_node(run, workers, [a], [a, b])
-    bound = run.tracker.surviving({f"local:{b}", "pfs"})
-    wipe(run, [a])
-    run.fault("node loss (partner survives)")
+    bound = _lose_first_node(run, a, b)
     epilog(run, b)
     finish_ranks(run, c, bound, f"after losing {a}")
 
@@ -303,11 +311,7 @@ def partner_spare_lost(run: Run) -> None:
     what it holds, and resumes no older than the newest step whose every shard survived
     on B or the PFS (I5 for the second loss, I4 and I1 as always)."""
     a, b, c = list(run.site.local)
-    workers = _run_until_fault(run, a, b)
-    lose_node(run, workers, [a], [a, b])
-    first = run.tracker.surviving({f"local:{b}", "pfs"})
-    wipe(run, [a])
-    run.fault("node loss (partner survives)")
+    first = _lose_first_node(run, a, b)
     assert run.job is not None
     # ckpt-srun relaunches the step in the same allocation: no requeue (the restart count
     # stays), SLURM_CKPT_RELAUNCH=1 (a new launch: a new ring; a rank on a spare fetches).

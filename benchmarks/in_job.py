@@ -500,6 +500,10 @@ class SmallNet(nn.Module):
         return self.net(x)
 
 
+#: Untimed training before each loop phase's window, on every side alike (see below).
+SETTLE_S = 10.0
+
+
 def training_phase(
     seconds: float,
     ckpt_every_s: Optional[float],
@@ -550,6 +554,15 @@ def training_phase(
             ours.ckpt.save(sct.capture(model, opt, rng=False), step=0)
         cold_s = time.perf_counter() - c0
         ours.ckpt.wait(flush=True)
+    # Both sides then train untimed for SETTLE_S before the window: the page cache was
+    # just dropped, and the checkpointed side's cold save already gave the machine
+    # seconds to settle after that; the same pause for every side keeps them alike.
+    settle_end = time.perf_counter() + SETTLE_S
+    while time.perf_counter() < settle_end:
+        loss = (model(x) - y).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
     waits0 = (ours.ckpt.stats.snapshot_waits, ours.ckpt.stats.snapshot_wait_s) if ours else (0, 0)
     steps, saves, stall = 0, 0, 0.0
     load0 = os.getloadavg()[0]

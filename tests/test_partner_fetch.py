@@ -170,6 +170,29 @@ def test_corrupt_partner_copy_is_refused_never_committed(lost_nb: Any) -> None:
     assert not local_tier(tmp, "nc").steps("root", rank_key(1))  # never committed
 
 
+def test_truncated_partner_copy_ends_the_send_and_commits_nothing(lost_nb: Any) -> None:
+    """The holder sends a file with ``sendfile``: a copy cut short under it (here: a
+    payload file truncated on the holder's disk) stops the send at the short read
+    instead of sending less than the manifest says; the spare commits nothing and
+    restores from the warm tier."""
+    tmp, st, relaunch = lost_nb
+    na = local_tier(tmp, "na")
+    m = na.manifest("root", rank_key(1), 3)
+    big = max(m.files, key=lambda e: e.size)
+    path = Path(na.step_path("root", rank_key(1), 3)) / big.path
+    with open(path, "r+b") as fh:
+        fh.truncate(big.size // 2)
+    a, c = relaunch("na", "nc")
+    got = restore_all([a, c])
+    warm = c.warm.name  # type: ignore[union-attr]
+    assert [(g.step, g.tier) for g in got] == [(1, warm), (1, warm)]
+    for g in got:
+        assert_state_equal(st[0], g.state)
+    stats = c.partner.stats  # type: ignore[union-attr]
+    assert (stats.fetched, stats.fetch_failures) == (0, 1)
+    assert not local_tier(tmp, "nc").steps("root", rank_key(1))  # never committed
+
+
 def test_fetch_needs_the_secret_and_a_rank_series_of_this_job(lost_nb: Any) -> None:
     tmp, _st, relaunch = lost_nb
     a, c = relaunch("na", "nc")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -388,3 +389,97 @@ def test_a_state_over_the_staging_limit_is_written_synchronously_and_exact(tmp_p
     step(model, opt, sched, scaler)
     tc.close()
     assert_same(want, restored_state(tmp_path, 1))
+
+
+RANK_SCRIPT = textwrap.dedent(
+    """
+    import copy, os, sys
+    from pathlib import Path
+    import torch
+    import torch.distributed as dist
+    sys.path.insert(0, sys.argv[2])
+    from test_lazy_snapshot import assert_same
+    from slurm_ckpt import Checkpointer
+    from slurm_ckpt import torch as sct
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    tmp = Path(sys.argv[1])
+
+    def ckpt():
+        local = tmp / f"n{rank}" / "local"
+        local.mkdir(parents=True, exist_ok=True)
+        return Checkpointer(local=local, warm=tmp / "pfs", key="lazy2", rank=rank,
+                            world_size=world, install_signals=False, end_time_fn=None)
+
+    def objects(seed):
+        torch.manual_seed(seed)  # every rank its own values: each saves its own copy
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                    torch.nn.Linear(256, 128))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(model, opt):
+        loss = model(torch.randn(16, 64)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        for p in model.parameters():  # a collective while the copy may still drain
+            dist.all_reduce(p.grad)
+        opt.step()
+
+    model, opt = objects(rank)
+    tc = sct.TorchCheckpointer(ckpt(), model, opt, rng=False)
+    assert tc.lazy
+    for s in range(5):
+        step(model, opt)
+        if s == 3:
+            want = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+            saved = tc.save(step=s)
+            assert saved.deferred_bytes > 0
+            step(model, opt)  # at once: the pre-hook orders it after this rank's copy
+    tc.close()
+    model2, opt2 = objects(100 + rank)  # different values everywhere
+    ck = ckpt()
+    got = sct.restore(ck, model2, opt2, rng=False)
+    ck.close()
+    assert got is not None and got.step == 3, got
+    assert_same(want, {"model": model2.state_dict(), "opt": opt2.state_dict()})
+    mine = torch.cat([p.detach().flatten() for p in model2.parameters()])
+    all_ = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(all_, mine)
+    assert not torch.equal(all_[0], all_[1]), "the ranks restored the same values"
+    dist.destroy_process_group()
+    print("OK", rank, flush=True)
+    """
+)
+
+
+def test_two_ranks_each_checkpoint_their_own_values_at_save(tmp_path):
+    """Several ranks (gloo, two processes): each rank's lazy copy is its own. Each saves
+    the same step, steps at once (an all-reduce per gradient while its copy drains), and
+    restores exactly its own values at save() time, not the other rank's."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            GLOO_SOCKET_IFNAME="lo",
+            PYTHONPATH=str(REPO),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", RANK_SCRIPT, str(tmp_path), str(REPO / "tests")],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    for rank, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"OK {rank}" in out, out

@@ -25,6 +25,12 @@ recorded with each phase. On a machine with as many cores as ranks, the partner
 sender, receiver and the local writers compete with training for the same cores: the
 hard case; on a GPU node the training's compute is not on these cores.
 
+Reported next to the ratio: the same claim estimated from CPU accounting. Per phase,
+each rank's CPU time outside its training thread in the window (the kernel counts it
+per thread, whatever the machine's speed that minute); the partner copies' extra
+(on minus off, both ranks) taken from the two ranks' cores gives
+``1 - extra / (ranks x window)``.
+
     python benchmarks/partner_loop.py               # 64 MiB per rank, every 15 s, 3 x 2 x 60 s
     python benchmarks/partner_loop.py --quick       # smoke run
     python benchmarks/partner_loop.py --json out.json

@@ -72,8 +72,7 @@ def start_ranks(
     if first:
         run.job = run.site.new_job()
     assert run.job is not None
-    for node in dict.fromkeys(placement):
-        run.site.run_hook("prolog", node, run.job, run.restart)
+    run.site.run_hooks("prolog", list(dict.fromkeys(placement)), run.job, run.restart)
     run.tracker.observe(f"before start on {','.join(placement)}")
     readable = [f"local:{n}" for n in dict.fromkeys(placement)] + ["pfs"]
     expected = run.tracker.newest_complete(readable)

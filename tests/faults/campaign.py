@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set
 
 from tests.faults.invariants import Tracker
-from tests.faults.site import FaultSite, Worker
+from tests.faults.site import RETRY_BACKOFF_S, FaultSite, Worker
 from tests.faults.worker import reference_digests
 
 STEPS = 40
@@ -196,10 +196,11 @@ class Run:
                 proc.wait()
                 self.fault("stager SIGKILL")
             self.tracker.observe(f"after killed stager on {node}")
-        # A failed flush is retried after hooks.retry_backoff (1 s here, doubling): the
-        # stager daemon passes again until nothing is owed; a few passes at most.
+        # A failed flush is retried after hooks.retry_backoff (RETRY_BACKOFF_S here,
+        # doubling): the stager daemon passes again until nothing is owed; a few passes at
+        # most, each once the backoff since the last failure is over.
         for attempt in range(4):
-            time.sleep(2**attempt)
+            time.sleep(RETRY_BACKOFF_S * 2**attempt)
             proc = self.site.stager(node)
             out, _ = proc.communicate(timeout=300)
             if not self.tracker.unflushed(node, self.key, committed):

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Set
 
-from tests.faults.campaign import Run
+from tests.faults.campaign import SLEEP, Run
 from tests.faults.scenarios import _damage_one, scenario
 from tests.faults.site import USER, FaultSite, Worker
 
@@ -44,7 +44,8 @@ def partner_site(site: FaultSite, bandwidth: Optional[str] = None) -> Dict[str, 
     if bandwidth:
         partner["bandwidth"] = bandwidth
     site.configure(partner=partner, retention={"flush_every": 4})
-    # 60 steps at 0.05 s: time for the ring to form and partner copies to flow first
+    # 60 steps at 0.05 s: time for the ring to form and partner copies to flow before
+    # the fault (the requeued job after it trains at the campaign's pace, finish_ranks)
     return {"keys": KEYS, "steps": 60, "sleep": 0.05}
 
 
@@ -62,18 +63,21 @@ def _reached(run: Run) -> int:
 
 
 def start_ranks(
-    run: Run, placement: List[str], bound: Optional[int] = None, when: str = ""
+    run: Run,
+    placement: List[str],
+    bound: Optional[int] = None,
+    when: str = "",
+    sleep: Optional[float] = None,
 ) -> List[Worker]:
     """Prolog on each node of ``placement`` (rank r on ``placement[r]``), then the ranks.
     Checks that they agree, resume at the newest complete verified step they can read
     (I4), load the saved state (I1) and - after a single node loss - lose no more than
-    I5 allows (``bound``)."""
+    I5 allows (``bound``). ``sleep``: the trainers' pause per step (default the run's)."""
     first = run.job is None
     if first:
         run.job = run.site.new_job()
     assert run.job is not None
-    for node in dict.fromkeys(placement):
-        run.site.run_hook("prolog", node, run.job, run.restart)
+    run.site.run_hooks("prolog", list(dict.fromkeys(placement)), run.job, run.restart)
     run.tracker.observe(f"before start on {','.join(placement)}")
     readable = [f"local:{n}" for n in dict.fromkeys(placement)] + ["pfs"]
     expected = run.tracker.newest_complete(readable)
@@ -84,8 +88,8 @@ def start_ranks(
             run.site.worker(
                 node, run.job, run.key, run.restart,
                 steps=run.steps, interval=run.interval, size=run.size, seed=run.seed,
-                sleep=run.sleep, rank=rank, world_size=WORLD, partner_host="127.0.0.1",
-                progress=_progress(run, rank),
+                sleep=run.sleep if sleep is None else sleep, rank=rank, world_size=WORLD,
+                partner_host="127.0.0.1", progress=_progress(run, rank),
             )
         )  # fmt: skip
     got: Set[Optional[int]] = set()
@@ -171,8 +175,9 @@ def epilog(run: Run, node: str) -> None:
 
 def finish_ranks(run: Run, node: str, bound: Optional[int], when: str) -> None:
     """The requeued job: both ranks on ``node`` until the training completes; the final
-    state must equal the uninterrupted run's."""
-    workers = start_ranks(run, [node, node], bound, when)
+    state must equal the uninterrupted run's. No fault strikes it: it trains at the
+    campaign's pace (SLEEP), not the slower one the ring needed to form before the fault."""
+    workers = start_ranks(run, [node, node], bound, when, sleep=SLEEP)
     for rank, w in enumerate(workers):
         w.finish(timeout=300)
         done = w.wait_for(r"^DONE step=(\d+) digest=(\S+)$", 1)

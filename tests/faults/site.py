@@ -37,6 +37,10 @@ VENV = Path(os.environ.get("SLURM_CKPT_VENV", "/opt/slurm-ckpt/venv"))
 PY = VENV / "bin" / "python"
 CKPT_SLURM = VENV / "bin" / "ckpt-slurm"
 USER = "ckptuser1"
+#: ``[hooks] retry_backoff`` of every run (s): the campaign's stager passes after a fault
+#: is healed stand for the stager's passes once the backoff (60 s by default) is over, so
+#: it only has to be short; the passes wait it out (:meth:`~tests.faults.campaign.Run.stager`).
+RETRY_BACKOFF_S = 0.25
 HERE = Path(__file__).resolve().parent
 
 CLOCK_SHIM = r"""
@@ -339,9 +343,11 @@ class FaultSite:
             data: Dict[str, Dict[str, Any]] = {
                 "tiers.local": {"root": str(local), "min_free": "1MiB"},
                 "tiers.pfs": {"root": str(self.pfs)},
-                # retry_backoff 1 s: the campaign's stager pass after a fault is healed
-                # stands for the stager's pass once the backoff (60 s by default) is over
-                "hooks": {"budget": "8s", "stage_on_requeue": False, "retry_backoff": "1s"},
+                "hooks": {
+                    "budget": "8s",
+                    "stage_on_requeue": False,
+                    "retry_backoff": f"{RETRY_BACKOFF_S}s",
+                },
                 "retention": {"keep_local": 2},
                 "copy": {"chunk_size": "256KiB", "streams": 2},
             }
@@ -358,16 +364,25 @@ class FaultSite:
             os.replace(tmp, path)
             hooks = self.base / f"hooks-{node}"
             if not hooks.exists():
-                proc = subprocess.run(
-                    [str(CKPT_SLURM), "install-hooks", "--dest", str(hooks)]
-                    + ["--config", str(path), "--log-file", str(self.log)],
-                    env=self.hook_env(node, "1"),
-                    capture_output=True,
-                    text=True,
-                    timeout=60,
-                )
-                if proc.returncode:
-                    raise RuntimeError(f"install-hooks: {proc.stderr}")
+                self.install_hooks(hooks, path)
+
+    def install_hooks(self, dest: Path, config: Path) -> None:
+        """Write the prolog and epilog that ``ckpt-slurm install-hooks --dest DEST --config
+        CONFIG --log-file LOG`` writes, with the function it renders them with and the
+        budget of the config (loaded, so a broken one fails here as it would there).
+        In-process: the command costs a Python start (~0.3 s) per node and run, and
+        its own checks (trust, PrologEpilogTimeout) have their own tests."""
+        from slurm_ckpt.core.config import load_config
+        from slurm_ckpt.ops.install import render_hook
+
+        budget = load_config(config).hooks.budget
+        dest.mkdir(mode=0o755)
+        for kind in ("prolog", "epilog"):
+            script = dest / kind
+            script.write_text(
+                render_hook(kind, str(CKPT_SLURM), str(config), budget, str(self.log))
+            )
+            os.chmod(script, 0o755)
 
     def hook_env(self, node: str, job: str, restart: int = 0) -> Dict[str, str]:
         import pwd
@@ -407,6 +422,12 @@ class FaultSite:
     def run_hook(self, kind: str, node: str, job: str, restart: int = 0) -> int:
         proc = self.hook(kind, node, job, restart)
         return proc.wait(timeout=120)
+
+    def run_hooks(self, kind: str, nodes: List[str], job: str, restart: int = 0) -> List[int]:
+        """The hook on each of ``nodes`` at once, as the slurmd of each node of an
+        allocation runs its own; returns their exit statuses once all are done."""
+        procs = [self.hook(kind, node, job, restart) for node in nodes]
+        return [proc.wait(timeout=120) for proc in procs]
 
     def stager(self, node: str) -> subprocess.Popen:
         env = self.hook_env(node, "1")

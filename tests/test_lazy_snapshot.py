@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,7 @@ from typing import Any, Dict, Tuple
 
 import pytest
 import torch
+from test_torch_distributed import free_port
 
 from slurm_ckpt import Checkpointer
 from slurm_ckpt import torch as sct
@@ -457,9 +457,7 @@ def test_two_ranks_each_checkpoint_their_own_values_at_save(tmp_path):
     """Several ranks (gloo, two processes): each rank's lazy copy is its own. Each saves
     the same step, steps at once (an all-reduce per gradient while its copy drains), and
     restores exactly its own values at save() time, not the other rank's."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for rank in range(2):
         env = dict(

@@ -22,7 +22,7 @@ import shutil
 import socket
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 from test_checkpointer import assert_state_equal
@@ -148,26 +148,38 @@ def test_holder_gone_too_falls_back_to_the_warm_tier(lost_nb: Any) -> None:
     assert not local_tier(tmp, "nc").steps("root", rank_key(1))
 
 
-def test_corrupt_partner_copy_is_refused_never_committed(lost_nb: Any) -> None:
-    tmp, st, relaunch = lost_nb
+def held_blob(tmp: Path) -> Tuple[Path, int]:
+    """The largest payload file of rank 1's step 3 on na (its partner copy), and its size."""
     na = local_tier(tmp, "na")
-    m = na.manifest("root", rank_key(1), 3)
-    big = max(m.files, key=lambda e: e.size)
-    path = Path(na.step_path("root", rank_key(1), 3)) / big.path
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
+    big = max(na.manifest("root", rank_key(1), 3).files, key=lambda e: e.size)
+    return Path(na.step_path("root", rank_key(1), 3)) / big.path, big.size
+
+
+def fetch_refused_restore_from_warm(lost_nb: Any) -> Any:
+    """Relaunch on na + nc after the holder's copy was damaged: the spare's fetch fails,
+    nothing is committed on nc, and both ranks restore step 1 from the warm tier (rank 0
+    keeps steps 2 and 3 locally, keep_local=2: step 1 is on the PFS only). Returns the
+    spare's partner stats."""
+    tmp, st, relaunch = lost_nb
     a, c = relaunch("na", "nc")
     got = restore_all([a, c])
     warm = c.warm.name  # type: ignore[union-attr]
-    # Rank 0 keeps steps 2 and 3 locally (keep_local=2): step 1 is on the PFS only.
     assert [(g.step, g.tier) for g in got] == [(1, warm), (1, warm)]
     for g in got:
         assert_state_equal(st[0], g.state)
     stats = c.partner.stats  # type: ignore[union-attr]
     assert (stats.fetched, stats.fetch_failures) == (0, 1)
-    assert "do not match the manifest" in (stats.last_error or "")
     assert not local_tier(tmp, "nc").steps("root", rank_key(1))  # never committed
+    return stats
+
+
+def test_corrupt_partner_copy_is_refused_never_committed(lost_nb: Any) -> None:
+    path, size = held_blob(lost_nb[0])
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    stats = fetch_refused_restore_from_warm(lost_nb)
+    assert "do not match the manifest" in (stats.last_error or "")
 
 
 def test_truncated_partner_copy_ends_the_send_and_commits_nothing(lost_nb: Any) -> None:
@@ -175,22 +187,10 @@ def test_truncated_partner_copy_ends_the_send_and_commits_nothing(lost_nb: Any) 
     payload file truncated on the holder's disk) stops the send at the short read
     instead of sending less than the manifest says; the spare commits nothing and
     restores from the warm tier."""
-    tmp, st, relaunch = lost_nb
-    na = local_tier(tmp, "na")
-    m = na.manifest("root", rank_key(1), 3)
-    big = max(m.files, key=lambda e: e.size)
-    path = Path(na.step_path("root", rank_key(1), 3)) / big.path
+    path, size = held_blob(lost_nb[0])
     with open(path, "r+b") as fh:
-        fh.truncate(big.size // 2)
-    a, c = relaunch("na", "nc")
-    got = restore_all([a, c])
-    warm = c.warm.name  # type: ignore[union-attr]
-    assert [(g.step, g.tier) for g in got] == [(1, warm), (1, warm)]
-    for g in got:
-        assert_state_equal(st[0], g.state)
-    stats = c.partner.stats  # type: ignore[union-attr]
-    assert (stats.fetched, stats.fetch_failures) == (0, 1)
-    assert not local_tier(tmp, "nc").steps("root", rank_key(1))  # never committed
+        fh.truncate(size // 2)
+    fetch_refused_restore_from_warm(lost_nb)
 
 
 def test_fetch_needs_the_secret_and_a_rank_series_of_this_job(lost_nb: Any) -> None:

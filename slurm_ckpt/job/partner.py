@@ -53,6 +53,7 @@ from slurm_ckpt.job.partner_net import (
     launch_tag,
     listening_socket,
     local_host,
+    no_delay,
     recv_exact,
     recv_frame,
     ring_partner,
@@ -138,6 +139,9 @@ class PartnerLink:
         self._stats = PartnerStats()
         self._pending: Optional[int] = None
         self._sending: Optional[int] = None
+        #: The step being fetched onto the local tier after a restore read it from its
+        #: holder (:meth:`adopt`).
+        self._adopting: Optional[int] = None
         self._stop = False
         #: Set at close(): a copy on the wire may finish, a wait for addresses ends.
         self._closing = False
@@ -184,13 +188,16 @@ class PartnerLink:
 
     def idle(self) -> bool:
         with self.cv:
-            return self._pending is None and self._sending is None
+            return self._pending is None and self._sending is None and self._adopting is None
 
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
-        """Wait until no copy is queued or on the wire (tests, close())."""
+        """Wait until no copy is queued or on the wire, and no fetch of an adopted step
+        runs (tests, close())."""
         until = None if timeout is None else time.monotonic() + timeout
         with self.cv:
-            while self._pending is not None or self._sending is not None:
+            while (
+                self._pending is not None or self._sending is not None or self._adopting is not None
+            ):
                 left = None if until is None else until - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -247,7 +254,9 @@ class PartnerLink:
         t0 = time.monotonic()
         with self.local.reader(self.user, self.key, step) as reader:
             m = reader.manifest
-            with socket.create_connection((peer.host, peer.port), timeout=IO_TIMEOUT_S) as s:
+            with no_delay(
+                socket.create_connection((peer.host, peer.port), timeout=IO_TIMEOUT_S)
+            ) as s:
                 s.settimeout(IO_TIMEOUT_S)
                 session = client_handshake(s, self._secret)
                 send_frame(s, reader.manifest_bytes, session)
@@ -270,6 +279,7 @@ class PartnerLink:
         while not self._stop:
             try:
                 conn, _addr = self._sock.accept()
+                no_delay(conn)
             except socket.timeout:
                 continue
             except OSError:
@@ -297,7 +307,11 @@ class PartnerLink:
                 conn.settimeout(IO_TIMEOUT_S)
                 mbytes = recv_frame(conn, session)
                 if mbytes.startswith(FETCH):
-                    serve_fetch(self, conn, session, mbytes)
+                    try:
+                        serve_fetch(self, conn, session, mbytes)
+                    except (CkptError, OSError) as exc:
+                        reason = " ".join(str(exc).split()) or type(exc).__name__
+                        log.warning("[ckpt] partner fetch request not served: %s", reason)
                     return
                 m = Manifest.from_bytes(mbytes, "partner manifest")
                 step = m.step
@@ -375,6 +389,29 @@ class PartnerLink:
         """Bring this rank's newest step (or ``step``) over from the rank holding its
         partner copy onto the local tier (:mod:`.partner_fetch`); None if none did."""
         return fetch_own(self, step)
+
+    def adopt(self, step: int) -> None:
+        """After a restore read ``step`` straight from the rank holding it
+        (:mod:`.partner_tier`): fetch it onto this node's local tier in the background,
+        within the copies' cap, so that two copies of the step exist again and this
+        node's books owe its flush. The job trains meanwhile; close() waits for it."""
+        with self.cv:
+            if self._adopting is not None or self._stop or self._closing:
+                return
+            self._adopting = step
+        threading.Thread(
+            target=self._adopt, args=(step,), name="ckpt-partner-adopt", daemon=True
+        ).start()
+
+    def _adopt(self, step: int) -> None:
+        try:
+            fetch_own(self, step, paced=True)
+        except Exception:  # noqa: BLE001 - never fails training
+            log.exception("[ckpt] unexpected error fetching step %d onto this node", step)
+        finally:
+            with self.cv:
+                self._adopting = None
+                self.cv.notify_all()
 
     def _after_commit(self, m: Manifest) -> None:
         self._count(received=1, bytes_received=m.total_bytes, last_received_step=m.step)

@@ -31,11 +31,13 @@ agreement stays the same deterministic min-reduce.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import select
 import socket
+import struct
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
@@ -49,26 +51,42 @@ from slurm_ckpt.job.partner_net import (
     Peer,
     WireError,
     client_handshake,
+    no_delay,
     recv_exact,
     recv_frame,
     send_frame,
 )
 from slurm_ckpt.ledger.record import WARM_SLOT, Record, State
-from slurm_ckpt.tiers.base import Tier, TierReader
+from slurm_ckpt.tiers.base import RangeSource, Tier, TierReader
 
 if TYPE_CHECKING:  # pragma: no cover - the link imports this module
     from slurm_ckpt.job.partner import PartnerLink
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FETCH", "Fetched", "fetch_own", "receive_step", "relaunched", "send_step", "serve"]
+__all__ = [
+    "FETCH",
+    "RANGE",
+    "Fetched",
+    "ask",
+    "check_own",
+    "connect",
+    "fetch_own",
+    "others_nearest_first",
+    "receive_step",
+    "relaunched",
+    "retried",
+    "send_range",
+    "send_step",
+    "serve",
+]
 
 #: First bytes of a fetch request frame (a copy's first frame is a manifest: JSON).
 FETCH = b"FETCH1\n"
 #: Socket timeout of a fetch's list request and of each read of the copy.
 FETCH_TIMEOUT_S = 30.0
 
-#: Tries of one request when the connection fails (see :func:`_retried`).
+#: Tries of one request when the connection fails (see :func:`retried`).
 ATTEMPTS = 4
 
 _GO, _NO, _OK = b"G", b"N", b"K"
@@ -112,25 +130,41 @@ def send_step(
     for e in reader.manifest.files:
         src = reader.open(e.path)
         try:
-            fd = src.fileno()
-            pos = 0
-            while pos < e.size:
-                n = min(piece, e.size - pos)
-                if limiter is not None:
-                    limiter.acquire(n)
-                if fd is not None:
-                    _sendfile(sock, fd, pos, n, f"{reader.where}/{e.path}")
-                    pos += n
-                    continue
-                if buf is None:
-                    buf = io_buffer(piece)
-                got = src.readinto(buf[:n], pos)
-                if got <= 0:
-                    raise VerifyError(f"{reader.where}/{e.path}: short read at {pos}")
-                sock.sendall(buf[:got])
-                pos += got
+            buf = send_range(sock, src, 0, e.size, piece, f"{reader.where}/{e.path}", limiter, buf)
         finally:
             src.close()
+
+
+def send_range(
+    sock: socket.socket,
+    src: RangeSource,
+    pos: int,
+    end: int,
+    piece: int,
+    where: str,
+    limiter: Optional[BandwidthLimiter] = None,
+    buf: Optional[memoryview] = None,
+) -> Optional[memoryview]:
+    """Bytes ``[pos, end)`` of ``src`` into ``sock``, ``piece`` at a time (each first taken
+    from ``limiter``): with ``sendfile`` where the source has a descriptor, else read into
+    ``buf`` (made on first need; returned for the next call) and sent from it."""
+    fd = src.fileno()
+    while pos < end:
+        n = min(piece, end - pos)
+        if limiter is not None:
+            limiter.acquire(n)
+        if fd is not None:
+            _sendfile(sock, fd, pos, n, where)
+            pos += n
+            continue
+        if buf is None:
+            buf = io_buffer(piece)
+        got = src.readinto(buf[:n], pos)
+        if got <= 0:
+            raise VerifyError(f"{where}: short read at {pos}")
+        sock.sendall(buf[:got])
+        pos += got
+    return buf
 
 
 def _sendfile(sock: socket.socket, fd: int, offset: int, count: int, where: str) -> None:
@@ -203,14 +237,18 @@ def serve(link: PartnerLink, conn: socket.socket, session: bytes, request: bytes
         log.warning("[ckpt] partner fetch of %s refused: %s", key, why)
         return
     if op == "list":
-        try:
-            steps = [i.step for i in link.local.steps(link.user, key)]
-        except NotFound:
-            steps = []
         conn.sendall(_GO)
-        send_frame(conn, json.dumps(steps).encode(), session)
+        send_frame(conn, json.dumps([i.step for i in _held_here(link, key)]).encode(), session)
         return
-    if op != "get":
+    if op == "manifests":
+        docs = []
+        for info in _held_here(link, key):
+            with contextlib.suppress(NotFound, VerifyError):
+                docs.append(link.local.manifest_bytes(link.user, key, info.step))
+        conn.sendall(_GO)
+        send_frame(conn, json.dumps([d.decode() for d in docs]).encode(), session)
+        return
+    if op not in ("get", "open"):
         raise WireError(f"unknown fetch request {op!r}")
     step = int(req["step"])
     try:
@@ -222,17 +260,65 @@ def serve(link: PartnerLink, conn: socket.socket, session: bytes, request: bytes
     with reader:
         conn.sendall(_GO)
         send_frame(conn, reader.manifest_bytes, session)
-        send_step(conn, reader, link.piece)  # no cap: the whole job waits for this
+        if op == "open":
+            _serve_ranges(conn, session, reader, link.piece)
+            return
+        # A restore waiting on it goes uncapped (the whole job waits); the spare's copy
+        # taken after a restore from here (``paced``) shares the copies' cap.
+        send_step(conn, reader, link.piece, link.limiter if req.get("paced") else None)
     if recv_exact(conn, 1) == _OK:
         link._count(served=1)
         log.info("[ckpt] served step %d of %s back to its owner", step, key)
 
 
+def _held_here(link: PartnerLink, key: str) -> List[Any]:
+    try:
+        return list(link.local.steps(link.user, key))
+    except NotFound:
+        return []
+
+
+#: A range request: file index in the manifest, offset, length (a MACed frame).
+RANGE = struct.Struct("!IQQ")
+
+
+def _serve_ranges(conn: socket.socket, session: bytes, reader: TierReader, piece: int) -> None:
+    """A restore reading the step straight from here (:mod:`.partner_tier`): after the
+    manifest, any number of range requests of its payload files, each answered with
+    exactly those bytes, until the reader hangs up or sends an empty frame. Only ranges
+    inside the manifest's files are served; the reader hashes what it gets against that
+    manifest, as any tier's reader does."""
+    files = reader.manifest.files
+    sources: Dict[int, RangeSource] = {}
+    buf: Optional[memoryview] = None
+    try:
+        while True:
+            try:
+                req = recv_frame(conn, session)
+            except (WireError, OSError):
+                return  # the reader is done (hung up, or idle past the socket's timeout)
+            if not req:
+                return
+            if len(req) != RANGE.size:
+                raise WireError("malformed range request")
+            i, off, n = RANGE.unpack(req)
+            if i >= len(files) or off + n > files[i].size:
+                raise WireError("range outside the step's files")
+            src = sources.get(i)
+            if src is None:
+                src = sources[i] = reader.open(files[i].path)
+            where = f"{reader.where}/{files[i].path}"
+            buf = send_range(conn, src, off, off + n, piece, where, None, buf)
+    finally:
+        for src in sources.values():
+            src.close()
+
+
 # ----------------------------------------------------------------------- the fetcher
 
 
-def _connect(link: PartnerLink, peer: Peer) -> Tuple[socket.socket, bytes]:
-    s = socket.create_connection((peer.host, peer.port), timeout=FETCH_TIMEOUT_S)
+def connect(link: PartnerLink, peer: Peer) -> Tuple[socket.socket, bytes]:
+    s = no_delay(socket.create_connection((peer.host, peer.port), timeout=FETCH_TIMEOUT_S))
     try:
         s.settimeout(FETCH_TIMEOUT_S)
         return s, client_handshake(s, link.secret)
@@ -241,7 +327,7 @@ def _connect(link: PartnerLink, peer: Peer) -> Tuple[socket.socket, bytes]:
         raise
 
 
-def _ask(link: PartnerLink, s: socket.socket, session: bytes, req: Dict[str, Any]) -> None:
+def ask(link: PartnerLink, s: socket.socket, session: bytes, req: Dict[str, Any]) -> None:
     send_frame(s, FETCH + json.dumps(req).encode(), session)
     if recv_exact(s, 1) != _GO:
         try:
@@ -251,7 +337,7 @@ def _ask(link: PartnerLink, s: socket.socket, session: bytes, req: Dict[str, Any
         raise WireError(f"refused: {why}")
 
 
-def _retried(fn: Any, *args: Any) -> Any:
+def retried(fn: Any, *args: Any) -> Any:
     """``fn(*args)``, again after a short pause when the connection failed: a holder
     serves a few connections at once and hangs up on more (many ranks lost at once ask
     it together); a copy that failed verification is not asked for again."""
@@ -268,33 +354,49 @@ def _retried(fn: Any, *args: Any) -> Any:
 
 
 def _held(link: PartnerLink, peer: Peer) -> List[int]:
-    s, session = _connect(link, peer)
+    s, session = connect(link, peer)
     with s:
-        _ask(link, s, session, {"op": "list", "key": link.key})
+        ask(link, s, session, {"op": "list", "key": link.key})
         steps = json.loads(recv_frame(s, session))
     return [int(x) for x in steps]
 
 
-def _get(link: PartnerLink, peer: Peer, step: int) -> Manifest:
-    s, session = _connect(link, peer)
+def check_own(link: PartnerLink, m: Manifest, step: int, node: str) -> None:
+    """The manifest a holder sent must be this rank's own series, step, rank and world
+    size (a holder answering with another checkpoint is refused)."""
+    meta = m.meta
+    if (m.user, m.key, m.step) != (link.user, link.key, step) or (
+        meta.get("rank", 0),
+        meta.get("world_size", 1),
+    ) != (link.rank, link.world_size):
+        raise VerifyError(f"{node} sent {m.key}/{m.step}, not {link.key}/{step}")
+
+
+def _get(link: PartnerLink, peer: Peer, step: int, paced: bool) -> Manifest:
+    s, session = connect(link, peer)
     with s:
-        _ask(link, s, session, {"op": "get", "key": link.key, "step": step})
+        ask(link, s, session, {"op": "get", "key": link.key, "step": step, "paced": paced})
         m = Manifest.from_bytes(recv_frame(s, session), "partner manifest")
-        meta = m.meta
-        if (m.user, m.key, m.step) != (link.user, link.key, step) or (
-            meta.get("rank", 0),
-            meta.get("world_size", 1),
-        ) != (link.rank, link.world_size):
-            raise VerifyError(f"{peer.node} sent {m.key}/{m.step}, not {link.key}/{step}")
+        check_own(link, m, step, peer.node)
         receive_step(s, link.local, m, link.piece)
         s.sendall(_OK)
     return m
 
 
-def fetch_own(link: PartnerLink, step: Optional[int] = None) -> Optional[Fetched]:
+def others_nearest_first(link: PartnerLink, peers: Dict[int, Peer]) -> List[int]:
+    """The other ranks of the step, nearest in rank order first (who holds a rank's
+    partner copy is usually the next one)."""
+    n = link.world_size
+    return sorted((r for r in peers if r != link.rank), key=lambda r: (r - link.rank) % n)
+
+
+def fetch_own(
+    link: PartnerLink, step: Optional[int] = None, *, paced: bool = False
+) -> Optional[Fetched]:
     """Bring this rank's newest step (or ``step``) over from whichever rank holds it, if
     its local tier lacks it; None when no one holds one or the fetch failed (logged and
-    counted; the restore then reads the warm tier)."""
+    counted; the restore then reads the warm tier). ``paced``: the holder sends it
+    within its copies' bandwidth cap (nobody waits for it)."""
     t0 = time.monotonic()
     try:
         peers = link.rdv.peers(link.rendezvous_timeout)
@@ -302,12 +404,11 @@ def fetch_own(link: PartnerLink, step: Optional[int] = None) -> Optional[Fetched
         log.warning("[ckpt] partner fetch: %s", exc)
         link._count(fetch_failures=1, last_error=str(exc))
         return None
-    n = link.world_size
-    others = sorted((r for r in peers if r != link.rank), key=lambda r: (r - link.rank) % n)
+    others = others_nearest_first(link, peers)
     best: Optional[Tuple[int, Peer]] = None
     for r in others:
         try:
-            held = _retried(_held, link, peers[r])
+            held = retried(_held, link, peers[r])
         except (CkptError, OSError, ValueError) as exc:
             log.warning("[ckpt] partner fetch: rank %d on %s: %s", r, peers[r].node, exc)
             continue
@@ -327,7 +428,7 @@ def fetch_own(link: PartnerLink, step: Optional[int] = None) -> Optional[Fetched
     except VerifyError:
         link.local.delete(link.user, link.key, got_step)
     try:
-        m = _retried(_get, link, peer, got_step)
+        m = retried(_get, link, peer, got_step, paced)
     except (CkptError, OSError, ValueError) as exc:
         reason = " ".join(str(exc).split()) or type(exc).__name__
         log.warning(

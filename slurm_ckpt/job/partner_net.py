@@ -42,6 +42,7 @@ __all__ = [
     "WireError",
     "client_handshake",
     "launch_tag",
+    "no_delay",
     "recv_exact",
     "recv_frame",
     "ring_partner",
@@ -273,6 +274,14 @@ def local_host() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def no_delay(sock: socket.socket) -> socket.socket:
+    """Small frames go out at once: the protocol answers a request with a status byte and
+    then a frame, and Nagle's algorithm would hold the frame until the peer's delayed ACK
+    of the byte (40 ms on Linux), per request."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
 
 
 def listening_socket(host: str) -> socket.socket:

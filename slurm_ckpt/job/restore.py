@@ -151,9 +151,9 @@ class Restored:
     step: int
     tokens: Optional[int]
     state: Any
-    #: The tier read (``local``, ``pfs``, ``s3``, ``cold``), or ``partner``: the step was
-    #: first fetched from the rank holding this rank's partner copy (a rank relaunched on
-    #: a spare node, :mod:`slurm_ckpt.job.partner_fetch`), then read from local.
+    #: The tier read (``local``, ``pfs``, ``s3``, ``cold``), or ``partner``: read straight
+    #: from the rank holding this rank's partner copy (a rank relaunched on a spare node,
+    #: :mod:`slurm_ckpt.job.partner_tier`).
     tier: str
     key: str = ""
     rank: int = 0

@@ -4,8 +4,8 @@ The :class:`~slurm_ckpt.job.checkpointer.Checkpointer` facade takes these method
 :class:`RestoreMethods` (a mixin, as :mod:`slurm_ckpt.job.seams` is): ``restore``,
 ``restore_weights``, ``restore_rest``, and what a restore does with a copy that fails
 verification (``BAD`` in the ledger; a corrupt shared-tier copy is removed, so that a
-good one is flushed again); on a spare after a node loss, the partner fetch that comes
-first (:mod:`slurm_ckpt.job.partner_fetch`). The reading itself is
+good one is flushed again); on a spare after a node loss, the partner's disk read as
+one more tier (:mod:`slurm_ckpt.job.partner_tier`). The reading itself is
 :class:`~slurm_ckpt.job.restore.Restorer`; this is the part that needs the facade's
 tiers, identity, schedule and bookkeeping (``self`` is the Checkpointer). Why apart:
 saving and restoring are two concepts, and the facade stays a facade.
@@ -19,7 +19,8 @@ from typing import Any, Callable, List, Optional, Sequence
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, NotFound
 from slurm_ckpt.job.dist import dist_agree
-from slurm_ckpt.job.partner_fetch import Fetched, relaunched
+from slurm_ckpt.job.partner_fetch import relaunched
+from slurm_ckpt.job.partner_tier import PARTNER, PartnerTier
 from slurm_ckpt.job.restore import Restored, Restorer, check_tier_names
 from slurm_ckpt.ledger.record import State
 from slurm_ckpt.tiers.base import Tier
@@ -48,6 +49,8 @@ class RestoreMethods:
     partner: Any
 
     def _mark_bad(self, key: str, tier: str, step: int, reason: str) -> None:
+        if tier == PARTNER:
+            return  # the holder's copy, not this node's: logged by the restore, not booked
         self._books.set_state(step, tier, State.BAD, reason, code="verify_failed", key=key)
 
     def _uncommit_corrupt(self, tier: Tier, key: str, step: int) -> None:
@@ -57,8 +60,9 @@ class RestoreMethods:
         no node's retention takes the copy that rotted for the safe one (while it stayed
         committed, a re-flush would find the identical manifest and copy nothing). This
         node's own good copy, if any, is owed again too: the ledger says BAD there."""
-        if tier.name == self.local.name:
-            return  # the job's own local copy: retention and the next save deal with it
+        if tier.name in (self.local.name, PARTNER):
+            return  # the job's own local copy (retention and the next save deal with it),
+            # or the holder's partner copy (its own node's to deal with)
         try:
             tier.delete(self.user, key, step)
         except CkptError as exc:
@@ -79,14 +83,22 @@ class RestoreMethods:
         expect_data_version: Optional[str] = None,
         on_data_change: str = "warn",
         factory: Callable[..., Restorer] = Restorer,
+        partner: Optional[PartnerTier] = None,
     ) -> Restorer:
         """The one place a restorer of this rank is built (``restore()``, and
         ``restore_path()`` with ``factory=partial(DirRestorer, local)``): the tier list
-        (an unknown name is an error), the agreement and the corrupt-copy handling."""
+        (an unknown name is an error; ``partner`` goes right after the local tier), the
+        agreement and the corrupt-copy handling."""
         if tiers is not None:
             tiers = check_tier_names(tiers, [t.name for t in self.tiers], self.config.tiers.warm)
+        use: List[Any] = list(
+            self.tiers if tiers is None else [t for t in self.tiers if t.name in tiers]
+        )
+        if partner is not None:
+            at = next((i + 1 for i, t in enumerate(use) if t is self.local), 0)
+            use.insert(at, partner)
         return factory(
-            self.tiers if tiers is None else [t for t in self.tiers if t.name in tiers],
+            use,
             self.user,
             self.key,
             self.rank,
@@ -122,20 +134,13 @@ class RestoreMethods:
         with :class:`~slurm_ckpt.job.restore.DataVersionMismatch` (``"refuse"``)."""
         if self._restorer is not None:
             self._restorer.cancel()
-        fetched = self._fetch_partner(step) if tiers is None else None
-        self._restorer = self._make_restorer(tiers, step, expect_data_version, on_data_change)
+        partner = self._partner_tier() if tiers is None else None
+        self._restorer = self._make_restorer(
+            tiers, step, expect_data_version, on_data_change, partner=partner
+        )
         got = self._restorer.restore(weights_only=weights_only)
-        # Read from local, where the fetch just put it: say where it came from.
-        if (
-            got is not None
-            and fetched is not None
-            and (got.step, got.tier)
-            == (
-                fetched.step,
-                self.local.name,
-            )
-        ):
-            got.tier = "partner"
+        if got is not None and got.tier == PARTNER and self.partner is not None:
+            self.partner.adopt(got.step)  # the spare's own copy, in the background
         if got is None:
             log.info("[ckpt] restore: no checkpoint of %s found", self.shard_key)
             return None
@@ -171,11 +176,10 @@ class RestoreMethods:
             self._schedule.restored(got.step, got.tokens)
         return got
 
-    def _fetch_partner(self, step: Optional[int]) -> Optional[Fetched]:
+    def _partner_tier(self) -> Optional[PartnerTier]:
         """In a step relaunched after a node loss, a rank whose local tier holds nothing
-        of its series (it runs on a spare) first fetches its newest checkpoint from the
-        rank holding its partner copy (docs/spares.md). Done before the restore lists
-        its steps, so the agreement counts it as this rank's local step."""
+        of its series (it runs on a spare) also reads the partner's disk: its newest
+        checkpoints are there, and the PFS may hold only older ones (docs/spares.md)."""
         if self.partner is None or not relaunched():
             return None
         try:
@@ -184,6 +188,6 @@ class RestoreMethods:
         except NotFound:
             pass
         except (CkptError, OSError) as exc:
-            log.warning("[ckpt] partner fetch skipped: %s", exc)
+            log.warning("[ckpt] partner tier skipped: %s", exc)
             return None
-        return self.partner.fetch(step)
+        return PartnerTier(self.partner)

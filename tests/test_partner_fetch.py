@@ -31,8 +31,14 @@ from test_checkpointer import assert_state_equal
 from test_partner import local_tier, node, rank_key, save_all, states
 
 from slurm_ckpt import Checkpointer
-from slurm_ckpt.job.partner_fetch import FETCH
-from slurm_ckpt.job.partner_net import WireError, client_handshake, recv_exact, send_frame
+from slurm_ckpt.job.partner_fetch import FETCH, RANGE
+from slurm_ckpt.job.partner_net import (
+    WireError,
+    client_handshake,
+    recv_exact,
+    recv_frame,
+    send_frame,
+)
 from slurm_ckpt.job.restore import Restored
 from slurm_ckpt.tiers.posix import PosixTier
 
@@ -138,6 +144,31 @@ def test_rank_on_a_spare_reads_its_partner_copy_bitwise(lost_nb: Any) -> None:
     assert rec is not None and rec.extra["fetched_from"] == "na" and rec.pending_flush
 
 
+def test_weights_first_from_the_partner_then_the_rest(lost_nb: Any) -> None:
+    """``restore(weights_only=True)`` on the spare: the weights come first from the
+    holder, the rest is read from it in the background, both bitwise."""
+    tmp, st, relaunch = lost_nb
+    a, c = relaunch("na", "nc")
+    out: List[Any] = [None, None]
+
+    def run(i: int, ck: Checkpointer) -> None:
+        w = ck.restore(weights_only=True)
+        out[i] = (w, ck.restore_rest())
+
+    threads = [threading.Thread(target=run, args=(i, ck)) for i, ck in enumerate((a, c))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    (wa, ra), (wc, rc) = out
+    assert [(wa.step, wa.tier), (wc.step, wc.tier)] == [(3, "local"), (3, "partner")]
+    assert wc.partial and not rc.rolled_back and rc.tier == "partner"
+    assert_state_equal({"model": st[2]["model"]}, wc.state)
+    assert_state_equal({k: v for k, v in st[2].items() if k != "model"}, rc.state)
+    assert c.partner.wait_idle(60)  # type: ignore[union-attr]
+    assert local_tier(tmp, "nc").verify("root", rank_key(1), 3).ok
+
+
 def test_holder_gone_too_falls_back_to_the_warm_tier(lost_nb: Any) -> None:
     tmp, st, relaunch = lost_nb
     shutil.rmtree(tmp / "na" / "local")  # the partner node is lost as well
@@ -228,3 +259,26 @@ def test_fetch_needs_the_secret_and_a_rank_series_of_this_job(lost_nb: Any) -> N
             assert recv_exact(s, 1) == b"N"
     assert a.partner.stats.refused == 4  # type: ignore[union-attr]
     assert a.partner.stats.served == 0  # type: ignore[union-attr]
+
+
+def test_holder_serves_only_ranges_inside_the_steps_files(lost_nb: Any) -> None:
+    """A peer with the job's secret still gets only bytes of the manifest's files: a
+    range past a file's end (or a file index past the manifest) ends the session."""
+    tmp, _st, relaunch = lost_nb
+    a, c = relaunch("na", "nc")
+    port, secret = a.partner.port, a.partner.secret  # type: ignore[union-attr]
+    held = local_tier(tmp, "na").manifest("root", rank_key(1), 3)
+    big = max(range(len(held.files)), key=lambda i: held.files[i].size)
+    open_req = FETCH + f'{{"op": "open", "key": "{rank_key(1)}", "step": 3}}'.encode()
+    for i, off, n in ((big, held.files[big].size - 10, 11), (len(held.files), 0, 1)):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            session = client_handshake(s, secret)
+            send_frame(s, open_req, session)
+            assert recv_exact(s, 1) == b"G"
+            assert recv_frame(s, session) == local_tier(tmp, "na").manifest_bytes(
+                "root", rank_key(1), 3
+            )
+            send_frame(s, RANGE.pack(big, 0, 16), session)  # a good range is served
+            assert len(recv_exact(s, 16)) == 16
+            send_frame(s, RANGE.pack(i, off, n), session)
+            assert s.recv(1) == b""  # hung up on, nothing sent

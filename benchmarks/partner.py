@@ -27,9 +27,11 @@ is on tmpfs, the default, which has no page cache to drop):
 
 * **floor**: the same payload bytes moved from the holder's tier into fresh memory of
   the benchmark's process over the same 127.0.0.1 TCP, by a plain sender process of its
-  own (``sendfile``) and a plain ``recv_into``: no framing, hash, commit or state. What
-  no partner restore on this machine can beat; the fresh memory is what the restored
-  tensors need anyway.
+  own (``sendfile``) and a plain ``recv_into``, one stream: no framing, hash, commit
+  or state. With recycled memory, what no partner restore on this machine can beat;
+  the fresh memory is what the restored tensors need anyway. With memory from the
+  host, one stream faults every page in from the host in turn, and the restore's
+  several streams can come in under it.
 
 Both restores are checked bitwise against the saved state (not timed).
 
@@ -414,7 +416,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             claim(
                 f"transfer_floor_vs_capped_pfs{tag}",
                 [r["floor"] / r["pfs"] for r in rows],
-                what="the transfer floor alone (what no partner restore here can beat): the "
+                what="the transfer floor alone, one stream (what no partner restore here can "
+                "beat when the memory is recycled): the "
                 f"payload bytes sendfile'd by a process of their own over the same TCP into "
                 f"fresh memory, nothing checked or kept; {note}",
                 baseline=f"{cap}; {note}",

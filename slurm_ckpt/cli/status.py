@@ -35,7 +35,6 @@ from slurm_ckpt.cli.table import (
 from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.units import format_bytes, format_duration, format_rate
 from slurm_ckpt.errors import CkptError
-from slurm_ckpt.ops.partner_status import partner_text
 from slurm_ckpt.ops.status import SlurmSnapshot, collect_status, no_slurm
 from slurm_ckpt.ops.tier_roots import require_roots
 from slurm_ckpt.slurm.hostlist import compress
@@ -74,6 +73,15 @@ def _nodes_text(nodes: Any) -> str:
         return compress(nodes)
     except CkptError:
         return ",".join(nodes)
+
+
+def _partner_text(entry: Any) -> str:
+    """A job row's partner cell: ``STEP@NODES`` (a SLURM host list), ``-`` without one
+    (the entry: :mod:`slurm_ckpt.ops.partner_status`)."""
+    if not entry:
+        return "-"
+    nodes = list(entry.get("nodes") or [])
+    return f"{entry['step']}@{_nodes_text(nodes)}" if nodes else str(entry["step"])
 
 
 def _series_text(value: Any) -> str:
@@ -123,9 +131,7 @@ JOB_COLUMNS = [
     Column("local_age_s", "local age", fmt=format_duration, right=True, drop=5),
     Column("_tiers", "-"),  # replaced by the shared tiers' columns (job_columns)
     # The newest step with a partner copy on a neighbour node, and where (STEP@NODES).
-    Column(
-        "partner", "partner", fmt=lambda v: partner_text(v, _nodes_text), drop=3, parsable=False
-    ),
+    Column("partner", "partner", fmt=_partner_text, drop=3, parsable=False),
     Column("partner_step", "partner step", human=False),
     Column("partner_nodes", "partner nodes", human=False),
     Column("steps_at_risk", "at risk", fmt=_count, right=True),

@@ -23,9 +23,9 @@ else::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
-__all__ = ["PartnerSeen", "partner_text"]
+__all__ = ["PartnerSeen"]
 
 
 def _step(value: Any) -> Optional[int]:
@@ -59,14 +59,3 @@ class PartnerSeen:
         if not self.copies or self.step is None:
             return None
         return {"copies": self.copies, "step": self.step, "nodes": sorted(self.nodes)}
-
-
-def partner_text(
-    entry: Optional[Dict[str, Any]], names: Callable[[List[str]], str] = ",".join
-) -> str:
-    """The table cell: ``STEP@NODES`` (``-`` without a partner copy); ``names`` renders
-    the node list (the CLI folds it into a SLURM host list)."""
-    if not entry:
-        return "-"
-    nodes = list(entry.get("nodes") or [])
-    return f"{entry['step']}@{names(nodes)}" if nodes else str(entry["step"])

@@ -283,12 +283,19 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", type=Path, default=Path("/dev/shm/slurm-ckpt-partner-bench"))
-    ap.add_argument("--size", type=int, default=2**30, help="bytes of the lost rank's shard")
+    ap.add_argument("--size", default="1GiB", help="the lost rank's shard (e.g. 512MiB)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--pfs-rate", type=float, default=500e6, help="PFS read cap, bytes/s")
     ap.add_argument("--quick", action="store_true", help="256 MiB, 2 rounds")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    from slurm_ckpt.core.units import parse_size
+    from slurm_ckpt.errors import CkptError
+
+    try:
+        args.size = parse_size(args.size, "--size")
+    except CkptError as exc:
+        ap.error(str(exc))
     if args.quick:
         args.size, args.rounds = 2**28, 2
     os.environ.pop("SLURM_STEP_ID", None)

@@ -172,7 +172,7 @@ def test_high_partition_preempts_and_requeues_low_job(slurm_cluster: DevCluster)
         info = c.wait_job_state(victim, ("PENDING", "REQUEUED"), timeout=30)
         assert info["Restarts"] == "1"
         c.wait_job_state(high, "COMPLETED", timeout=30)
-        # Eligible again once the credential (cred_expire=10) of the first run expired.
+        # Eligible again once the first run's credential expired (cred_expire, dev-cluster).
         info = c.wait_job_state(victim, "RUNNING", timeout=60)
         assert info["JobId"] == victim and info["Restarts"] == "1"
         text = c.wait_until(

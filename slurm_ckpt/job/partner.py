@@ -81,10 +81,11 @@ MAX_CONNECTIONS = 8
 #: while training does, and each call is a stretch of kernel work (a loopback or NIC
 #: send, a copy out of the socket, a page-cache write) that a training or collective
 #: thread waking on that core waits behind. Measured on 2 cores with two lock-step gloo
-#: ranks (benchmarks/partner_loop.py, docs/partner.md): with 4 MiB pieces a training
-#: step that overlapped the bytes of a copy took +13 ms (of 21), with 256 KiB +5 ms. The
-#: extra system calls cost little (64 MiB is 256 of them). A fetch for a restore, which
-#: the whole job waits for, keeps the large ``piece``.
+#: ranks (docs/partner.md, "Training throughput"): with 4 MiB pieces a training step
+#: that overlapped the bytes of a copy took 13-16 ms longer (of about 20), with 256 KiB
+#: 5-7 ms (the training and gloo threads waited longer on the run queue; their own CPU
+#: time per step barely changed). The extra system calls cost little (64 MiB is 256
+#: of them). A fetch for a restore, which the whole job waits for, keeps ``piece``.
 COPY_PIECE = 256 * 2**10
 
 _GO, _HAVE, _NO, _OK, _FAIL = b"G", b"H", b"N", b"K", b"F"

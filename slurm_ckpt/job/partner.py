@@ -6,8 +6,8 @@ A :class:`PartnerLink` per Checkpointer runs two kinds of background threads:
 * the **sender**: after each local commit (:meth:`PartnerLink.offer`) it streams that
   step, read back from the local tier, to its ring partner (:mod:`.partner_net`). One
   step at a time in a single slot: a newer commit replaces a step still waiting, never
-  the one on the wire. Memory: one ``[copy] buffer_size`` piece; bandwidth: its own cap
-  (``[partner] bandwidth``), separate from the flush's.
+  the one on the wire. Memory: one piece of :data:`COPY_PIECE` (256 KiB) at a time;
+  bandwidth: its own cap (``[partner] bandwidth``), separate from the flush's.
 * the **receiver**: a TCP server accepting authenticated peers of this job. It commits
   the copy through the local tier's writer in copy mode - the sender's manifest byte for
   byte, every chunk hashed and compared with that manifest as it arrives, the manifest
@@ -77,6 +77,17 @@ HANDSHAKE_TIMEOUT_S = 10.0
 RENDEZVOUS_TIMEOUT_S = 300.0
 #: Receiver connections served at once (a few ranks per node send to one node).
 MAX_CONNECTIONS = 8
+#: Bytes per system call of a background partner copy, on both ends (``sendfile`` on
+#: the sender; receive, hash and write on the receiver). Small on purpose: the copy runs
+#: while training does, and each call is a stretch of kernel work (a loopback or NIC
+#: send, a copy out of the socket, a page-cache write) that a training or collective
+#: thread waking on that core waits behind. Measured on 2 cores with two lock-step gloo
+#: ranks (docs/partner.md, "Training throughput"): with 4 MiB pieces a training step
+#: that overlapped the bytes of a copy took 13-16 ms longer (of about 20), with 256 KiB
+#: 5-7 ms (the training and gloo threads waited longer on the run queue; their own CPU
+#: time per step barely changed). The extra system calls cost little (64 MiB is 256
+#: of them). A fetch for a restore, which the whole job waits for, keeps ``piece``.
+COPY_PIECE = 256 * 2**10
 
 _GO, _HAVE, _NO, _OK, _FAIL = b"G", b"H", b"N", b"K", b"F"
 
@@ -125,6 +136,7 @@ class PartnerLink:
         bandwidth: float = 0.0,
         keep_partner: int = 2,
         piece: int = 16 * 2**20,
+        copy_piece: int = COPY_PIECE,
         on_event: Optional[Any] = None,
     ) -> None:
         self.local, self.ledger = local, ledger
@@ -132,7 +144,10 @@ class PartnerLink:
         self.rank, self.world_size, self.node, self.job = rank, world_size, node, job
         self.rdv = rendezvous
         self.keep_partner = keep_partner
+        #: Piece of a fetch served or taken for a restore (the job waits: large).
         self.piece = piece
+        #: Piece of a background copy (training runs meanwhile: small; COPY_PIECE).
+        self.copy_piece = max(1, min(copy_piece, piece))
         self.limiter = BandwidthLimiter(bandwidth) if bandwidth and bandwidth > 0 else None
         self.emit = on_event
         self.cv = threading.Condition()
@@ -265,7 +280,7 @@ class PartnerLink:
                     return
                 if answer != _GO:
                     raise WireError(f"partner refused step {step}: {_reason(s, session)}")
-                send_step(s, reader, self.piece, self.limiter)
+                send_step(s, reader, self.copy_piece, self.limiter)
                 answer = recv_exact(s, 1)
                 if answer != _OK:
                     raise WireError(f"partner did not commit step {step}: {_reason(s, session)}")
@@ -376,7 +391,7 @@ class PartnerLink:
 
     def _receive(self, conn: socket.socket, m: Manifest) -> None:
         """Stream every file in, chunk digests checked against the manifest; commit."""
-        receive_step(conn, self.local, m, self.piece)
+        receive_step(conn, self.local, m, self.copy_piece)
 
     def refuse_series(self, key: str) -> Optional[str]:
         """Why a fetch of ``key`` is not served here (None: serve it): only the other

@@ -167,6 +167,9 @@ class _Pool:
         self.cv = threading.Condition()
         self.idle: List[_Conn] = []
         self.count = 0
+        #: Sessions this pool may open: :data:`STREAMS`, lowered to those already open
+        #: when the holder refuses one more (it serves a few connections at once).
+        self.limit = STREAMS
         self.refs = 0
         self.closed = False
 
@@ -188,7 +191,7 @@ class _Pool:
                     raise TierError(f"{self.where}: reader closed")
                 if self.idle:
                     return self.idle.pop()
-                if self.count < STREAMS:
+                if self.count < self.limit:
                     self.count += 1
                     break
                 self.cv.wait()
@@ -197,9 +200,11 @@ class _Pool:
         except (CkptError, OSError, ValueError) as exc:
             with self.cv:
                 self.count -= 1
-                self.cv.notify()
                 others = self.count > 0
-            if others:  # the holder is busy: wait for a session already open
+                if others:  # the holder is busy: share the sessions already open
+                    self.limit = self.count
+                self.cv.notify()
+            if others:
                 return self.take()
             if isinstance(exc, (TierError, VerifyError, NotFound)):
                 raise

@@ -209,6 +209,8 @@ CASES: Dict[str, Scenario] = {
         run_here(["--config", str(w.base), "list"])[::2],  # a directory
     ),
     "a hook run outside SLURM": lambda w: _outside_slurm(w, ["prolog"]),
+    "a hook run by a non-root user": lambda w: _hook_as_nobody(w, "prolog"),
+    "ckpt-srun outside a job": _srun_outside_a_job,
     "SLURM unreachable or answered with an error": lambda w: _without_slurm(
         w, ["maint", "g1", "--reason", "x", "--reboot"]
     ),
@@ -265,7 +267,9 @@ def test_every_row_holds(world: World) -> None:
             assert got == code, f"{name}: exit {got}, the table says {code} ({meaning}): {err}"
             if code not in (0, 1):
                 assert "Traceback" not in err and err.strip(), (name, err)
-                assert err.strip().splitlines()[-1].startswith(("ckpt-slurm: error: ",)), err
+                assert err.strip().splitlines()[-1].startswith(
+                    ("ckpt-slurm: error: ", "ckpt-srun: error: ")
+                ), err
             ran.append(name)
     assert len(ran) >= 10, ran
 

@@ -12,7 +12,7 @@ under the attacker's own prefix (the flush ran, with botocore's own model).
 
 On the code before the fix both tests failed: the victim's objects were gone (the
 resume step of the attacker's upload listed them through the hostile model and deleted
-them with root's keys) - see docs/security-round2-object.md.
+them with root's keys) - see docs/security-object.md.
 """
 
 from __future__ import annotations

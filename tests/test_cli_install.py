@@ -1,9 +1,9 @@
 """Installing without PyPI: ``pip install`` from a checkout that cannot be written.
 
 A shared software tree, a checkout owned by another user or a read-only bind mount into a
-container: setuptools used to write ``build/`` and ``slurm_ckpt.egg-info/`` into the tree
-and fail. The build backend (``build_backend/slurm_ckpt_build.py``) builds on a private
-copy. The test installs a read-only bind mount of this checkout into a fresh virtual
+container: setuptools writes ``build/`` and ``slurm_ckpt.egg-info/`` into the tree and
+fails there (pypa/setuptools#3237). The build backend is hatchling, which writes nothing
+into the tree. The test installs a read-only bind mount of this checkout into a fresh virtual
 environment (no network: ``--no-deps --no-build-isolation``, the dependencies come from the
 project's venv through a ``.pth`` file) and runs the installed ``ckpt-slurm``.
 """
@@ -80,7 +80,7 @@ def test_pip_install_from_read_only_checkout(mounts, tmp_path: Path) -> None:
     assert sorted(p.relative_to(src) for p in src.rglob("*")) == before  # nothing written
     installed = Path(purelib, "slurm_ckpt")
     assert (installed / "cli" / "main.py").is_file()
-    assert not Path(purelib, "slurm_ckpt_build.py").exists()  # the backend is not shipped
+    assert (installed / "py.typed").is_file()  # typed package (PEP 561)
     v = subprocess.run(
         [str(venv / "bin" / "ckpt-slurm"), "--version"], capture_output=True, text=True, env=env
     )

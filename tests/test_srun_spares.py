@@ -40,6 +40,7 @@ def test_initial_node_set_keeps_the_last_nodes_as_spares() -> None:
         "--ntasks=3",
         "--nodelist=n1,n2,n3",
         "--distribution=arbitrary",
+        "--overlap",
     ]
 
 

@@ -110,6 +110,15 @@ def _say(msg: str) -> None:
     show_default=True,
     help="With --spares: how long a failed step waits for SLURM to declare a node dead.",
 )
+@click.option(
+    "--node-timeout",
+    "node_timeout_s",
+    type=DURATION,
+    default="10s",
+    show_default=True,
+    help="With --spares: a node whose heartbeats stop for this long is lost; the step is "
+    "stopped and relaunched without it (no wait for SLURM's SlurmdTimeout).",
+)
 @click.option("--srun", "srun_path", default="srun", show_default=True, help="The srun to run.")
 @click.option("--flush-local", is_flag=True, hidden=True)
 @click.argument("srun_args", nargs=-1, type=click.UNPROCESSED)
@@ -124,6 +133,7 @@ def cli(
     flush_timeout: float,
     spares: int,
     node_wait_s: float,
+    node_timeout_s: float,
     srun_path: str,
     flush_local: bool,
     srun_args: Sequence[str],
@@ -152,6 +162,7 @@ def cli(
         flush_local=flush_local,
         spares=spares,
         node_wait_s=node_wait_s,
+        node_timeout_s=node_timeout_s,
     )
     return run_wrapper(opts, srun_args, _say)
 

@@ -115,12 +115,18 @@ def check_srun_args(args: Sequence[str]) -> None:
 
 
 def layout_args(ns: NodeSet) -> List[str]:
-    """srun options that run one task per slot node, rank ``i`` on ``ns.slots[i]``."""
+    """srun options that run one task per slot node, rank ``i`` on ``ns.slots[i]``.
+
+    ``--overlap``: a step that lost a node stays RUNNING in the controller on its
+    surviving nodes until SLURM declares the node dead (minutes, ``SlurmdTimeout``), and
+    even after; a relaunch that waited for those nodes' CPUs would wait with it. The
+    step shares the allocation with ckpt-srun's heartbeat agents the same way."""
     return [
         f"--nodes={len(ns.slots)}",
         f"--ntasks={len(ns.slots)}",
         f"--nodelist={','.join(ns.slots)}",
         "--distribution=arbitrary",
+        "--overlap",
     ]
 
 
@@ -133,9 +139,12 @@ def dead_nodes(
     nodes: Sequence[str],
     node_info: Callable[[str], NodeInfo],
     job_nodes: Optional[Callable[[], Sequence[str]]] = None,
+    silent: Optional[Callable[[Sequence[str]], List[str]]] = None,
 ) -> List[str]:
     """Those of ``nodes`` that are dead now (a node SLURM does not answer for counts as
-    alive: a query failing is not a verdict)."""
+    alive: a query failing is not a verdict). ``silent(nodes)``: the nodes whose
+    heartbeats stopped (:mod:`slurm_ckpt.ops.heartbeat`), dead whatever SLURM says."""
+    quiet = set(silent(nodes)) if silent is not None else set()
     in_job: Optional[set] = None
     if job_nodes is not None:
         try:
@@ -145,7 +154,7 @@ def dead_nodes(
             in_job = None
     out = []
     for node in nodes:
-        if in_job is not None and node not in in_job:
+        if node in quiet or (in_job is not None and node not in in_job):
             out.append(node)
             continue
         try:
@@ -164,13 +173,14 @@ def wait_for_dead(
     poll_s: float = 1.0,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    silent: Optional[Callable[[Sequence[str]], List[str]]] = None,
 ) -> List[str]:
     """The dead ones among ``nodes``, asking SLURM until one is found or ``wait_s``
     passed: a step may end (its other ranks' collectives fail) before the controller
     has declared the node dead. Empty: every node is up, the step failed by itself."""
     deadline = clock() + max(0.0, wait_s)
     while True:
-        dead = dead_nodes(nodes, node_info, job_nodes)
+        dead = dead_nodes(nodes, node_info, job_nodes, silent)
         if dead or clock() >= deadline:
             return dead
         sleep(min(poll_s, max(0.0, deadline - clock())))

@@ -48,6 +48,7 @@ Exit status: the step's (so SLURM's accounting shows the training's result).
 from __future__ import annotations
 
 import contextlib
+import functools
 import getpass
 import logging
 import os
@@ -64,6 +65,7 @@ from slurm_ckpt.core.config import load_config, resolve_config_path
 from slurm_ckpt.core.names import validate_key
 from slurm_ckpt.errors import CkptError, InvalidName, SlurmError, UsageError
 from slurm_ckpt.ops.flush_cmd import flush_series
+from slurm_ckpt.ops.heartbeat import BEAT_S, Heartbeats
 from slurm_ckpt.ops.spares import NodeSet, check_srun_args, dead_nodes, layout_args, wait_for_dead
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.env import job_end_time, job_env
@@ -97,6 +99,8 @@ class SrunOptions:
     spares: int = 0
     #: How long a failed step waits for the controller's verdict on its nodes.
     node_wait_s: float = 60.0
+    #: With spares: a node whose heartbeats stop for this long is lost (ops/heartbeat).
+    node_timeout_s: float = 10.0
 
 
 def warning_signal(name: str) -> signal.Signals:
@@ -130,15 +134,23 @@ class StepOutcome:
     warned: bool = False
     warned_by: Optional[str] = None
     terminated: bool = False
+    #: Nodes whose heartbeats stopped while the step ran (ckpt-srun stopped the step).
+    lost: Optional[List[str]] = None
 
 
 class _Runner:
     """Runs the step, forwards signals, fires the time-limit warning."""
 
     def __init__(
-        self, argv: Sequence[str], env: Dict[str, str], warn_sig: signal.Signals, say: Say
+        self,
+        argv: Sequence[str],
+        env: Dict[str, str],
+        warn_sig: signal.Signals,
+        say: Say,
+        lost_check: Optional[Callable[[], List[str]]] = None,
     ) -> None:
         self.say = say
+        self.lost_check = lost_check
         self.argv = list(argv)
         self.env = env
         self.warn_sig = warn_sig
@@ -195,7 +207,24 @@ class _Runner:
                 pass
             if time.monotonic() - refreshed > END_TIME_REFRESH_S:
                 end, refreshed = end_time() or end, time.monotonic()
+            lost = self.lost_check() if self.lost_check is not None else []
+            if lost:
+                self.outcome.lost = lost
+                self.outcome.rc = _stop_step(self.proc)
+                break
         return self.outcome
+
+
+def _stop_step(proc: subprocess.Popen, grace_s: float = 5.0) -> int:
+    """End a step that lost a node: srun relays SIGTERM to the tasks it can still reach,
+    but waits for the dead node's tasks for ever, so it is killed after ``grace_s``."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
 
 
 def _end_time_source(client: Any, job_id: str, env: Dict[str, str]) -> Any:
@@ -221,9 +250,10 @@ def _flush_everywhere(
     env: Dict[str, str],
     say: Say,
     pinned: bool = False,
+    overlap: bool = False,
 ) -> None:
     """Flush ``key`` on every node (``pinned``: on exactly these nodes of the job, which
-    may have lost others)."""
+    may have lost others; ``overlap``: beside a step SLURM still counts as running)."""
     if len(nodes) <= 1 and not pinned:
         for line in flush_series(cfg, user, key, timeout):
             say(f"flush {key} {line}")
@@ -232,6 +262,7 @@ def _flush_everywhere(
         srun,
         f"--nodes={len(nodes)}",
         *([f"--nodelist={','.join(nodes)}"] if pinned else []),
+        *(["--overlap"] if overlap else []),
         "--ntasks-per-node=1",
         "--kill-on-bad-exit=0",
         sys.executable,
@@ -302,11 +333,14 @@ def run_wrapper(opts: SrunOptions, srun_args: Sequence[str], say: Say) -> int:
     if args and args[0] == "--":
         args = args[1:]
     ns: Optional[NodeSet] = None
+    beats: Optional[Heartbeats] = None
     if opts.spares:
         check_srun_args(args)
         ns = NodeSet.initial(jenv.nodes, opts.spares)
         if client is None:
             say("no SLURM client: a lost node cannot be told apart, no relaunch on a spare")
+        else:
+            beats = Heartbeats.start(client, jenv, srun, child_env, opts.node_timeout_s, say)
     say(f"job {jenv.job_id} key {key} restart {jenv.restart_count}: {srun} {' '.join(args)}")
     ends = _end_time_source(client, jenv.job_id, env)
 
@@ -328,7 +362,10 @@ def run_wrapper(opts: SrunOptions, srun_args: Sequence[str], say: Say) -> int:
             if ns.lost:
                 step_env["SLURM_CKPT_LOST_NODES"] = ",".join(ns.lost)
                 step_env["SLURM_CKPT_RELAUNCH"] = str(relaunches)
-        runner = _Runner([srun, *layout, *args], step_env, warn_sig, say)
+        lost_check = None
+        if beats is not None and ns is not None:
+            lost_check = functools.partial(beats.monitor.lost, list(ns.slots))
+        runner = _Runner([srun, *layout, *args], step_env, warn_sig, say, lost_check)
         if failed_at is not None:
             say(
                 f"recovery: relaunched step {relaunches} starts "
@@ -341,33 +378,41 @@ def run_wrapper(opts: SrunOptions, srun_args: Sequence[str], say: Say) -> int:
             + (f" after a warning ({outcome.warned_by})" if outcome.warned else "")
             + (" after SIGTERM" if outcome.terminated else "")
         )
-        if ns is None or client is None or outcome.rc == 0:
+        if ns is None or client is None or (outcome.rc == 0 and not outcome.lost):
             break
         if outcome.warned or outcome.terminated:
             break  # the time limit or SLURM ends the job: not a node loss to repair
         failed_at = time.monotonic()
-        lost_now = wait_for_dead(ns.slots, client.node, job_nodes, opts.node_wait_s)
+        silent = beats.monitor.lost if beats is not None else None
+        if outcome.lost:
+            lost_now = list(outcome.lost)
+            verdict = f"no heartbeat for {opts.node_timeout_s:.0f}s; the step was stopped"
+        else:
+            wait_s = opts.node_wait_s
+            if beats is not None:  # heartbeats tell a lost node within their timeout
+                wait_s = min(wait_s, opts.node_timeout_s + 2 * BEAT_S)
+            lost_now = wait_for_dead(ns.slots, client.node, job_nodes, wait_s, silent=silent)
+            verdict = f"found {time.monotonic() - failed_at:.1f}s after the step ended"
         if not lost_now:
             say(
                 f"step failed with status {outcome.rc} while all its nodes are up: "
                 "the program's own failure, not relaunched"
             )
             break
-        took = time.monotonic() - failed_at
-        dead_spares = dead_nodes(ns.spares, client.node, job_nodes)
+        dead_spares = dead_nodes(ns.spares, client.node, job_nodes, silent=silent)
         new = ns.replace(lost_now + dead_spares)
         if new is None:
             say(
-                f"node {','.join(lost_now)} lost ({took:.1f}s after the step ended) "
-                "and no spare left: falling back to a requeue"
+                f"node {','.join(lost_now)} lost ({verdict}) and no spare left: "
+                "falling back to a requeue"
             )
             ns = NodeSet([n for n in ns.slots if n not in lost_now], [], ns.lost + lost_now)
             break
         relaunches += 1
         took_over = [b for a, b in zip(ns.slots, new.slots) if a != b]
         say(
-            f"node {','.join(lost_now)} lost (SLURM said so {took:.1f}s after the step "
-            f"ended); relaunching the step on spare {','.join(took_over)} in its place"
+            f"node {','.join(lost_now)} lost ({verdict}); relaunching the step on spare "
+            f"{','.join(took_over)} in its place"
         )
         ns, lost_now = new, []
         if dead_spares:
@@ -389,7 +434,10 @@ def run_wrapper(opts: SrunOptions, srun_args: Sequence[str], say: Say) -> int:
             child_env,
             say,
             pinned=ns is not None,
+            overlap=bool(ns is not None and ns.lost),
         )
+    if beats is not None:
+        beats.stop()
     if client is not None and lost_now:
         _requeue_after(client, jenv.job_id, NODE_LOST, opts, f"node {','.join(lost_now)} lost", say)
     elif client is not None and outcome.warned and not outcome.terminated:

@@ -271,3 +271,31 @@ def test_grafana_dashboard_uses_exported_metrics() -> None:
     assert used <= exported, used - exported
     assert exported <= used, exported - used  # every metric is on the dashboard
     assert all(p.get("title") for p in doc["panels"])
+
+
+def test_a_jobs_flush_event_carries_its_bytes_and_tier(tmp_path: Path) -> None:
+    """The dashboard's throughput panel sums the flush events' bytes: a real Checkpointer's
+    flush must say how many bytes it moved, and to which tier (it said neither, and
+    ``flushed_bytes_total`` stayed 0). The Checkpointer's callbacks go through the same
+    listener the job's event log uses."""
+    import numpy as np
+
+    from slurm_ckpt import Checkpointer
+
+    log = EventLog(tmp_path / "e.jsonl", "n1")
+    ckpt = Checkpointer(
+        local=str(tmp_path / "nvme"),
+        warm=str(tmp_path / "pfs"),
+        key="run",
+        interval_steps=1,
+        on_event=ev.listener("alice", "run", log_=log),
+    )
+    try:
+        ckpt.save({"w": np.arange(1 << 16, dtype=np.float32)}, step=1)
+    finally:
+        ckpt.close()
+    flushes = [e for e in read_events(log.path) if e["type"] == "flush"]
+    assert len(flushes) == 1, list(read_events(log.path))
+    # The warm tier by its name: a directory here ("pfs"), "object" at a site without a PFS.
+    assert flushes[0]["nbytes"] >= 4 << 16 and flushes[0]["tier"] == "pfs", flushes
+    assert read_summary(log.path)["flushed_bytes"] == flushes[0]["nbytes"]

@@ -453,7 +453,14 @@ class Pipeline:
             s.bytes_flushed += res.copied
             s.last_flush_s = rec.flush_s
             s.last_flushed_step = rec.step
-        self.books.emit("flush_done", step=rec.step, flush_s=rec.flush_s)
+        # Bytes and tier: the operator's throughput panel sums them (flushed_bytes_total).
+        self.books.emit(
+            "flush_done",
+            step=rec.step,
+            flush_s=rec.flush_s,
+            nbytes=res.copied,
+            tier=self.warm.name if self.warm is not None else "",
+        )
         self._log(rec)
 
     def _flush_failed(self, rec: SaveRecord, res: FlushResult) -> None:

@@ -233,6 +233,11 @@ def test_textfile_parses_and_holds_the_right_values(tmp_path: Path, cfg: Config)
     assert _v(s, P + "events_total", type="hook") == 2
     assert _v(s, P + "events_total", type="save") == 1
     assert _v(s, P + "flushed_bytes_total") == 1000
+    assert _v(s, P + "warm_verified_step", user="alice", key="run") == 10
+    assert _v(s, P + "warm_verified_timestamp_seconds", user="alice", key="run") == 1010.0
+    assert _v(s, P + "save_interval_seconds", user="alice", key="run") == 0.0  # 20, 30: same time
+    assert (P + "save_interval_seconds", (("key", "x"), ("node", "n1"), ("user", "bob"))) not in s
+    assert _v(s, P + "drain_checkpoints") == 2  # alice's 20 and 30 keep the node drained
     assert _v(s, P + "hook_seconds", hook="epilog") == 4.5
     assert _v(s, P + "hook_success", hook="epilog") == 1
     assert _v(s, P + "hook_success", hook="prolog") == 0
@@ -271,6 +276,14 @@ def test_grafana_dashboard_uses_exported_metrics() -> None:
     assert used <= exported, used - exported
     assert exported <= used, exported - used  # every metric is on the dashboard
     assert all(p.get("title") for p in doc["panels"])
+    # A stat panel means something only with thresholds of its own (Grafana's default
+    # turns any value above 80 red and a failed hook's 0 green).
+    for p in doc["panels"]:
+        if p["type"] == "stat":
+            steps = p["fieldConfig"]["defaults"]["thresholds"]["steps"]
+            assert len(steps) >= 2 and steps[0]["value"] is None, p["title"]
+            assert [s["value"] for s in steps[1:]] != [80], p["title"]
+        assert "PFS" not in p["title"], p["title"]  # "warm tier": a PFS or an object store
 
 
 def test_a_jobs_flush_event_carries_its_bytes_and_tier(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from slurm_ckpt.core.config import load_config
 from slurm_ckpt.core.names import validate_node
 from slurm_ckpt.core.units import format_duration
 from slurm_ckpt.errors import CkptError, ConfigError, SlurmError, UsageError
+from slurm_ckpt.node.hook_record import recorded
 from slurm_ckpt.ops.install import GRACE_S, install_hooks, render_hook
 from slurm_ckpt.slurm.env import slurmd_nodename, this_node
 
@@ -166,7 +167,8 @@ def prolog_cmd(state: CliState, budget: Optional[float]) -> None:
     env = _hook_env("prolog", client)
     try:
         cfg = _trusted_config(state)
-        report = run_prolog(cfg, env, client, _budget(cfg.hooks.budget, budget))
+        with recorded(cfg, env.node or this_node(None), "prolog"):
+            report = run_prolog(cfg, env, client, _budget(cfg.hooks.budget, budget))
     except CkptError as exc:
         _drain_quietly(client, slurmd_nodename(), _drain_text("prolog", exc))
         if isinstance(exc, (PrologFailed, ConfigError)):
@@ -192,7 +194,8 @@ def epilog_cmd(state: CliState, budget: Optional[float]) -> None:
     env = _hook_env("epilog", client)
     try:
         cfg = _trusted_config(state)
-        report = run_epilog(cfg, env, client, _budget(cfg.hooks.budget, budget))
+        with recorded(cfg, env.node or this_node(None), "epilog"):
+            report = run_epilog(cfg, env, client, _budget(cfg.hooks.budget, budget))
     except CkptError as exc:
         _drain_quietly(client, slurmd_nodename(), _drain_text("epilog", exc), keep=PROLOG_REASON)
         raise

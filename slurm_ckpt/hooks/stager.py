@@ -35,6 +35,7 @@ from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import CkptError, SlurmError
 from slurm_ckpt.node.flush_engine import FlushOutcome
 from slurm_ckpt.node.guard import check_local_tier
+from slurm_ckpt.node.hook_record import note_hook
 from slurm_ckpt.node.work import NodeWork, drain_reason
 from slurm_ckpt.slurm.client import SlurmClient
 
@@ -171,11 +172,16 @@ def run_stager(
         signal.signal(signal.SIGINT, _stop)
     while True:
         started = time.monotonic()
+        cfg: Optional[Config] = None
         try:
-            report = stager_pass(cfg_loader(), node, client)
+            cfg = cfg_loader()
+            report = stager_pass(cfg, node, client)
             emit(report.line())
             status = 1 if report.backlog or not report.healthy else 0
+            note_hook(cfg, node, "stager", time.monotonic() - started, report.healthy)
         except CkptError as exc:
+            if cfg is not None:
+                note_hook(cfg, node, "stager", time.monotonic() - started, False)
             if once:
                 raise
             log.error("stager pass failed: %s", exc)

@@ -36,6 +36,19 @@ Metrics (all gauges unless noted; every series has a ``node`` label)
                                                   verified on the warm tier (whole newest step
                                                   when the node knows of no warm copy)
 ``slurm_ckpt_bytes_at_risk{user,key}``            bytes of that series owed to the warm tier
+``slurm_ckpt_warm_verified_step{user,key}``       newest step of the series verified on the
+                                                  warm tier (from this node)
+``slurm_ckpt_warm_verified_timestamp_seconds{user,key}``  when that step's warm copy was
+                                                  verified: ``time() - it`` is the age of the
+                                                  newest checkpoint a restart could use
+``slurm_ckpt_save_interval_seconds{user,key}``    time between the series' two newest local
+                                                  commits (what "too old" is measured against)
+``slurm_ckpt_warm_tier_size_bytes``, ``..._avail_bytes``  the warm tier's filesystem (a PFS
+                                                  root; absent for an object store)
+``slurm_ckpt_drain_checkpoints``                  checkpoints owed to the warm tier that keep
+                                                  this node drained (not held for their
+                                                  owner's doing): above 0, the epilog drained
+                                                  the node and the stager has not finished
 ``slurm_ckpt_failures_total{reason}``             counter: ledger failure counters
 ``slurm_ckpt_events_total{type}``                 counter: events by type
 ``slurm_ckpt_hook_seconds{hook}``                 duration of the last run of each hook
@@ -61,7 +74,7 @@ from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.ledger.events import events_path, read_summary
 from slurm_ckpt.ledger.ledger import Ledger
-from slurm_ckpt.ledger.record import LIVE_LOCAL, WARM_SLOT, State
+from slurm_ckpt.ledger.record import LIVE_LOCAL, WARM_SLOT, State, is_held
 
 __all__ = [
     "METRICS",
@@ -74,6 +87,8 @@ __all__ = [
 ]
 
 TEXTFILE_NAME = "slurm_ckpt.prom"
+#: The ledger's failure counters every node exports, at 0 until one happens.
+FAILURE_REASONS = ("local_write_failed", "flush_failed")
 _P = "slurm_ckpt_"
 
 #: name -> (type, help, extra labels besides ``node``). The dashboard and tests use it.
@@ -109,6 +124,32 @@ METRICS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
         ("user", "key"),
     ),
     _P + "bytes_at_risk": ("gauge", "Bytes of the series owed to the warm tier.", ("user", "key")),
+    _P + "warm_verified_step": (
+        "gauge",
+        "Newest step of the series verified on the warm tier.",
+        ("user", "key"),
+    ),
+    _P + "warm_verified_timestamp_seconds": (
+        "gauge",
+        "When the newest warm-verified step of the series was verified (epoch seconds).",
+        ("user", "key"),
+    ),
+    _P + "save_interval_seconds": (
+        "gauge",
+        "Seconds between the series' two newest local commits.",
+        ("user", "key"),
+    ),
+    _P + "warm_tier_size_bytes": ("gauge", "Size of the warm tier's filesystem.", ()),
+    _P + "warm_tier_avail_bytes": (
+        "gauge",
+        "Bytes of the warm tier's filesystem available to users.",
+        (),
+    ),
+    _P + "drain_checkpoints": (
+        "gauge",
+        "Checkpoints owed to the warm tier that keep this node drained (not held).",
+        (),
+    ),
     _P + "failures": ("counter", "Failures by reason (ledger counters).", ("reason",)),
     _P + "events": ("counter", "Events by type (event log).", ("type",)),
     _P + "hook_seconds": ("gauge", "Duration of the last run of a hook.", ("hook",)),
@@ -177,6 +218,13 @@ class NodeMetrics:
     in_flight: int = 0
     steps_at_risk: Dict[Series, int] = field(default_factory=dict)
     bytes_at_risk: Dict[Series, int] = field(default_factory=dict)
+    #: Newest warm-verified step per series, and when it was verified.
+    warm_verified: Dict[Series, Tuple[int, float]] = field(default_factory=dict)
+    #: The two newest local commit times per series (newest first).
+    commits: Dict[Series, List[float]] = field(default_factory=dict)
+    drain_checkpoints: int = 0
+    #: ``(size, avail)`` of the warm tier's filesystem, when it is one.
+    warm_fs: Optional[Tuple[int, int]] = None
     failures: Dict[str, int] = field(default_factory=dict)
     events: Dict[str, int] = field(default_factory=dict)
     flushed_bytes: int = 0
@@ -212,9 +260,19 @@ def collect(ledger: Ledger, events_file: Optional[Path] = None) -> NodeMetrics:
             m.flush_bytes.offer(series, flushed_at, rec.nbytes)
         if tiers.get("local") in LIVE_LOCAL:
             newest_local[series] = max(rec.step, newest_local.get(series, -1))
+        if "local" in rec.committed_at:
+            times = m.commits.setdefault(series, [])
+            times.append(float(rec.committed_at["local"]))
+            times.sort(reverse=True)
+            del times[2:]
         if tiers.get(WARM_SLOT) == State.VERIFIED.value:
             newest_warm[series] = max(rec.step, newest_warm.get(series, -1))
+            at = rec.verified_at.get(WARM_SLOT, rec.updated_at)
+            if rec.step >= m.warm_verified.get(series, (-1, 0.0))[0]:
+                m.warm_verified[series] = (rec.step, float(at))
         if rec.pending_flush:
+            if not is_held(rec.extra):
+                m.drain_checkpoints += 1
             m.queue_checkpoints += 1
             m.queue_bytes += int(rec.nbytes)
             m.bytes_at_risk[series] = m.bytes_at_risk.get(series, 0) + int(rec.nbytes)
@@ -223,7 +281,9 @@ def collect(ledger: Ledger, events_file: Optional[Path] = None) -> NodeMetrics:
         # With no PFS copy known to this node, everything up to the newest step is at risk.
         m.steps_at_risk[series] = max(0, step - max(newest_warm.get(series, 0), 0))
         m.bytes_at_risk.setdefault(series, 0)
-    m.failures = {str(k): int(v) for k, v in ledger.failures().items()}
+    # Counters start at 0 (Prometheus' rule): a failure panel shows "none", not "no data".
+    m.failures = dict.fromkeys(FAILURE_REASONS, 0)
+    m.failures.update({str(k): int(v) for k, v in ledger.failures().items()})
     if events_file is not None:
         _merge_summary(m, read_summary(events_file))
     return m
@@ -327,10 +387,27 @@ class _Collector:
         for name, per_series in (
             (_P + "steps_at_risk", m.steps_at_risk),
             (_P + "bytes_at_risk", m.bytes_at_risk),
+            (_P + "warm_verified_step", {s: v[0] for s, v in m.warm_verified.items()}),
+            (
+                _P + "warm_verified_timestamp_seconds",
+                {s: v[1] for s, v in m.warm_verified.items()},
+            ),
+            (
+                _P + "save_interval_seconds",
+                {s: v[0] - v[1] for s, v in m.commits.items() if len(v) == 2},
+            ),
         ):
             f = family(name)
             for (user, key), value in sorted(per_series.items()):
                 f.add_metric([node, user, key], value)
+            yield f
+        f = family(_P + "drain_checkpoints")
+        f.add_metric([node], m.drain_checkpoints)
+        yield f
+        for name, index in ((_P + "warm_tier_size_bytes", 0), (_P + "warm_tier_avail_bytes", 1)):
+            f = family(name)
+            if m.warm_fs is not None:
+                f.add_metric([node], m.warm_fs[index])
             yield f
         for name, counts in ((_P + "failures", m.failures), (_P + "events", m.events)):
             f = family(name)
@@ -361,8 +438,8 @@ def _admission_families(m: NodeMetrics, family: Any) -> Iterator[Any]:
         (_P + "admission_wait_seconds", "wait_s"),
     ):
         f = family(name)
-        if field_name in m.admission:
-            f.add_metric([node], m.admission[field_name])
+        # 0 until this node asked for a slot: no queue seen, no wait.
+        f.add_metric([node], m.admission.get(field_name, 0.0))
         yield f
     f = family(_P + "admission_wait_seconds_sum")
     f.add_metric([node], m.admission_wait_sum)
@@ -389,6 +466,18 @@ def textfile_path(cfg: Config) -> Optional[Path]:
     return Path(cfg.metrics.textfile_dir) / TEXTFILE_NAME
 
 
+def _warm_filesystem(cfg: Config) -> Optional[Tuple[int, int]]:
+    """``(size, avail)`` of the PFS root's filesystem (the admin's path, not a user's),
+    or None for an object store or a root that cannot be asked."""
+    if cfg.tiers.warm != PFS or cfg.tiers.pfs is None:
+        return None
+    try:
+        st = os.statvfs(cfg.tiers.pfs.root)
+    except OSError:
+        return None
+    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+
 def refresh_textfile(
     ledger: Ledger, cfg: Config, *, events_file: Optional[Path] = None
 ) -> Optional[Path]:
@@ -407,6 +496,7 @@ def refresh_textfile(
 
     m = collect(ledger, events_file or events_path(cfg, ledger.node))
     m.warm = cfg.tiers.warm  # what the ledger's WARM_SLOT stands for
+    m.warm_fs = _warm_filesystem(cfg)
     os.makedirs(target.parent, mode=0o755, exist_ok=True)
     write_to_textfile(str(target), build_registry(m))
     return target

@@ -115,3 +115,40 @@ def test_list_without_key_lists_series(tmp_path: Path, monkeypatch: pytest.Monke
     ]
     code, out, err = run_here(entry=main_mod.main, argv=["list", "-u", "carol"])
     assert code == 0 and out == "no committed checkpoints of carol\n", err
+
+
+def test_shell_completion_is_clicks_and_completes_commands() -> None:
+    """docs/cli.md: `eval "$(_CKPT_SLURM_COMPLETE=bash_source ckpt-slurm)"`."""
+    import os
+    import subprocess
+    import sys
+
+    exe = os.path.join(os.path.dirname(sys.executable), "ckpt-slurm")
+    src = subprocess.run(
+        [exe],
+        env={**os.environ, "_CKPT_SLURM_COMPLETE": "bash_source"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert src.returncode == 0 and "_ckpt_slurm_completion()" in src.stdout, src
+    env = {
+        **os.environ,
+        "_CKPT_SLURM_COMPLETE": "bash_complete",
+        "COMP_WORDS": "ckpt-slurm st",
+        "COMP_CWORD": "1",
+    }
+    got = subprocess.run([exe], env=env, capture_output=True, text=True, timeout=60)
+    assert got.stdout.split() == ["plain,stager", "plain,status"], got
+
+
+def test_other_operating_systems_get_one_line() -> None:
+    import pytest
+
+    from slurm_ckpt.core.platform import require_supported_os
+    from slurm_ckpt.errors import CkptError
+
+    require_supported_os("linux")
+    for other in ("darwin", "win32", "freebsd13"):
+        with pytest.raises(CkptError, match="runs on Linux only"):
+            require_supported_os(other)

@@ -37,6 +37,7 @@ from slurm_ckpt.cli.output import (
     print_error,
     print_json,
 )
+from slurm_ckpt.core.platform import require_supported_os
 from slurm_ckpt.errors import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -292,6 +293,7 @@ def main(argv: Optional[Sequence[str]] = None) -> NoReturn:
     """Console-script entry point: run :data:`cli` and exit with a well-defined status."""
     code = 0
     try:
+        require_supported_os()
         rv = cli.main(
             args=list(argv) if argv is not None else None,
             prog_name=PROG,

@@ -46,6 +46,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import current_user, node_name, validate_key, validate_user
+from slurm_ckpt.core.platform import require_supported_os
 from slurm_ckpt.core.retention import RetentionPolicy, selected_for_flush
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, TierError
@@ -222,6 +223,7 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
             raise CkptError("Checkpointer: key= is required (or use Checkpointer.from_env())")
         opts = Options(**options).validate()
         warm = resolve_aliases(warm, opts)
+        require_supported_os()
         self.config = cfg = build_config(config, local, warm, opts)
         standalone = config is None
         if standalone:

@@ -46,8 +46,7 @@ from slurm_ckpt.errors import CkptError, TierError
 from slurm_ckpt.node.guard import check_step_files, check_user_dir
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.posix import PosixTier
-from slurm_ckpt.tiers.registry import tiers_from_config, warm_tier
-from slurm_ckpt.tiers.s3_client import boto_config, resolve_credentials
+from slurm_ckpt.tiers.registry import object_tier_class, tiers_from_config, warm_tier
 
 __all__ = [
     "committed_manifest",
@@ -81,6 +80,9 @@ def lend_credentials(cfg: Config) -> None:
     if cfg.tiers.object is None or os.geteuid() != 0:
         return
     o = cfg.tiers.object
+    object_tier_class()  # one line naming the [s3] extra when boto3 is missing
+    from slurm_ckpt.tiers.s3_client import boto_config, resolve_credentials
+
     _LENT = resolve_credentials(
         o.profile, None if o.credentials_file is None else str(o.credentials_file)
     )

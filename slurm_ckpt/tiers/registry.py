@@ -6,9 +6,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.config_schema import PFS
+from slurm_ckpt.errors import ConfigError
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.posix import PosixTier
-from slurm_ckpt.tiers.s3 import S3Tier
 
 #: Tier names from hot to cold: restore looks in this order, flushes go down it.
 ORDER = ("local", PFS, "object", "cold")
@@ -40,6 +40,7 @@ def tiers_from_config(
         )
     o = cfg.tiers.object
     if o is not None:
+        S3Tier = object_tier_class()
         tiers["object"] = S3Tier(
             "object",
             endpoint=o.endpoint,
@@ -60,6 +61,19 @@ def tiers_from_config(
     if c is not None:
         tiers["cold"] = PosixTier("cold", str(c.root), bandwidth=c.bandwidth_limit, **common)
     return tiers
+
+
+def object_tier_class() -> Any:
+    """:class:`~slurm_ckpt.tiers.s3.S3Tier`, imported only for a site with an object tier:
+    boto3 is the ``[s3]`` extra, so a laptop or a PFS-only site does without it."""
+    try:
+        from slurm_ckpt.tiers.s3 import S3Tier
+    except ImportError as exc:
+        raise ConfigError(
+            f"the object tier needs boto3 ({exc.name or exc} is missing): "
+            "pip install 'slurm-ckpt[s3]'"
+        ) from None
+    return S3Tier
 
 
 def warm_tier(cfg: Config, tiers: Dict[str, Tier]) -> Tier:

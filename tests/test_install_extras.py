@@ -1,0 +1,103 @@
+"""The README's install commands, run in a fresh virtual environment.
+
+* ``pip install CHECKOUT``: the library and the commands, without boto3 (laptops and
+  PFS sites need no object-store client); a config with an object tier then says in one
+  line which extra to install;
+* ``pip install "CHECKOUT[s3]"`` adds boto3, and the object tier loads;
+* ``[hf]`` and ``[lightning]`` are resolved (``pip install --dry-run --report``): their
+  packages (transformers with accelerate; pytorch-lightning) are what each extra pulls.
+  They are resolved rather than installed because both pull torch, which this machine
+  installs from its CPU wheel (the resolution is pointed at it, so nothing of CUDA is
+  fetched either).
+
+The packages come from the package index through pip's cache (scripts/setup warmed it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WHEELS = "/opt/wheels"
+
+
+def _pip(py: Path, *args: str) -> subprocess.CompletedProcess:
+    links = ["--find-links", WHEELS] if os.path.isdir(WHEELS) else []
+    return subprocess.run(
+        [str(py), "-m", "pip", "--disable-pip-version-check", *args, *links],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def _has(py: Path, module: str) -> bool:
+    r = subprocess.run(
+        [
+            str(py),
+            "-c",
+            f"import importlib.util,sys; sys.exit(importlib.util.find_spec({module!r}) is None)",
+        ],
+        capture_output=True,
+    )
+    return r.returncode == 0
+
+
+def test_each_extra_installs_what_the_readme_says(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    base = _pip(py, "install", "-q", str(REPO))
+    assert base.returncode == 0, base.stderr
+    v = subprocess.run(
+        [str(venv / "bin" / "ckpt-slurm"), "--version"], capture_output=True, text=True
+    )
+    assert (v.returncode, v.stdout.strip()) == (0, "ckpt-slurm 0.1.0"), v.stderr
+    assert not _has(py, "boto3") and not _has(py, "botocore")
+    site = tmp_path / "site.toml"
+    site.write_text(
+        f'[tiers.local]\nroot = "{tmp_path}"\nrequire_mount = false\n'
+        '[tiers.object]\nendpoint = "http://127.0.0.1:1"\nbucket = "ckpt"\n'
+    )
+    probe = (
+        "import sys\n"
+        "from slurm_ckpt.core.config import load_config\n"
+        "from slurm_ckpt.errors import CkptError\n"
+        "from slurm_ckpt.tiers.registry import tiers_from_config\n"
+        f"try:\n    print(sorted(tiers_from_config(load_config({str(site)!r}))))\n"
+        "except CkptError as e:\n    print('ERR', e)\n"
+    )
+    before = subprocess.run([str(py), "-c", probe], capture_output=True, text=True)
+    assert before.stdout.strip().startswith("ERR the object tier needs boto3"), before
+    assert "pip install 'slurm-ckpt[s3]'" in before.stdout, before
+
+    s3 = _pip(py, "install", "-q", f"{REPO}[s3]")
+    assert s3.returncode == 0, s3.stderr
+    assert _has(py, "boto3") and _has(py, "zlib_ng")
+    after = subprocess.run([str(py), "-c", probe], capture_output=True, text=True)
+    assert after.stdout.strip() == "['local', 'object']", after
+
+    for extra, wanted in (
+        ("hf", {"transformers", "accelerate"}),
+        ("lightning", {"pytorch-lightning"}),
+    ):
+        report = tmp_path / f"{extra}.json"
+        r = _pip(
+            py,
+            "install",
+            "-q",
+            "--dry-run",
+            "--ignore-installed",
+            "--report",
+            str(report),
+            f"{REPO}[{extra}]",
+            "torch==2.13.0",
+        )
+        assert r.returncode == 0, (extra, r.stderr)
+        names = {i["metadata"]["name"].lower() for i in json.loads(report.read_text())["install"]}
+        assert wanted <= names, (extra, sorted(names))
+        assert "boto3" not in names, (extra, sorted(names))

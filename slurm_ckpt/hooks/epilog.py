@@ -8,8 +8,11 @@ of an ending job, with the node work of :class:`~slurm_ckpt.node.work.NodeWork`:
 1. scans the local tier (as each owning user) and reconciles the node's ledger with it -
    the tiers are the truth, the ledger a cache;
 2. flushes every checkpoint not yet verified on the PFS - the job's first, then this
-   node's backlog - *as the owning user*, within ``hooks.budget`` (which must stay below
-   SLURM's PrologEpilogTimeout, or SLURM itself drains the node);
+   node's backlog, the owners taking turns (:func:`~slurm_ckpt.node.work.fair_order`)
+   - *as the owning user*, within ``hooks.budget`` (which must stay below SLURM's
+   PrologEpilogTimeout, or SLURM itself drains the node). Partner copies whose
+   writer's node is alive are left to it (:mod:`slurm_ckpt.node.partner_flush`: one
+   SLURM query, whatever the manifests name);
 3. hands whatever cannot finish in time to the stager daemon (ledger ``FLUSH_PENDING``,
    reason ``"handed to stager"``) and drains the node with a ``slurm_ckpt:`` reason
    (counts and sizes only), so SLURM gives it to no one until the stager is done and

@@ -101,6 +101,8 @@ def defer_live_owners(
             keep.append(rec)
         else:
             ask.append(rec)
+    if check.overdue:
+        log.info("%d copies naming other nodes past owner_grace: flushed here", check.overdue)
     if not ask or client is None:
         return keep + ask, [], check
     names = {owners[rec.ident] for rec in ask}

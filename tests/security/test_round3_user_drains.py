@@ -221,3 +221,18 @@ def test_a_real_fault_of_the_child_is_still_a_fault(
     with pytest.raises(AsUserError, match=f"killed by {name}") as err:
         run_as_user(VICTIM, fault, timeout=60)
     assert not isinstance(err.value, ChildKilled) and not err.value.user_caused
+
+
+def test_a_scan_that_hangs_costs_the_other_users_only_its_share(site: Site) -> None:
+    """The first user's scan child (``ckptuser1`` sorts first) is stopped by its own
+    user and, with a long stall limit, would hold root until the scan time is spent:
+    the other user's new checkpoint, not in the ledger yet, would then not even be
+    seen. Each user's scan gets an even share of the scan time left instead."""
+    cfg = site.cfg(hooks={"budget": 20, "child_timeout": "60s"})
+    save(cfg, VICTIM, "hog", 1, job="50")
+    save(cfg, ATTACKER, "new", 1, job="100")
+    slurm = Recorder()
+    with Stopper(VICTIM):  # every child of ckptuser1, the scan first
+        rep = run_epilog(cfg, site.env(ATTACKER, job="100"), slurm)
+    assert steps(cfg, "pfs", ATTACKER, "new") == [1], rep.line()
+    assert rep.seconds <= 20, rep.line()

@@ -76,6 +76,26 @@ class TierError(CkptError):
     exit_code = EXIT_FAILED
 
 
+class StepLocked(TierError):
+    """A step's lock file (``.lock-step-N`` below the owner's own directory, so held by a
+    process of the owner's) stayed locked for longer than root's copy waits: the owner's
+    doing - that checkpoint is held (``locked``) and retried after its backoff; it never
+    keeps a node drained."""
+
+    user_caused = True
+    hold_code = "locked"
+
+
+class StepConflict(CkptError):
+    """The warm tier already holds a *different* committed checkpoint of this step (the
+    owner's own series went two ways: another node's copy, or a node back with an older
+    unflushed step). Nothing root may overwrite: that checkpoint is held (``conflict``)
+    for its owner to sort out; it never keeps a node drained."""
+
+    user_caused = True
+    hold_code = "conflict"
+
+
 class VerifyError(CkptError):
     """Bytes on a tier do not match their manifest (corrupt, truncated, missing, replaced)."""
 

@@ -322,6 +322,11 @@ class PartnerConfig:
     dir: Optional[Path] = field_of(KIND_PATH, None, optional=True)
     #: Address the receiver listens on; unset = every interface.
     bind: Optional[str] = field_of(KIND_STR, None, optional=True)
+    #: A checkpoint on a node whose manifest names another node (a partner copy) is
+    #: left to that node's own hooks while SLURM says it is alive, but for at most this
+    #: long after this node's ledger first recorded it: then this node flushes it too
+    #: (the owner may have lost its own copy, or the name may be made up). 0 = at once.
+    owner_grace: float = field_of(KIND_DURATION, 3600.0, minimum=0.0)
 
 
 TIER_CLASSES = {

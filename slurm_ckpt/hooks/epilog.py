@@ -8,8 +8,11 @@ of an ending job, with the node work of :class:`~slurm_ckpt.node.work.NodeWork`:
 1. scans the local tier (as each owning user) and reconciles the node's ledger with it -
    the tiers are the truth, the ledger a cache;
 2. flushes every checkpoint not yet verified on the PFS - the job's first, then this
-   node's backlog - *as the owning user*, within ``hooks.budget`` (which must stay below
-   SLURM's PrologEpilogTimeout, or SLURM itself drains the node);
+   node's backlog, the owners taking turns (:func:`~slurm_ckpt.node.work.fair_order`)
+   - *as the owning user*, within ``hooks.budget`` (which must stay below SLURM's
+   PrologEpilogTimeout, or SLURM itself drains the node). Partner copies whose
+   writer's node is alive are left to it (:mod:`slurm_ckpt.node.partner_flush`: one
+   SLURM query, whatever the manifests name);
 3. hands whatever cannot finish in time to the stager daemon (ledger ``FLUSH_PENDING``,
    reason ``"handed to stager"``) and drains the node with a ``slurm_ckpt:`` reason
    (counts and sizes only), so SLURM gives it to no one until the stager is done and
@@ -31,7 +34,7 @@ from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.units import format_duration
 from slurm_ckpt.errors import SlurmError
 from slurm_ckpt.node.flush_engine import FlushOutcome
-from slurm_ckpt.node.partner_flush import defer_live_owners
+from slurm_ckpt.node.partner_flush import OwnerCheck, defer_live_owners
 from slurm_ckpt.node.work import RESERVE_FRACTION, RESERVE_MAX_S, NodeWork, drain_reason
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.env import HookEnv
@@ -40,6 +43,10 @@ log = logging.getLogger(__name__)
 
 #: Share of the budget the scan of the local tier may take at most.
 SCAN_SHARE = 0.5
+#: Share of the budget (and most seconds) the one SLURM query about the owners of
+#: partner copies is waited on (:mod:`slurm_ckpt.node.partner_flush`).
+OWNER_QUERY_SHARE = 0.1
+OWNER_QUERY_MAX_S = 10.0
 
 __all__ = ["EpilogReport", "run_epilog"]
 
@@ -58,6 +65,8 @@ class EpilogReport:
     drained: Optional[str] = None
     backlog: Tuple[int, int] = (0, 0)
     seconds: float = 0.0
+    #: The owner check of the partner copies (at most one SLURM query).
+    owners: Optional[OwnerCheck] = None
 
     def line(self) -> str:
         f = self.flush
@@ -93,15 +102,29 @@ def run_epilog(
     running = work.running_jobs(exclude=env.job_id)
     t1 = clock()
     owed = work.owed(running)
+    t2 = clock()
     # Partner copies whose owner's node lives are that node's to flush (no two nodes
-    # write one step to the PFS at once); a lost owner's are flushed here.
-    owed, _deferred = defer_live_owners(owed, work.scan_nodes, env.node, client)
+    # write one step to the PFS at once); a lost owner's, or one past its grace, are
+    # flushed here. One SLURM query at most, whatever the manifests name, waited on
+    # for a bounded share of the budget (it is spent inside the deadline).
+    owed, _deferred, owners = defer_live_owners(
+        owed,
+        work.scan_nodes,
+        env.node,
+        client,
+        now=work.ledger.clock(),
+        grace_s=cfg.partner.owner_grace,
+        timeout=min(OWNER_QUERY_MAX_S, total * OWNER_QUERY_SHARE),
+        clock=clock,
+    )
+    t3 = clock()
     todo = work.candidates(running, first_job=env.job_id, owed=owed)
     # What is left after the flushes (drain, status) costs about one more pass over the
     # ledger, as long as the one just made: keep that back too, at any backlog size.
-    deadline = t0 + total - reserve - 2 * (clock() - t1)
+    ledger_s = (t2 - t1) + (clock() - t3)
+    deadline = t0 + total - reserve - 2 * ledger_s
     outcome = work.flush(todo, deadline)
-    report = EpilogReport(env.job_id, env.node, outcome)
+    report = EpilogReport(env.job_id, env.node, outcome, owners=owners)
     count, nbytes = work.backlog(running, owed, outcome)
     report.backlog = (count, nbytes)
     if count and client is not None:

@@ -91,7 +91,8 @@ class ChildKilled(AsUserError):
     """The child died of a signal root did not send (root kills only at a deadline,
     which is :class:`AsUserTimeout`): sent by its user, the only other one who may
     signal it (SIGKILL from the user's job still on the node). Not a crash signal
-    (:data:`CRASH_SIGNALS`: a fault in the child itself stays a real failure)."""
+    (:data:`CRASH_SIGNALS`): the child blocks those, so one its user sends does
+    nothing, and a child that dies of one had a real fault of its own."""
 
     user_caused = True
     hold_code = "killed"
@@ -327,6 +328,13 @@ def _child(
             os.setpgid(0, 0)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_DFL)
+        # Before the child becomes the user (from then on the user may signal it): a
+        # crash signal *sent* to it (``kill -SEGV``) stays pending, blocked, and does
+        # nothing, so that it cannot pass for a fault of the child's own. A real fault
+        # still kills the child with that signal: the kernel delivers a synchronous
+        # SIGSEGV/SIGBUS/SIGILL/SIGFPE/SIGSYS even when it is blocked, and abort()
+        # unblocks SIGABRT before it raises it.
+        signal.pthread_sigmask(signal.SIG_BLOCK, CRASH_SIGNALS)
         if close_fds:
             low = 3
             for keep in sorted(fd for fd in (wfd, beat) if fd is not None):

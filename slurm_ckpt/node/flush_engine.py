@@ -45,7 +45,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Set, Tuple
 
 try:  # Python 3.8+: typing has Protocol
     from typing import Protocol, runtime_checkable
@@ -230,6 +230,11 @@ class Flusher:
     are given in. ``slots`` (a :class:`SlotGate`, optional):
     every copy first waits for a cluster-wide PFS slot, never past what its deadline
     leaves after the copy's own ``min_s``; not admitted in time, it is handed off.
+    ``allowance(nbytes)`` (optional; root's flushers): the time a copy of that size is
+    always allowed. With it, while other owners' checkpoints wait behind it, one copy
+    gets at most ``max(allowance, time left / owners waiting)``: what one user owes (or
+    slows down) costs the others a bounded share of a hook's budget. A copy cut there
+    is handed off (the stager has more time), not counted as a failure.
     """
 
     def __init__(
@@ -244,8 +249,10 @@ class Flusher:
         slots: Optional[SlotGate] = None,
         retry: Optional[RetryPolicy] = None,
         batch_s: float = 1.0,
+        allowance: Optional[Callable[[int], float]] = None,
     ) -> None:
         self.copy = copy
+        self.allowance = allowance
         self.slots = slots
         self.ledger = ledger
         self.src, self.dst = src, dst
@@ -425,6 +432,16 @@ class Flusher:
         self.hand_off([ident], why, then=then)
         return FlushResult(ident, FlushStatus.HANDED, nbytes=nbytes, error=why, hold=first.hold)
 
+    def _turn_end(
+        self, deadline: Optional[float], left: Optional[float], owners: int, nbytes: int
+    ) -> Optional[float]:
+        """The deadline of one copy while ``owners`` owners (its own included) still
+        wait: its share of what is left, never less than its ``allowance``."""
+        if deadline is None or left is None or self.allowance is None or owners <= 1:
+            return deadline
+        share = max(left / owners, self.allowance(nbytes))
+        return min(deadline, self.clock() + share)
+
     # -- many ----------------------------------------------------------------------
     def flush_all(
         self,
@@ -438,6 +455,7 @@ class Flusher:
         out = FlushOutcome()
         t0 = self.clock()
         todo = list(items)
+        waiting = _owners_left([ident for ident, _n in todo])
         stuck: Dict[str, FlushResult] = {}  # owner -> their flush that got stuck
         self._batching = True
         try:
@@ -454,7 +472,8 @@ class Flusher:
                 if first is not None:
                     res = self._defer(ident, nbytes, first)
                 else:
-                    res = self.flush_one(ident, deadline=deadline, nbytes=nbytes)
+                    turn = self._turn_end(deadline, left, waiting[i], nbytes)
+                    res = self.flush_one(ident, deadline=turn, nbytes=nbytes)
                     if res.stuck:
                         stuck[ident[0]] = res
                 out.results.append(res)
@@ -466,3 +485,13 @@ class Flusher:
             self._buf.write()
         out.seconds = self.clock() - t0
         return out
+
+
+def _owners_left(idents: List[Ident]) -> List[int]:
+    """For each position, how many distinct owners have checkpoints from there on."""
+    out = [0] * len(idents)
+    seen: Set[str] = set()
+    for i in range(len(idents) - 1, -1, -1):
+        seen.add(idents[i][0])
+        out[i] = len(seen)
+    return out

@@ -24,7 +24,7 @@ from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.layout import LOCK_PREFIX, parse_step_dirname
 from slurm_ckpt.core.manifest import MANIFEST_NAME, manifest_facts
 from slurm_ckpt.core.names import validate_key
-from slurm_ckpt.errors import CkptError, InvalidName, NotFound, TierError
+from slurm_ckpt.errors import CkptError, InvalidName, NotFound, StepConflict, TierError
 from slurm_ckpt.node.asuser import ChildResult, alive
 from slurm_ckpt.node.guard import (
     OwnPermissionDenied,
@@ -90,8 +90,39 @@ def scan_local(root: str, user: str, budget_s: float) -> Dict[str, Any]:
     return {"rows": out, "partial": False}
 
 
+#: Part of ``[hooks] child_timeout`` a child waits for a step's lock (the owner's
+#: processes may hold it): it gives up (:class:`~slurm_ckpt.errors.StepLocked`, held)
+#: well before root would kill it for showing no progress.
+LOCK_WAIT_SHARE = 0.5
+#: What :func:`~slurm_ckpt.tiers.copy.copy_checkpoint` says when the destination has a
+#: different committed checkpoint of the step (a :class:`StepConflict`, the owner's).
+_CONFLICT = "a different checkpoint with this step is already committed"
+
+
+def _bounded_locks(cfg: Config, tiers: Dict[str, Any]) -> Dict[str, Any]:
+    """The owner's tiers with a bounded wait for step locks (:data:`LOCK_WAIT_SHARE`)."""
+    for tier in tiers.values():
+        if isinstance(tier, PosixTier):
+            tier.lock_wait = cfg.hooks.child_timeout * LOCK_WAIT_SHARE
+    return tiers
+
+
 def flush_as_user(cfg: Config, user: str, key: str, step: int, uid: int) -> CopyResult:
-    tiers = owner_tiers(cfg)  # the object tier with root's lent keys (node.warm)
+    """Copy one checkpoint of ``user`` from the local tier to the warm tier, as ``user``;
+    a failure that is the owner's doing comes back as an error class that says so
+    (``user_caused``: the checkpoint is held, the node not drained)."""
+    try:
+        return _flush_as_user(cfg, user, key, step, uid)
+    except StepConflict:
+        raise
+    except CkptError as exc:
+        if type(exc) is CkptError and str(exc).endswith(_CONFLICT):
+            raise StepConflict(str(exc)) from None
+        raise
+
+
+def _flush_as_user(cfg: Config, user: str, key: str, step: int, uid: int) -> CopyResult:
+    tiers = _bounded_locks(cfg, owner_tiers(cfg))  # object: root's lent keys (node.warm)
     warm = warm_of(cfg, tiers)  # the PFS, or the object store on a site without one
     alive()
     check_user_dir(tiers["local"], user, uid)
@@ -170,7 +201,7 @@ def delete_as_user(cfg: Config, user: str, key: str, step: int, uid: int, need_w
     """Delete a local checkpoint; with ``need_warm`` only if the warm tier holds the very same
     committed checkpoint (identical manifest bytes) - the ledger is a cache, this is the
     last word before bytes disappear."""
-    tiers = owner_tiers(cfg)
+    tiers = _bounded_locks(cfg, owner_tiers(cfg))
     local, warm = tiers["local"], warm_of(cfg, tiers)  # warm: the PFS or the object store
     alive()
     check_step_files(local, user, key, step, uid)

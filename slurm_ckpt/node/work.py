@@ -103,6 +103,33 @@ def drain_reason(count: int, nbytes: int, failed: int = 0) -> str:
     return text + "; see ckpt-slurm status"
 
 
+def fair_order(records: List[Record]) -> List[Record]:
+    """``records`` taken in turns by owner: one batch of each owner's (as many as one
+    child copies: :data:`BATCH_MAX`, :data:`BATCH_BYTES`), then the next owner's, round
+    after round, each owner's own in their order. Owners take their turns in the order
+    of their first record (the ending job's owner first). However many checkpoints one
+    user has owed, another's wait for one turn each round, never for all of them."""
+    queues: Dict[str, List[List[Record]]] = {}
+    filled: Dict[str, int] = {}  # bytes in each owner's last batch
+    for rec in records:
+        chunks = queues.setdefault(rec.user, [])
+        nbytes = filled.get(rec.user, 0) + rec.nbytes
+        if not chunks or len(chunks[-1]) >= BATCH_MAX or nbytes > BATCH_BYTES:
+            chunks.append([rec])
+            nbytes = rec.nbytes
+        else:
+            chunks[-1].append(rec)
+        filled[rec.user] = nbytes
+    out: List[Record] = []
+    turn = 0
+    while len(out) < len(records):
+        for chunks in queues.values():
+            if turn < len(chunks):
+                out.extend(chunks[turn])
+        turn += 1
+    return out
+
+
 class NodeWork:
     """The node-side work shared by prolog, epilog and stager (see module docstring).
 
@@ -212,8 +239,9 @@ class NodeWork:
         succeeded and was complete (a user directory skipped as unsafe counts as empty:
         nothing in it may be touched until it is fixed, and the next scan brings its
         records back); PFS states the ledger already has are kept as they are. Each scan
-        stops at ``deadline`` with what it has (then nothing is pruned), and a scan whose
-        child is stopped or hangs is killed: that user is skipped this time.
+        stops at its share of what is left before ``deadline`` (shared evenly by the
+        users not scanned yet) with what it has (then nothing is pruned), and a scan
+        whose child is stopped or hangs is killed: that user is skipped this time.
         """
         local: List[Tuple[str, str, int, int]] = []
         # What changes in the ledger from here on (another hook's flush or retention) is
@@ -224,13 +252,18 @@ class NodeWork:
         self.scan_jobs = {}
         self.scan_nodes = {}
         stall = self.cfg.hooks.child_timeout
-        for ids in self.local_users():
+        users = self.local_users()
+        for turn, ids in enumerate(users):
             left = self._left(deadline)
             if left is not None and left <= 0:
                 complete = False  # no time to look: this user's records stay as they are
                 self.users[ids.name] = ids
                 continue
-            timeout = SCAN_TIMEOUT_S if left is None else max(0.1, min(SCAN_TIMEOUT_S, left))
+            # Each user's scan gets at most a fair share of what is left (a user with
+            # 100,000 checkpoints cannot spend the others' time), whatever it leaves
+            # unused going to those after it.
+            share = None if left is None else left / (len(users) - turn)
+            timeout = SCAN_TIMEOUT_S if share is None else max(0.1, min(SCAN_TIMEOUT_S, share))
             try:
                 got = run_as(
                     ids.uid,
@@ -332,7 +365,7 @@ class NodeWork:
         ]
         if first_job is not None:
             out.sort(key=lambda r: self.job_of(r) != first_job)
-        return out
+        return fair_order(out)
 
     # -- flush ------------------------------------------------------------------------
     def flusher(self) -> Flusher:
@@ -345,7 +378,14 @@ class NodeWork:
             clock=self.clock,
             slots=self._slot_gate(),
             retry=self.retry,
+            allowance=self._allowance,
         )
+
+    def _allowance(self, nbytes: int) -> float:
+        """The time a copy of ``nbytes`` is always allowed when others wait (its fair
+        share may be more): one stall limit plus its size at ``min_flush_rate``."""
+        h = self.cfg.hooks
+        return h.child_timeout + max(0, nbytes) / h.min_flush_rate
 
     def _slot_gate(self) -> Optional[SlotGate]:
         """The PFS slot gate, made once: maintenance priority when an admin holds this

@@ -170,6 +170,15 @@ class CliBackend:
     def nodes(self) -> List[NodeInfo]:
         return [node_from_json(n) for n in self._json(["sinfo", "--json"]).get("nodes", [])]
 
+    def all_nodes(self, timeout: Optional[float] = None) -> List[NodeInfo]:
+        """Every node, from one ``scontrol show node -o`` (no JSON plugin needed)."""
+        out = self.run(["scontrol", "show", "node", "-o"], timeout=timeout)
+        return [
+            node_from_oneliner(parse_oneliner(ln))
+            for ln in out.splitlines()
+            if ln.startswith("NodeName=")
+        ]
+
     def config(self) -> Dict[str, str]:
         out = self.run(["scontrol", "show", "config"])
         conf: Dict[str, str] = {}

@@ -163,6 +163,15 @@ class SlurmClient:
     def nodes(self) -> List[NodeInfo]:
         return self.cli.nodes()
 
+    def node_table(self, timeout: Optional[float] = None) -> Dict[str, NodeInfo]:
+        """Every node SLURM knows, by name, from ONE query (``scontrol show node -o``),
+        waited on for at most ``timeout`` seconds (default: the client's). What root asks
+        about many nodes at once - the owners of the partner copies on a node - it asks
+        this way: one query per hook whatever the number of names, so names a user
+        writes into manifests cost root nothing (a name not in the table is a node
+        SLURM does not know)."""
+        return {n.name: n for n in self.cli.all_nodes(timeout) if n.name}
+
     def drain(self, node: str, reason: str, force: bool = False) -> Optional[str]:
         """Drain ``node``: running jobs go on, nothing new starts. Returns the reason set
         (prefixed with ``slurm_ckpt:`` if it was not).

@@ -34,7 +34,7 @@ from slurm_ckpt.core.manifest import MANIFEST_NAME, Manifest
 from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.core.verify import VerifyReport, open_payload, verify_files
-from slurm_ckpt.errors import InvalidName, NotFound, TierError, VerifyError
+from slurm_ckpt.errors import InvalidName, NotFound, StepLocked, TierError, VerifyError
 from slurm_ckpt.tiers.base import StepInfo
 
 
@@ -59,6 +59,10 @@ class PosixTier:
         self.chunk_size = chunk_size
         self.streams = streams
         self.limiter = BandwidthLimiter(bandwidth) if bandwidth else None
+        #: How long :meth:`lock` waits for a step's lock (None: as long as it takes).
+        #: Root's children working as a checkpoint's owner set it: a lock the owner holds
+        #: must not stall root's work (:class:`~slurm_ckpt.errors.StepLocked`).
+        self.lock_wait: Optional[float] = None
 
     def __repr__(self) -> str:
         return f"PosixTier({self.name!r}, {self.root!r})"
@@ -128,13 +132,34 @@ class PosixTier:
             )
             try:
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+                    if wait and self.lock_wait is not None:
+                        self._flock_within(fd, self.lock_wait, user, key, step)
+                    else:
+                        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
                 except BlockingIOError:
                     yield False
                     return
                 yield True
             finally:
                 os.close(fd)
+
+    def _flock_within(self, fd: int, limit: float, user: str, key: str, step: int) -> None:
+        """``flock(LOCK_EX)`` on ``fd``, tried until ``limit`` seconds have passed;
+        :class:`StepLocked` when someone else still holds it then."""
+        end = time.monotonic() + max(0.0, limit)
+        pause = 0.005
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= end:
+                    raise StepLocked(
+                        f"{self.where(user, key, step)}: its lock file is held by another "
+                        f"process of the owner's (gave up after {limit:g}s)"
+                    ) from None
+                time.sleep(pause)
+                pause = min(0.1, pause * 2)
 
     # -- checks ----------------------------------------------------------------
     def check(self, write: bool = False) -> None:

@@ -10,6 +10,8 @@ the real hook and CLI code.
   child with dropped privileges); everything root does is the real hook or CLI code.
 * SLURM: the hooks take a :class:`Recorder` only where the test is about *what root
   decides* (drain, resume); it records, it does not pretend to be SLURM otherwise.
+  Where a test is about what root *asks* SLURM (how many queries, naming what), the
+  real client runs stand-in tools instead (:mod:`.fake_slurm`).
 """
 
 from __future__ import annotations

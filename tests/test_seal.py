@@ -242,6 +242,18 @@ def test_bad_input_one_line(tmp_path: Path, open_tmp: Path, run_as: Callable[...
     r = run_as([sys.executable, "-m", "slurm_ckpt.cli.main", "seal", str(private)], "ckptuser1")
     one_error(r, f"{private}: permission denied (run as its owner or root)")
     assert not (private / "manifest.json").exists()
+    # Writable by everyone, but root's: a manifest of ckptuser1 there would not verify.
+    shared = open_tmp / "shared"
+    complete_dir(shared)
+    os.chmod(shared, 0o777)
+    r = run_as([sys.executable, "-m", "slurm_ckpt.cli.main", "seal", str(shared)], "ckptuser1")
+    one_error(r, f"{shared}: owned by uid 0: seal it as its owner or root")
+    # Another tool's manifest.json is never replaced.
+    foreign = tmp_path / "foreign"
+    complete_dir(foreign)
+    (foreign / "manifest.json").write_text('{"files": []}')
+    one_error(ckpt_slurm("seal", str(foreign)), "holds a manifest.json that is not slurm_ckpt's")
+    assert (foreign / "manifest.json").read_text() == '{"files": []}'
 
 
 def test_root_seals_a_users_directory_as_that_user(open_tmp: Path) -> None:

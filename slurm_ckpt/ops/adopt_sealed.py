@@ -102,8 +102,11 @@ def adopt_sealed(
             raise PathProblem(f"{path}: sealed as {sealed.user}'s: adopt it as {sealed.user}")
         step = sealed.step if step is None else step
         prefix = shard_prefix(0)
-        meta = dict(
-            sealed.meta,
+        # ``sealed`` goes: this step lives in a series now (verify DIR of a copy of it
+        # says "moved" like for any of ours); ``adopted`` keeps which tool wrote it.
+        meta = {k: v for k, v in sealed.meta.items() if k != SEALED_META}
+        meta.update(
+            adopted=sealed.meta[SEALED_META],
             rank=0,
             world_size=1,
             base_key=key,

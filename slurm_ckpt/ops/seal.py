@@ -201,16 +201,32 @@ def _precheck(dfd: int, path: str) -> Tuple[str, Listing]:
     """Everything that can be refused before a byte is read: no manifest yet, files
     only, names a manifest can hold, no format sign of a save in progress."""
     base = os.path.basename(path.rstrip("/"))
-    try:
-        os.stat(MANIFEST_NAME, dir_fd=dfd, follow_symlinks=False)
+    owner = os.fstat(dfd).st_uid
+    if os.geteuid() not in (0, owner):
         raise SealRefused(
-            f"{path}: already sealed ({MANIFEST_NAME} is there): check it with "
-            f"ckpt-slurm verify {path}"
+            f"{path}: owned by uid {owner}: seal it as its owner or root (verify reads "
+            "only a manifest of the directory's owner)"
         )
+    try:
+        data = fsio.read_small(dfd, MANIFEST_NAME)
     except FileNotFoundError:
         pass
     except PermissionError:
         raise SealRefused(f"{path}: permission denied (run as its owner or root)") from None
+    except OSError as exc:
+        raise SealRefused(f"{path}/{MANIFEST_NAME}: {exc.strerror or exc}") from None
+    else:
+        try:
+            Manifest.from_bytes(data, path)
+        except CkptError:
+            raise SealRefused(
+                f"{path}: holds a {MANIFEST_NAME} that is not slurm_ckpt's: it cannot be "
+                "sealed in place (copy the directory, then seal the copy)"
+            ) from None
+        raise SealRefused(
+            f"{path}: already sealed ({MANIFEST_NAME} is there): check it with "
+            f"ckpt-slurm verify {path}"
+        )
     listing = _listing(dfd, path)
     if not listing:
         raise SealRefused(f"{path}: no files to seal")

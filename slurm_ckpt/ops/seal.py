@@ -76,6 +76,10 @@ SEALED_META = "sealed"
 #: Deepest directory nesting sealed (HF DeepSpeed's ``global_stepN/`` is one level).
 MAX_DEPTH = 32
 
+#: Root's seal of a user's directory gives up on its child (running as the owner) after
+#: this long without a sign of life (listing, one chunk hashed, the commit).
+CHILD_STALL_S = 300.0
+
 _TRAILING_NUMBER = re.compile(r"(\d+)$")
 _HF_DIR = re.compile(r"checkpoint-\d+")
 
@@ -412,7 +416,7 @@ def _seal_as_owner(
     streams: int,
 ) -> Dict[str, Any]:
     """Root: look for writers among every process, then seal as the owner (a child)."""
-    from slurm_ckpt.node.asuser import run_as_user
+    from slurm_ckpt.node.asuser import alive, run_as_user
 
     listing = _listing(dfd, path)
     _check_writers(path, listing)
@@ -423,11 +427,16 @@ def _seal_as_owner(
         try:
             if os.fstat(cfd).st_ino != st.st_ino or os.fstat(cfd).st_dev != st.st_dev:
                 raise SealRefused(f"{path}: replaced while sealing")
-            return _seal_open(cfd, path, key, step, chunk_size, streams, None, (parent,))
+            beat = lambda _n: alive()  # noqa: E731 - a sign of life per chunk hashed
+            return _seal_open(cfd, path, key, step, chunk_size, streams, beat, (parent,))
         finally:
             os.close(cfd)
 
-    out = run_as_user(_owner_name(st.st_uid), child, what=f"seal {path}")
+    # Bounded: a child its user stops (SIGSTOP) or that hangs on a dead filesystem is
+    # killed once it has shown no sign of life (a chunk hashed) for CHILD_STALL_S.
+    out = run_as_user(
+        _owner_name(st.st_uid), child, what=f"seal {path}", stall_timeout=CHILD_STALL_S
+    )
     if not isinstance(out, dict) or not isinstance(out.get("manifest"), str):
         raise SealRefused(f"{path}: the sealing child answered garbage")
     return out

@@ -4,6 +4,7 @@ CPU, no hub download).
     python tests/seal_worker.py dcp DIR        # stock DCP FileSystemWriter into DIR
     python tests/seal_worker.py dcp-load DIR   # load it back (exit 0 when equal)
     python tests/seal_worker.py hf OUT         # a plain HF Trainer: OUT/checkpoint-2
+    python tests/seal_worker.py lightning DIR  # Lightning ModelCheckpoint(dirpath=DIR)
     python tests/seal_worker.py append FILE    # a writer in progress (see below)
 
 ``append`` opens FILE for appending, writes a first block, prints ``ready`` (the known
@@ -84,6 +85,39 @@ def hf(out: str) -> int:
     return 0
 
 
+def lightning(dirpath: str) -> int:
+    import pytorch_lightning as pl
+    import torch
+    from pytorch_lightning.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(64, 64)
+
+        def training_step(self, batch: object, _i: int) -> torch.Tensor:
+            (x,) = batch  # type: ignore[misc]
+            return self.net(x).square().mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(16, 64)), batch_size=4)
+    every = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1)
+    trainer = pl.Trainer(
+        max_steps=4,
+        callbacks=[every],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
+    trainer.fit(Tiny(), data)
+    return 0
+
+
 def append(path: str) -> int:
     block = b"x" * 4096
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -100,4 +134,12 @@ def append(path: str) -> int:
 
 if __name__ == "__main__":
     cmd, arg = sys.argv[1], sys.argv[2]
-    sys.exit({"dcp": dcp, "dcp-load": dcp_load, "hf": hf, "append": append}[cmd](arg))
+    sys.exit(
+        {
+            "dcp": dcp,
+            "dcp-load": dcp_load,
+            "hf": hf,
+            "lightning": lightning,
+            "append": append,
+        }[cmd](arg)
+    )

@@ -22,7 +22,7 @@ import pytest
 from helpers.cli import ckpt_slurm
 
 from slurm_ckpt.core.manifest import Manifest
-from slurm_ckpt.ops.seal import SealRefused, seal_dir
+from slurm_ckpt.ops.seal import SealRefused, detect_format, seal_dir, step_from_name
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "seal_worker.py"
@@ -115,6 +115,34 @@ def test_hf_checkpoint_sealed_then_a_flipped_byte_is_named(tmp_path: Path) -> No
     ]
 
 
+def test_lightning_dirpath_sealed_a_ckpt_file_points_there(tmp_path: Path) -> None:
+    """Lightning writes single ``.ckpt`` files: the directory that holds them (the
+    ModelCheckpoint's ``dirpath``) is what is sealed."""
+    d = tmp_path / "checkpoints"
+    worker("lightning", str(d))
+    ckpts = sorted(p.name for p in d.iterdir())
+    assert len(ckpts) == 2 and all(n.endswith(".ckpt") for n in ckpts), ckpts
+    one_error(
+        ckpt_slurm("seal", str(d / ckpts[-1])),
+        f"{d / ckpts[-1]}: is a file: seal the directory that holds it",
+        f"ckpt-slurm seal {d}",
+    )
+    r = ckpt_slurm("seal", str(d), "--step", "4", "--chunk-size", "64KiB")
+    assert r.returncode == 0 and r.stdout.startswith(f"sealed {d} (lightning): 2 files"), r
+    assert ckpt_slurm("verify", str(d)).returncode == 0
+    last = d / ckpts[-1]
+    size = last.stat().st_size
+    flip(last, 100)
+    # Lightning goes on writing into its dirpath: a new file is named too.
+    (d / "epoch=9-step=99.ckpt").write_bytes(b"later")
+    bad = ckpt_slurm("verify", str(d))
+    assert bad.returncode == 1
+    assert problem_lines(bad.stdout) == [
+        f"CORRUPT: {last.name}: content hash mismatch ({bad_range(size, 100)})",
+        "CORRUPT: epoch=9-step=99.ckpt: not in the manifest",
+    ], bad.stdout
+
+
 def one_error(r: subprocess.CompletedProcess, *fragments: str) -> str:
     assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
     assert r.stdout == "" and "Traceback" not in r.stderr
@@ -153,6 +181,43 @@ def test_a_file_open_for_writing_is_refused(tmp_path: Path) -> None:
     # The writer is done: the same directory seals and verifies.
     assert ckpt_slurm("seal", str(d)).returncode == 0
     assert ckpt_slurm("verify", str(d)).returncode == 0
+
+
+def test_a_reader_is_no_writer(tmp_path: Path) -> None:
+    """A process that has a file open for reading only (a data loader, a verify in
+    another shell) does not stop the seal; the same file open for writing does."""
+    d = tmp_path / "step-2"
+    complete_dir(d)
+    with open(d / "weights.bin", "rb") as rd, open(d / "config.json", "ab") as wr:
+        reader = subprocess.Popen(["sleep", "600"], stdin=rd)
+        writer = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL, stdout=wr)
+    try:
+        one_error(
+            ckpt_slurm("seal", str(d)),
+            f"config.json is open for writing by process {writer.pid}",
+        )
+        writer.kill()
+        writer.wait()
+        assert ckpt_slurm("seal", str(d)).returncode == 0  # the reader is still there
+        assert reader.poll() is None
+    finally:
+        for p in (reader, writer):
+            p.kill()
+            p.wait()
+
+
+def test_formats_and_steps_from_names() -> None:
+    assert detect_format("step-3", {".metadata", "__0_0.distcp"}) == "dcp"
+    assert detect_format("checkpoint-500", {"model.safetensors", "trainer_state.json"}) == "hf"
+    assert detect_format("1000", {"_CHECKPOINT_METADATA", "default"}) == "orbax"
+    assert detect_format("checkpoints", {"epoch=0-step=2.ckpt", "last.ckpt"}) == "lightning"
+    assert detect_format("export", {"model.pt"}) == "dir"
+    assert [step_from_name(n) for n in ("checkpoint-500", "step_0042", "1000", "final")] == [
+        500,
+        42,
+        1000,
+        0,
+    ]
 
 
 def test_a_file_changing_while_hashed_is_refused(tmp_path: Path) -> None:

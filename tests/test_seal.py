@@ -206,6 +206,22 @@ def test_a_reader_is_no_writer(tmp_path: Path) -> None:
             p.wait()
 
 
+def test_many_files_are_hashed_in_batches(tmp_path: Path, monkeypatch: Any) -> None:
+    """More files than are kept open at once (BATCH_FILES): all sealed, all verify."""
+    import slurm_ckpt.ops.seal as seal_mod
+    from slurm_ckpt.ops.verify_path import verify_path
+
+    monkeypatch.setattr(seal_mod, "BATCH_FILES", 2)
+    d = tmp_path / "many"
+    (d / "sub").mkdir(parents=True)
+    for i in range(5):
+        (d / "sub" / f"f{i}.bin").write_bytes(os.urandom(1000 + i))
+    done = seal_dir(str(d), key="k", step=7)
+    assert len(done.manifest.files) == 5 and done.manifest.step == 7
+    res = verify_path(str(d))
+    assert res.report.ok and not res.moved, res.report.problems
+
+
 def test_formats_and_steps_from_names() -> None:
     assert detect_format("step-3", {".metadata", "__0_0.distcp"}) == "dcp"
     assert detect_format("checkpoint-500", {"model.safetensors", "trainer_state.json"}) == "hf"
@@ -313,6 +329,11 @@ def test_bad_input_one_line(tmp_path: Path, open_tmp: Path, run_as: Callable[...
     os.chmod(shared, 0o777)
     r = run_as([sys.executable, "-m", "slurm_ckpt.cli.main", "seal", str(shared)], "ckptuser1")
     one_error(r, f"{shared}: owned by uid 0: seal it as its owner or root")
+    # A crashed seal's temporary manifest: named, with what to do.
+    crashed = tmp_path / "crashed"
+    complete_dir(crashed)
+    (crashed / ".manifest.json.tmp-123-abcd").write_text("half")
+    one_error(ckpt_slurm("seal", str(crashed)), "a seal that was interrupted: remove it")
     # Another tool's manifest.json is never replaced.
     foreign = tmp_path / "foreign"
     complete_dir(foreign)

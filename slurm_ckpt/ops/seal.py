@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from slurm_ckpt.core import fsio
-from slurm_ckpt.core.chunks import hash_range, run_chunks
+from slurm_ckpt.core.chunks import ShortRead, hash_range, run_chunks
 from slurm_ckpt.core.hashing import DEFAULT_CHUNK_SIZE, combine
 from slurm_ckpt.core.manifest import MANIFEST_NAME, FileEntry, Manifest
 from slurm_ckpt.core.manifest_limits import limits
@@ -185,7 +185,7 @@ def _listing(dfd: int, path: str) -> Listing:
     except FileNotFoundError:
         raise SealRefused(f"{path}: a file went away while listing: still being written") from None
     if problems:
-        raise SealRefused(f"{path}/{problems[0]} (a sealed directory holds regular files only)")
+        raise SealRefused(f"{path}: {problems[0]} (a sealed directory holds regular files only)")
     return {rel: _sig(st) for rel, st in files}
 
 
@@ -243,6 +243,11 @@ def _precheck(dfd: int, path: str) -> Tuple[str, Listing]:
         try:
             validate_relpath(rel)
         except InvalidName:
+            if rel.startswith(f".{MANIFEST_NAME}{fsio.TMP_MARK}"):
+                raise SealRefused(
+                    f"{path}/{rel}: the temporary manifest of a seal that was interrupted: "
+                    "remove it and seal again"
+                ) from None
             raise SealRefused(
                 f"{path}/{rel}: a name slurm_ckpt keeps for itself (a temporary file of "
                 "a writer still at work?)"
@@ -251,6 +256,10 @@ def _precheck(dfd: int, path: str) -> Tuple[str, Listing]:
 
 
 # ---------------------------------------------------------------------- hashing
+#: Files open at once while hashing (a directory of 100,000 files must not hit EMFILE).
+BATCH_FILES = 256
+
+
 def _hash_all(
     dfd: int,
     path: str,
@@ -259,8 +268,38 @@ def _hash_all(
     streams: int,
     progress: Optional[ProgressFn],
 ) -> List[FileEntry]:
-    """Hash every file (chunks in parallel), fsync it, and refuse any that changed."""
+    """Hash every file (chunks in parallel, :data:`BATCH_FILES` files at a time), fsync
+    it, and refuse any that changed."""
     rels = sorted(before)
+    entries: List[FileEntry] = []
+    try:
+        for at in range(0, len(rels), BATCH_FILES):
+            entries += _hash_batch(
+                dfd, path, before, rels[at : at + BATCH_FILES], chunk_size, streams, progress
+            )
+        return entries
+    except fsio.UnsafeFile as exc:
+        raise SealRefused(
+            f"{path}: {exc.strerror} (verify refuses such files: give the file a single "
+            "link, owned by the directory's owner)"
+        ) from None
+    except ShortRead:
+        raise SealRefused(f"{path}: still being written: a file shrank while hashing") from None
+    except FileNotFoundError as exc:
+        raise SealRefused(f"{path}: still being written: a file went away ({exc})") from None
+    except PermissionError:
+        raise SealRefused(f"{path}: permission denied reading its files") from None
+
+
+def _hash_batch(
+    dfd: int,
+    path: str,
+    before: Listing,
+    rels: List[str],
+    chunk_size: int,
+    streams: int,
+    progress: Optional[ProgressFn],
+) -> List[FileEntry]:
     fds: List[int] = []
     try:
         for rel in rels:
@@ -287,15 +326,6 @@ def _hash_all(
                 raise SealRefused(f"{path}: still being written: {rel} changed while hashing")
             entries.append(FileEntry(rel, before[rel][0], combine(chunks), chunks))
         return entries
-    except fsio.UnsafeFile as exc:
-        raise SealRefused(
-            f"{path}: {exc.strerror} (verify refuses such files: give the file a single "
-            "link, owned by the directory's owner)"
-        ) from None
-    except FileNotFoundError as exc:
-        raise SealRefused(f"{path}: still being written: a file went away ({exc})") from None
-    except PermissionError:
-        raise SealRefused(f"{path}: permission denied reading its files") from None
     finally:
         for fd in fds:
             os.close(fd)

@@ -22,7 +22,13 @@ import pytest
 from helpers.cli import ckpt_slurm
 
 from slurm_ckpt.core.manifest import Manifest
-from slurm_ckpt.ops.seal import SealRefused, detect_format, seal_dir, step_from_name
+from slurm_ckpt.ops.seal import (
+    SealRefused,
+    detect_format,
+    seal_dir,
+    step_from_name,
+    unfinished,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "seal_worker.py"
@@ -224,6 +230,9 @@ def test_many_files_are_hashed_in_batches(tmp_path: Path, monkeypatch: Any) -> N
 
 def test_formats_and_steps_from_names() -> None:
     assert detect_format("step-3", {".metadata", "__0_0.distcp"}) == "dcp"
+    assert detect_format("step-3", {"__0.metadata", "__0_0.distcp"}) == "dcp"
+    assert unfinished("step-3", "dcp", {"__0.metadata", "__0_0.distcp"}) is None
+    assert unfinished("step-3", "dcp", {".metadata", "__0_0.distcp", "__1_0.distcp"}) is None
     assert detect_format("checkpoint-500", {"model.safetensors", "trainer_state.json"}) == "hf"
     assert detect_format("1000", {"_CHECKPOINT_METADATA", "default"}) == "orbax"
     assert detect_format("checkpoints", {"epoch=0-step=2.ckpt", "last.ckpt"}) == "lightning"
@@ -259,7 +268,8 @@ def test_a_file_changing_while_hashed_is_refused(tmp_path: Path) -> None:
     ("make", "why"),
     [
         ("dcp-no-metadata", "DCP shards without .metadata (DCP writes .metadata last)"),
-        ("dcp-metadata-tmp", "DCP is writing .metadata (.metadata.tmp is there)"),
+        ("dcp-metadata-tmp", "DCP is writing its metadata (.metadata.tmp is there)"),
+        ("dcp-rank-metadata", "DCP shards of rank 1 without its __1.metadata (written last)"),
         ("hf-no-state", "no trainer_state.json (the HF Trainer writes it last)"),
         ("orbax-tmp", "an Orbax temporary directory"),
     ],
@@ -271,6 +281,9 @@ def test_a_format_still_saving_is_refused(tmp_path: Path, make: str, why: str) -
         (d / "__0_0.distcp").write_bytes(b"shard")
         if make == "dcp-metadata-tmp":
             (d / ".metadata.tmp").write_bytes(b"half")
+        if make == "dcp-rank-metadata":  # no collectives: each rank writes __R.metadata
+            (d / "__0.metadata").write_bytes(b"rank 0 done")
+            (d / "__1_0.distcp").write_bytes(b"rank 1 still writing")
     elif make == "hf-no-state":
         d = tmp_path / "checkpoint-500"
         d.mkdir()

@@ -14,7 +14,8 @@ file and the byte range of each chunk that differs.
 A directory that is still being written is refused, never sealed half-way:
 
 * a format's own sign of an unfinished save: DCP shards without ``.metadata`` (DCP
-  writes it last) or a ``.metadata.tmp``; an HF ``checkpoint-N`` without its
+  writes it last; without collectives a rank's ``__R.metadata``) or a
+  ``*.metadata.tmp``; an HF ``checkpoint-N`` without its
   ``trainer_state.json`` (the Trainer writes it last), or its ``tmp-checkpoint-N``;
   an Orbax ``*.orbax-checkpoint-tmp-*`` directory;
 * any file open for writing by a process (``/proc/*/fd``: root sees every process, a
@@ -67,6 +68,7 @@ __all__ = [
     "detect_format",
     "seal_dir",
     "step_from_name",
+    "unfinished",
 ]
 
 #: The key a sealed directory's manifest names when ``--key`` is not given.
@@ -109,7 +111,7 @@ def step_from_name(name: str) -> int:
 def detect_format(base: str, names: Set[str]) -> str:
     """Which tool wrote a directory, from its name and its top-level entries ``names``:
     ``dcp``, ``hf``, ``orbax``, ``lightning`` or ``dir`` (anything else)."""
-    if ".metadata" in names or any(n.endswith(".distcp") for n in names):
+    if any(n.endswith((".distcp", ".metadata", ".metadata.tmp")) for n in names):
         return "dcp"
     if _HF_DIR.fullmatch(base) or "trainer_state.json" in names:
         return "hf"
@@ -128,12 +130,33 @@ def unfinished(base: str, fmt: str, names: Set[str]) -> Optional[str]:
     if base.startswith("tmp-checkpoint-"):
         return "an HF Trainer temporary directory (renamed to checkpoint-N when done)"
     if fmt == "dcp":
-        if ".metadata.tmp" in names:
-            return "DCP is writing .metadata (.metadata.tmp is there)"
-        if ".metadata" not in names:
-            return "DCP shards without .metadata (DCP writes .metadata last)"
+        return _dcp_unfinished(names)
     if fmt == "hf" and _HF_DIR.fullmatch(base) and "trainer_state.json" not in names:
         return "no trainer_state.json (the HF Trainer writes it last)"
+    return None
+
+
+_DCP_SHARD = re.compile(r"__(\d+)_\d+\.distcp")
+_DCP_RANK_METADATA = re.compile(r"__(\d+)\.metadata")
+
+
+def _dcp_unfinished(names: Set[str]) -> Optional[str]:
+    """DCP's ``FileSystemWriter.finish`` writes ``.metadata.tmp`` and renames it to
+    ``.metadata`` once every shard is written (without collectives, each rank its own
+    ``__R.metadata``): a temporary one, or a rank's shards without a metadata file
+    that covers them, is a save in progress."""
+    tmp = sorted(n for n in names if n.endswith(".metadata.tmp"))
+    if tmp:
+        return f"DCP is writing its metadata ({tmp[0]} is there)"
+    if ".metadata" in names:
+        return None
+    ranks = {int(m.group(1)) for m in map(_DCP_SHARD.fullmatch, names) if m}
+    have = {int(m.group(1)) for m in map(_DCP_RANK_METADATA.fullmatch, names) if m}
+    if not have:
+        return "DCP shards without .metadata (DCP writes .metadata last)"
+    missing = sorted(ranks - have)
+    if missing:
+        return f"DCP shards of rank {missing[0]} without its __{missing[0]}.metadata (written last)"
     return None
 
 

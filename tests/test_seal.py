@@ -272,6 +272,7 @@ def test_a_file_changing_while_hashed_is_refused(tmp_path: Path) -> None:
         ("dcp-rank-metadata", "DCP shards of rank 1 without its __1.metadata (written last)"),
         ("hf-no-state", "no trainer_state.json (the HF Trainer writes it last)"),
         ("orbax-tmp", "an Orbax temporary directory"),
+        ("orbax-root", "an Orbax temporary directory inside it (2000.orbax-checkpoint-tmp-9)"),
     ],
 )
 def test_a_format_still_saving_is_refused(tmp_path: Path, make: str, why: str) -> None:
@@ -288,10 +289,15 @@ def test_a_format_still_saving_is_refused(tmp_path: Path, make: str, why: str) -
         d = tmp_path / "checkpoint-500"
         d.mkdir()
         (d / "model.safetensors").write_bytes(b"weights")
-    else:
+    elif make == "orbax-tmp":
         d = tmp_path / "1000.orbax-checkpoint-tmp-1712"
         d.mkdir()
         (d / "_CHECKPOINT_METADATA").write_text("{}")
+    else:  # an Orbax root: step 1000 done, step 2000 being written
+        d = tmp_path / "orbax"
+        for step in ("1000", "2000.orbax-checkpoint-tmp-9"):
+            (d / step).mkdir(parents=True)
+            (d / step / "_CHECKPOINT_METADATA").write_text("{}")
     one_error(ckpt_slurm("seal", str(d)), f"{d}: still being written: {why}")
     assert not (d / "manifest.json").exists()
 

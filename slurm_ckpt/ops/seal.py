@@ -82,6 +82,9 @@ MAX_DEPTH = 32
 #: this long without a sign of life (listing, one chunk hashed, the commit).
 CHILD_STALL_S = 300.0
 
+#: What Orbax names a step directory while it is being written (renamed when done).
+ORBAX_TMP = ".orbax-checkpoint-tmp"
+
 _TRAILING_NUMBER = re.compile(r"(\d+)$")
 _HF_DIR = re.compile(r"checkpoint-\d+")
 
@@ -125,7 +128,7 @@ def detect_format(base: str, names: Set[str]) -> str:
 def unfinished(base: str, fmt: str, names: Set[str]) -> Optional[str]:
     """Why a directory of format ``fmt`` is still being written, by that tool's own
     signs (see the module docstring), or None."""
-    if ".orbax-checkpoint-tmp" in base:
+    if ORBAX_TMP in base:
         return "an Orbax temporary directory (Orbax renames it when the save is done)"
     if base.startswith("tmp-checkpoint-"):
         return "an HF Trainer temporary directory (renamed to checkpoint-N when done)"
@@ -260,6 +263,9 @@ def _precheck(dfd: int, path: str) -> Tuple[str, Listing]:
     top = {rel.split("/", 1)[0] for rel in listing}
     fmt = detect_format(base, top)
     why = unfinished(base, fmt, top)
+    inner = sorted(r for r in listing if ORBAX_TMP in r.rsplit("/", 1)[0] and "/" in r)
+    if not why and inner:
+        why = f"an Orbax temporary directory inside it ({inner[0].rsplit('/', 1)[0]})"
     if why:
         raise SealRefused(f"{path}: still being written: {why}")
     for rel in listing:

@@ -38,6 +38,7 @@ def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))  # no scontrol, no srun: SLURM unreachable
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "__0_0.distcp").write_bytes(b"a DCP shard whose .metadata is not written yet")
     return tmp_path
 
 
@@ -137,6 +138,13 @@ CASES: List[Tuple[List[str], int, str]] = [
     (["list", "nosuchkey"], EXIT_FAILED, "no committed checkpoint"),
     (["verify", "/tmp/not-a-step"], EXIT_FAILED, "/tmp/not-a-step: no such file or directory"),
     (["drill", "nosuchkey"], EXIT_FAILED, "no restorable checkpoint"),
+    (["seal", "/tmp/no-such-seal-dir"], EXIT_FAILED, "no-such-seal-dir: no such file or"),
+    (["seal", "config.toml"], EXIT_FAILED, "config.toml: not a directory"),
+    (["seal", "."], EXIT_FAILED, "still being written: DCP shards without .metadata"),
+    (["seal"], EXIT_USAGE, "DIR"),
+    (["seal", ".", "--step", "-1"], EXIT_USAGE, "--step"),
+    (["seal", ".", "--chunk-size", "1KiB"], EXIT_USAGE, "--chunk-size"),
+    (["seal", ".", "--key", "a/b"], EXIT_USAGE, "invalid key"),
     # --- SLURM out of reach: exit 3
     (["maint", "n1", "--reason", "x", "--reboot"], EXIT_SLURM, "scontrol"),
 ]

@@ -17,6 +17,8 @@ verify_cmd
 drill_cmd
 gc_cmd
 restore_cmd
+seal_cmd
+adopt_cmd
 config_show
 config_check
 _.format_commands

@@ -18,6 +18,7 @@ import click
 from slurm_ckpt.cli.output import CliState, pass_state, print_json
 from slurm_ckpt.cli.params import USER
 from slurm_ckpt.cli.progress import ByteProgress
+from slurm_ckpt.cli.safe_text import safe_text
 from slurm_ckpt.cli.table import (
     Column,
     Listing,
@@ -207,6 +208,11 @@ def _verify_path(target: str, streams: int, out: OutputFormat) -> int:
         print_json({"ok": rep.ok, "checkpoints": [row]})
     else:
         Listing(VERIFY_COLUMNS, [row], "verify").print(out)
+        if out.human:
+            # The table shows the first problems; every one gets its own line too: the
+            # file and, for damaged content, the byte range of each chunk that differs.
+            for problem in rep.problems:
+                click.echo(f"{row['state']}: {safe_text(problem, 4096)}")
     return 0 if rep.ok else 1
 
 

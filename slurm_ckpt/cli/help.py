@@ -45,6 +45,16 @@ EXAMPLES: Dict[str, List[str]] = {
         "ckpt-slurm verify /lustre/checkpoints/alice/my-run/step-0000004000",
         "ckpt-slurm verify my-run --local ./ckpt/local   (no site config)",
     ],
+    "seal": [
+        "ckpt-slurm seal out/checkpoint-500",
+        "ckpt-slurm seal /scratch/alice/dcp/step-2000 --key my-run",
+        "ckpt-slurm seal lightning_logs/version_0/checkpoints --step 1200",
+    ],
+    "adopt": [
+        "ckpt-slurm adopt out/checkpoint-500 --key my-run",
+        "ckpt-slurm adopt /scratch/alice/dcp/step-2000 --key my-run --tier warm",
+        "ckpt-slurm adopt out/checkpoint-500 --key my-run --local ./ckpt/local   (no site config)",
+    ],
     "gc": ["ckpt-slurm gc --dry-run", "ckpt-slurm gc -u alice -k my-run --json"],
     "flush": ["ckpt-slurm flush", "ckpt-slurm flush -j 123456 --wait"],
     "drill": ["ckpt-slurm drill my-run", "ckpt-slurm drill my-run -u alice --json"],

@@ -52,6 +52,8 @@ COMMANDS: List[Tuple[str, str]] = [
     ("slurm_ckpt.cli.plan", "plan"),
     ("slurm_ckpt.cli.catalog", "list_cmd"),
     ("slurm_ckpt.cli.catalog", "verify_cmd"),
+    ("slurm_ckpt.cli.seal_cmd", "seal_cmd"),
+    ("slurm_ckpt.cli.seal_cmd", "adopt_cmd"),
     ("slurm_ckpt.cli.hooks_cmds", "prolog_cmd"),
     ("slurm_ckpt.cli.hooks_cmds", "epilog_cmd"),
     ("slurm_ckpt.cli.hooks_cmds", "stager_cmd"),

@@ -4,7 +4,7 @@ On a cluster the site config (``/etc/slurm-ckpt/config.toml``, ``$SLURM_CKPT_CON
 ``--config``) names the tiers. A user on a laptop or workstation has none, and their
 checkpoints sit in directories they chose (``Checkpointer(local=..., warm=...)``). So the
 *user commands* (:data:`USER_COMMANDS`: ``list``, ``status``, ``restore``, ``drill``,
-``verify``, ``config show|check``) also take:
+``verify``, ``adopt``, ``config show|check``) also take:
 
 * tier flags ``--local DIR [--warm DIR] [--cold DIR]``: the tiers, no file at all (a local
   tier alone is fine: a laptop may have no second disk);
@@ -50,6 +50,7 @@ USER_COMMANDS = frozenset(
         ("restore",),
         ("drill",),
         ("verify",),
+        ("adopt",),
         ("config", "show"),
         ("config", "check"),
     }

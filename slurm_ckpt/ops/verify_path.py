@@ -30,6 +30,7 @@ from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.core.verify import VerifyReport, unlisted_files, verify_files
 from slurm_ckpt.errors import CkptError, VerifyError
 from slurm_ckpt.ops.damage import read_manifest
+from slurm_ckpt.ops.seal import SEALED_META
 
 __all__ = ["PathProblem", "PathVerify", "manifest_at", "verify_path"]
 
@@ -138,7 +139,8 @@ def verify_path(
     out = PathVerify(path, rep, m)
     parts = path.rstrip("/").split("/")
     here = tuple(parts[-3:]) if len(parts) >= 3 else tuple(parts)
-    if here != (m.user, m.key, step_dirname(m.step)):
+    if here != (m.user, m.key, step_dirname(m.step)) and SEALED_META not in m.meta:
+        # (a directory ``seal`` sealed in place lives where its tool put it: not moved)
         out.moved = True
         origin = f"{m.user}/{m.key} step {m.step}"
         where = f" (written on {m.node}" + (f" by job {m.job})" if m.job else ")") if m.node else ""

@@ -18,6 +18,7 @@ drill_cmd
 gc_cmd
 restore_cmd
 seal_cmd
+report_cmd
 adopt_cmd
 config_show
 config_check

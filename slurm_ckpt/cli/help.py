@@ -58,6 +58,10 @@ EXAMPLES: Dict[str, List[str]] = {
     "gc": ["ckpt-slurm gc --dry-run", "ckpt-slurm gc -u alice -k my-run --json"],
     "flush": ["ckpt-slurm flush", "ckpt-slurm flush -j 123456 --wait"],
     "drill": ["ckpt-slurm drill my-run", "ckpt-slurm drill my-run -u alice --json"],
+    "report": [
+        "ckpt-slurm report my-run --png my-run.png",
+        "ckpt-slurm report my-run --local ./ckpt/local --json   (no site config)",
+    ],
     "restore": [
         "ckpt-slurm restore my-run --to /scratch/alice/restore",
         "ckpt-slurm restore my-run --tier cold --step 4000 --to /scratch/alice/3-days-ago",

@@ -49,6 +49,7 @@ USER_COMMANDS = frozenset(
         ("status",),
         ("restore",),
         ("drill",),
+        ("report",),
         ("verify",),
         ("adopt",),
         ("config", "show"),

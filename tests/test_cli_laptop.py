@@ -206,3 +206,27 @@ def test_root_keeps_requiring_a_root_owned_site_config(
     # A hook (root-run) run by nobody with a user config present does not take it.
     code, out, err = _as_nobody(["gc", "--dry-run"], {"XDG_CONFIG_HOME": str(home)})
     assert code == 2 and "no config" in err, err
+
+
+def test_config_check_never_tells_a_user_to_give_their_venv_to_root(
+    open_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ckpt-slurm installed in a venv that someone other than root owns (a user's home):
+    the advice is a root-owned install for the hooks, never ``chown root`` of the user's
+    home or venv (which the old text gave)."""
+    from slurm_ckpt.core.config import Config
+    from slurm_ckpt.ops import install
+    from slurm_ckpt.ops.config_check import check_trust
+
+    home = open_tmp / "home" / "newbie"
+    exe = home / "venv" / "bin" / "ckpt-slurm"
+    exe.parent.mkdir(parents=True)
+    exe.write_text("#!/usr/bin/python3\n")
+    for d in (open_tmp / "home", home, home / "venv", home / "venv" / "bin", exe):
+        os.chown(d, 65534, 65534)  # nobody's, as a user's own install is
+    monkeypatch.setattr(install, "ckpt_slurm_path", lambda: str(exe))
+    local = open_tmp / "local"
+    local.mkdir()
+    found = [f.text for f in check_trust(Config.standalone(local))]
+    assert len(found) == 1 and "root-owned venv" in found[0], found
+    assert "chown root" not in found[0] and "/home/newbie" in found[0], found

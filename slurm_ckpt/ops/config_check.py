@@ -185,9 +185,27 @@ def check_trust(cfg: Config, own: bool = False) -> List[Finding]:
         exe: Optional[str] = ckpt_slurm_path()
     except CkptError:
         exe = None
+    install: List[str] = []
     if exe is not None:
-        problems += trust.path_problems(exe, "ckpt-slurm executable")
+        install += trust.path_problems(exe, "ckpt-slurm executable")
         interp = interpreter_of(exe)
         if interp is not None:
-            problems += trust.path_problems(interp, "interpreter of ckpt-slurm")
-    return [Finding(level, f"root must not use it: {p}") for p in problems]
+            install += trust.path_problems(interp, "interpreter of ckpt-slurm")
+    out = [Finding(level, f"root must not use it: {p}") for p in problems]
+    if install:
+        # The fix for an installation someone else owns is not to hand it to root (a
+        # user's home or venv): it is a root-owned installation for the hooks.
+        fix = (
+            "for root's hooks and stager, install slurm_ckpt into a root-owned venv "
+            "(for example /opt/slurm-ckpt/venv, as scripts/setup does) and run that one"
+        )
+        first = _strip_fix(install[0])
+        more = f" (and {len(install) - 1} more)" if len(install) > 1 else ""
+        out.append(Finding(level, f"root must not use this installation: {first}{more}; {fix}"))
+    return out
+
+
+def _strip_fix(problem: str) -> str:
+    """A trust problem without its ``(fix: chown root ...)`` advice."""
+    cut = problem.rfind(" (fix: ")
+    return problem[:cut] if cut > 0 else problem

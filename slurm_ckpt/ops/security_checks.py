@@ -97,7 +97,9 @@ def check_security(cfg: Config, finding: Any) -> List[Any]:
                 "trust",
                 "error" if f.level == ERROR else "warn",
                 f.text,
-                "make it root's: chown root, chmod go-w (each directory on the way too)",
+                "install slurm_ckpt into a root-owned venv for the hooks"
+                if "installation" in f.text
+                else "make it root's: chown root, chmod go-w (each directory on the way too)",
             )
         )
     return out

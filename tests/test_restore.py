@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import threading
@@ -373,7 +374,7 @@ def test_multi_rank_weights_first_rolls_every_rank_back(tmp_path: Path) -> None:
 
 
 def test_a_rotten_pfs_copy_is_uncommitted_so_a_good_local_copy_is_flushed_again(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Node A wrote steps 1-2 and flushed them; the PFS copy of 2 rots. Node B (empty
     local tier) restores: step 2 fails verification on the PFS, B falls back to step 1,
@@ -384,8 +385,12 @@ def test_a_rotten_pfs_copy_is_uncommitted_so_a_good_local_copy_is_flushed_again(
     save_steps(tmp_path, [1, 2], flush_every=1)
     flip(payload(tmp_path, "pfs", 2) / "data-0001.bin")
     b = make(tmp_path, local=tmp_path / "local-b")
-    check(b.restore(), 1, "pfs")
+    with caplog.at_level(logging.WARNING):
+        check(b.restore(), 1, "pfs")
     b.close()
+    # B holds no copy of its own: it must not claim that one is flushed again.
+    said = [r.getMessage() for r in caplog.records if "removed the corrupt" in r.getMessage()]
+    assert len(said) == 1 and "this node holds no other copy of that step" in said[0], said
     assert [s.step for s in b.warm.steps(b.user, "run")] == [1]
     a = make(tmp_path)
     res = copy_checkpoint(a.local, a.warm, a.user, "run", 2)

@@ -70,10 +70,16 @@ class RestoreMethods:
                 "[ckpt] could not remove the corrupt %s: %s", tier.where(self.user, key, step), exc
             )
             return
-        log.warning(
-            "[ckpt] removed the corrupt %s; it is flushed again from a good copy",
-            tier.where(self.user, key, step),
-        )
+        try:
+            self.local.manifest_bytes(self.user, key, step)
+            after = "this node's local copy is flushed again if it verifies"
+        except CkptError:
+            # Say so: there may be no good copy at all (both tiers damaged).
+            after = (
+                "this node holds no other copy of that step; a node that does flushes it "
+                "again, else it is lost"
+            )
+        log.warning("[ckpt] removed the corrupt %s; %s", tier.where(self.user, key, step), after)
         self._books.emit("corrupt_removed", step=step, tier=tier.name)
 
     def _make_restorer(

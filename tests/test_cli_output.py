@@ -341,3 +341,24 @@ def test_progress_bar_on_stderr_when_forced(site: Site, monkeypatch) -> None:
     assert code == 0
     assert out.splitlines()[0].startswith("tier|")
     assert all("|" in line for line in out.splitlines())
+
+
+def test_restore_feeds_its_bytes_to_a_progress_bar(site: Site, monkeypatch, tmp_path) -> None:
+    """``ckpt-slurm restore`` advances a bar (stderr, on a terminal) by every byte it
+    copies and verifies; it showed nothing, for minutes on a large checkpoint. stdout
+    keeps its one line."""
+    from slurm_ckpt.cli import restore_cmd
+
+    bars = []
+
+    class Recording(ByteProgress):
+        def __enter__(self) -> Recording:
+            bars.append(self)
+            return super().__enter__()
+
+    monkeypatch.setattr(restore_cmd, "ByteProgress", Recording)
+    code, out, err = run_here(["restore", KEY, "-u", USER, "--to", str(tmp_path / "back")])
+    assert code == 0, err
+    assert out.startswith(f"restored {USER}/{KEY} step "), out
+    assert len(bars) == 1 and bars[0].description == f"restore {KEY}: copy + verify"
+    assert bars[0].done > 0, bars[0].done

@@ -17,6 +17,7 @@ import click
 
 from slurm_ckpt.cli.output import CliState, pass_state, print_json
 from slurm_ckpt.cli.params import USER
+from slurm_ckpt.cli.progress import ByteProgress
 from slurm_ckpt.cli.table import (
     Column,
     Listing,
@@ -94,7 +95,8 @@ def restore_cmd(
     for note in require_roots(cfg, tier):
         warn(note)
     dest = check_destination(to)
-    doc = restore_to(cfg, key, dest, user=user, tier=tier, step=step)
+    with ByteProgress(f"restore {key}: copy + verify") as bar:
+        doc = restore_to(cfg, key, dest, user=user, tier=tier, step=step, progress=bar.advance)
     if out.json:
         print_json(doc)
         return

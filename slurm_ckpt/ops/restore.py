@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import current_user, validate_key, validate_user
+from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.errors import NotFound, TierError, UsageError, VerifyError
 from slurm_ckpt.tiers.copy import copy_checkpoint
 from slurm_ckpt.tiers.posix import PosixTier
@@ -31,6 +32,7 @@ def restore_to(
     user: Optional[str] = None,
     tier: Optional[str] = None,
     step: Optional[int] = None,
+    progress: Optional[ProgressFn] = None,
 ) -> Dict[str, Any]:
     """Copy a committed, verifying checkpoint of ``key`` into ``to`` (see the module
     docstring): the given ``step`` (default: the newest on the tiers looked at), from
@@ -62,7 +64,7 @@ def restore_to(
         for t in sorted(holders[s], key=lambda x: ORDER.index(x.name)):
             dst = PosixTier("restore", to, chunk_size=t.chunk_size, streams=cfg.copy.streams)
             try:
-                res = copy_checkpoint(t, dst, user, key, s)
+                res = copy_checkpoint(t, dst, user, key, s, progress=progress)
             except (VerifyError, TierError, NotFound) as exc:
                 skipped.append(str(exc))
                 continue

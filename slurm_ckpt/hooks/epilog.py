@@ -128,8 +128,7 @@ def run_epilog(
     count, nbytes = work.backlog(running, owed, outcome)
     report.backlog = (count, nbytes)
     if count and client is not None:
-        failing = sum(1 for r in outcome.results if r.status in ("failed", "bad") and not r.hold)
-        reason = drain_reason(count, nbytes, failing)
+        reason = drain_reason(count, nbytes, outcome.failing)
         try:
             report.drained = client.drain(env.node, reason)
         except SlurmError as exc:

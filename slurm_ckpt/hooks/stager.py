@@ -122,10 +122,7 @@ def _return_to_service(cfg: Config, node: str, client: SlurmClient, report: Stag
         report.note = f"drained by someone else ({info.reason!r}); left alone"
         return
     if report.backlog:
-        failing = sum(
-            1 for r in report.flush.results if r.status in ("failed", "bad") and not r.hold
-        )
-        reason = drain_reason(report.backlog, report.backlog_bytes, failing)
+        reason = drain_reason(report.backlog, report.backlog_bytes, report.flush.failing)
         report.drain = reason
         if reason != info.reason:
             try:

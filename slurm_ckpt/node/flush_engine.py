@@ -198,6 +198,12 @@ class FlushOutcome:
         ]
 
     @property
+    def failing(self) -> int:
+        """Failures that are real faults (not held for their owner's doing): what a drain
+        reason counts."""
+        return sum(1 for r in self._with(FlushStatus.FAILED, FlushStatus.BAD) if not r.hold)
+
+    @property
     def dropped(self) -> List[Ident]:
         return [r.ident for r in self._with(FlushStatus.GONE)]
 

@@ -29,7 +29,13 @@ from slurm_ckpt.core.progress import ProgressFn, report
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ledger import LEDGER_NAME, Ident, Ledger, Record
 from slurm_ckpt.node.asuser import run_as
-from slurm_ckpt.node.flush_engine import LEFT_TO_EPILOG, Flusher, FlushResult, copy_in_process
+from slurm_ckpt.node.flush_engine import (
+    LEFT_TO_EPILOG,
+    Flusher,
+    FlushResult,
+    FlushStatus,
+    copy_in_process,
+)
 from slurm_ckpt.node.warm import guard_user_dir, warm_of
 from slurm_ckpt.node.work import NodeWork
 from slurm_ckpt.tiers.registry import tiers_from_config
@@ -49,7 +55,7 @@ class FlushSummary:
     def add(self, res: FlushResult) -> None:
         if res.ok:
             self.flushed.append((res.ident, res.copied, res.seconds))
-        elif res.status in ("failed", "bad", "handed"):
+        elif res.status in (FlushStatus.FAILED, FlushStatus.BAD, FlushStatus.HANDED):
             self.failed.append((res.ident, res.error or "not finished"))
 
     def to_dict(self) -> Dict[str, Any]:
@@ -207,7 +213,7 @@ def flush_own(
     flusher = Flusher(copy_in_process(local, pfs, progress), ledger if writable else None)
     for ident, nbytes in todo:
         res = flusher.flush_one(ident, nbytes=nbytes)
-        if res.status == "already" and ledger is None:
+        if res.status is FlushStatus.ALREADY and ledger is None:
             continue  # no ledger: a scan, and this one was there already
         summary.add(res)
     return summary
@@ -236,13 +242,13 @@ def flush_series(cfg: Config, user: str, key: str, timeout: Optional[float] = No
             ident = (user, series, info.step)
             res = flusher.flush_one(ident, deadline=deadline, nbytes=info.nbytes)
             what = f"{name}step {info.step}"
-            if res.status == "handed":
+            if res.status is FlushStatus.HANDED:
                 lines.append(f"{what}: not flushed (flush timeout; the epilog will)")
             elif res.ok:
                 there = "the PFS" if pfs.name == PFS else f"the {pfs.name} tier"
                 state = (
                     f"already on {there}"
-                    if res.status == "already"
+                    if res.status is FlushStatus.ALREADY
                     else f"flushed in {res.seconds:.1f}s"
                 )
                 lines.append(f"{what}: {state}")

@@ -553,6 +553,12 @@ def test_install_hooks(
         assert f"CKPT_SLURM={exe}\n" in text and f"SLURM_CKPT_CONFIG={conf}\n" in text
         assert "BUDGET=40 " in text and "LIMIT=45 " in text and "export PATH=/" in text
         subprocess.run(["bash", "-n", str(p)], check=True)
+    # The stager's unit runs the same ckpt-slurm and config as the hooks (an upgrade to a
+    # new venv moves both; the shipped unit hard-codes /opt/slurm-ckpt/venv).
+    unit = (dest / "slurm-ckpt-stager.service").read_text()
+    assert f"\nExecStart={exe} stager --interval 30\n" in unit, unit
+    assert f"\nEnvironment=SLURM_CKPT_CONFIG={conf}\n" in unit, unit
+    assert "stager unit for this installation" in res.output
     monkeypatch.setattr(hooks_cmds, "_client", lambda timeout=10.0: _FakeClient(45.0))
     with pytest.raises(SystemExit) as ex:
         ckpt_main(["install-hooks", "--dest", str(dest), "--config", str(conf)])

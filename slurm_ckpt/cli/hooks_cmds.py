@@ -294,3 +294,8 @@ def install_hooks_cmd(
         f"budget {format_duration(done.budget)}); slurm.conf: Prolog={prolog} "
         f"Epilog={epilog} PrologFlags=Alloc"
     )
+    if done.unit is not None:
+        click.echo(
+            f"stager unit for this installation: {done.unit} (cp it to /etc/systemd/system/, "
+            "then systemctl daemon-reload && systemctl enable --now slurm-ckpt-stager)"
+        )

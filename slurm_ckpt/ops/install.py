@@ -124,6 +124,26 @@ def render_hook(
     return text
 
 
+def render_stager_unit(ckpt_slurm: str, config: str) -> str:
+    """The stager's systemd unit for *this* installation: ``etc/slurm-ckpt-stager.service``
+    with its ``ExecStart`` and ``SLURM_CKPT_CONFIG`` set to the ckpt-slurm and config the
+    hooks use, so that an upgrade (a new venv) moves the hooks and the stager together."""
+    from importlib import resources
+
+    try:
+        text = resources.files("slurm_ckpt").joinpath("data/slurm-ckpt-stager.service").read_text()
+    except (FileNotFoundError, ModuleNotFoundError):  # pragma: no cover - shipped in the wheel
+        raise CkptError("the packaged stager unit is missing (reinstall slurm_ckpt)") from None
+    out = []
+    for line in text.splitlines():
+        if line.startswith("Environment=SLURM_CKPT_CONFIG="):
+            line = f"Environment=SLURM_CKPT_CONFIG={config}"
+        elif line.startswith("ExecStart="):
+            line = f"ExecStart={ckpt_slurm} stager --interval 30"
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
 def ckpt_slurm_path() -> str:
     """Absolute path of the installed ``ckpt-slurm`` that is running now."""
     argv0 = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
@@ -154,6 +174,8 @@ class Installed:
     config: Path
     budget: float
     note: Optional[str] = None
+    #: The stager's systemd unit for this installation (copy it to /etc/systemd/system).
+    unit: Optional[Path] = None
 
 
 def install_hooks(
@@ -192,7 +214,9 @@ def install_hooks(
         write_script(dest, kind, render_hook(kind, exe, str(path), budget, log_file))
         for kind in ("prolog", "epilog")
     ]
-    return Installed(written, exe, path, budget, note)
+    unit = dest / "slurm-ckpt-stager.service"
+    fsio.atomic_replace_path(unit, render_stager_unit(exe, str(path)).encode(), 0o644)
+    return Installed(written, exe, path, budget, note, unit=unit)
 
 
 # --------------------------------------------------------------------------- trust

@@ -222,9 +222,9 @@ def test_an_item_no_load_would_take_is_refused_at_save(
     _save(ckpt, _state(1), 1)
     bad = _state(2)
     bad["extra"]["name"] = Opaque()
-    with caplog.at_level(logging.ERROR, logger="slurm_ckpt"):
-        with pytest.raises(BaseException, match="extra.name") as got:
-            _save(ckpt, bad, 2)
+    refused = pytest.raises(BaseException, match="extra.name")  # DCP's CheckpointException
+    with caplog.at_level(logging.ERROR, logger="slurm_ckpt"), refused as got:
+        _save(ckpt, bad, 2)
     assert "add_safe_globals" in str(got.value) and "Opaque" in str(got.value)
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("slurm_ckpt")]
     assert len(lines) == 1 and "\n" not in lines[0] and "'extra.name'" in lines[0]
@@ -247,6 +247,7 @@ def test_malicious_pickle_is_an_error_at_load_and_never_runs(
     with pytest.raises(BaseException, match="weights_only"):
         _save(ckpt, evil, 2)  # our writer refuses it at once ...
     assert not marker.exists()
+
     # ... so plant it as a writer that stored the planner's pickle as is would have
     def as_pickle(self: Any, planner: Any, item: Any) -> Any:
         return memoryview(planner.resolve_data(item).getbuffer()), "bytes"

@@ -195,7 +195,7 @@ class _Decoder:
     def tensor(self, args: List[Any]) -> torch.Tensor:
         raw = self.take(args[0], args[1])
         dtype = _torch_dtype(args[2])
-        shape = [int(v) for v in _list(args[3])]
+        shape = _shape(args[3], len(raw), torch.empty((), dtype=dtype).element_size())
         if len(raw) == 0:
             return torch.empty(shape, dtype=dtype)
         flat = torch.frombuffer(bytearray(raw), dtype=dtype)
@@ -211,8 +211,22 @@ class _Decoder:
         dtype = np.dtype(code)
         if tag == "npscalar":
             return np.frombuffer(raw, dtype=dtype, count=1)[0].copy()
-        shape = tuple(int(v) for v in _list(args[3]))
+        shape = _shape(args[3], len(raw), dtype.itemsize)
         return np.frombuffer(raw, dtype=dtype).copy().reshape(shape)
+
+
+def _shape(v: Any, nbytes: int, itemsize: int) -> List[int]:
+    """A shape that the stored bytes fill exactly (a hostile shape must not make the
+    load allocate more than the bytes that are there)."""
+    dims = [d for d in _list(v) if type(d) is int and d >= 0]
+    if len(dims) != len(v):
+        raise VerifyError("bad shape")
+    count = 1
+    for d in dims:
+        count *= d
+    if count * itemsize != nbytes:
+        raise VerifyError(f"shape {dims} does not fit {nbytes} bytes")
+    return dims
 
 
 def _str(v: Any) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import logging
 import pickle
+import re
 import uuid
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -42,7 +43,11 @@ def safe_load(raw: Any, what: str) -> Any:
     try:
         return torch.load(io.BytesIO(bytes(raw)), map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()  # torch's bold, on a terminal
+        found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) (\S+)", text)
+        first = text.splitlines()[0] if text else type(exc).__name__
+        if found:  # what the pickle wanted to run or build: the useful part
+            first = f"it names {found.group(1)}"
         raise VerifyError(
             f"{what}: refused: not loadable with weights_only=True (a pickle that would run "
             f"code?): {first}"

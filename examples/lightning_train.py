@@ -157,7 +157,7 @@ def checkpointer(args: argparse.Namespace) -> Checkpointer:
     from slurm_ckpt.lightning import lightning_checkpointer
 
     opts = {"interval_steps": args.interval_steps, "rank": 0, "world_size": 1}
-    if args.local and args.warm:
+    if args.local:  # standalone; --local alone is a laptop (nothing flushed anywhere)
         return Checkpointer(local=args.local, warm=args.warm, key=args.key or "lightning", **opts)
     return lightning_checkpointer(args.key, **opts)
 

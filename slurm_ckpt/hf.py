@@ -23,6 +23,9 @@ What the callback does, and why:
   inside a signal handler), the save is the preemption save (always flushed), and
   ``train()`` returns. With several ranks the flag is agreed first (a max-reduce), so
   every rank saves at the same step.
+* **The end of training**: at the last step it sets ``control.should_save`` when the
+  Trainer's own schedule would not save there, so the final state is committed (and
+  flushed by ``close()``) whatever ``save_steps`` is.
 * **Resume**: ``ckpt.restore_path()`` returns the newest checkpoint that is committed on
   every rank and verifies, on the local tier (fetched from the PFS, object store or cold
   tier if need be, verified on the way). A ``checkpoint-N`` the Trainer was killed while
@@ -76,6 +79,9 @@ class SlurmCkptCallback(TrainerCallback):  # type: ignore[misc]
         self.tokens = tokens or _tokens_seen
         #: The step whose save answers a preemption (set at the step boundary).
         self.preempt_step: Optional[int] = None
+        #: The newest step adopted (the Trainer may save one step twice: at the last
+        #: step, then at the epoch's end).
+        self.adopted_step: Optional[int] = None
 
     def _preempted_anywhere(self) -> bool:
         mine = 1 if self.ckpt.preemption_pending else 0
@@ -86,6 +92,12 @@ class SlurmCkptCallback(TrainerCallback):  # type: ignore[misc]
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> TrainerControl:
+        if state.max_steps and state.global_step >= state.max_steps and not control.should_save:
+            # The last step: the Trainer saves it only when save_steps divides it. Asked
+            # here, it writes checkpoint-N and on_save commits it: the final state of a
+            # finished run is never left behind.
+            control.should_save = True
+            log.info("[ckpt] end of training: the Trainer saves checkpoint-%d", state.global_step)
         if self.preempt_step is None and self._preempted_anywhere():
             self.preempt_step = state.global_step
             control.should_save = True
@@ -107,6 +119,8 @@ class SlurmCkptCallback(TrainerCallback):  # type: ignore[misc]
         if not os.path.isdir(path):
             log.warning("[ckpt] on_save: %s does not exist: nothing adopted", path)
             return control
+        if step == self.adopted_step:
+            return control  # committed already
         self.ckpt.adopt(
             step,
             path,
@@ -114,6 +128,7 @@ class SlurmCkptCallback(TrainerCallback):  # type: ignore[misc]
             meta={"framework": "transformers", "checkpoint": os.path.basename(path)},
             preemption=True if self.preempt_step == step else None,
         )
+        self.adopted_step = step
         return control
 
 

@@ -51,7 +51,13 @@ that says so, instead of silently protecting nothing.
 
 The data position: Lightning saves a train dataloader's state when the loader has
 ``state_dict``/``load_state_dict`` (e.g. torchdata's ``StatefulDataLoader``); with a plain
-``DataLoader`` a mid-epoch resume starts the epoch over. The callback warns about that.
+``DataLoader`` a mid-epoch resume trains the rest of that epoch on the loader's first
+batches again (a fresh iterator; a new shuffle if it shuffles), only as many as were
+left, so some samples of the epoch are seen twice and others not at all. The callback
+warns about that.
+
+The end of ``fit()`` saves the final step when the interval did not (``on_train_end``):
+a finished run leaves its final state committed, and ``close()`` flushes it.
 Under DDP the sampler must keep its own position too (torchdata's
 ``StatefulDistributedSampler``, ``Trainer(use_distributed_sampler=False)``): the sampler
 Lightning substitutes wraps the loader's own one and saves nothing of it
@@ -236,8 +242,10 @@ class SlurmCheckpointCallback(Callback):
         if loader is not None and not isinstance(loader, _Stateful):
             log.warning(
                 "[ckpt] lightning: the train dataloader keeps no state (no state_dict/"
-                "load_state_dict, e.g. torchdata's StatefulDataLoader): a resume "
-                "mid-epoch starts that epoch over"
+                "load_state_dict, e.g. torchdata's StatefulDataLoader): a resume mid-epoch "
+                "trains the rest of that epoch on the loader's first batches again (a new "
+                "shuffle if it shuffles), only as many as were left: some samples of that "
+                "epoch are seen twice, others not at all"
             )
 
     # -- when to save ----------------------------------------------------------------
@@ -257,6 +265,15 @@ class SlurmCheckpointCallback(Callback):
         if due:
             self._save(trainer, preemption=warned or None)
 
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The end of ``fit()``: the final state is committed through the Checkpointer
+        (flushed by ``close()``) even when the interval did not fall on the last step,
+        so a finished run never leaves its newest checkpoint steps behind."""
+        step = trainer.global_step
+        if step > 0 and step != self._last_saved and not self.preempted:
+            log.info("[ckpt] lightning: fit ended at step %d: saving the final state", step)
+            self._save(trainer, preemption=None)
+
     def on_exception(
         self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
     ) -> None:
@@ -271,6 +288,8 @@ class SlurmCheckpointCallback(Callback):
 
     def _save(self, trainer: Trainer, preemption: Optional[bool]) -> None:
         step = trainer.global_step
+        if preemption:
+            log.warning("[ckpt] preemption: Lightning saves step %d now and stops", step)
         self.io.preemption = preemption
         try:
             trainer.save_checkpoint(

@@ -122,9 +122,51 @@ def resume(ckpt: Any, model: Any, opt: Any, sched: Any, key: str) -> Any:
     return full(state)
 
 
+def plain_weights(reader: Any, **kw: Any) -> Dict[str, Any]:
+    """The model weights of the step ``reader`` chose, loaded whole into a plain (not
+    sharded) model's state dict: DCP reshards the FSDP2 shards into full tensors."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(DIM, 3 * DIM), torch.nn.ReLU(), torch.nn.Linear(3 * DIM, 5)
+    )
+    state = {"model": model.state_dict()}
+    dcp.load(state, storage_reader=reader, **kw)
+    return state["model"]
+
+
+def alone(args: Any, rank: int, world: int) -> int:
+    """DCP's other ways to load, beside a process group of ``world`` ranks: rank 0 alone
+    (``no_dist=True``: no collective at all, every part read by this one process), then
+    ranks 0 and 1 as a subgroup (``process_group=``) while rank 2 takes no part."""
+    import datetime
+
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    sub = dist.new_group([0, 1], backend="gloo")  # collective: every rank makes it
+    ckpt = Checkpointer(
+        local=args.local, warm=args.pfs, key=args.key, end_time_fn=None, install_signals=False
+    )
+    dump = args.dump
+    if rank == 0:  # the others wait at the barrier below: any collective here would hang
+        reader = ckpt.dcp_reader(no_dist=True)
+        got = plain_weights(reader, no_dist=True)
+        torch.save(got, os.path.join(dump, f"alone-{args.key}.pt"))
+        print(f"ALONE step={reader.step} parts={sorted(reader.read_from)}", flush=True)
+    if rank in (0, 1):
+        reader = ckpt.dcp_reader(process_group=sub)
+        got = plain_weights(reader, process_group=sub)
+        torch.save(got, os.path.join(dump, f"sub-{args.key}-{rank}.pt"))
+        print(f"SUBGROUP step={reader.step}", flush=True)
+    ckpt.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("cmd", choices=["train", "load"])
+    ap.add_argument("cmd", choices=["train", "load", "alone"])
     ap.add_argument("--local", required=True)
     ap.add_argument("--pfs", required=True)
     ap.add_argument("--key", default="run")
@@ -141,6 +183,8 @@ def main() -> int:
     args = ap.parse_args()
 
     rank, world = rank_and_world_size()  # torchrun's RANK/WORLD_SIZE, else srun's task
+    if args.cmd == "alone":
+        return alone(args, rank, world)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     if args.cmd == "load":  # every key given, one after the other (one launch, several checks)
         for key in args.key.split(","):

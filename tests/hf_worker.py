@@ -3,6 +3,9 @@ no hub download; CPU), protected by :class:`slurm_ckpt.hf.SlurmCkptCallback`.
 
     python tests/hf_worker.py WORKDIR LOCAL PFS [--sigterm-at N | --kill-in-save-at N]
 
+``PFS`` ``-``: a local tier only (laptop mode). ``--save-steps N``: the Trainer's own
+schedule (default 4).
+
 It resumes from ``ckpt.restore_path()``, records which samples every optimizer step
 trained on (``WORKDIR/batches.<rank>.jsonl``: the data position), and writes ``WORKDIR/final.pt``
 (the weights) when it reaches the last step and ``WORKDIR/result.json``.
@@ -76,11 +79,13 @@ def main() -> int:
     p.add_argument("--sigterm-at", type=int)
     p.add_argument("--sigterm-rank", type=int, default=0, help="the rank that gets it")
     p.add_argument("--kill-in-save-at", type=int)
+    p.add_argument("--save-steps", type=int, default=4)
     a = p.parse_args()
-    for d in (a.workdir, Path(a.local), Path(a.pfs)):
+    warm = None if a.pfs == "-" else a.pfs  # "-": a local tier only (a laptop)
+    for d in (a.workdir, Path(a.local), *([Path(warm)] if warm else [])):
         d.mkdir(parents=True, exist_ok=True)
 
-    ckpt = Checkpointer(local=a.local, warm=a.pfs, key="hf-run", end_time_fn=None)
+    ckpt = Checkpointer(local=a.local, warm=warm, key="hf-run", end_time_fn=None)
 
     set_seed(0)
     torch.set_num_threads(1)  # tiny matrices: threads only contend on a shared machine
@@ -99,7 +104,7 @@ def main() -> int:
         per_device_train_batch_size=4,
         num_train_epochs=2,  # 6 steps an epoch, 12 in all
         save_strategy="steps",
-        save_steps=4,
+        save_steps=a.save_steps,
         save_total_limit=1,  # the Trainer's rotation deletes what it saved before
         learning_rate=5e-3,
         logging_strategy="no",

@@ -211,6 +211,25 @@ def test_async_saves_load_at_1_3_2_ranks_bit_exact(saved: Tuple[Site, str]) -> N
     check_load(site, outs, "four", 2)
 
 
+def test_load_alone_no_dist_and_in_a_subgroup(saved: Tuple[Site, str]) -> None:
+    """DCP's own ways to load besides the whole group: rank 0 alone with ``no_dist=True``
+    (it returns with no collective while the other ranks wait elsewhere - before, the
+    reader's agreement waited for every rank until the group timed out) and ranks 0, 1
+    as a subgroup with ``process_group=`` while rank 2 takes no part. Both get the
+    weights of the newest step, whole, equal to what was saved."""
+    site, _ = saved
+    outs = launch(3, site, "alone", "--key", "two")
+    m = line(outs[0], r"^ALONE step=(\d+) parts=\[(.*)\]$")
+    assert m.group(1) == "6" and m.group(2) == "0, 1"  # one process read both parts
+    for o in outs[:2]:
+        line(o, r"^SUBGROUP step=6$")
+    assert "SUBGROUP" not in outs[2] and "ALONE" not in outs[1] + outs[2]
+    want = torch.load(site.dump / "saved-two-6.pt", weights_only=True)["model"]
+    for name in ("alone-two.pt", "sub-two-0.pt", "sub-two-1.pt"):
+        got = torch.load(site.dump / name, weights_only=True)
+        assert equal(want, got) == 4, name
+
+
 def _flip(path: Path, at: int = 100) -> None:
     with open(path, "r+b") as fh:
         fh.seek(at)

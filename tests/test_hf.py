@@ -97,6 +97,32 @@ def test_sigterm_resume_and_kill_mid_save_end_bitwise_equal(tmp_path: Path) -> N
     assert warm.verify(user, key, 12).ok
 
 
+def test_local_tier_only_no_traceback_and_the_last_step_committed(tmp_path: Path) -> None:
+    """The documented laptop mode (a local tier only) with the Trainer saving every 5
+    steps of 12: no traceback at any save (before: an AssertionError from the pipeline's
+    flush at every save), and the end of training commits step 12, which the Trainer's
+    own schedule does not save."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    local = tmp_path / "local"
+    p = subprocess.run(
+        [sys.executable, str(WORKER), str(tmp_path / "job"), str(local), "-", "--save-steps", "5"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert "Traceback" not in out and "AssertionError" not in out, out[-3000:]
+    r = json.loads((tmp_path / "job" / "result.json").read_text())
+    assert r["done"] and r["global_step"] == 12
+    tier = PosixTier("local", str(local))
+    steps = [i.step for i in tier.steps(r["user"], r["key"])]
+    assert steps[-1] == 12, steps  # the final state, committed
+    assert tier.verify(r["user"], r["key"], 12).ok
+    assert tier.manifest(r["user"], r["key"], 12).meta["checkpoint"] == "checkpoint-12"
+
+
 def torchrun(workdir: Path, local: Path, pfs: Path, *extra: str) -> List[Dict[str, Any]]:
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]

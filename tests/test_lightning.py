@@ -14,6 +14,7 @@ signal handler, no ``scontrol requeue`` from Lightning.
 from __future__ import annotations
 
 import os
+import pwd
 import queue
 import re
 import shutil
@@ -32,6 +33,7 @@ from test_torch_resume import TrainProc
 from slurm_ckpt import Checkpointer
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.lightning import CKPT_FILE, SlurmCheckpointCallback, SlurmCheckpointIO
+from slurm_ckpt.tiers.posix import PosixTier
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "lightning_train.py"
@@ -257,6 +259,29 @@ def test_ddp_two_processes_sigterm_past_the_first_epoch_resumes_bitwise(
 # ------------------------------------------------------------------------------------------
 # in process: what is refused, and why
 # ------------------------------------------------------------------------------------------
+def test_local_tier_only_no_traceback_and_the_end_of_fit_committed(
+    mounts: Any, tmp_path: Path
+) -> None:
+    """The documented laptop mode (a local tier only): no traceback at any save (before:
+    an AssertionError from the pipeline's flush at every save), and the end of ``fit()``
+    commits the final step although the interval (25) does not fall on it (60)."""
+    local = mounts.tmpfs("64m", "local")
+    run = LightningProc(["--local", str(local), "--key", "lit", "--interval-steps", "25"], tmp_path)
+    try:
+        done = run.expect(_DONE)
+        assert run.finish() == 0, run.tail()
+    finally:
+        run.close()
+    out = "\n".join(run.lines)
+    assert "Traceback" not in out and "AssertionError" not in out, out[-3000:]
+    assert done.group(1) == str(STEPS)
+    tier = PosixTier("local", str(local))
+    user = pwd.getpwuid(os.getuid()).pw_name
+    steps = [i.step for i in tier.steps(user, "lit")]
+    assert steps[-1] == STEPS, steps
+    assert tier.verify(user, "lit", STEPS).ok
+
+
 def test_a_multi_part_checkpointer_is_refused(tmp_path: Path) -> None:
     (tmp_path / "l").mkdir()
     (tmp_path / "p").mkdir()

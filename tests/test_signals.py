@@ -7,12 +7,18 @@ thread before the next bytecode after ``os.kill`` returns.
 from __future__ import annotations
 
 import os
+import pwd
+import queue
 import signal
+import subprocess
+import sys
+import threading
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 import pytest
+from test_torch_resume import TrainProc
 
 from slurm_ckpt.job import Checkpointer
 from slurm_ckpt.job.signals import Deadline, SignalFlag, signal_number
@@ -186,3 +192,145 @@ def test_default_requeue_is_a_no_op_outside_slurm(tmp_path: Path, monkeypatch: A
     ckpt.save(STATE, step=1)
     ckpt.close()  # job is None: logs and does not run scontrol
     assert "requeue" in events
+
+
+# -- Ctrl-C (SIGINT) ---------------------------------------------------------------------
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def sigint_default() -> Iterator[None]:
+    """SIGINT as an interactive Python has it (a test runner started in the background
+    inherits it ignored)."""
+    saved = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, saved)
+
+
+def test_sigint_first_saves_at_the_step_second_interrupts(
+    tmp_path: Path, sigint_default: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without SLURM (a laptop) SIGINT is saved on by default: the first Ctrl-C only
+    sets the flag (the save comes at the next step boundary), the second one raises
+    KeyboardInterrupt at once. Under SLURM it is opt-in (``signals=``), same behaviour."""
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_JOBID", raising=False)
+    ckpt = make(tmp_path)
+    os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt: a flag only
+    assert ckpt.signal_received == signal.SIGINT and ckpt.should_save(step=1)
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+    ckpt.close()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    monkeypatch.setenv("SLURM_JOB_ID", "1234")
+    for sub in ("slurm", "opted"):
+        (tmp_path / sub).mkdir()
+    under_slurm = make(tmp_path / "slurm")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # srun's to use
+    under_slurm.close()
+    opted = make(tmp_path / "opted", signals=["SIGTERM", "SIGINT"])
+    os.kill(os.getpid(), signal.SIGINT)
+    assert opted.signal_received == signal.SIGINT
+    opted.close()
+
+
+class LaptopProc(TrainProc):
+    """examples/train_tiny.py as on a laptop: no SLURM variables, SIGINT not ignored."""
+
+    def __init__(self, args: List[str], cwd: Path) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+        env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO / "examples" / "train_tiny.py"), *args],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        self.lines = []
+        self._q: queue.Queue[Optional[str]] = queue.Queue()
+        self._eof = False
+        threading.Thread(target=self._read, daemon=True).start()
+
+
+def test_ctrl_c_on_a_laptop_saves_at_the_next_step_and_resumes_losing_nothing(
+    tmp_path: Path,
+) -> None:
+    """A real Ctrl-C to examples/train_tiny.py with a local tier only: it saves at the
+    next step boundary and exits 0, no traceback; the next run resumes at that step with
+    0 steps lost. (Before: KeyboardInterrupt at once, nothing saved.) The signal is sent
+    once the job reported a step, and the job runs until it comes: no race."""
+    base = ["--local", str(tmp_path / "local"), "--key", "laptop", "--interval-steps", "100000"]
+    run = LaptopProc([*base, "--steps", "100000"], tmp_path)
+    try:
+        first = int(run.expect(r"^STEP (\d+) ").group(1))
+        run.signal(signal.SIGINT)
+        saved = int(run.expect(r"^SAVED step=(\d+)$").group(1))
+        assert run.expect(r"^PREEMPTED step=(\d+)$").group(1) == str(saved)
+        assert run.finish() == 0, run.tail()
+    finally:
+        run.close()
+    assert saved >= first
+    out = "\n".join(run.lines)
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-2000:]
+    assert "[ckpt] Ctrl-C: saving at this step boundary" in out
+    again = LaptopProc([*base, "--steps", str(saved + 2)], tmp_path)
+    try:
+        m = again.expect(r"^RESUMED step=(\d+) reached=(\d+) lost=(\d+) ")
+        again.expect(r"^DONE step=")
+        assert again.finish() == 0, again.tail()
+    finally:
+        again.close()
+    assert m.groups() == (str(saved), str(saved), "0")
+
+
+_CLOSE_SCRIPT = """
+import os, signal, sys, threading, time
+from pathlib import Path
+import numpy as np
+from slurm_ckpt import Checkpointer
+local, warm = sys.argv[1], sys.argv[2]
+c = Checkpointer(local=local, warm=warm, key="k", warm_bandwidth="200KB/s", end_time_fn=None)
+c.save({"w": np.zeros(1_000_000, dtype=np.float32)}, step=1)
+c.wait(flush=False)
+series = Path(warm) / c.user / "k"
+def ctrl_c_once_closing():  # close() has begun and the flush copy is on its way
+    while not (c._closed and any(series.glob(".partial-*"))):
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGINT)
+threading.Thread(target=ctrl_c_once_closing, daemon=True).start()
+c.close()
+print("CLOSED", flush=True)
+"""
+
+
+def test_ctrl_c_in_close_ends_cleanly_and_the_next_start_sweeps_the_copy(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C while close() waits for a slow flush: exit status 130, one line, no
+    traceback (before: a KeyboardInterrupt traceback); the copy it stopped halfway
+    (``.partial-*`` on the warm tier) goes at the next start."""
+    local, warm = tmp_path / "local", tmp_path / "warm"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    env["PYTHONPATH"] = str(REPO)
+    p = subprocess.run(
+        [sys.executable, "-c", _CLOSE_SCRIPT, str(local), str(warm)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    out = p.stdout + p.stderr
+    assert p.returncode == 130, out[-2000:]
+    assert "Traceback" not in out and "CLOSED" not in out, out[-2000:]
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "interrupted while closing: step 1 committed" in lines[0]
+    series = warm / pwd.getpwuid(os.getuid()).pw_name / "k"
+    assert list(series.glob(".partial-*"))
+    Checkpointer(local=local, warm=warm, key="k", install_signals=False).close()
+    assert not list(series.glob(".partial-*"))

@@ -84,6 +84,7 @@ should_training_stop
 on_train_start
 on_train_batch_end
 on_exception
+on_train_end
 state_key
 should_stop
 pl_module

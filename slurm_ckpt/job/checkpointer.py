@@ -52,6 +52,7 @@ from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, TierError
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord
 from slurm_ckpt.job.closing import ClosingMethods
+from slurm_ckpt.job.dcp_series import part_key as dcp_part_key
 from slurm_ckpt.job.lazy import Drain, defer_mask
 from slurm_ckpt.job.options import OPTION_NAMES, UNSET, Options, build_config, resolve_aliases
 from slurm_ckpt.job.partner import PartnerLink, open_partner
@@ -100,6 +101,12 @@ __all__ = [
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
+
+
+def _under_slurm() -> bool:
+    """Inside a SLURM job (a batch job, an allocation, a step): SIGINT is SLURM's and
+    srun's (a status report, a kill), not a Ctrl-C to save on."""
+    return bool(os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID"))
 
 
 def _accept_all(_tensor: Any) -> bool:
@@ -258,7 +265,12 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
             except TierError as exc:
                 log.warning("[ckpt] warm tier not usable now (flushes will fail): %s", exc)
         if standalone:
-            sweep_debris(self.local, self.user, self.shard_key)
+            # No site hooks: this Checkpointer alone owns its tiers, so what a killed or
+            # interrupted save or flush left there goes now (copies in progress too).
+            keys = [self.shard_key, dcp_part_key(self.key, self.rank)]
+            for tier in (self.local, self.warm):
+                if tier is not None:
+                    sweep_debris(tier, self.user, keys)
 
         self._flag = SignalFlag()
         self._deadline = Deadline(
@@ -267,8 +279,13 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
             opts.kill_wait_s,
             opts.signal_lead_s,
         )
-        if opts.install_signals and cfg.job.signals:
-            self._flag.install(cfg.job.signals)
+        signals = list(cfg.job.signals)
+        if opts.signals is None and "SIGINT" not in signals and not _under_slurm():
+            # A laptop: the first Ctrl-C saves at the next step boundary and ends the
+            # run cleanly, a second one interrupts at once (job/signals.py).
+            signals.append("SIGINT")
+        if opts.install_signals and signals:
+            self._flag.install(signals)
         self._schedule = Schedule(cfg.job, self._flag)
         self._books = Bookkeeper(cfg, self.user, self.shard_key, self.job, self.node, opts.on_event)
         self.ledger = self._books.ledger

@@ -11,10 +11,12 @@ Checkpointer).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any, Callable, Optional
 
+from slurm_ckpt.errors import EXIT_INTERRUPTED
 from slurm_ckpt.job.pipeline import DEADLINE_MARGIN_S
 from slurm_ckpt.job.stats import CheckpointStats
 from slurm_ckpt.slurm.requeue import requeue_reason
@@ -74,10 +76,23 @@ class ClosingMethods:
         After a preemption signal the wait for the flushes ends at the job's deadline
         (minus a margin): flushes still open are left to the epilog (ledger:
         FLUSH_PENDING). The local write is always awaited. Never raises for storage
-        problems."""
+        problems.
+
+        A Ctrl-C while it waits (there is no step boundary left to save at) ends the
+        program at once, cleanly: one line, exit status 130, no traceback. The
+        checkpoints committed so far stay; what was being written or copied is debris
+        that the next start sweeps (standalone) or the epilog takes over (SLURM)."""
         if self._closed:
             return self.stats
+        self._flag.interrupt_now = True
         self._closed = True
+        try:
+            self._close()
+        except KeyboardInterrupt:
+            self._interrupted()
+        return self.stats
+
+    def _close(self) -> None:
         if self._restorer is not None:
             self._restorer.cancel()  # a weights-first restore whose rest was never asked for
         until = None
@@ -95,7 +110,19 @@ class ClosingMethods:
         self._staging.close()
         if self.config.tiers.pfs is not None:  # node status lives on the PFS (none: skipped)
             self._books.publish(self.config.tiers.pfs.root)
-        return self.stats
+
+    def _interrupted(self) -> None:
+        """Ctrl-C inside close(): say what is kept, and end without a traceback."""
+        newest = self._pipeline.newest
+        kept = "nothing committed" if newest is None else f"step {newest.step} committed"
+        log.warning(
+            "[ckpt] interrupted while closing: %s on the local tier; an unfinished write "
+            "or copy is left for the next start (or the epilog) to clean up",
+            kept,
+        )
+        with contextlib.suppress(BaseException):
+            self._flag.uninstall()
+        raise SystemExit(EXIT_INTERRUPTED)
 
     def _maybe_requeue(self) -> None:
         if not self._requeue or not self._schedule.preempt_saved or self._requeued:

@@ -44,7 +44,7 @@ class ItemInfo:
     file: str
     pos: int
     nbytes: int
-    kind: str  # "tensor" or "bytes"
+    kind: str  # "tensor", "value" (dcp_values) or "bytes" (a torch.save pickle)
     dtype: Optional[str] = None
     shape: Optional[Tuple[int, ...]] = None
     #: The content hash of the part's data file, and the node that wrote it (the
@@ -181,7 +181,7 @@ def decode(data: bytes, where: str) -> Decoded:
         storage: Dict[MetadataIndex, ItemInfo] = {}
         for it in doc["items"]:
             kind = it["kind"]
-            if kind not in ("tensor", "bytes"):
+            if kind not in ("tensor", "value", "bytes"):
                 raise VerifyError(f"item kind {kind!r}")
             shape = None if it["shape"] is None else tuple(_ints(it["shape"], "shape"))
             if kind == "tensor":

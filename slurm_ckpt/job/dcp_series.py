@@ -115,7 +115,9 @@ class DcpSeries:
                 reason="signal" if preempt else "interval",
                 nbytes=0,
                 forced=preempt,
-                selected=preempt or selected_for_flush(seq, self.policy),
+                # No warm tier (laptop mode): nothing to flush to.
+                selected=self.pipe.flusher is not None
+                and (preempt or selected_for_flush(seq, self.policy)),
             )
             self._pending[step] = rec
             self._t0[step] = time.monotonic()
@@ -148,7 +150,7 @@ class DcpSeries:
             pipe.newest = rec
         self.books.commit_local(rec)
         self.books.emit("local_done", step=step, local_s=rec.local_s, backend="dcp")
-        if rec.selected:
+        if rec.selected and pipe.flusher is not None:
             pipe.queue_flush(rec)
         else:
             rec.flush_status = "not selected"

@@ -37,43 +37,50 @@ sees them (a pickle that would run code is refused with one line).
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
-import pickle
 import signal
 import uuid
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
-    LoadItemType,
-    LoadPlan,
-    LoadPlanner,
     SavePlan,
     SavePlanner,
     WriteItemType,
 )
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from slurm_ckpt.core.commit import AlreadyCommitted
-from slurm_ckpt.core.fastread import ReadJob, read_files
-from slurm_ckpt.core.manifest import FileEntry, Manifest
-from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
-from slurm_ckpt.job.dcp_meta import Decoded, ItemInfo, decode, dtype_name, encode, parse_dtype
+from slurm_ckpt.core.manifest import FileEntry
+from slurm_ckpt.errors import CkptError, VerifyError
+from slurm_ckpt.job.dcp_meta import ItemInfo, dtype_name, encode
+from slurm_ckpt.job.dcp_reading import (
+    METADATA_FILE,
+    Group,
+    Refused,
+    SlurmDcpReader,
+    safe_load,
+    select_step,
+)
 from slurm_ckpt.job.dcp_series import notify_committed, part_key
-from slurm_ckpt.job.dist import all_reduce_ints
+from slurm_ckpt.job.dcp_values import Unstorable, encode_value
 from slurm_ckpt.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 
-__all__ = ["METADATA_FILE", "SlurmDcpReader", "SlurmDcpWriter", "select_step"]
+__all__ = [
+    "METADATA_FILE",
+    "Group",
+    "Refused",
+    "SlurmDcpReader",
+    "SlurmDcpWriter",
+    "select_step",
+]
 
-METADATA_FILE = "dcp.metadata.json"
 STATE_FORMAT = "torch.dcp/slurm_ckpt.1"
 #: Items start at multiples of this in a part's data file (aligned tensor views on load).
 ALIGN = 64
@@ -91,10 +98,8 @@ def _data_file(rank: int) -> str:
     return f"rank-{rank:05d}/dcp.bin"
 
 
-def _raw(data: Any, item: Any) -> Tuple[memoryview, str, Optional[str], Optional[tuple]]:
-    """The bytes of one resolved write item (zero-copy for CPU tensors)."""
-    if item.type == WriteItemType.BYTE_IO:
-        return memoryview(data.getbuffer()), "bytes", None, None
+def _tensor_raw(data: Any) -> Tuple[memoryview, str, Optional[str], Optional[tuple]]:
+    """The bytes of one resolved tensor item (zero-copy for CPU tensors)."""
     t = data.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -103,6 +108,19 @@ def _raw(data: Any, item: Any) -> Tuple[memoryview, str, Optional[str], Optional
     if t.numel() == 0:
         return memoryview(b""), "tensor", dtype_name(t.dtype), shape
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()), "tensor", dtype_name(t.dtype), shape
+
+
+def _lookup(planner: SavePlanner, item: Any) -> Any:
+    """The non-tensor value behind a BYTE_IO write item. DCP's default planner (and
+    every planner built on it) has ``lookup_object``; for another one the value comes
+    back from the planner's own pickle, made a moment ago in this process from the
+    user's own state (nothing loaded here comes from storage)."""
+    lookup = getattr(planner, "lookup_object", None)
+    if callable(lookup):
+        return lookup(item.index)
+    data = planner.resolve_data(item)
+    data.seek(0)
+    return torch.load(data, map_location="cpu", weights_only=False)
 
 
 class SlurmDcpWriter(StorageWriter):
@@ -193,6 +211,31 @@ class SlurmDcpWriter(StorageWriter):
             self.tier.delete(self.user, key, self.step)
             return self.tier.writer(self.user, key, self.step, **kw)
 
+    def _value(self, planner: SavePlanner, item: Any) -> Tuple[memoryview, str]:
+        """A non-tensor item as data (:mod:`slurm_ckpt.job.dcp_values`), else as the
+        planner's pickle when ``weights_only=True`` loads it (classes registered with
+        ``add_safe_globals``); anything else fails the save now, in one line, rather
+        than leaving a step that no load will take."""
+        fqn = item.index.fqn
+        try:
+            return memoryview(encode_value(_lookup(planner, item))), "value"
+        except Unstorable as exc:
+            data = planner.resolve_data(item)
+            raw = memoryview(data.getbuffer())
+            try:
+                safe_load(raw, fqn)
+            except VerifyError:
+                at = f" (at {exc.where})" if exc.where else ""
+                msg = (
+                    f"dcp_writer(): step {self.step}: item {fqn!r} holds a {exc.what}{at}, "
+                    "which no load with weights_only=True takes: save it as tensors, numbers, "
+                    "strings, bytes, lists, dicts or numpy arrays (e.g. its state_dict()), or "
+                    "register its class with torch.serialization.add_safe_globals()"
+                )
+                log.error("[ckpt] %s", msg)
+                raise CkptError(msg) from None
+            return raw, "bytes"
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[Any]:
         w = self._open()
         relpath = _data_file(self.rank)
@@ -201,7 +244,11 @@ class SlurmDcpWriter(StorageWriter):
             with w.open_stream(relpath) as out:
                 pos = 0
                 for item in plan.items:
-                    buf, kind, dtype, shape = _raw(planner.resolve_data(item), item)
+                    if item.type == WriteItemType.BYTE_IO:
+                        buf, kind = self._value(planner, item)
+                        dtype, shape = None, None
+                    else:
+                        buf, kind, dtype, shape = _tensor_raw(planner.resolve_data(item))
                     pad = -pos % ALIGN
                     if pad:
                         out.write(b"\0" * pad)
@@ -266,296 +313,3 @@ class SlurmDcpWriter(StorageWriter):
             w.abort()
             raise
         notify_committed(self.token, self.step)
-
-
-# ---------------------------------------------------------------------------- loading
-def safe_load(raw: Any, what: str) -> Any:
-    """A non-tensor item, unpickled with ``weights_only=True`` (one-line refusal)."""
-    try:
-        return torch.load(io.BytesIO(bytes(raw)), map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise VerifyError(
-            f"{what}: refused: not loadable with weights_only=True (a pickle that would run "
-            f"code?): {first}"
-        ) from None
-
-
-class _Step:
-    """One candidate step as this rank sees it: the decoded metadata, where each part
-    is committed (binding hash checked), and the parts it has verified already."""
-
-    def __init__(self, step: int, decoded: Decoded, tokens: Optional[int]) -> None:
-        self.step, self.decoded, self.tokens = step, decoded, tokens
-        self.holders: Dict[int, List[Tuple[Tier, Manifest]]] = {}
-        self.cache: Dict[int, Tuple[str, memoryview]] = {}
-
-
-class _Parts:
-    """Reads and verifies whole part files from the tiers (fastest first)."""
-
-    def __init__(self, tiers: Sequence[Tier], user: str, key: str, mark_bad: Any) -> None:
-        self.tiers, self.user, self.key = list(tiers), user, key
-        self.mark_bad = mark_bad
-        self.bad: set = set()
-
-    def _note_bad(self, tier: Tier, key: str, step: int, exc: BaseException) -> None:
-        self.bad.add((tier.name, key, step))
-        log.warning("[ckpt] dcp restore: skipping %s", exc)
-        if self.mark_bad is not None:
-            self.mark_bad(key, tier.name, step, str(exc))
-
-    def read_file(
-        self, holders: List[Tuple[Tier, Manifest]], key: str, step: int, relpath: str, want: str
-    ) -> Optional[Tuple[str, memoryview]]:
-        """The verified bytes of ``relpath`` (content hash ``want``) from the first holder
-        whose copy verifies, with that tier's name; None when none does."""
-        for tier, _m in holders:
-            if (tier.name, key, step) in self.bad:
-                continue
-            where = tier.where(self.user, key, step)
-            try:
-                with tier.reader(self.user, key, step) as tr:
-                    entry = tr.manifest.file(relpath)
-                    if entry.hash != want:
-                        raise VerifyError(f"{where}: {relpath} is not the part the metadata names")
-                    src = tr.open(relpath)
-                    try:
-                        fd = src.fileno()
-                        job = ReadJob(relpath, entry, fd, None if fd is not None else src)
-                        buf = read_files([job], tr.manifest.chunk_size, where=where)[0]
-                    finally:
-                        src.close()
-                return tier.name, memoryview(buf)[: entry.size]
-            except KeyError:
-                self._note_bad(tier, key, step, VerifyError(f"{where}: no {relpath}"))
-            except (VerifyError, TierError, NotFound, OSError) as exc:
-                self._note_bad(tier, key, step, exc)
-        return None
-
-    def holders(self, key: str, step: int, relpath: str, want: str) -> List[Tuple[Tier, Manifest]]:
-        out = []
-        for tier in self.tiers:
-            if (tier.name, key, step) in self.bad:
-                continue
-            try:
-                m = tier.manifest(self.user, key, step)
-            except (NotFound, VerifyError, TierError, OSError):
-                continue
-            if any(f.path == relpath and f.hash == want for f in m.files):
-                out.append((tier, m))
-        return out
-
-
-def _item_view(buf: memoryview, info: ItemInfo) -> torch.Tensor:
-    dtype = parse_dtype(info.dtype)
-    shape = info.shape or ()
-    if info.nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    esize = torch.empty((), dtype=dtype).element_size()
-    t = torch.frombuffer(buf, dtype=dtype, count=info.nbytes // esize, offset=info.pos)
-    return t.reshape(shape)
-
-
-class SlurmDcpReader(StorageReader):
-    """DCP ``StorageReader`` for the one step :func:`select_step` agreed on."""
-
-    def __init__(self, chosen: _Step, parts: _Parts) -> None:
-        super().__init__()
-        self.chosen, self._parts = chosen, parts
-        self.step, self.tokens = chosen.step, chosen.tokens
-        #: Part rank -> tier name each part was read from (for logs and tests).
-        self.read_from: Dict[int, str] = {}
-        self.storage: Dict[MetadataIndex, ItemInfo] = chosen.decoded.metadata.storage_data
-
-    def reset(self, checkpoint_id: Any = None) -> None:
-        pass
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        md = self.chosen.decoded.metadata
-        if md.storage_meta is not None:
-            md.storage_meta.load_id = uuid.uuid4().hex
-        return md
-
-    def set_up_storage_reader(
-        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
-    ) -> None:
-        pass
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: List[LoadPlan]) -> List[LoadPlan]:
-        return plans
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return False
-
-    def _part(self, rank: int) -> memoryview:
-        ch = self.chosen
-        if rank in ch.cache:
-            tier, buf = ch.cache[rank]
-        else:
-            info = ch.decoded.parts[rank]
-            key = part_key(self._parts.key, rank)
-            got = self._parts.read_file(ch.holders[rank], key, ch.step, info["file"], info["hash"])
-            if got is None:
-                raise VerifyError(
-                    f"dcp step {ch.step}: part {rank} verifies on no tier (every copy is "
-                    "damaged); load again to fall back to the previous step"
-                )
-            tier, buf = got
-            ch.cache[rank] = got
-        self.read_from[rank] = tier
-        return buf
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[Any]:
-        by_part: Dict[int, List[Any]] = {}
-        for req in plan.items:
-            by_part.setdefault(self.storage[req.storage_index].rank, []).append(req)
-        for rank in sorted(by_part):
-            buf = self._part(rank)
-            for req in by_part[rank]:
-                info = self.storage[req.storage_index]
-                if req.type == LoadItemType.BYTE_IO:
-                    raw = buf[info.pos : info.pos + info.nbytes]
-                    obj = safe_load(raw, f"dcp step {self.step}: {req.storage_index.fqn}")
-                    safe = io.BytesIO()
-                    torch.save(obj, safe)  # our own pickle of weights_only-loaded objects
-                    safe.seek(0)
-                    planner.load_bytes(req, safe)
-                    continue
-                src = narrow_tensor_by_index(
-                    _item_view(buf, info), req.storage_offsets, req.lengths
-                )
-                target = planner.resolve_tensor(req).detach()
-                if target.size() != src.size():
-                    raise VerifyError(
-                        f"dcp step {self.step}: {req.storage_index.fqn}: size "
-                        f"{tuple(src.size())} != {tuple(target.size())}"
-                    )
-                target.copy_(src)
-                planner.commit_tensor(req, target)
-        fut: Future[Any] = Future()
-        fut.set_result(None)
-        return fut
-
-    def release(self) -> None:
-        """Drop the verified bytes kept for ``read_data`` (after ``dcp.load``)."""
-        self.chosen.cache.clear()
-
-
-def _group() -> Tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _qualify(parts: _Parts, step: int, holders0: List[Tuple[Tier, Manifest]]) -> Optional[_Step]:
-    """``step`` as this rank sees it, or None when it is not whole and sound here."""
-    key0 = part_key(parts.key, 0)
-    decoded: Optional[Decoded] = None
-    tokens = None
-    for tier, m in holders0:
-        entry = next((f for f in m.files if f.path == METADATA_FILE), None)
-        if entry is None:
-            continue
-        got = parts.read_file([(tier, m)], key0, step, METADATA_FILE, entry.hash)
-        if got is None:
-            continue
-        try:
-            decoded = decode(bytes(got[1]), tier.where(parts.user, key0, step))
-        except VerifyError as exc:
-            parts._note_bad(tier, key0, step, exc)
-            continue
-        tokens = m.tokens
-        break
-    if decoded is None:
-        log.warning("[ckpt] dcp restore: step %d: no verified metadata on any tier", step)
-        return None
-    chosen = _Step(step, decoded, tokens)
-    for r, info in decoded.parts.items():
-        if info.get("file") is None:
-            chosen.holders[r] = []
-            continue
-        chosen.holders[r] = parts.holders(part_key(parts.key, r), step, info["file"], info["hash"])
-        if not chosen.holders[r]:
-            log.warning(
-                "[ckpt] dcp restore: step %d: part %d is on no tier this rank sees", step, r
-            )
-            return None
-    me, world = _group()
-    for r in sorted(decoded.parts):
-        info = decoded.parts[r]
-        if r % world != me or info.get("file") is None:
-            continue
-        key = part_key(parts.key, r)
-        got = parts.read_file(chosen.holders[r], key, step, info["file"], info["hash"])
-        if got is None:
-            log.warning("[ckpt] dcp restore: step %d: part %d verifies on no tier", step, r)
-            return None
-        chosen.cache[r] = got
-        for idx, item in decoded.metadata.storage_data.items():
-            if item.rank == r and item.kind == "bytes":
-                try:
-                    safe_load(got[1][item.pos : item.pos + item.nbytes], idx.fqn)
-                except VerifyError as exc:
-                    log.error("[ckpt] dcp restore: step %d: %s", step, exc)
-                    return None
-    return chosen
-
-
-def select_step(
-    tiers: Sequence[Tier],
-    user: str,
-    key: str,
-    *,
-    step: Optional[int] = None,
-    mark_bad: Any = None,
-) -> Optional[SlurmDcpReader]:
-    """Agree with every rank on the newest step all of them find whole and sound (see
-    the module docstring); a reader for it, or None when there is none. Collective."""
-    parts = _Parts(tiers, user, key, mark_bad)
-    key0 = part_key(key, 0)
-    cands: Dict[int, List[Tuple[Tier, Manifest]]] = {}
-    for tier in parts.tiers:
-        try:
-            infos = tier.steps(user, key0)
-        except (TierError, OSError) as exc:
-            log.warning("[ckpt] cannot list %s: %s", tier.where(user, key0), exc)
-            continue
-        for info in infos:
-            if step is None or info.step == step:
-                cands.setdefault(info.step, []).append((tier, info.manifest))
-    order = sorted(cands, reverse=True)
-    seen: Dict[int, Optional[_Step]] = {}
-
-    def best(bound: Optional[int]) -> Optional[_Step]:
-        for s in order:
-            if bound is not None and s > bound:
-                continue
-            if s not in seen:
-                try:
-                    seen[s] = _qualify(parts, s, cands[s])
-                except Exception as exc:  # noqa: BLE001 - never leave the others waiting
-                    log.error("[ckpt] dcp restore: step %d: %s", s, exc)
-                    seen[s] = None
-            if seen[s] is not None:
-                return seen[s]
-        return None
-
-    bound: Optional[int] = None
-    while True:
-        mine = best(bound)
-        mine_step = -1 if mine is None else mine.step
-        agreed = all_reduce_ints([mine_step], "min")[0]
-        if agreed < 0:
-            return None
-        if all_reduce_ints([1 if mine_step == agreed else 0], "min")[0] == 1:
-            assert mine is not None
-            for s, other in seen.items():  # keep only the chosen step's verified bytes
-                if other is not None and s != agreed:
-                    other.cache.clear()
-            return SlurmDcpReader(mine, parts)
-        bound = agreed

@@ -25,18 +25,20 @@ def process_group() -> Optional[Any]:
     return dist if dist.get_world_size() > 1 else None
 
 
-def all_reduce_ints(values: Sequence[int], op: str) -> List[int]:
-    """``values`` reduced element-wise over all ranks with ``op`` ("min" or "max"); the
-    values themselves when there is no process group."""
+def all_reduce_ints(values: Sequence[int], op: str, group: Any = None) -> List[int]:
+    """``values`` reduced element-wise over all ranks (or the ranks of ``group``, a
+    subgroup) with ``op`` ("min" or "max"); the values themselves when there is no
+    process group."""
     dist = process_group()
-    if dist is None:
+    if dist is None:  # one rank in the world: no subgroup has more
         return [int(v) for v in values]
     torch = sys.modules["torch"]
     device = "cpu"
-    if dist.get_backend() == "nccl":  # pragma: no cover - needs GPUs
+    if dist.get_backend(group) == "nccl":  # pragma: no cover - needs GPUs
         device = f"cuda:{torch.cuda.current_device()}"
     t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op={"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op])
+    reduce_op = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+    dist.all_reduce(t, op=reduce_op, group=group)
     return [int(x) for x in t.tolist()]
 
 

@@ -280,7 +280,8 @@ def _submit(
     waited = time.monotonic() - t1
     rec.seq = ckpt._seq
     ckpt._seq += 1
-    rec.selected = preempt or selected_for_flush(rec.seq, ckpt.policy)
+    # Laptop mode (no warm tier): nothing to flush to, so nothing is selected.
+    rec.selected = ckpt.warm is not None and (preempt or selected_for_flush(rec.seq, ckpt.policy))
     rec.prepared = prepared
     stall = time.monotonic() - t0
     rec.stall_s = rec.snapshot_s = stall

@@ -357,7 +357,7 @@ class Pipeline:
             self.after_commit(rec.step)
         self.log_deferred()
         self.books.emit("local_done", step=rec.step, local_s=rec.local_s)
-        if rec.selected:
+        if rec.selected and self.flusher is not None:  # no warm tier: nowhere to flush to
             self.queue_flush(rec)
         else:
             rec.flush_status = "not selected"

@@ -11,12 +11,16 @@ Young/Daly's optimum ``sqrt(2 * cost * MTBI)`` with the measured save stall as t
 
 from __future__ import annotations
 
+import logging
+import signal
 import time
 from typing import Optional
 
 from slurm_ckpt.core.config import JobConfig
 from slurm_ckpt.core.planner import auto_interval
 from slurm_ckpt.job.signals import SignalFlag
+
+log = logging.getLogger(__name__)
 
 __all__ = ["BOOTSTRAP_COST_S", "DEFAULT_INTERVAL_TOKENS", "Schedule", "unreachable_message"]
 
@@ -58,6 +62,7 @@ class Schedule:
             jc.interval_tokens or self.auto
         )
         self._checked_reachable = False
+        self._told_ctrl_c = False
         self.mtbi_s = jc.mtbi
         self.flag = flag
         #: The save answering a preemption signal has been taken.
@@ -81,6 +86,12 @@ class Schedule:
         """A preemption signal arrived (or the job's end is near) and its save has not
         been taken yet."""
         warned = self.flag.received is not None or self.deadline_due
+        if warned and self.flag.received == signal.SIGINT and not self._told_ctrl_c:
+            self._told_ctrl_c = True  # said here, at a step boundary: never in the handler
+            log.warning(
+                "[ckpt] Ctrl-C: saving at this step boundary, then stopping (Ctrl-C again "
+                "interrupts at once)"
+            )
         return warned and not self.preempt_saved
 
     def unreachable(self, step: Optional[int], tokens: Optional[int]) -> bool:

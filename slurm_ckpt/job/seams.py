@@ -144,14 +144,30 @@ class FrameworkSeams:
             token=series.token,
         )
 
-    def dcp_reader(self, *, step: Optional[int] = None) -> Any:
+    def dcp_reader(
+        self,
+        *,
+        step: Optional[int] = None,
+        process_group: Any = None,
+        no_dist: bool = False,
+    ) -> Any:
         """A ``torch.distributed.checkpoint`` StorageReader for the newest DCP step that
         every rank finds whole and verified, on any tier (or exactly ``step``); None when
-        there is none. Collective: every rank calls it (it agrees over the process
-        group). Loads at any world size (DCP's planner reshards)."""
-        from slurm_ckpt.job.dcp_storage import select_step
+        there is none. Loads at any world size (DCP's planner reshards).
 
-        reader = select_step(self.tiers, self.user, self.key, step=step, mark_bad=self._mark_bad)
+        Collective as ``dcp.load`` is, with the same arguments: every rank of the process
+        group calls it (default), every rank of ``process_group`` (a subgroup), or this
+        rank alone with ``no_dist=True`` (it then verifies every part itself: a single
+        process reading the whole checkpoint, offline or beside a running job). Pass
+        ``dcp.load`` the same ``process_group``/``no_dist``. Raises
+        :class:`~slurm_ckpt.errors.CkptError` when a verified item of the newest step
+        will not load (never a quiet fall-back to an older step)."""
+        from slurm_ckpt.job.dcp_storage import Group, select_step
+
+        group = Group(process_group, no_dist)
+        reader = select_step(
+            self.tiers, self.user, self.key, step=step, mark_bad=self._mark_bad, group=group
+        )
         if reader is None:
             log.info("[ckpt] dcp_reader: no DCP checkpoint of %s found", self.key)
             return None

@@ -12,6 +12,13 @@ stores: no locks, no allocation worth mentioning, no I/O), then chains to the ha
 was installed before it. The checkpoint itself is taken at the next step boundary, when
 the training loop calls ``should_save()``.
 
+Ctrl-C (``SIGINT``) is the one signal whose previous handler ends the program at once
+(``KeyboardInterrupt``). When it is among the signals saved on (the default without
+SLURM, on a laptop), its *first* arrival only sets the flag - the save at the next step
+boundary then ends the run cleanly - and the next one goes on to the previous handler:
+a second Ctrl-C interrupts at once. While the Checkpointer closes (``interrupt_now``)
+there is no step boundary left to wait for: every Ctrl-C interrupts at once.
+
 :class:`Deadline` turns what is known (the job's end time from an injectable provider,
 ``KillWait``, the signal's arrival and lead time) into the latest moment by which work
 must be done, so the Checkpointer can decide to leave the PFS flush to the epilog rather
@@ -78,6 +85,9 @@ class SignalFlag:
         self.received_at: Optional[float] = None
         self.last: Optional[int] = None
         self.count = 0
+        #: Set while the Checkpointer closes: a Ctrl-C then interrupts at once.
+        self.interrupt_now = False
+        self._interrupts = 0
         self._previous: Dict[int, Handler] = {}
 
     def _handler(self, signum: int, frame: Any) -> None:
@@ -88,6 +98,12 @@ class SignalFlag:
         self.last = signum
         self.count += 1
         prev = self._previous.get(signum)
+        if signum == signal.SIGINT:
+            self._interrupts += 1
+            if self._interrupts == 1 and not self.interrupt_now:
+                return  # the first Ctrl-C: saved at the next step boundary
+            if prev == signal.SIG_DFL or prev is None:
+                raise KeyboardInterrupt
         if callable(prev):
             prev(signum, frame)
 
@@ -120,7 +136,7 @@ class SignalFlag:
 
     def clear(self) -> None:
         self.received = self.received_at = self.last = None
-        self.count = 0
+        self.count = self._interrupts = 0
 
 
 class Deadline:
@@ -133,7 +149,7 @@ class Deadline:
     * a SIGTERM that arrived at ``t``: ``t + kill_wait_s`` (preemption, scancel);
     * another signal at ``t`` when its lead time is known (``--signal=USR1@300`` ->
       ``signal_lead_s=300``): ``t + signal_lead_s + kill_wait_s``. The signal may come up
-      to 60 s early, so this is a lower bound: safe.
+      to 60 s early, so this is a lower bound: safe. A Ctrl-C sets no deadline.
     """
 
     def __init__(
@@ -169,7 +185,7 @@ class Deadline:
         if t is not None:
             if self.flag.received == signal.SIGTERM:
                 candidates.append(t + self.kill_wait_s)
-            elif self.signal_lead_s is not None:
+            elif self.flag.received != signal.SIGINT and self.signal_lead_s is not None:
                 candidates.append(t + float(self.signal_lead_s) + self.kill_wait_s)
         return min(candidates) if candidates else None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Sequence
 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.errors import CkptError
@@ -45,17 +46,26 @@ def make_roots(config: Config) -> None:
             ) from None
 
 
-def sweep_debris(local: Tier, user: str, key: str) -> None:
-    """Remove this series' ``.tmp-step-*`` whose writer is gone (its pid is dead on this
-    node, or it is older than an hour), as the hooks do on a site; a live writer's is
-    kept. Never fails the job: a sweep that cannot run is logged."""
-    sweep = getattr(local, "sweep", None)
+def sweep_debris(tier: Tier, user: str, keys: Sequence[str]) -> None:
+    """Remove the debris of these series on ``tier``, as the hooks do on a site:
+    ``.tmp-step-*`` whose writer is gone (its pid is dead on this node, or it is older
+    than an hour; a live writer's is kept) and ``.partial-*``, a copy (a flush, a fetch)
+    that a kill or a Ctrl-C stopped halfway: standalone, this Checkpointer is the only
+    one that copies into its own series, and it has not started one yet. Never fails
+    the job: a sweep that cannot run is logged."""
+    sweep = getattr(tier, "sweep", None)
     if sweep is None:
         return
-    try:
-        removed = sweep(user, key)
-    except (CkptError, OSError) as exc:
-        log.warning("[ckpt] could not sweep the debris of killed saves: %s", exc)
-        return
-    if removed:
-        log.info("[ckpt] removed the debris of %d killed save(s): %s", len(removed), removed)
+    for key in keys:
+        try:
+            removed = sweep(user, key, partials=True)
+        except (CkptError, OSError) as exc:
+            log.warning("[ckpt] could not sweep the debris of killed saves: %s", exc)
+            continue
+        if removed:
+            log.info(
+                "[ckpt] %s: removed the debris of %d killed save(s) or copies: %s",
+                tier.where(user, key),
+                len(removed),
+                removed,
+            )

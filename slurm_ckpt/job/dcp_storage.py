@@ -64,7 +64,15 @@ from slurm_ckpt.core.commit import AlreadyCommitted
 from slurm_ckpt.core.fastread import ReadJob, read_files
 from slurm_ckpt.core.manifest import FileEntry, Manifest
 from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
-from slurm_ckpt.job.dcp_meta import Decoded, ItemInfo, decode, dtype_name, encode, parse_dtype
+from slurm_ckpt.job.dcp_meta import (
+    Decoded,
+    ItemInfo,
+    decode,
+    dtype_name,
+    encode,
+    misfit,
+    parse_dtype,
+)
 from slurm_ckpt.job.dcp_series import notify_committed, part_key
 from slurm_ckpt.job.dist import all_reduce_ints
 from slurm_ckpt.tiers.base import Tier
@@ -485,6 +493,14 @@ def _qualify(parts: _Parts, step: int, holders0: List[Tuple[Tier, Manifest]]) ->
                 "[ckpt] dcp restore: step %d: part %d is on no tier this rank sees", step, r
             )
             return None
+    sizes = {}
+    for r, info in decoded.parts.items():
+        if info.get("file") is not None and chosen.holders.get(r):
+            sizes[r] = chosen.holders[r][0][1].file(info["file"]).size
+    why = misfit(decoded, sizes)
+    if why is not None:  # verified, but it does not fit its parts: skipped as corrupt
+        log.error("[ckpt] dcp restore: step %d: metadata does not fit: %s", step, why)
+        return None
     me, world = _group()
     for r in sorted(decoded.parts):
         info = decoded.parts[r]

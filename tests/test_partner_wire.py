@@ -317,3 +317,21 @@ def test_squatted_rendezvous_is_refused_and_reported(tmp_path: Path) -> None:
     found = check_security(cfg, lambda *args: args)
     bad = [f for f in found if f[0] == "squatted" and f[1] == "error"]
     assert len(bad) == 1 and "partner copies are off" in bad[0][2]
+
+
+def test_a_symlink_for_the_users_rendezvous_directory_is_never_followed(tmp_path: Path) -> None:
+    """``<dir>/root`` is a symlink (to a directory its maker controls): refused, partner
+    copies off with an event, nothing written where it points."""
+    base = tmp_path / "rendezvous"
+    base.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (base / "root").symlink_to(elsewhere)
+    events: List[Any] = []
+    a = rank_node(tmp_path, "na", 0, 2, on_event=lambda n, i: events.append((n, i)))
+    try:
+        assert a.partner is None
+        assert [n for n, _i in events].count("partner_off") == 1
+    finally:
+        a.close()
+    assert not list(elsewhere.iterdir())

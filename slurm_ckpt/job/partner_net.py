@@ -102,10 +102,10 @@ class Rendezvous:
 
     def _open(self) -> int:
         """The directory, created ``0700`` if absent. Below :attr:`base` no symlink is
-        followed, and every component must be a real directory of ours that no one else
-        may write (the last one: that no one else may enter); ``<base>/<user>`` made
-        first by another user is refused as squatted (partner copies are then off, and
-        ``status``/``doctor`` report it)."""
+        followed, and every component must be a real directory of ours (the last one
+        closed to everyone else); ``<base>/<user>`` made first by another user is
+        refused as squatted (partner copies are then off, and ``status``/``doctor``
+        report it)."""
         os.makedirs(self.base, mode=0o700, exist_ok=True)
         fd = fsio.open_dir(self.base)  # trusted (the admin's or the PFS root)
         try:
@@ -126,12 +126,13 @@ class Rendezvous:
                         )
                     if st.st_uid == trust.ROOT_UID and os.geteuid() != trust.ROOT_UID:
                         continue  # the user's directory, made for them by root
+                # Ours (a directory swapped in by someone else is refused); the run's
+                # own directory closed to everyone else, as the secret needs.
                 mode = stat.S_IMODE(st.st_mode)
-                if st.st_uid != os.geteuid() or mode & (0o077 if last else 0o022):
+                if st.st_uid != os.geteuid() or (last and mode & 0o077):
                     raise CkptError(
-                        f"partner rendezvous {where}: must be owned by uid {os.geteuid()} "
-                        f"with mode {'0700' if last else '0755 or stricter'} "
-                        f"(uid {st.st_uid}, mode {mode:o})"
+                        f"partner rendezvous {where}: must be owned by uid {os.geteuid()}"
+                        f"{' with mode 0700' if last else ''} (uid {st.st_uid}, mode {mode:o})"
                     )
             return fd
         except BaseException:

@@ -76,6 +76,10 @@ _HEADER = struct.Struct("!I")
 #: make the receiver hold more, and a frame's memory grows only as its records arrive).
 MAX_FRAME = 64 * 2**20
 
+#: ``encrypt_into``/``decrypt_into`` (cryptography 45 and later): records sealed and
+#: opened in place.
+_INTO = hasattr(AESGCM, "decrypt_into")
+
 _CLIENT, _SERVER, _SESSION = b"partner client hello", b"partner server hello", b"partner key"
 
 
@@ -150,6 +154,9 @@ class Channel:
         self._txn = self._rxn = 0
         self._plain = memoryview(b"")
         self._ct = bytearray(RECORD_MAX + TAG)
+        #: One record's header and ciphertext, sealed in place (no copy per record).
+        self._out = bytearray(_HEADER.size + RECORD_MAX + TAG) if _INTO else None
+        self._pt: Optional[bytearray] = None
 
     # -- socket-like ---------------------------------------------------------------------
     def settimeout(self, t: Optional[float]) -> None:
@@ -165,16 +172,29 @@ class Channel:
         self.close()
 
     # -- records -------------------------------------------------------------------------
+    def _nonce(self, send: bool) -> bytes:
+        if send:
+            n, self._txn = self._txn, self._txn + 1
+        else:
+            n, self._rxn = self._rxn, self._rxn + 1
+        return n.to_bytes(12, "big")
+
     def sendall(self, data: Union[bytes, bytearray, memoryview]) -> None:
-        view = memoryview(data)
+        view = memoryview(data).cast("B")
         for off in range(0, len(view), RECORD_MAX):
             piece = view[off : off + RECORD_MAX]
             header = _HEADER.pack(len(piece) + TAG)
-            nonce = self._txn.to_bytes(12, "big")
-            self._txn += 1
-            self.sock.sendall(header + self._tx.encrypt(nonce, piece, header))
+            if self._out is None:
+                self.sock.sendall(header + self._tx.encrypt(self._nonce(True), piece, header))
+                continue
+            end = _HEADER.size + len(piece) + TAG
+            out = memoryview(self._out)
+            out[: _HEADER.size] = header
+            self._tx.encrypt_into(self._nonce(True), piece, header, out[_HEADER.size : end])
+            self.sock.sendall(out[:end])
 
-    def _fill(self) -> None:
+    def _record(self) -> Tuple[bytes, memoryview]:
+        """The next record's header and ciphertext (in :attr:`_ct`), not yet opened."""
         header = raw_recv_exact(self.sock, _HEADER.size)
         (n,) = _HEADER.unpack(header)
         if n <= TAG or n > RECORD_MAX + TAG:
@@ -186,19 +206,43 @@ class Channel:
             if k == 0:
                 raise WireError("connection closed by the peer")
             got += k
-        nonce = self._rxn.to_bytes(12, "big")
-        self._rxn += 1
+        return header, view
+
+    def _open(self, header: bytes, ct: memoryview, into: Optional[memoryview]) -> memoryview:
+        """Authenticate and decrypt one record, into ``into`` when given (exactly its
+        plaintext's size) or into a buffer of the channel's; its plaintext."""
+        nonce = self._nonce(False)
         try:
-            self._plain = memoryview(self._rx.decrypt(nonce, view, header))
+            if not _INTO:
+                plain = memoryview(self._rx.decrypt(nonce, ct, header))
+                if into is None:
+                    return plain
+                into[:] = plain
+                return into
+            if into is None:
+                if self._pt is None:
+                    self._pt = bytearray(RECORD_MAX)
+                into = memoryview(self._pt)[: len(ct) - TAG]
+            self._rx.decrypt_into(nonce, ct, header, into)
+            return into
         except InvalidTag:
             raise WireError("record failed authentication") from None
 
+    def _fill(self) -> None:
+        header, ct = self._record()
+        self._plain = self._open(header, ct, None)
+
     def recv_into(self, view: memoryview, n: int = 0) -> int:
         """Up to ``n`` (default: ``len(view)``) bytes into ``view``; never 0 (a closed
-        or lying peer raises :class:`WireError`)."""
+        or lying peer raises :class:`WireError`). A whole record that fits is opened
+        straight into ``view`` (one copy less: the restore's fresh memory)."""
         want = n or len(view)
         if not self._plain:
-            self._fill()
+            header, ct = self._record()
+            size = len(ct) - TAG
+            if size <= want:
+                return len(self._open(header, ct, view[:size]))
+            self._plain = self._open(header, ct, None)
         k = min(want, len(self._plain))
         view[:k] = self._plain[:k]
         self._plain = self._plain[k:]

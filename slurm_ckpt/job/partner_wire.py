@@ -309,7 +309,6 @@ class ServerHandshake:
         self._buf = bytearray()
         self._want = _FIXED.size
         self._phase = 0
-        self._hello = b""
         self._keys: Optional[Tuple[bytes, bytes, bytes]] = None
         self.done = False
         #: The client's rank, once its hello is verified.
@@ -359,7 +358,6 @@ class ServerHandshake:
             raise WireError(f"hello from rank {client_rank}: no other rank of this job")
         self.peer_rank = client_rank
         ns = secrets.token_bytes(NONCE)
-        self._hello = hello
         self._keys = _keys(ident.secret, hello, ns)
         self._buf = bytearray()
         self._phase, self._want = 2, _FINISHED

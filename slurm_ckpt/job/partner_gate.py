@@ -120,6 +120,9 @@ class Gate:
             except OSError:
                 return self.lsock.fileno() >= 0  # a closed listener ends the loop
             conn.setblocking(False)
+            # Small frames at once: an answer is a status record then a frame, and Nagle
+            # would hold the frame for the peer's delayed ACK (40 ms on Linux).
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if len(self.pending) >= self.pending_max:
                 self._evict()
             self._seq += 1

@@ -281,3 +281,47 @@ def test_writer_pickles_for_process_mode(ckpt: Checkpointer) -> None:
 def test_bad_step_is_one_line(ckpt: Checkpointer, step: Any) -> None:
     with pytest.raises(CkptError, match="^dcp_writer\\(\\): step must be a whole number"):
         ckpt.dcp_writer(step=step)
+
+
+@pytest.mark.parametrize(
+    "bend",
+    [
+        {"pos": 10**9},  # past the end of the part's data file
+        {"shape": [2**20, 2**20]},  # 2**40 elements in a part of a few kB
+        {"nbytes": 0, "shape": [2**20, 2**20]},  # 2**40 elements from no bytes at all
+        {"rank": 5},  # a part the step does not have
+    ],
+    ids=["offset", "shape", "empty-shape", "rank"],
+)
+def test_metadata_that_does_not_fit_its_part_is_skipped(
+    ckpt: Checkpointer,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    bend: Any,
+) -> None:
+    """Step 2's metadata is the writer's own (its hash verifies) but one item does not
+    fit its part: the step is skipped like a corrupt one and step 1 loads, bitwise."""
+    from slurm_ckpt.job import dcp_storage
+
+    _save(ckpt, _state(1), 1)
+    real = dcp_storage.encode
+
+    def bent(metadata: Any, items: Any, parts: Any) -> bytes:
+        doc = json.loads(real(metadata, items, parts))
+        for it in doc["items"]:
+            if it["fqn"] == "w":
+                it.update(bend)
+        return json.dumps(doc).encode()
+
+    monkeypatch.setattr(dcp_storage, "encode", bent)
+    _save(ckpt, _state(2), 2)
+    monkeypatch.undo()
+    ckpt.wait()
+    assert ckpt.local.verify(ckpt.user, "run.dcp.rank00000", 2).ok  # it verifies
+    with caplog.at_level(logging.ERROR, logger="slurm_ckpt"):
+        reader = ckpt.dcp_reader()
+    assert reader is not None and reader.step == 1
+    assert any("does not fit" in r.getMessage() for r in caplog.records)
+    got = _blank()
+    _load(reader, got)
+    assert torch.equal(got["w"], _state(1)["w"]) and got["extra"] == _state(1)["extra"]

@@ -29,7 +29,8 @@ from test_checkpointer import assert_state_equal, sample_state
 from slurm_ckpt import Checkpointer
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.hooks.epilog import run_epilog
-from slurm_ckpt.job.partner_net import MAGIC, Peer, ring_partner
+from slurm_ckpt.job.partner_net import Peer, ring_partner
+from slurm_ckpt.job.partner_wire import HELLO_MAX, MAGIC
 from slurm_ckpt.ledger import Ledger, State
 from slurm_ckpt.ledger.node_status import node_status
 from slurm_ckpt.node.work import NodeWork
@@ -183,9 +184,10 @@ def test_unauthenticated_peer_is_refused(tmp_path: Path) -> None:
     a, b = node(tmp_path, "na", 0), node(tmp_path, "nb", 1)
     try:
         with socket.create_connection(("127.0.0.1", b.partner.port), timeout=30) as s:  # type: ignore[union-attr]
-            hello = s.recv(64)
-            assert hello.startswith(MAGIC)
-            s.sendall(os.urandom(48))  # a nonce and a MAC made without the secret
+            # a client hello (no launch tag, no series) whose MAC is made without the secret
+            hello = MAGIC + os.urandom(16) + (1).to_bytes(4, "big") + bytes(8) + os.urandom(32)
+            assert len(hello) < HELLO_MAX
+            s.sendall(hello)
             assert s.recv(64) == b""  # hung up on, nothing said
         assert b.partner.stats.refused == 1  # type: ignore[union-attr]
         assert local_tier(tmp_path, "nb").keys("root") == [] or rank_key(0) not in (

@@ -20,6 +20,7 @@ hold:
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import socket
 import threading
@@ -32,13 +33,7 @@ from test_partner import local_tier, node, rank_key, save_all, states
 
 from slurm_ckpt import Checkpointer
 from slurm_ckpt.job.partner_fetch import FETCH, RANGE
-from slurm_ckpt.job.partner_net import (
-    WireError,
-    client_handshake,
-    recv_exact,
-    recv_frame,
-    send_frame,
-)
+from slurm_ckpt.job.partner_wire import WireError, client_handshake
 from slurm_ckpt.job.restore import Restored
 from slurm_ckpt.tiers.posix import PosixTier
 
@@ -247,16 +242,17 @@ def test_fetch_needs_the_secret_and_a_rank_series_of_this_job(lost_nb: Any) -> N
     tmp, _st, relaunch = lost_nb
     a, c = relaunch("na", "nc")
     port = a.partner.port  # type: ignore[union-attr]
+    ident = c.partner.ident  # type: ignore[union-attr]
     s = socket.create_connection(("127.0.0.1", port), timeout=30)
     with s, pytest.raises(WireError):
-        client_handshake(s, b"x" * 32)  # not the job's secret: hung up on
+        # not the job's secret: hung up on
+        client_handshake(s, dataclasses.replace(ident, secret=b"x" * 32), 0)
     assert a.partner.stats.refused == 1  # type: ignore[union-attr]
-    secret = a.partner.secret  # type: ignore[union-attr]
     for key in (f"other.rank{1:05d}", rank_key(0), "../x"):
         with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-            session = client_handshake(s, secret)
-            send_frame(s, FETCH + f'{{"op": "get", "key": "{key}", "step": 3}}'.encode(), session)
-            assert recv_exact(s, 1) == b"N"
+            ch = client_handshake(s, ident, 0)
+            ch.send_frame(FETCH + f'{{"op": "get", "key": "{key}", "step": 3}}'.encode())
+            assert ch.recv_exact(1) == b"N"
     assert a.partner.stats.refused == 4  # type: ignore[union-attr]
     assert a.partner.stats.served == 0  # type: ignore[union-attr]
 
@@ -266,19 +262,17 @@ def test_holder_serves_only_ranges_inside_the_steps_files(lost_nb: Any) -> None:
     range past a file's end (or a file index past the manifest) ends the session."""
     tmp, _st, relaunch = lost_nb
     a, c = relaunch("na", "nc")
-    port, secret = a.partner.port, a.partner.secret  # type: ignore[union-attr]
+    port, ident = a.partner.port, c.partner.ident  # type: ignore[union-attr]
     held = local_tier(tmp, "na").manifest("root", rank_key(1), 3)
     big = max(range(len(held.files)), key=lambda i: held.files[i].size)
     open_req = FETCH + f'{{"op": "open", "key": "{rank_key(1)}", "step": 3}}'.encode()
     for i, off, n in ((big, held.files[big].size - 10, 11), (len(held.files), 0, 1)):
         with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-            session = client_handshake(s, secret)
-            send_frame(s, open_req, session)
-            assert recv_exact(s, 1) == b"G"
-            assert recv_frame(s, session) == local_tier(tmp, "na").manifest_bytes(
-                "root", rank_key(1), 3
-            )
-            send_frame(s, RANGE.pack(big, 0, 16), session)  # a good range is served
-            assert len(recv_exact(s, 16)) == 16
-            send_frame(s, RANGE.pack(i, off, n), session)
+            ch = client_handshake(s, ident, 0)
+            ch.send_frame(open_req)
+            assert ch.recv_exact(1) == b"G"
+            assert ch.recv_frame() == local_tier(tmp, "na").manifest_bytes("root", rank_key(1), 3)
+            ch.send_frame(RANGE.pack(big, 0, 16))  # a good range is served
+            assert len(ch.recv_exact(16)) == 16
+            ch.send_frame(RANGE.pack(i, off, n))
             assert s.recv(1) == b""  # hung up on, nothing sent

@@ -246,7 +246,8 @@ def print_status(
     for sq in doc.get("squatted") or []:
         warn(
             f"{sq['path']} is owned by uid {sq['owner_uid']}, not by {sq['user']}: squatted, "
-            f"not read (fix, as root: inspect it, then mv {sq['path']} "
+            + ("partner copies off" if sq.get("partner") else "not read")
+            + f" (fix, as root: inspect it, then mv {sq['path']} "
             f"{sq['path']}.squatted-by-{sq['owner_uid']})"
         )
     for text in doc.get("notes") or []:

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from slurm_ckpt.errors import VerifyError
 
-__all__ = ["FORMAT", "ItemInfo", "decode", "dtype_name", "encode", "parse_dtype"]
+__all__ = ["FORMAT", "ItemInfo", "decode", "dtype_name", "encode", "misfit", "parse_dtype"]
 
 FORMAT = "slurm_ckpt.dcp/1"
 
@@ -224,3 +224,60 @@ def decode(data: bytes, where: str) -> Decoded:
         version=doc["version"],
     )
     return Decoded(md, world, parts)
+
+
+def misfit(decoded: Decoded, part_sizes: Dict[int, int]) -> Optional[str]:
+    """Why the metadata does not fit its parts (None: it fits).
+
+    The metadata is hash-verified, but whoever wrote the step wrote it too: every item
+    must lie inside its part's data file (``part_sizes``: rank -> bytes), a tensor's
+    bytes must be exactly its shape times its dtype's size, and its shape must be the
+    chunk the global metadata names for it, inside the tensor's size. Without this a
+    load would index past a buffer or allocate a shape of 2**40 elements and raise,
+    instead of the step being skipped like a corrupt one."""
+    md = decoded.metadata
+    for idx, info in md.storage_data.items():
+        where = f"item {idx.fqn}"
+        part = decoded.parts.get(info.rank)
+        if part is None or part.get("file") != info.file or info.rank not in part_sizes:
+            return f"{where}: in no part of the step (rank {info.rank}, file {info.file!r})"
+        if info.pos < 0 or info.nbytes < 0 or info.pos + info.nbytes > part_sizes[info.rank]:
+            return (
+                f"{where}: bytes {info.pos}+{info.nbytes} outside part {info.rank} "
+                f"({part_sizes[info.rank]} bytes)"
+            )
+        smd = md.state_dict_metadata.get(idx.fqn)
+        if info.kind in ("bytes", "value"):  # non-tensor items: DCP describes them as bytes
+            if not isinstance(smd, BytesStorageMetadata):
+                return f"{where}: saved as {info.kind}, not described as bytes"
+            continue
+        if not isinstance(smd, TensorStorageMetadata) or info.shape is None:
+            return f"{where}: saved as a tensor, not described as one"
+        if parse_dtype(info.dtype) != smd.properties.dtype:
+            return f"{where}: dtype {info.dtype} is not the tensor's"
+        shape = list(info.shape)
+        count = 1
+        for n in shape:
+            if n < 0:
+                return f"{where}: negative dimension in {tuple(shape)}"
+            count *= n
+        esize = torch.empty((), dtype=smd.properties.dtype).element_size()
+        if count * esize != info.nbytes:
+            return f"{where}: shape {tuple(shape)} is not {info.nbytes} bytes"
+        offsets = list(idx.offset) if idx.offset is not None else [0] * len(shape)
+        chunk = next((c for c in smd.chunks if list(c.offsets) == offsets), None)
+        if chunk is None or list(chunk.sizes) != shape:
+            return f"{where}: shape {tuple(shape)} at {tuple(offsets)} is no chunk of the tensor"
+        size = list(smd.size)
+        if len(size) != len(shape) or any(
+            o < 0 or o + n > t for o, n, t in zip(offsets, shape, size)
+        ):
+            return f"{where}: chunk {tuple(offsets)}+{tuple(shape)} outside {tuple(size)}"
+    for fqn, smd in md.state_dict_metadata.items():
+        if isinstance(smd, TensorStorageMetadata):
+            for c in smd.chunks:
+                if MetadataIndex(fqn, list(c.offsets)) not in md.storage_data:
+                    return f"item {fqn}: chunk {tuple(c.offsets)} is stored nowhere"
+        elif MetadataIndex(fqn) not in md.storage_data:
+            return f"item {fqn}: stored nowhere"
+    return None

@@ -25,7 +25,7 @@ from torch.futures import Future
 from slurm_ckpt.core.fastread import ReadJob, read_files
 from slurm_ckpt.core.manifest import Manifest
 from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
-from slurm_ckpt.job.dcp_meta import Decoded, ItemInfo, decode, parse_dtype
+from slurm_ckpt.job.dcp_meta import Decoded, ItemInfo, decode, misfit, parse_dtype
 from slurm_ckpt.job.dcp_series import part_key
 from slurm_ckpt.job.dcp_values import decode_value
 from slurm_ckpt.job.dist import all_reduce_ints
@@ -298,6 +298,14 @@ def _qualify(
                 "[ckpt] dcp restore: step %d: part %d is on no tier this rank sees", step, r
             )
             return None
+    sizes = {}
+    for r, info in decoded.parts.items():
+        if info.get("file") is not None and chosen.holders.get(r):
+            sizes[r] = chosen.holders[r][0][1].file(info["file"]).size
+    why = misfit(decoded, sizes)
+    if why is not None:  # verified, but it does not fit its parts: skipped as corrupt
+        log.error("[ckpt] dcp restore: step %d: metadata does not fit: %s", step, why)
+        return None
     me, world = group.rank, group.world
     for r in sorted(decoded.parts):
         info = decoded.parts[r]

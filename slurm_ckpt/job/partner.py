@@ -8,7 +8,9 @@ A :class:`PartnerLink` per Checkpointer runs two kinds of background threads:
   step at a time in a single slot: a newer commit replaces a step still waiting, never
   the one on the wire. Memory: one piece of :data:`COPY_PIECE` (256 KiB) at a time;
   bandwidth: its own cap (``[partner] bandwidth``), separate from the flush's.
-* the **receiver**: a TCP server accepting authenticated peers of this job. It commits
+* the **receiver**: a TCP server accepting authenticated peers of this job (strangers
+  wait in a small pending pool with a deadline and never hold a session slot:
+  :mod:`.partner_gate`; everything on the wire is encrypted: :mod:`.partner_wire`). It commits
   the copy through the local tier's writer in copy mode - the sender's manifest byte for
   byte, every chunk hashed and compared with that manifest as it arrives, the manifest
   last - under the *owner's* series key. The rest of the toolkit therefore sees a
@@ -37,6 +39,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
+from slurm_ckpt.core import trust
 from slurm_ckpt.core.chunks import BandwidthLimiter
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.manifest import Manifest
@@ -45,48 +48,45 @@ from slurm_ckpt.job.background import yielding
 from slurm_ckpt.job.bookkeeping import Bookkeeper
 from slurm_ckpt.job.partner_fetch import FETCH, Fetched, fetch_own, receive_step, send_step
 from slurm_ckpt.job.partner_fetch import serve as serve_fetch
+from slurm_ckpt.job.partner_gate import HANDSHAKE_DEADLINE_S, Gate
 from slurm_ckpt.job.partner_net import (
     Peer,
     Rendezvous,
-    WireError,
-    client_handshake,
     launch_tag,
     listening_socket,
     local_host,
     no_delay,
-    recv_exact,
-    recv_frame,
     ring_partner,
-    send_frame,
-    server_handshake,
 )
+from slurm_ckpt.job.partner_wire import Channel, Identity, WireError, client_handshake
 from slurm_ckpt.ledger.ledger import Ledger
 from slurm_ckpt.ledger.record import WARM_SLOT, Record, State
 from slurm_ckpt.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PartnerLink", "PartnerStats", "open_partner", "rendezvous_dir"]
+__all__ = ["PartnerLink", "PartnerStats", "open_partner", "rendezvous_base", "rendezvous_dir"]
 
 #: Socket timeout of one send/receive (a silent peer is given up on).
 IO_TIMEOUT_S = 60.0
-#: A connecting peer must have proved the job's secret within this time (a stranger
-#: holding connections open must not take the receiver's few slots for long).
-HANDSHAKE_TIMEOUT_S = 10.0
+#: A connecting peer must have proved the job's secret within this time of ``accept``
+#: (all of the handshake, however slowly it dribbles in: :mod:`.partner_gate`).
+HANDSHAKE_TIMEOUT_S = HANDSHAKE_DEADLINE_S
 #: How long a sender waits for every rank to publish its address.
 RENDEZVOUS_TIMEOUT_S = 300.0
-#: Receiver connections served at once (a few ranks per node send to one node).
+#: Authenticated sessions served at once (a few ranks per node send to one node); a
+#: stranger never holds one (it waits in the gate's pending pool until it proves the
+#: secret, and is dropped at the deadline or when newer connections need the room).
 MAX_CONNECTIONS = 8
-#: Bytes per system call of a background partner copy, on both ends (``sendfile`` on
-#: the sender; receive, hash and write on the receiver). Small on purpose: the copy runs
-#: while training does, and each call is a stretch of kernel work (a loopback or NIC
-#: send, a copy out of the socket, a page-cache write) that a training or collective
-#: thread waking on that core waits behind. Measured on 2 cores with two lock-step gloo
-#: ranks (docs/partner.md, "Training throughput"): with 4 MiB pieces a training step
-#: that overlapped the bytes of a copy took 13-16 ms longer (of about 20), with 256 KiB
-#: 5-7 ms (the training and gloo threads waited longer on the run queue; their own CPU
-#: time per step barely changed). The extra system calls cost little (64 MiB is 256
-#: of them). A fetch for a restore, which the whole job waits for, keeps ``piece``.
+#: Bytes per system call of a background partner copy, on both ends (read, seal and send one record
+#: on the sender; receive, open, hash and write on the receiver). Small on purpose: the copy runs
+#: while training does, and each call is a stretch of kernel work (a loopback or NIC send, a copy
+#: out of the socket, a page-cache write) that a training or collective thread waking on that core
+#: waits behind. Measured on 2 cores with two lock-step gloo ranks (docs/partner.md, "Training
+#: throughput"): with 4 MiB pieces a training step that overlapped the bytes of a copy took 13-16
+#: ms longer (of about 20), with 256 KiB 5-7 ms (the training and gloo threads waited longer on the
+#: run queue; their own CPU time per step barely changed). The extra system calls cost little (64
+#: MiB is 256 of them). A fetch for a restore, which the whole job waits for, keeps ``piece``.
 COPY_PIECE = 256 * 2**10
 
 _GO, _HAVE, _NO, _OK, _FAIL = b"G", b"H", b"N", b"K", b"F"
@@ -163,9 +163,10 @@ class PartnerLink:
         self._partner: Optional[Peer] = None
         self._key_re = re.compile(re.escape(base_key) + r"\.rank\d{5}")
         self._secret = self.secret = rendezvous.secret()
+        #: What binds this rank's sessions (:class:`~.partner_wire.Identity`).
+        self.ident = Identity(self.secret, rank, world_size, rendezvous.launch, base_key)
         self.rendezvous_timeout = RENDEZVOUS_TIMEOUT_S
         self._sock = listening_socket(bind)
-        self._sock.settimeout(0.5)  # the accept loop looks at _stop this often
         self.port = self._sock.getsockname()[1]
         rendezvous.publish(node, host, self.port)
         self._conns = threading.BoundedSemaphore(MAX_CONNECTIONS)
@@ -269,21 +270,20 @@ class PartnerLink:
         t0 = time.monotonic()
         with self.local.reader(self.user, self.key, step) as reader:
             m = reader.manifest
-            with no_delay(
-                socket.create_connection((peer.host, peer.port), timeout=IO_TIMEOUT_S)
-            ) as s:
-                s.settimeout(IO_TIMEOUT_S)
-                session = client_handshake(s, self._secret)
-                send_frame(s, reader.manifest_bytes, session)
-                answer = recv_exact(s, 1)
+            sock = no_delay(socket.create_connection((peer.host, peer.port), IO_TIMEOUT_S))
+            with sock:
+                sock.settimeout(IO_TIMEOUT_S)
+                ch = client_handshake(sock, self.ident, peer.rank, HANDSHAKE_TIMEOUT_S)
+                ch.send_frame(reader.manifest_bytes)
+                answer = ch.recv_exact(1)
                 if answer == _HAVE:
                     return
                 if answer != _GO:
-                    raise WireError(f"partner refused step {step}: {_reason(s, session)}")
-                send_step(s, reader, self.copy_piece, self.limiter)
-                answer = recv_exact(s, 1)
+                    raise WireError(f"partner refused step {step}: {_reason(ch)}")
+                send_step(ch, reader, self.copy_piece, self.limiter)
+                answer = ch.recv_exact(1)
                 if answer != _OK:
-                    raise WireError(f"partner did not commit step {step}: {_reason(s, session)}")
+                    raise WireError(f"partner did not commit step {step}: {_reason(ch)}")
         seconds = time.monotonic() - t0
         self._count(sent=1, bytes_sent=m.total_bytes, last_sent_step=step)
         self._event("partner_done", step=step, partner_s=seconds, node=peer.node)
@@ -291,39 +291,35 @@ class PartnerLink:
 
     # -- receiver ---------------------------------------------------------------------
     def _accept_loop(self) -> None:
-        while not self._stop:
-            try:
-                conn, _addr = self._sock.accept()
-                no_delay(conn)
-            except socket.timeout:
-                continue
-            except OSError:
-                if self._stop:
-                    return
-                continue
-            if not self._conns.acquire(blocking=False):
-                conn.close()  # too many at once: the sender retries with its next step
-                continue
-            threading.Thread(
-                target=self._serve, args=(conn,), name="ckpt-partner-conn", daemon=True
-            ).start()
+        Gate(self._sock, self.ident, self._session, self._refused, io_timeout=IO_TIMEOUT_S).run(
+            lambda: self._stop
+        )
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _refused(self, reason: str) -> None:
+        self._count(refused=1)
+        log.warning("[ckpt] partner connection refused: %s", reason)
+
+    def _session(self, ch: Channel, peer_rank: int) -> bool:
+        """An authenticated peer: served on a thread of its own if a slot is free."""
+        if not self._conns.acquire(blocking=False):
+            return False  # too many at once: the sender retries with its next step
+        try:
+            threading.Thread(
+                target=self._serve, args=(ch,), name="ckpt-partner-conn", daemon=True
+            ).start()
+        except BaseException:
+            self._conns.release()
+            raise
+        return True
+
+    def _serve(self, conn: Channel) -> None:
         step: Optional[int] = None
         try:
             with conn:
-                conn.settimeout(HANDSHAKE_TIMEOUT_S)
-                try:
-                    session = server_handshake(conn, self._secret)
-                except (WireError, OSError) as exc:
-                    self._count(refused=1)
-                    log.warning("[ckpt] partner connection refused: %s", exc)
-                    return
-                conn.settimeout(IO_TIMEOUT_S)
-                mbytes = recv_frame(conn, session)
+                mbytes = conn.recv_frame()
                 if mbytes.startswith(FETCH):
                     try:
-                        serve_fetch(self, conn, session, mbytes)
+                        serve_fetch(self, conn, mbytes)
                     except (CkptError, OSError) as exc:
                         reason = " ".join(str(exc).split()) or type(exc).__name__
                         log.warning("[ckpt] partner fetch request not served: %s", reason)
@@ -334,7 +330,7 @@ class PartnerLink:
                 if why is not None:
                     self._count(refused=1)
                     conn.sendall(_NO)
-                    send_frame(conn, why.encode(), session)
+                    conn.send_frame(why.encode())
                     log.warning("[ckpt] partner copy of %s/%d refused: %s", m.key, m.step, why)
                     return
                 if self._present(m, mbytes):
@@ -344,9 +340,9 @@ class PartnerLink:
                 try:
                     self._receive(conn, m)
                 except Exception as exc:
-                    with contextlib.suppress(OSError):
+                    with contextlib.suppress(OSError, CkptError):
                         conn.sendall(_FAIL)
-                        send_frame(conn, " ".join(str(exc).split())[:500].encode(), session)
+                        conn.send_frame(" ".join(str(exc).split())[:500].encode())
                     raise
                 # Recorded (ledger, retention) before the sender hears of it: once its
                 # copy is acknowledged, this node's books already say so.
@@ -389,7 +385,7 @@ class PartnerLink:
         self.local.delete(m.user, m.key, m.step)
         return False
 
-    def _receive(self, conn: socket.socket, m: Manifest) -> None:
+    def _receive(self, conn: Channel, m: Manifest) -> None:
         """Stream every file in, chunk digests checked against the manifest; commit."""
         receive_step(conn, self.local, m, self.copy_piece)
 
@@ -480,9 +476,9 @@ class PartnerLink:
         self.rdv.withdraw()
 
 
-def _reason(s: socket.socket, session: bytes) -> str:
+def _reason(ch: Channel) -> str:
     try:
-        return recv_frame(s, session).decode("utf-8", "replace")
+        return ch.recv_frame(4096).decode("utf-8", "replace")
     except (CkptError, OSError):
         return "no reason given"
 
@@ -514,15 +510,26 @@ def _deleted(rec: Optional[Record]) -> Optional[Record]:
     return rec
 
 
+def rendezvous_base(cfg: Config) -> Optional[str]:
+    """The trusted directory rendezvous lie below: ``[partner] dir`` (made by the admin,
+    docs/admin-guide.md) or the PFS root; None without either."""
+    if cfg.partner.dir is not None:
+        return os.fspath(cfg.partner.dir)
+    if cfg.tiers.pfs is not None:
+        return os.fspath(cfg.tiers.pfs.root)
+    return None
+
+
 def rendezvous_dir(cfg: Config, user: str, base_key: str, job: Optional[str]) -> Optional[str]:
     """``<base>/<user>/<key>.<job>.<restart>``: one directory per run of a job (a
     requeued job keeps its id; its old addresses must not be found)."""
-    if cfg.partner.dir is not None:
-        base = os.path.join(os.fspath(cfg.partner.dir), user)
-    elif cfg.tiers.pfs is not None:
-        base = os.path.join(os.fspath(cfg.tiers.pfs.root), user, ".slurm_ckpt-partner")
-    else:
+    root = rendezvous_base(cfg)
+    if root is None:
         return None
+    if cfg.partner.dir is not None:
+        base = os.path.join(root, user)
+    else:
+        base = os.path.join(root, user, ".slurm_ckpt-partner")
     restart = os.environ.get("SLURM_RESTART_COUNT", "0")
     if not restart.isdigit():
         restart = "0"
@@ -548,8 +555,8 @@ def open_partner(
     if world_size < 2:
         log.info("[ckpt] partner copies: one rank, no partner")
         return None
-    directory = rendezvous_dir(cfg, user, base_key, job)
-    if directory is None:
+    directory, base = rendezvous_dir(cfg, user, base_key, job), rendezvous_base(cfg)
+    if directory is None or base is None:
         log.warning("[ckpt] partner copies off: no PFS; set [partner] dir")
         return None
     try:
@@ -563,7 +570,7 @@ def open_partner(
             world_size=world_size,
             node=node,
             job=job,
-            rendezvous=Rendezvous(directory, rank, world_size, launch_tag()),
+            rendezvous=Rendezvous(directory, rank, world_size, launch_tag(), base=base, user=user),
             host=host or local_host(),
             bind=cfg.partner.bind or "",
             bandwidth=cfg.partner.bandwidth or 0.0,
@@ -572,5 +579,10 @@ def open_partner(
             on_event=books.emit,
         )
     except (CkptError, OSError) as exc:
-        log.warning("[ckpt] partner copies off: %s", exc)
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        log.warning("[ckpt] partner copies off: %s", reason)
+        # An event too (ckpt-slurm events, the job's status): a squatted rendezvous
+        # directory is another user's doing and must not pass as a quiet log line.
+        with contextlib.suppress(Exception):
+            books.emit("partner_off", error=reason, squatted=isinstance(exc, trust.Squatted))
         return None

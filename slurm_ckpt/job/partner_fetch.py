@@ -11,10 +11,11 @@ brings that copy over, verified, so the restore reads it as a local checkpoint:
   of the relaunched step (nearest in rank order first) which steps of its series it
   holds, and takes the newest. Only ranks whose local tier lacks their own series ask:
   a survivor never does, and one list request per other rank is a few milliseconds.
-* **Transport.** The same authenticated connection as the copies
-  (:mod:`.partner_net`: HMAC handshake with the job's secret, MACed control frames),
-  on the same server thread and bounded buffer. The request is a control frame starting
-  with :data:`FETCH`; the holder only serves rank series of this job and user.
+* **Transport.** The same authenticated, encrypted connection as the copies
+  (:mod:`.partner_wire`: handshake bound to both ranks, the launch and the series;
+  every byte after it sealed with AES-GCM), on the same server thread and bounded
+  buffer. The request is a control frame starting with :data:`FETCH`; the holder
+  only serves rank series of this job and user.
 * **Verification.** The received manifest must be the asking rank's own series, step,
   rank and world size. Every chunk is hashed and compared with that manifest as it
   arrives and the copy is committed through the local tier's writer in copy mode,
@@ -35,7 +36,6 @@ import contextlib
 import json
 import logging
 import os
-import select
 import socket
 import struct
 import time
@@ -47,15 +47,8 @@ import xxhash
 from slurm_ckpt.core.chunks import BandwidthLimiter, io_buffer
 from slurm_ckpt.core.manifest import Manifest
 from slurm_ckpt.errors import CkptError, NotFound, VerifyError
-from slurm_ckpt.job.partner_net import (
-    Peer,
-    WireError,
-    client_handshake,
-    no_delay,
-    recv_exact,
-    recv_frame,
-    send_frame,
-)
+from slurm_ckpt.job.partner_net import Peer, no_delay
+from slurm_ckpt.job.partner_wire import Channel, WireError, client_handshake
 from slurm_ckpt.ledger.record import WARM_SLOT, Record, State
 from slurm_ckpt.tiers.base import RangeSource, Tier, TierReader
 
@@ -112,7 +105,7 @@ def relaunched() -> bool:
 
 
 def send_step(
-    sock: socket.socket,
+    sock: Channel,
     reader: TierReader,
     piece: int,
     limiter: Optional[BandwidthLimiter] = None,
@@ -120,12 +113,9 @@ def send_step(
     """Stream every payload file of ``reader``'s step, in manifest order, ``piece`` bytes
     at a time (each first taken from ``limiter``, when there is one).
 
-    A file with a descriptor (the POSIX local tier) goes out with ``sendfile``: the
-    kernel moves the page-cache pages into the socket, so the sender neither copies the
-    bytes into a buffer of its own nor back out of it: one copy less per byte on a
-    node whose cores also train. Any other source is read into one buffer and sent
-    from it. The receiver hashes every chunk against the manifest either way, so how
-    the bytes left the sender changes nothing it checks."""
+    Each piece is read into one buffer and sealed (encrypted and authenticated) before
+    it leaves: ``sendfile`` cannot be used, since the bytes must pass through the
+    cipher. The receiver also hashes every chunk against the manifest."""
     buf: Optional[memoryview] = None
     for e in reader.manifest.files:
         src = reader.open(e.path)
@@ -136,7 +126,7 @@ def send_step(
 
 
 def send_range(
-    sock: socket.socket,
+    sock: Channel,
     src: RangeSource,
     pos: int,
     end: int,
@@ -146,17 +136,12 @@ def send_range(
     buf: Optional[memoryview] = None,
 ) -> Optional[memoryview]:
     """Bytes ``[pos, end)`` of ``src`` into ``sock``, ``piece`` at a time (each first taken
-    from ``limiter``): with ``sendfile`` where the source has a descriptor, else read into
-    ``buf`` (made on first need; returned for the next call) and sent from it."""
-    fd = src.fileno()
+    from ``limiter``): read into ``buf`` (made on first need; returned for the next call)
+    and sealed into records from it."""
     while pos < end:
         n = min(piece, end - pos)
         if limiter is not None:
             limiter.acquire(n)
-        if fd is not None:
-            _sendfile(sock, fd, pos, n, where)
-            pos += n
-            continue
         if buf is None:
             buf = io_buffer(piece)
         got = src.readinto(buf[:n], pos)
@@ -167,29 +152,7 @@ def send_range(
     return buf
 
 
-def _sendfile(sock: socket.socket, fd: int, offset: int, count: int, where: str) -> None:
-    """``count`` bytes of ``fd`` from ``offset`` into ``sock`` with ``os.sendfile``.
-
-    A socket with a timeout is non-blocking underneath: a full send buffer is waited
-    for here (``select``, the socket's own timeout), as ``sendall`` would. A file that
-    ends early (truncated under the sender) is an error, as a short read is."""
-    timeout = sock.gettimeout()
-    out = sock.fileno()
-    while count > 0:
-        try:
-            n = os.sendfile(out, fd, offset, count)
-        except BlockingIOError:
-            _, ready, _ = select.select([], [out], [], timeout)
-            if not ready:
-                raise socket.timeout(f"send of {where} timed out") from None
-            continue
-        if n <= 0:
-            raise VerifyError(f"{where}: short read at {offset}")
-        offset += n
-        count -= n
-
-
-def receive_step(sock: socket.socket, local: Tier, m: Manifest, piece: int) -> None:
+def receive_step(sock: Channel, local: Tier, m: Manifest, piece: int) -> None:
     """Stream every file of ``m`` in, each chunk's digest checked against the manifest
     before the next is taken; commit (manifest last). Any mismatch aborts the write."""
     buf = io_buffer(piece)
@@ -206,10 +169,7 @@ def receive_step(sock: socket.socket, local: Tier, m: Manifest, piece: int) -> N
                     view = buf[:n]
                     got = 0
                     while got < n:
-                        k = sock.recv_into(view[got:], n - got)
-                        if k == 0:
-                            raise WireError("sender went away mid-copy")
-                        got += k
+                        got += sock.recv_into(view[got:], n - got)
                     h.update(view)
                     sink.write(view, pos)
                     pos += n
@@ -222,7 +182,7 @@ def receive_step(sock: socket.socket, local: Tier, m: Manifest, piece: int) -> N
 # ------------------------------------------------------------------------ the holder
 
 
-def serve(link: PartnerLink, conn: socket.socket, session: bytes, request: bytes) -> None:
+def serve(link: PartnerLink, conn: Channel, request: bytes) -> None:
     """Answer one fetch request (the holder's side; ``conn`` is authenticated)."""
     try:
         req = json.loads(request[len(FETCH) :])
@@ -233,12 +193,12 @@ def serve(link: PartnerLink, conn: socket.socket, session: bytes, request: bytes
     if why is not None:
         link._count(refused=1)
         conn.sendall(_NO)
-        send_frame(conn, why.encode(), session)
+        conn.send_frame(why.encode())
         log.warning("[ckpt] partner fetch of %s refused: %s", key, why)
         return
     if op == "list":
         conn.sendall(_GO)
-        send_frame(conn, json.dumps([i.step for i in _held_here(link, key)]).encode(), session)
+        conn.send_frame(json.dumps([i.step for i in _held_here(link, key)]).encode())
         return
     if op == "manifests":
         docs = []
@@ -246,7 +206,7 @@ def serve(link: PartnerLink, conn: socket.socket, session: bytes, request: bytes
             with contextlib.suppress(NotFound, VerifyError):
                 docs.append(link.local.manifest_bytes(link.user, key, info.step))
         conn.sendall(_GO)
-        send_frame(conn, json.dumps([d.decode() for d in docs]).encode(), session)
+        conn.send_frame(json.dumps([d.decode() for d in docs]).encode())
         return
     if op not in ("get", "open"):
         raise WireError(f"unknown fetch request {op!r}")
@@ -255,18 +215,18 @@ def serve(link: PartnerLink, conn: socket.socket, session: bytes, request: bytes
         reader = link.local.reader(link.user, key, step)
     except (NotFound, VerifyError) as exc:
         conn.sendall(_NO)
-        send_frame(conn, f"no step {step} here ({exc})".encode(), session)
+        conn.send_frame(f"no step {step} here ({exc})".encode())
         return
     with reader:
         conn.sendall(_GO)
-        send_frame(conn, reader.manifest_bytes, session)
+        conn.send_frame(reader.manifest_bytes)
         if op == "open":
-            _serve_ranges(conn, session, reader, link.piece)
+            _serve_ranges(conn, reader, link.piece)
             return
         # A restore waiting on it goes uncapped (the whole job waits); the spare's copy
         # taken after a restore from here (``paced``) shares the copies' cap.
         send_step(conn, reader, link.piece, link.limiter if req.get("paced") else None)
-    if recv_exact(conn, 1) == _OK:
+    if conn.recv_exact(1) == _OK:
         link._count(served=1)
         log.info("[ckpt] served step %d of %s back to its owner", step, key)
 
@@ -282,7 +242,7 @@ def _held_here(link: PartnerLink, key: str) -> List[Any]:
 RANGE = struct.Struct("!IQQ")
 
 
-def _serve_ranges(conn: socket.socket, session: bytes, reader: TierReader, piece: int) -> None:
+def _serve_ranges(conn: Channel, reader: TierReader, piece: int) -> None:
     """A restore reading the step straight from here (:mod:`.partner_tier`): after the
     manifest, any number of range requests of its payload files, each answered with
     exactly those bytes, until the reader hangs up or sends an empty frame. Only ranges
@@ -294,7 +254,7 @@ def _serve_ranges(conn: socket.socket, session: bytes, reader: TierReader, piece
     try:
         while True:
             try:
-                req = recv_frame(conn, session)
+                req = conn.recv_frame(RANGE.size)
             except (WireError, OSError):
                 return  # the reader is done (hung up, or idle past the socket's timeout)
             if not req:
@@ -317,21 +277,22 @@ def _serve_ranges(conn: socket.socket, session: bytes, reader: TierReader, piece
 # ----------------------------------------------------------------------- the fetcher
 
 
-def connect(link: PartnerLink, peer: Peer) -> Tuple[socket.socket, bytes]:
+def connect(link: PartnerLink, peer: Peer) -> Channel:
+    """An authenticated, encrypted session with rank ``peer`` (refused by any other)."""
     s = no_delay(socket.create_connection((peer.host, peer.port), timeout=FETCH_TIMEOUT_S))
     try:
         s.settimeout(FETCH_TIMEOUT_S)
-        return s, client_handshake(s, link.secret)
+        return client_handshake(s, link.ident, peer.rank)
     except BaseException:
         s.close()
         raise
 
 
-def ask(link: PartnerLink, s: socket.socket, session: bytes, req: Dict[str, Any]) -> None:
-    send_frame(s, FETCH + json.dumps(req).encode(), session)
-    if recv_exact(s, 1) != _GO:
+def ask(link: PartnerLink, s: Channel, req: Dict[str, Any]) -> None:
+    s.send_frame(FETCH + json.dumps(req).encode())
+    if s.recv_exact(1) != _GO:
         try:
-            why = recv_frame(s, session).decode("utf-8", "replace")
+            why = s.recv_frame(4096).decode("utf-8", "replace")
         except (CkptError, OSError):
             why = "no reason given"
         raise WireError(f"refused: {why}")
@@ -354,10 +315,9 @@ def retried(fn: Any, *args: Any) -> Any:
 
 
 def _held(link: PartnerLink, peer: Peer) -> List[int]:
-    s, session = connect(link, peer)
-    with s:
-        ask(link, s, session, {"op": "list", "key": link.key})
-        steps = json.loads(recv_frame(s, session))
+    with connect(link, peer) as s:
+        ask(link, s, {"op": "list", "key": link.key})
+        steps = json.loads(s.recv_frame())
     return [int(x) for x in steps]
 
 
@@ -373,10 +333,9 @@ def check_own(link: PartnerLink, m: Manifest, step: int, node: str) -> None:
 
 
 def _get(link: PartnerLink, peer: Peer, step: int, paced: bool) -> Manifest:
-    s, session = connect(link, peer)
-    with s:
-        ask(link, s, session, {"op": "get", "key": link.key, "step": step, "paced": paced})
-        m = Manifest.from_bytes(recv_frame(s, session), "partner manifest")
+    with connect(link, peer) as s:
+        ask(link, s, {"op": "get", "key": link.key, "step": step, "paced": paced})
+        m = Manifest.from_bytes(s.recv_frame(), "partner manifest")
         check_own(link, m, step, peer.node)
         receive_step(s, link.local, m, link.piece)
         s.sendall(_OK)

@@ -1,5 +1,5 @@
-"""The network half of partner copies: who partners whom, the per-job secret, and an
-authenticated TCP handshake.
+"""The network half of partner copies: who partners whom, the per-job secret and where
+each rank listens (the handshake and the encrypted channel: :mod:`.partner_wire`).
 
 Node-local disks are private, so a partner copy travels between the job's own processes.
 They find each other through a **rendezvous directory** on a filesystem every node of the
@@ -7,10 +7,10 @@ job mounts (by default below the user's own PFS directory): each rank publishes 
 and listening address there, and the first rank to get there creates the job's secret,
 32 random bytes in a file only the user can read (``0600`` in a ``0700`` directory the
 user owns; anything else is refused). Every connection proves knowledge of that secret
-both ways (HMAC-SHA256 over fresh nonces from both ends) before a single byte of data is
-accepted or sent; the manifest frame carries a MAC with the session key too. The payload
-itself is not MACed frame by frame: each chunk is checked against the (authenticated)
-manifest's digests before anything is committed.
+both ways, bound to the two ranks, the launch and the series, before a single byte of
+data is accepted or sent, and everything after travels encrypted and authenticated
+(:mod:`.partner_wire`); each chunk is also checked against the manifest's digests before
+anything is committed.
 
 Partners form a ring over the job's *nodes* (sorted names): the ranks of node ``i`` send
 to the ranks of node ``i+1`` (the k-th rank of a node to the k-th of the next, modulo its
@@ -20,49 +20,31 @@ count), so ranks on one node never partner each other. One node: no partner.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import json
 import os
 import secrets
 import socket
 import stat
-import struct
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
-from slurm_ckpt.core import fsio
+from slurm_ckpt.core import fsio, trust
 from slurm_ckpt.errors import CkptError
+from slurm_ckpt.job.partner_wire import WireError
 
 __all__ = [
-    "MAGIC",
     "Peer",
     "Rendezvous",
     "WireError",
-    "client_handshake",
     "launch_tag",
     "no_delay",
-    "recv_exact",
-    "recv_frame",
     "ring_partner",
-    "send_frame",
-    "server_handshake",
 ]
 
-MAGIC = b"SCKPTNR1"
-NONCE = 16
-MAC = 32
 SECRET_BYTES = 32
-#: Largest control frame (a manifest of many files fits; a hostile peer cannot make the
-#: receiver allocate more).
-MAX_FRAME = 64 * 2**20
 #: How often a rank looks for the others' rendezvous files while it waits for them.
 POLL_S = 0.2
-
-
-class WireError(CkptError):
-    """The peer spoke the protocol wrongly, failed authentication or went away."""
 
 
 @dataclass(frozen=True)
@@ -87,37 +69,75 @@ def ring_partner(peers: Dict[int, Peer], rank: int) -> Optional[Peer]:
     return peers[theirs[mine.index(rank) % len(theirs)]]
 
 
-def _mac(key: bytes, *parts: bytes) -> bytes:
-    return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
-
-
 class Rendezvous:
     """The job's rendezvous directory: the secret and one address file per rank."""
 
-    def __init__(self, directory: str, rank: int, world_size: int, launch: str = "") -> None:
+    def __init__(
+        self,
+        directory: str,
+        rank: int,
+        world_size: int,
+        launch: str = "",
+        *,
+        base: Optional[str] = None,
+        user: Optional[str] = None,
+    ) -> None:
         self.dir = os.path.abspath(directory)
         self.rank, self.world_size = rank, world_size
         #: Which launch of the job's ranks this is (:func:`launch_tag`): a step that
         #: ckpt-srun relaunched after a node loss keeps the directory, and the lost
         #: ranks' old addresses there must not be taken for the new ones.
         self.launch = launch
+        #: The trusted directory the rendezvous lies below (``[partner] dir`` or the PFS
+        #: root, made by the admin); every component below it is opened without
+        #: following a symlink and must be ours (see :meth:`_open`).
+        self.base = os.path.abspath(base) if base is not None else os.path.dirname(self.dir)
+        rel = os.path.relpath(self.dir, self.base)
+        if rel.startswith("..") or rel == ".":
+            raise CkptError(f"partner rendezvous {self.dir}: not below {self.base}")
+        self.parts = rel.split(os.sep)
+        #: The user whose directory ``<base>/<user>`` is the first component (when set):
+        #: one another user made first is *squatted* and refused (:class:`Squatted`).
+        self.user = user
 
     def _open(self) -> int:
-        """The directory, created ``0700`` if absent; refused unless it is a real
-        directory of ours that no one else may enter."""
-        parent = os.path.dirname(self.dir)
-        os.makedirs(parent, mode=0o700, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(self.dir, 0o700)
-        fd = fsio.open_dir(self.dir)  # O_NOFOLLOW: a planted symlink fails here
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        """The directory, created ``0700`` if absent. Below :attr:`base` no symlink is
+        followed, and every component must be a real directory of ours (the last one
+        closed to everyone else); ``<base>/<user>`` made first by another user is
+        refused as squatted (partner copies are then off, and ``status``/``doctor``
+        report it)."""
+        os.makedirs(self.base, mode=0o700, exist_ok=True)
+        fd = fsio.open_dir(self.base)  # trusted (the admin's or the PFS root)
+        try:
+            for i, part in enumerate(self.parts):
+                last = i == len(self.parts) - 1
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, 0o700, dir_fd=fd)
+                nfd = os.open(part, fsio.O_DIR, dir_fd=fd)  # a planted symlink fails here
+                os.close(fd)
+                fd = nfd
+                where = os.path.join(self.base, *self.parts[: i + 1])
+                st = os.fstat(fd)
+                if i == 0 and self.user is not None:
+                    owner = trust.squatter(st, self.user)
+                    if owner is not None:
+                        raise trust.Squatted(
+                            "partner rendezvous " + trust.squat_message(where, self.user, owner)
+                        )
+                    if st.st_uid == trust.ROOT_UID and os.geteuid() != trust.ROOT_UID:
+                        continue  # the user's directory, made for them by root
+                # Ours (a directory swapped in by someone else is refused); the run's
+                # own directory closed to everyone else, as the secret needs.
+                mode = stat.S_IMODE(st.st_mode)
+                if st.st_uid != os.geteuid() or (last and mode & 0o077):
+                    raise CkptError(
+                        f"partner rendezvous {where}: must be owned by uid {os.geteuid()}"
+                        f"{' with mode 0700' if last else ''} (uid {st.st_uid}, mode {mode:o})"
+                    )
+            return fd
+        except BaseException:
             os.close(fd)
-            raise CkptError(
-                f"partner rendezvous {self.dir}: must be owned by uid {os.geteuid()} with "
-                f"mode 0700 (uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})"
-            )
-        return fd
+            raise
 
     def secret(self) -> bytes:
         """The job's secret, created by whoever comes first (atomically: written to a
@@ -203,62 +223,6 @@ class Rendezvous:
             fsio.unlink_quiet(fd, f"rank-{self.rank}.json")
         finally:
             os.close(fd)
-
-
-# --------------------------------------------------------------------------- framing
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise WireError("connection closed by the peer")
-        got += k
-    return bytes(buf)
-
-
-def send_frame(sock: socket.socket, data: bytes, key: bytes) -> None:
-    """A length-prefixed frame with its MAC (session key)."""
-    sock.sendall(struct.pack("!I", len(data)) + data + _mac(key, b"frame", data))
-
-
-def recv_frame(sock: socket.socket, key: bytes) -> bytes:
-    (n,) = struct.unpack("!I", recv_exact(sock, 4))
-    if n > MAX_FRAME:
-        raise WireError(f"frame of {n} bytes refused")
-    data = recv_exact(sock, n)
-    if not hmac.compare_digest(recv_exact(sock, MAC), _mac(key, b"frame", data)):
-        raise WireError("frame MAC does not match")
-    return data
-
-
-def server_handshake(sock: socket.socket, secret: bytes) -> bytes:
-    """Authenticate the connecting peer (and ourselves to it); returns the session key."""
-    ns = secrets.token_bytes(NONCE)
-    sock.sendall(MAGIC + ns)
-    got = recv_exact(sock, NONCE + MAC)
-    nc, mac = got[:NONCE], got[NONCE:]
-    if not hmac.compare_digest(mac, _mac(secret, b"client", ns, nc)):
-        raise WireError("peer failed authentication")
-    sock.sendall(_mac(secret, b"server", ns, nc))
-    return _mac(secret, b"session", ns, nc)
-
-
-def client_handshake(sock: socket.socket, secret: bytes) -> bytes:
-    """The connecting side of :func:`server_handshake`: the server must prove the secret
-    too before the owner's data goes to it."""
-    hello = recv_exact(sock, len(MAGIC) + NONCE)
-    if hello[: len(MAGIC)] != MAGIC:
-        raise WireError("not a partner-copy server")
-    ns = hello[len(MAGIC) :]
-    nc = secrets.token_bytes(NONCE)
-    sock.sendall(nc + _mac(secret, b"client", ns, nc))
-    if not hmac.compare_digest(recv_exact(sock, MAC), _mac(secret, b"server", ns, nc)):
-        raise WireError("partner failed authentication")
-    return _mac(secret, b"session", ns, nc)
 
 
 def launch_tag() -> str:

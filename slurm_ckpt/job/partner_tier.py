@@ -7,9 +7,9 @@ spare's copy and the restored tensors), two passes of hashing and a write the re
 does not need. Read as a tier, the restore goes through the same
 :class:`~slurm_ckpt.job.state_reader.StateReader` as the PFS or the object store:
 
-* every hash chunk of every blob is one **ranged request** (a MACed frame on the job's
-  authenticated transport, :mod:`.partner_net`), answered by the holder with exactly
-  those bytes (``sendfile`` from its page cache, :func:`.partner_fetch.send_range`);
+* every hash chunk of every blob is one **ranged request** (a frame on the job's
+  authenticated, encrypted transport, :mod:`.partner_wire`), answered by the holder with
+  exactly those bytes (sealed records, :func:`.partner_fetch.send_range`);
 * the bytes are received **straight into the fresh memory** the restored tensors are
   views of, and hashed against the (authenticated) manifest by the thread that received
   them, while the other connections are still receiving: the verification is the read;
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import threading
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
@@ -49,7 +48,8 @@ from slurm_ckpt.job.partner_fetch import (
     others_nearest_first,
     retried,
 )
-from slurm_ckpt.job.partner_net import Peer, recv_frame, send_frame
+from slurm_ckpt.job.partner_net import Peer
+from slurm_ckpt.job.partner_wire import Channel, WireError
 from slurm_ckpt.tiers.base import StepInfo
 
 if TYPE_CHECKING:  # pragma: no cover - the link is built above this module
@@ -65,7 +65,7 @@ PARTNER = "partner"
 #: a time; the holder serves a few connections at once, see ``partner.MAX_CONNECTIONS``).
 STREAMS = 4
 
-_Conn = Tuple[socket.socket, bytes]
+_Conn = Channel
 
 
 class PartnerTier:
@@ -151,10 +151,9 @@ class PartnerTier:
 
 
 def _manifests(link: PartnerLink, peer: Peer) -> List[bytes]:
-    s, session = connect(link, peer)
-    with s:
-        ask(link, s, session, {"op": "manifests", "key": link.key})
-        docs = json.loads(recv_frame(s, session))
+    with connect(link, peer) as s:
+        ask(link, s, {"op": "manifests", "key": link.key})
+        docs = json.loads(s.recv_frame())
     return [str(d).encode() for d in docs]
 
 
@@ -174,15 +173,15 @@ class _Pool:
         self.closed = False
 
     def _open(self) -> _Conn:
-        s, session = connect(self.link, self.peer)
+        s = connect(self.link, self.peer)
         try:
-            ask(self.link, s, session, {"op": "open", "key": self.link.key, "step": self.m.step})
-            if recv_frame(s, session) != self.mbytes:
+            ask(self.link, s, {"op": "open", "key": self.link.key, "step": self.m.step})
+            if s.recv_frame() != self.mbytes:
                 raise TierError(f"{self.where}: the holder's copy changed since it was listed")
         except BaseException:
             s.close()
             raise
-        return s, session
+        return s
 
     def take(self) -> _Conn:
         with self.cv:
@@ -217,10 +216,10 @@ class _Pool:
                 self.cv.notify()
                 return
             self.count -= 1
-        conn[0].close()
+        conn.close()
 
     def drop(self, conn: _Conn) -> None:
-        conn[0].close()
+        conn.close()
         with self.cv:
             self.count -= 1
             self.cv.notify()
@@ -238,7 +237,7 @@ class _Pool:
             idle, self.idle = self.idle, []
             self.count -= len(idle)
             self.cv.notify_all()
-        for s, _session in idle:
+        for s in idle:
             s.close()
 
 
@@ -290,17 +289,19 @@ class PartnerSource:
         n = min(len(buf), self.size - offset)
         if n <= 0:
             return 0
-        conn = self.pool.take()
-        s, session = conn
+        s = self.pool.take()
+        conn = s
         try:
-            send_frame(s, RANGE.pack(self.index, offset, n), session)
+            s.send_frame(RANGE.pack(self.index, offset, n))
             view = buf[:n]
             got = 0
             while got < n:
-                k = s.recv_into(view[got:], n - got)
-                if k == 0:
-                    raise TierError(f"{self.where}: the holder stopped sending at {offset + got}")
-                got += k
+                try:
+                    got += s.recv_into(view[got:], n - got)
+                except WireError as exc:
+                    raise TierError(
+                        f"{self.where}: the holder stopped sending at {offset + got} ({exc})"
+                    ) from None
         except BaseException:
             self.pool.drop(conn)
             raise

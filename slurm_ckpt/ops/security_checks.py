@@ -1,9 +1,10 @@
 """``ckpt-slurm doctor``'s security findings: what a user controls that root would use.
 
-* **squatted user directories** on every tier: ``<root>/<name>`` owned by another user
-  than ``name`` (made first on a root every user may write). Root's hooks and the user's
-  own job both refuse such a directory, so nothing of ``name``'s is flushed there; the
-  admin must move it aside - the finding says how;
+* **squatted user directories** on every tier, and in the partner rendezvous directory
+  (``[partner] dir``): ``<root>/<name>`` owned by another user than ``name`` (made first
+  on a root every user may write). Root's hooks and the user's own job both refuse such
+  a directory, so nothing of ``name``'s is flushed there (or, in ``[partner] dir``, its
+  jobs make no partner copies); the admin must move it aside - the finding says how;
 * **node statuses** root would not trust (files in ``<pfs>/.slurm_ckpt/nodes`` that root
   did not write): ignored by ``maint``/``guard``/``status``, worth knowing about;
 * **the config and the executable** root runs with: writable by a user at any level of
@@ -25,7 +26,10 @@ from slurm_ckpt.core.names import validate_user
 from slurm_ckpt.errors import InvalidName
 from slurm_ckpt.ledger.status_store import status_store
 
-__all__ = ["check_security", "squatted_dirs"]
+__all__ = ["PARTNER_DIR", "check_security", "squatted_dirs"]
+
+#: How findings and ``status`` name the partner rendezvous directory (``[partner] dir``).
+PARTNER_DIR = "partner-rendezvous"
 
 #: Names looked at per tier root (a login node's PFS may hold many users).
 _MAX_NAMES = 100_000
@@ -62,17 +66,20 @@ def check_security(cfg: Config, finding: Any) -> List[Any]:
         roots.append((PFS, cfg.tiers.pfs.root))
     if cfg.tiers.cold is not None:
         roots.append(("cold", cfg.tiers.cold.root))
+    if cfg.partner.dir is not None:
+        roots.append((PARTNER_DIR, cfg.partner.dir))
     bad = 0
     for tier, root in roots:
         for path, name, owner in squatted_dirs(Path(root)):
             bad += 1
             text = trust.squat_message(f"{tier}:{path}", name, owner)
             msg, _sep, fix = text.partition(" (fix, as root: ")
+            what = "partner copies are off" if tier == PARTNER_DIR else "flushes are refused"
             out.append(
                 finding(
                     "squatted",
                     "error",
-                    f"{msg}: {name}'s flushes are refused until it is fixed",
+                    f"{msg}: {name}'s {what} until it is fixed",
                     fix.rstrip(")"),
                 )
             )

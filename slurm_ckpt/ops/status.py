@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Collection, Dict, List, Optional, Set, Tuple, Union
 
 from slurm_ckpt.core.config import Config
@@ -105,6 +106,7 @@ from slurm_ckpt.ledger.user_status import read_user_statuses
 from slurm_ckpt.ops.catalog import Series, SeriesHead
 from slurm_ckpt.ops.catalog_tiers import shared_heads
 from slurm_ckpt.ops.partner_status import PartnerSeen
+from slurm_ckpt.ops.security_checks import squatted_dirs
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.records import REASON_PREFIX
 
@@ -568,6 +570,12 @@ def collect_status(
     squatted: List[Dict[str, Any]] = []
     # Every shared tier: pfs, object, cold (squatted user directories on the POSIX ones).
     shared = shared_heads(cfg, user=user, key=key, squatted=squatted)
+    if cfg.partner.dir is not None:  # a squatted rendezvous turns a user's partner copies off
+        for path, name, owner in squatted_dirs(Path(cfg.partner.dir)):
+            if user is None or name == user:
+                squatted.append(
+                    {"user": name, "owner_uid": owner, "path": str(path), "partner": True}
+                )
     notes: List[str] = []
     store = status_store(cfg)  # the PFS, or signed objects in the bucket without one
     statuses = store.read(notes)

@@ -27,6 +27,7 @@ Every wait polls SLURM or the job's output; nothing sleeps for a fixed time.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
@@ -34,7 +35,7 @@ from typing import Iterator
 
 import pytest
 from helpers.cluster import DevCluster, at_least_nodes
-from test_cluster_e2e import CKPT_SRUN
+from test_cluster_e2e import CKPT_SLURM, CKPT_SRUN
 from test_cluster_multinode import (
     INTERVAL,
     RUN_LINE,
@@ -143,6 +144,24 @@ def test_lost_node_step_relaunched_on_spare_same_job_bitwise_exact(t: SpareSite)
         ref = t.reference_digest_world(WORLD)
         for rank in range(WORLD):
             assert run.done(rank) == [(STEPS, ref)], (rank, out)
+        # The job measured its own goodput: one node loss, found by the heartbeats, and
+        # what it cost, from the timeline ckpt-srun and rank 0 wrote on the PFS.
+        g = json.loads(
+            t.c.run(
+                [str(CKPT_SLURM), "--config", str(t.config), "goodput", job, "--json"],
+                user="ckptuser1",
+            ).stdout
+        )
+        assert [f["nodes"] for f in g["failures"]] == [[LOST]], g
+        f = g["failures"][0]
+        assert f["found_by"] == "heartbeat" and 0 <= f["detection_s"] <= 20, g
+        assert f["restored_step"] == min(steps) and f["training_again_s"] is not None, g
+        assert 0 < g["goodput"] < 1 and g["steps_recomputed"] >= 0, g
+        print(
+            f"\n[spares] goodput {g['goodput']:.3f}, detection {f['detection_s']:.1f}s, "
+            f"training again {f['training_again_s']:.1f}s after the last heartbeat, "
+            f"{g['steps_recomputed']} steps recomputed"
+        )
         print(
             f"\n[spares] {LOST} died -> every rank training again after {training_again:.1f}s "
             f"(ckpt-srun: relaunch {m.group(1)}s after the failed step ended; "

@@ -19,6 +19,7 @@ gc_cmd
 restore_cmd
 seal_cmd
 report_cmd
+goodput_cmd
 adopt_cmd
 config_show
 config_check

@@ -58,6 +58,7 @@ EXAMPLES: Dict[str, List[str]] = {
     "gc": ["ckpt-slurm gc --dry-run", "ckpt-slurm gc -u alice -k my-run --json"],
     "flush": ["ckpt-slurm flush", "ckpt-slurm flush -j 123456 --wait"],
     "drill": ["ckpt-slurm drill my-run", "ckpt-slurm drill my-run -u alice --json"],
+    "goodput": ["ckpt-slurm goodput 123456", "ckpt-slurm goodput 123456 --json"],
     "report": [
         "ckpt-slurm report my-run --png my-run.png",
         "ckpt-slurm report my-run --local ./ckpt/local --json   (no site config)",

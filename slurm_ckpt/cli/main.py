@@ -65,6 +65,7 @@ COMMANDS: List[Tuple[str, str]] = [
     ("slurm_ckpt.cli.flush_cli", "flush_cmd"),
     ("slurm_ckpt.cli.drill", "drill_cmd"),
     ("slurm_ckpt.cli.report_cmd", "report_cmd"),
+    ("slurm_ckpt.cli.goodput_cmd", "goodput_cmd"),
     ("slurm_ckpt.cli.doctor", "doctor_cmd"),
     ("slurm_ckpt.cli.restore_cmd", "restore_cmd"),
 ]

@@ -50,6 +50,7 @@ USER_COMMANDS = frozenset(
         ("restore",),
         ("drill",),
         ("report",),
+        ("goodput",),
         ("verify",),
         ("adopt",),
         ("config", "show"),

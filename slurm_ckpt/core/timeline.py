@@ -128,9 +128,8 @@ def analyze(job: str, srun: List[Dict[str, Any]], rank0: List[Dict[str, Any]]) -
     start = next((r["t"] for r in srun if r["event"] == "start"), everything[0]["t"])
     end = next((r["t"] for r in reversed(srun) if r["event"] == "end"), None)
     end = end if end is not None else max(r["t"] for r in everything)
-    progress = [
-        (r["t"], s) for r in rank0 if r["event"] == "progress" and (s := _int(r.get("step"))) is not None
-    ]
+    progress = [(r["t"], _int(r.get("step"))) for r in rank0 if r["event"] == "progress"]
+    progress = [(t, s) for t, s in progress if s is not None]
     restores = [r for r in rank0 if r["event"] == "restored"]
     starts = [r["t"] for r in srun if r["event"] == "step_start"]
     first_progress = progress[0][0] if progress else end
@@ -173,3 +172,22 @@ def _mean_step(progress: List[Any]) -> Optional[float]:
             secs += t1 - t0
             steps += s1 - s0
     return secs / steps if steps else None
+
+
+#: The environment variable ckpt-srun sets for the step: the job's timeline directory.
+TIMELINE_ENV = "SLURM_CKPT_TIMELINE"
+
+
+def append_record(path: str, event: str, **fields: Any) -> None:
+    """Append one record (a JSON line, the time added) to ``path``: ``O_APPEND`` (one
+    ``write`` per record), never following a symlink, created 0600. OSError goes to the
+    caller (the writers log it once and go on: a timeline never stops training)."""
+    import os
+    import time
+
+    line = json.dumps({"t": time.time(), "event": event, **fields}, separators=(",", ":"))
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)

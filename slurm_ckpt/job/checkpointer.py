@@ -82,6 +82,7 @@ from slurm_ckpt.job.staging import StagingArea
 from slurm_ckpt.job.standalone import make_roots, sweep_debris
 from slurm_ckpt.job.state import flatten, index_bytes, layout
 from slurm_ckpt.job.stats import CheckpointStats
+from slurm_ckpt.job.timeline import RankTimeline
 from slurm_ckpt.slurm.client import job_end_time_provider
 from slurm_ckpt.slurm.env import job_env, resolve_rank
 from slurm_ckpt.slurm.requeue import requeue_job
@@ -236,6 +237,7 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
         if standalone:
             make_roots(cfg)
         self.rank, self.world_size = resolve_rank(opts.rank, opts.world_size)
+        self._timeline = RankTimeline.from_env(self.rank)  # ckpt-srun's job timeline
         self.key = validate_key(key)
         self.shard_key = validate_key(shard_key(key, self.rank, self.world_size))
         self.prefix = shard_prefix(self.rank)
@@ -446,6 +448,7 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
         preemption save is taken). Raises :class:`CheckpointFailed` after too many
         failures in a row."""
         self._raise_if_failed()
+        self._timeline.progress(step)
         if self._schedule.unreachable(step, tokens):
             warnings.warn(unreachable_message(self.key), UserWarning, stacklevel=2)
         if not self._schedule.preempt_saved and self._near_end():

@@ -47,6 +47,7 @@ class RestoreMethods:
     rank: int
     world_size: int
     partner: Any
+    _timeline: Any
 
     def _mark_bad(self, key: str, tier: str, step: int, reason: str) -> None:
         if tier == PARTNER:
@@ -152,6 +153,7 @@ class RestoreMethods:
             return None
         self.restored = got
         self._schedule.restored(got.step, got.tokens)
+        self._timeline.restored(got.step, got.tier, got.seconds)
         log.info(
             "[ckpt] restored step=%d tokens=%s from %s (%s in %.3fs)%s",
             got.step,

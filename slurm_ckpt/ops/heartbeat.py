@@ -166,6 +166,12 @@ class HeartbeatMonitor:
         with self._lock:
             return node in self._last
 
+    def last_heard_wall(self, node: str) -> Optional[float]:
+        """When ``node`` was last heard from, as epoch seconds (None: never)."""
+        with self._lock:
+            last = self._last.get(node)
+        return None if last is None else time.time() - (self.clock() - last)
+
     def lost(self, nodes: Optional[Sequence[str]] = None) -> List[str]:
         """Those of ``nodes`` (default: every expected node) silent past the timeout."""
         now = self.clock()

@@ -63,9 +63,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from slurm_ckpt.core.config import load_config, resolve_config_path
 from slurm_ckpt.core.names import validate_key
+from slurm_ckpt.core.timeline import TIMELINE_ENV
 from slurm_ckpt.errors import CkptError, InvalidName, SlurmError, UsageError
 from slurm_ckpt.ops.flush_cmd import flush_series
 from slurm_ckpt.ops.heartbeat import BEAT_S, Heartbeats
+from slurm_ckpt.ops.job_timeline import SrunTimeline, timeline_dir
 from slurm_ckpt.ops.spares import NodeSet, check_srun_args, dead_nodes, layout_args, wait_for_dead
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.env import job_end_time, job_env
@@ -342,6 +344,10 @@ def run_wrapper(opts: SrunOptions, srun_args: Sequence[str], say: Say) -> int:
         else:
             beats = Heartbeats.start(client, jenv, srun, child_env, opts.node_timeout_s, say)
     say(f"job {jenv.job_id} key {key} restart {jenv.restart_count}: {srun} {' '.join(args)}")
+    timeline = SrunTimeline(timeline_dir(cfg, user, str(jenv.job_id)), say)
+    if timeline.path is not None:
+        child_env[TIMELINE_ENV] = str(timeline.directory)
+    timeline.note("start", job=str(jenv.job_id), restart=jenv.restart_count)
     ends = _end_time_source(client, jenv.job_id, env)
 
     def job_nodes() -> List[str]:
@@ -366,6 +372,7 @@ def run_wrapper(opts: SrunOptions, srun_args: Sequence[str], say: Say) -> int:
         if beats is not None and ns is not None:
             lost_check = functools.partial(beats.monitor.lost, list(ns.slots))
         runner = _Runner([srun, *layout, *args], step_env, warn_sig, say, lost_check)
+        timeline.note("step_start", relaunch=relaunches, nodes=list(ns.slots) if ns else [])
         if failed_at is not None:
             say(
                 f"recovery: relaunched step {relaunches} starts "
@@ -373,6 +380,7 @@ def run_wrapper(opts: SrunOptions, srun_args: Sequence[str], say: Say) -> int:
                 "(same job, no requeue)"
             )
         outcome = runner.run(ends, opts.warn_s)
+        timeline.note("step_end", rc=outcome.rc)
         say(
             f"step exited with status {outcome.rc}"
             + (f" after a warning ({outcome.warned_by})" if outcome.warned else "")
@@ -399,6 +407,13 @@ def run_wrapper(opts: SrunOptions, srun_args: Sequence[str], say: Say) -> int:
                 "the program's own failure, not relaunched"
             )
             break
+        heard = [beats.monitor.last_heard_wall(n) for n in lost_now] if beats else []
+        timeline.note(
+            "node_lost",
+            nodes=lost_now,
+            by="heartbeat" if beats is not None else "slurm",
+            last_heard=min((h for h in heard if h is not None), default=None),
+        )
         dead_spares = dead_nodes(ns.spares, client.node, job_nodes, silent=silent)
         new = ns.replace(lost_now + dead_spares)
         if new is None:
@@ -438,6 +453,7 @@ def run_wrapper(opts: SrunOptions, srun_args: Sequence[str], say: Say) -> int:
         )
     if beats is not None:
         beats.stop()
+    timeline.note("end", rc=outcome.rc)
     if client is not None and lost_now:
         _requeue_after(client, jenv.job_id, NODE_LOST, opts, f"node {','.join(lost_now)} lost", say)
     elif client is not None and outcome.warned and not outcome.terminated:

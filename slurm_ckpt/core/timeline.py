@@ -7,7 +7,7 @@ and names in ``$SLURM_CKPT_TIMELINE``):
 
 * ckpt-srun (``srun.jsonl``): ``start``; ``step_start`` (each launch, ``relaunch`` = how
   many before); ``node_lost`` (the nodes, when they were last heard from, how they were
-  found); ``step_end`` (its status); ``end``;
+  found, ``at`` when the verdict fell); ``step_end`` (its status); ``end``;
 * rank 0's Checkpointer (``rank0.jsonl``): ``restored`` (step, tier, seconds) and
   ``progress`` (the step, at most every :data:`PROGRESS_S` seconds, from
   ``should_save``).
@@ -139,7 +139,8 @@ def analyze(job: str, srun: List[Dict[str, Any]], rank0: List[Dict[str, Any]]) -
     for r in srun:
         if r["event"] != "node_lost":
             continue
-        detected = r["t"]
+        at = _num(r.get("at"))  # the verdict, before the dead step was stopped
+        detected = at if at is not None and at <= r["t"] else r["t"]
         heard = _num(r.get("last_heard"))
         heard = detected if heard is None or heard > detected else heard
         nodes = [n for n in r.get("nodes", []) if isinstance(n, str)][:64]

@@ -138,6 +138,8 @@ class StepOutcome:
     terminated: bool = False
     #: Nodes whose heartbeats stopped while the step ran (ckpt-srun stopped the step).
     lost: Optional[List[str]] = None
+    #: When they were declared lost (epoch seconds; the step was stopped after that).
+    lost_at: Optional[float] = None
 
 
 class _Runner:
@@ -211,7 +213,7 @@ class _Runner:
                 end, refreshed = end_time() or end, time.monotonic()
             lost = self.lost_check() if self.lost_check is not None else []
             if lost:
-                self.outcome.lost = lost
+                self.outcome.lost, self.outcome.lost_at = lost, time.time()
                 self.outcome.rc = _stop_step(self.proc)
                 break
         return self.outcome
@@ -412,6 +414,7 @@ def run_wrapper(opts: SrunOptions, srun_args: Sequence[str], say: Say) -> int:
             "node_lost",
             nodes=lost_now,
             by="heartbeat" if beats is not None else "slurm",
+            at=outcome.lost_at,
             last_heard=min((h for h in heard if h is not None), default=None),
         )
         dead_spares = dead_nodes(ns.spares, client.node, job_nodes, silent=silent)

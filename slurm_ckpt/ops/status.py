@@ -105,7 +105,6 @@ from slurm_ckpt.ledger.user_status import read_user_statuses
 from slurm_ckpt.ops.catalog import Series, SeriesHead
 from slurm_ckpt.ops.catalog_tiers import shared_heads
 from slurm_ckpt.ops.partner_status import PartnerSeen
-from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.records import REASON_PREFIX
 
 __all__ = [
@@ -177,6 +176,10 @@ def query_slurm(timeout: float = 10.0, env: Optional[Dict[str, str]] = None) -> 
     needed exactly when something is broken. ``env`` is the environment for SLURM's
     commands (default: this process's, e.g. ``SLURM_CONF``).
     """
+    # Imported here: a status that never asks SLURM (--no-slurm, a laptop) skips the
+    # client's subprocess and socket machinery.
+    from slurm_ckpt.slurm.client import SlurmClient
+
     try:
         client = SlurmClient(backend="cli", timeout=timeout, env=env)
         jobs = client.jobs()
@@ -309,12 +312,14 @@ def build_status(
 
     # 0. what the jobs themselves published (their users' own status files): newer
     #    entries replace the hooks' for the same node and job; never node-level facts.
-    newer: Dict[Tuple[str, Any], Tuple[float, Dict[str, Any]]] = {}
+    # node -> job -> (time, entry): looked up per node below, so that the join stays
+    # linear in the number of nodes and jobs.
+    newer: Dict[str, Dict[Any, Tuple[float, Dict[str, Any]]]] = {}
     for doc in user_statuses or []:
         t = _num(doc.get("time"))
         for job_key, js in (doc.get("jobs") or {}).items():
             if isinstance(js, dict) and t is not None:
-                newer[(str(doc.get("node")), job_key)] = (t, js)
+                newer.setdefault(str(doc.get("node")), {})[job_key] = (t, js)
     problems: Dict[Series, List[Dict[str, Any]]] = {}
 
     # 1. node status files: what each node holds locally and owes the PFS.
@@ -339,8 +344,8 @@ def build_status(
             if isinstance(f, dict) and isinstance(f.get("user"), str):
                 problems.setdefault((f["user"], str(f.get("key"))), []).append(f)
         own = dict(doc.get("jobs") or {})
-        for (n, job_key), (t_user, js_user) in newer.items():
-            if n == name and (t is None or t_user > t):
+        for job_key, (t_user, js_user) in newer.get(name, {}).items():
+            if t is None or t_user > t:
                 own[job_key] = js_user
         for job_key, js in own.items():
             if not isinstance(js, dict):

@@ -8,7 +8,6 @@ from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.posix import PosixTier
-from slurm_ckpt.tiers.s3 import S3Tier
 
 #: Tier names from hot to cold: restore looks in this order, flushes go down it.
 ORDER = ("local", PFS, "object", "cold")
@@ -40,6 +39,10 @@ def tiers_from_config(
         )
     o = cfg.tiers.object
     if o is not None:
+        # Imported here: boto3/botocore cost a CLI run on a site without an object tier
+        # tens of milliseconds for nothing.
+        from slurm_ckpt.tiers.s3 import S3Tier
+
         tiers["object"] = S3Tier(
             "object",
             endpoint=o.endpoint,

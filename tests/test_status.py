@@ -436,3 +436,27 @@ def test_nesting_bound_fast_path_keeps_the_bound() -> None:
     assert ml.nesting_within(b'{"a": "' + b"[" * 60 + b'"}', 40)  # brackets in a string
     with pytest.raises(VerifyError):
         ml.check_bytes(b'{"a": ' + b"[" * 41 + b"]" * 41 + b"}")
+
+
+def test_status_json_cuts_long_strings_in_rows_and_fields(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Rows that encode short are written as they are (in C); a long string anywhere,
+    key or value, is cut as safe_json cuts it."""
+    from slurm_ckpt.cli.safe_text import JSON_LIMIT
+    from slurm_ckpt.cli.status import write_json
+
+    long = "x" * (JSON_LIMIT + 10)
+    doc = {
+        "format": "slurm_ckpt.status",
+        "notes": [long],
+        "jobs": [{"user": "alice", "keys": ["run"]}, {"user": "bob", long: {"k": [long]}}],
+        "filters": {"key": long},
+        "empty": [],
+    }
+    write_json(doc)
+    got = json.loads(capsys.readouterr().out)
+    cut = "x" * JSON_LIMIT + "...[10 more characters]"
+    assert got["notes"] == [cut] and got["filters"] == {"key": cut}
+    assert got["jobs"] == [{"user": "alice", "keys": ["run"]}, {"user": "bob", cut: {"k": [cut]}}]
+    assert got["empty"] == [] and got["format"] == "slurm_ckpt.status"

@@ -91,6 +91,8 @@ A **node entry**::
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Dict, List, Optional, Set, Tuple, Union
@@ -102,12 +104,13 @@ from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ledger.record import shown_tier
 from slurm_ckpt.ledger.status_store import status_store
 from slurm_ckpt.ledger.user_status import read_user_statuses
-from slurm_ckpt.ops.catalog import Series, SeriesHead
+from slurm_ckpt.ops.catalog import Series, SeriesHead, scan_catalog
 from slurm_ckpt.ops.catalog_tiers import shared_heads
 from slurm_ckpt.ops.partner_status import PartnerSeen
 from slurm_ckpt.slurm.records import REASON_PREFIX
 
 __all__ = [
+    "SLURM_ABSENT",
     "STATUS_FORMAT",
     "SlurmJob",
     "SlurmNode",
@@ -117,10 +120,13 @@ __all__ = [
     "collect_status",
     "no_slurm",
     "query_slurm",
+    "slurm_absent",
     "slurm_query",
 ]
 
 STATUS_FORMAT = "slurm_ckpt.status"
+#: The SLURM note of a machine without SLURM (a laptop): not an error, not printed.
+SLURM_ABSENT = "not installed on this machine"
 STATUS_VERSION = 1
 _NO_JOB = ("", "None", "null")
 
@@ -168,6 +174,13 @@ def no_slurm(note: str = "SLURM not queried") -> SlurmSnapshot:
     return SlurmSnapshot(False, note)
 
 
+def slurm_absent(env: Optional[Dict[str, str]] = None) -> bool:
+    """True when neither ``squeue`` nor ``sinfo`` is on the PATH: a laptop or a machine
+    outside any cluster, where asking SLURM can only fail."""
+    path = (env if env is not None else os.environ).get("PATH", os.defpath)
+    return shutil.which("squeue", path=path) is None and shutil.which("sinfo", path=path) is None
+
+
 def query_slurm(timeout: float = 10.0, env: Optional[Dict[str, str]] = None) -> SlurmSnapshot:
     """Ask SLURM through :mod:`slurm_ckpt.slurm` (``squeue --json``, ``sinfo --json``).
 
@@ -176,6 +189,8 @@ def query_slurm(timeout: float = 10.0, env: Optional[Dict[str, str]] = None) -> 
     needed exactly when something is broken. ``env`` is the environment for SLURM's
     commands (default: this process's, e.g. ``SLURM_CONF``).
     """
+    if slurm_absent(env):
+        return no_slurm(SLURM_ABSENT)
     # Imported here: a status that never asks SLURM (--no-slurm, a laptop) skips the
     # client's subprocess and socket machinery.
     from slurm_ckpt.slurm.client import SlurmClient
@@ -213,6 +228,8 @@ class _Job:
     rate: Optional[float] = None
     #: Partner copies of this job's checkpoints held on other nodes (docs/partner.md).
     partner: PartnerSeen = field(default_factory=PartnerSeen)
+    #: The newest step read on the local tier itself (a laptop: no node status).
+    local_head: Optional[SeriesHead] = None
 
 
 def _job_id(value: Any) -> Optional[str]:
@@ -286,13 +303,16 @@ def build_status(
     user_statuses: Optional[List[Dict[str, Any]]] = None,
     squatted: Optional[List[Dict[str, Any]]] = None,
     notes: Optional[List[str]] = None,
+    local: Optional[Dict[Series, SeriesHead]] = None,
 ) -> Dict[str, Any]:
     """Join catalog heads, node status files and SLURM into the status document.
 
     Pure: everything it needs is passed in. See the module docstring for the fields.
     ``node`` is one node name or several (``status -w 'n[1-3]'``): jobs on any of them.
     ``shared`` is the catalog of each shared tier by name; ``warm`` names the tier
-    flushes go to.
+    flushes go to. ``local``: the local tier's own catalog, where this machine has it
+    (a laptop, ``status --local DIR``): a job no node status reports gets its local
+    step from there.
     """
     wanted_nodes = None if node is None else ({node} if isinstance(node, str) else set(node))
     jobs: Dict[Any, _Job] = {}
@@ -396,6 +416,18 @@ def build_status(
                 j.user = series[0]
             into.setdefault(gid, []).append(head)
 
+    # 2b. the local tier read directly (no node status on a laptop).
+    for series, head in (local or {}).items():
+        seen = owner.get(series)
+        gid = seen[1] if seen is not None else group(_job_id(head.job), series, series[0])
+        if seen is None:
+            owner[series] = (0.0, gid)
+        j = jobs.setdefault(gid, _Job(gid[0] or None))
+        j.series.add(series)
+        j.user = j.user or series[0]
+        if j.local_head is None or head.step > j.local_head.step:
+            j.local_head = head
+
     # 3. SLURM: job states and nodes, drains.
     for j in jobs.values():
         sj = slurm.jobs.get(j.job) if j.job is not None else None
@@ -438,6 +470,9 @@ def build_status(
             sj = slurm.jobs.get(j.job)
             state = sj.state if sj is not None else "gone"
         warm_heads = by_tier.get(warm, {}).get(gid, [])
+        if j.latest_step is None and j.local_head is not None:
+            j.latest_step = j.local_head.step
+            j.last_commit_at = j.local_head.committed_at
         tiers: Dict[str, Any] = {
             "local": None
             if j.latest_step is None
@@ -557,8 +592,12 @@ def collect_status(
     node: Union[None, str, Collection[str]] = None,
     query: Optional[SlurmQuery] = None,
     now: Optional[float] = None,
+    local_tier: bool = False,
 ) -> Dict[str, Any]:
     """Read the catalog(s), the node status files and SLURM; return the status document.
+
+    ``local_tier``: also read the local tier's own catalog (a user's own tiers, as on a
+    laptop: no node publishes a status there).
 
     ``query`` defaults to :data:`slurm_query`. ``--user``/``--key`` narrow the catalog
     walk itself; ``--job``/``--node`` filter the joined rows (``node``: one name or several).
@@ -581,6 +620,9 @@ def collect_status(
     )
     # Jobs publish their own status in their user's directory on the PFS (none without).
     user_docs = [] if pfs_root is None else read_user_statuses(cfg.tiers.pfs.root, owners)
+    local_heads = None
+    if local_tier and os.path.isdir(cfg.tiers.local.root):
+        local_heads = scan_catalog(str(cfg.tiers.local.root), user=user, key=key)
     snapshot = (query or slurm_query)()
     return build_status(
         now=time.time() if now is None else now,
@@ -597,4 +639,5 @@ def collect_status(
         user_statuses=user_docs,
         squatted=squatted,
         notes=notes,
+        local=local_heads,
     )

@@ -92,22 +92,29 @@ A **node entry**::
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Collection, Dict, List, Optional, Set, Tuple, Union
 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.names import validate_key, validate_node, validate_user
-from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ledger.record import shown_tier
 from slurm_ckpt.ledger.status_store import status_store
 from slurm_ckpt.ledger.user_status import read_user_statuses
 from slurm_ckpt.ops.catalog import Series, SeriesHead, scan_catalog
 from slurm_ckpt.ops.catalog_tiers import shared_heads
 from slurm_ckpt.ops.partner_status import PartnerSeen
-from slurm_ckpt.slurm.records import REASON_PREFIX
+from slurm_ckpt.ops.status_slurm import (
+    SLURM_ABSENT,
+    SlurmJob,
+    SlurmNode,
+    SlurmQuery,
+    SlurmSnapshot,
+    no_slurm,
+    query_slurm,
+    slurm_absent,
+)
 
 __all__ = [
     "SLURM_ABSENT",
@@ -125,88 +132,8 @@ __all__ = [
 ]
 
 STATUS_FORMAT = "slurm_ckpt.status"
-#: The SLURM note of a machine without SLURM (a laptop): not an error, not printed.
-SLURM_ABSENT = "not installed on this machine"
 STATUS_VERSION = 1
 _NO_JOB = ("", "None", "null")
-
-
-@dataclass(frozen=True)
-class SlurmJob:
-    """The little status needs to know about a job."""
-
-    job_id: str
-    state: str
-    user: Optional[str] = None
-    nodes: Tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class SlurmNode:
-    """The little status needs to know about a node."""
-
-    name: str
-    state: str
-    drained: bool = False
-    reason: Optional[str] = None
-
-    @property
-    def drained_by_us(self) -> bool:
-        return self.drained and (self.reason or "").startswith(REASON_PREFIX)
-
-
-@dataclass
-class SlurmSnapshot:
-    """One look at SLURM: every job and node it knows, or ``available=False`` and why."""
-
-    available: bool
-    note: str = ""
-    jobs: Dict[str, SlurmJob] = field(default_factory=dict)
-    nodes: Dict[str, SlurmNode] = field(default_factory=dict)
-
-
-#: The injectable query: no arguments, returns a snapshot, never raises.
-SlurmQuery = Callable[[], SlurmSnapshot]
-
-
-def no_slurm(note: str = "SLURM not queried") -> SlurmSnapshot:
-    """A snapshot that says SLURM could not be asked (states show as ``unknown``)."""
-    return SlurmSnapshot(False, note)
-
-
-def slurm_absent(env: Optional[Dict[str, str]] = None) -> bool:
-    """True when neither ``squeue`` nor ``sinfo`` is on the PATH: a laptop or a machine
-    outside any cluster, where asking SLURM can only fail."""
-    path = (env if env is not None else os.environ).get("PATH", os.defpath)
-    return shutil.which("squeue", path=path) is None and shutil.which("sinfo", path=path) is None
-
-
-def query_slurm(timeout: float = 10.0, env: Optional[Dict[str, str]] = None) -> SlurmSnapshot:
-    """Ask SLURM through :mod:`slurm_ckpt.slurm` (``squeue --json``, ``sinfo --json``).
-
-    Anything missing (the client module, the commands, the controller) gives a snapshot
-    with ``available=False`` and the one-line reason, never an exception: status is most
-    needed exactly when something is broken. ``env`` is the environment for SLURM's
-    commands (default: this process's, e.g. ``SLURM_CONF``).
-    """
-    if slurm_absent(env):
-        return no_slurm(SLURM_ABSENT)
-    # Imported here: a status that never asks SLURM (--no-slurm, a laptop) skips the
-    # client's subprocess and socket machinery.
-    from slurm_ckpt.slurm.client import SlurmClient
-
-    try:
-        client = SlurmClient(backend="cli", timeout=timeout, env=env)
-        jobs = client.jobs()
-        nodes = client.nodes()
-    except CkptError as exc:
-        return no_slurm(str(exc))
-    snap = SlurmSnapshot(True, f"{len(jobs)} jobs, {len(nodes)} nodes")
-    for j in jobs:
-        snap.jobs[str(j.job_id)] = SlurmJob(str(j.job_id), j.state, j.user, tuple(j.nodes))
-    for n in nodes:  # sinfo lists a node once per partition: keep one
-        snap.nodes.setdefault(n.name, SlurmNode(n.name, n.state_string, n.drained, n.reason))
-    return snap
 
 
 # --------------------------------------------------------------------------- the join

@@ -317,3 +317,74 @@ def test_unreadable_config_as_non_root():
         assert err == f"ckpt-slurm: error: cannot read config {path}: permission denied\n"
     finally:
         shutil.rmtree(tmp)
+
+
+#: What a quick look must not import: the heavy libraries, and for --version/--help any
+#: command's modules (ops, tiers, job, node...).
+HEAVY = ("torch", "numpy", "boto3", "botocore", "rich")
+
+_IMPORTS = """
+import json, sys
+from slurm_ckpt.cli.main import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+sys.stderr.write(json.dumps(sorted(sys.modules)))
+"""
+
+
+def _modules_after(*args: str, config: Path = None) -> set:
+    """The modules a fresh interpreter holds after ``ckpt-slurm ARGS`` (structural, not timed)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("SLURM_CKPT_CONFIG", None)
+    if config is not None:
+        env["SLURM_CKPT_CONFIG"] = str(config)
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _IMPORTS, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return set(json.loads(proc.stderr.splitlines()[-1]))
+
+
+def _top(mods: set) -> set:
+    return {m.split(".")[0] for m in mods}
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_imports_nothing_but_the_package(flag):
+    """``--version`` answers before click or any command module is imported."""
+    mods = _modules_after(flag)
+    assert not _top(mods) & {*HEAVY, "click"}, sorted(_top(mods) & {*HEAVY, "click"})
+    ours = sorted(m for m in mods if m.startswith("slurm_ckpt"))
+    assert ours == ["slurm_ckpt", "slurm_ckpt.cli", "slurm_ckpt.cli.main", "slurm_ckpt.errors"]
+
+
+def test_help_imports_no_command_module():
+    """``--help`` lists the commands from the table in slurm_ckpt.cli.app, importing none."""
+    mods = _modules_after("--help")
+    assert not _top(mods) & set(HEAVY), sorted(_top(mods) & set(HEAVY))
+    layers = {"ops", "tiers", "job", "node", "ledger", "slurm", "hooks", "admission"}
+    deep = sorted(m for m in mods if m.startswith("slurm_ckpt.") and m.split(".")[1] in layers)
+    assert deep == [], deep
+    commands = {m for _n, m, _a, _s in main_mod.COMMANDS}
+    assert not mods & commands, sorted(mods & commands)
+
+
+def test_status_json_imports_no_torch_boto3_or_rich(tmp_path):
+    """``status --json`` on a site without an object tier needs none of them."""
+    (tmp_path / "l").mkdir()
+    (tmp_path / "p").mkdir()
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        f'[tiers.local]\nroot = "{tmp_path}/l"\nrequire_mount = false\nmin_free = 0\n'
+        f'[tiers.pfs]\nroot = "{tmp_path}/p"\n'
+    )
+    mods = _modules_after("status", "--json", "--no-slurm", config=cfg)
+    assert "slurm_ckpt.ops.status" in mods  # it did run
+    assert not _top(mods) & set(HEAVY), sorted(_top(mods) & set(HEAVY))

@@ -21,7 +21,7 @@ from slurm_ckpt.tiers.posix import PosixTier
 
 def all_commands() -> List[Tuple[str, click.Command]]:
     out = []
-    for name, cmd in main_mod.cli.commands.items():
+    for name, cmd in main_mod.cli.all_commands().items():
         out.append((name, cmd))
         if isinstance(cmd, click.Group):
             out += [(f"{name} {sub}", c) for sub, c in cmd.commands.items()]
@@ -33,14 +33,14 @@ def test_top_level_help_groups_admin_commands_and_cuts_nothing() -> None:
     assert code == 0 and err == ""
     user_part, _, admin_part = out.partition("Admin commands")
     assert admin_part, out
-    names = set(main_mod.cli.commands)
+    names = set(main_mod.cli.all_commands())
     for name in names:
         in_admin = any(line.split()[:1] == [name] for line in admin_part.splitlines())
         in_user = any(line.split()[:1] == [name] for line in user_part.splitlines())
         assert in_admin == (name in ADMIN_COMMANDS) and in_user != in_admin, name
     listing = out.partition("Commands:")[2]
     assert "..." not in listing  # no summary cut short
-    for name, cmd in main_mod.cli.commands.items():  # each summary is its whole sentence
+    for name, cmd in main_mod.cli.all_commands().items():  # each summary is its whole sentence
         assert " ".join(short_help(cmd).split()) in " ".join(listing.split()), name
     assert "Exit status: 0 ok, 1 failed operation" in " ".join(out.split())
 
@@ -152,3 +152,11 @@ def test_other_operating_systems_get_one_line() -> None:
     for other in ("darwin", "win32", "freebsd13"):
         with pytest.raises(CkptError, match="runs on Linux only"):
             require_supported_os(other)
+
+
+def test_listed_summaries_are_the_commands_own() -> None:
+    """``--help`` lists the summaries kept in the command table (so that it imports no
+    command module); each must be the command's own first sentence, whole."""
+    loaded = main_mod.cli.all_commands()
+    for name, _module, _attr, summary in main_mod.COMMANDS:
+        assert summary == short_help(loaded[name]), name

@@ -88,7 +88,9 @@ def test_the_old_pfs_flag_still_names_the_warm_directory(laptop: Site) -> None:
         (["list", "--local", "{local}", "--config", "{base}/c.toml"], "not both"),
         (["--config", "", "list"], "--config: empty path"),
         (["list", "--config", ""], "--config: empty path"),
-        (["gc", "--local", "{local}"], "No such option"),  # root-run commands: site only
+        (["gc", "--local", "{local}"], "as root"),  # root works on the site's tiers only
+        (["flush", "--local", "{local}"], "as root"),
+        (["maint", "n1", "--local", "{local}"], "No such option"),  # root-run: site only
     ],
 )
 def test_tier_flag_errors(laptop: Site, argv: List[str], needle: str) -> None:
@@ -203,8 +205,9 @@ def test_root_keeps_requiring_a_root_owned_site_config(
     code, out, err = run_here(["list"])
     assert code == 2 and "no config" in err, err
     assert str(user_cfg) not in err
-    # A hook (root-run) run by nobody with a user config present does not take it.
-    code, out, err = _as_nobody(["gc", "--dry-run"], {"XDG_CONFIG_HOME": str(home)})
+    # A root-run command run by nobody with a user config present does not take it
+    # (gc and flush do: as a user they work on that user's own checkpoints).
+    code, out, err = _as_nobody(["guard"], {"XDG_CONFIG_HOME": str(home)})
     assert code == 2 and "no config" in err, err
 
 

@@ -126,9 +126,12 @@ def test_deadline_sources() -> None:
     assert Deadline(SignalFlag(), lambda: 1 / 0).deadline() is None  # broken provider
 
 
-def test_too_little_time_left_leaves_the_flush_to_the_epilog(tmp_path: Path) -> None:
+def test_too_little_time_left_leaves_the_flush_to_the_epilog(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import time
 
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # in a SLURM job: its epilog flushes
     end = time.time() - 100  # the job's end time has passed: no time for any flush
     ckpt = make(tmp_path, end_time_fn=lambda: end, kill_wait_s=0)
     os.kill(os.getpid(), signal.SIGUSR1)
@@ -143,6 +146,33 @@ def test_too_little_time_left_leaves_the_flush_to_the_epilog(tmp_path: Path) -> 
     assert rec.state("local") is State.COMMITTED
     assert rec.state("pfs") is State.FLUSH_PENDING and rec.error == "left to epilog"
     assert [r.step for r in ckpt.ledger.pending_flush(ckpt.user, "run")] == [5]
+
+
+def test_on_a_laptop_the_flush_is_left_to_the_next_run_never_an_epilog(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Outside SLURM nothing runs an epilog: the owed flush is the next run's, and no
+    message says otherwise; the next run of the series flushes it at its start."""
+    import logging
+    import time
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_JOBID", raising=False)
+    caplog.set_level(logging.INFO, logger="slurm_ckpt")
+    end = time.time() - 100
+    ckpt = make(tmp_path, end_time_fn=lambda: end, kill_wait_s=0)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    ckpt.save(STATE, step=5)
+    stats = ckpt.close()
+    assert stats.left_to_epilog == 1 and ckpt.warm.steps(ckpt.user, "run") == []
+    rec = ckpt.ledger.get(ckpt.user, "run", 5)
+    assert rec.state("pfs") is State.FLUSH_PENDING and rec.error == "left for the next run"
+    assert "next run" in caplog.text and "epilog" not in caplog.text.lower()
+    again = make(tmp_path)  # the next run: picks it up in the background at start
+    again.close()
+    assert [s.step for s in again.warm.steps(again.user, "run")] == [5]
+    assert again.ledger.get(again.user, "run", 5).state("pfs") is State.VERIFIED
+    assert "epilog" not in caplog.text.lower()
 
 
 def test_enough_time_flushes_normally(tmp_path: Path) -> None:

@@ -372,3 +372,91 @@ def test_partner_column_and_json(site: Site, monkeypatch: pytest.MonkeyPatch) ->
     assert " 500@n[3-4] " in f"{row11} "
     (row13,) = [ln for ln in lines if "alice/run2" in ln]
     assert "@" not in row13
+
+
+def test_step_names_found_in_one_pass_agree_with_the_one_name_parser() -> None:
+    """The catalog walk finds a listing's step directories with one regular expression;
+    it must accept exactly what :func:`parse_step_dirname` accepts."""
+    from slurm_ckpt.core.layout import parse_step_dirname, step_numbers
+
+    names = [
+        "step-0000000005",
+        "step-0000000010",
+        "step-0000000007\nstep-0000000001",  # a newline in a name is not a separator
+        "step-000000001",  # too short
+        "step-00000000011",  # too long
+        ".tmp-step-0000000003",
+        "step-0000000003 ",
+        "step-\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0661",  # Arabic digits
+        "xstep-0000000004",
+        "step-0000000004x",
+        "",
+        "step-9999999999",
+    ]
+    want = sorted((s for s in map(parse_step_dirname, names) if s is not None), reverse=True)
+    assert step_numbers(names) == want == [9999999999, 10, 5]
+    assert step_numbers([]) == []
+
+
+def test_nesting_bound_fast_path_keeps_the_bound() -> None:
+    """A manifest with few brackets is settled by counting them (no parser can nest
+    deeper than its opening brackets); whatever the full scan accepts is still accepted,
+    and nothing accepted nests deeper than the bound."""
+    import random
+
+    from slurm_ckpt.core import manifest_limits as ml
+
+    def skeleton(data: bytes) -> bytes:
+        return ml._STRING.sub(b"", ml._ESCAPE.sub(b"", data)).translate(None, ml._NOT_BRACKET)
+
+    def slow(data: bytes, depth: int) -> bool:
+        sk = skeleton(data)
+        for _ in range(depth):
+            if not sk:
+                return True
+            sk = ml._EMPTY_PAIR.sub(b"", sk)
+        return not sk
+
+    def deepest(data: bytes) -> int:
+        level = top = 0
+        for c in skeleton(data):
+            level = level + 1 if c in b"{[" else max(0, level - 1)
+            top = max(top, level)
+        return top
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        data = bytes(rng.choice(b'{}[]"\\ax') for _ in range(rng.randint(0, 24)))
+        for depth in (1, 3, 40):
+            got = ml.nesting_within(data, depth)
+            assert got or not slow(data, depth), (data, depth)
+            assert not got or deepest(data) <= depth, (data, depth)
+    deep = b"[" * 41 + b"]" * 41
+    assert not ml.nesting_within(deep, 40) and ml.nesting_within(deep, 41)
+    assert ml.nesting_within(b'{"a": "' + b"[" * 60 + b'"}', 40)  # brackets in a string
+    with pytest.raises(VerifyError):
+        ml.check_bytes(b'{"a": ' + b"[" * 41 + b"]" * 41 + b"}")
+
+
+def test_status_json_cuts_long_strings_in_rows_and_fields(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Rows that encode short are written as they are (in C); a long string anywhere,
+    key or value, is cut as safe_json cuts it."""
+    from slurm_ckpt.cli.safe_text import JSON_LIMIT
+    from slurm_ckpt.cli.status import write_json
+
+    long = "x" * (JSON_LIMIT + 10)
+    doc = {
+        "format": "slurm_ckpt.status",
+        "notes": [long],
+        "jobs": [{"user": "alice", "keys": ["run"]}, {"user": "bob", long: {"k": [long]}}],
+        "filters": {"key": long},
+        "empty": [],
+    }
+    write_json(doc)
+    got = json.loads(capsys.readouterr().out)
+    cut = "x" * JSON_LIMIT + "...[10 more characters]"
+    assert got["notes"] == [cut] and got["filters"] == {"key": cut}
+    assert got["jobs"] == [{"user": "alice", "keys": ["run"]}, {"user": "bob", cut: {"k": [cut]}}]
+    assert got["empty"] == [] and got["format"] == "slurm_ckpt.status"

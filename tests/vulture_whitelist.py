@@ -10,7 +10,7 @@ A name belongs here only when it is used; dead code is deleted instead.
 __getattr__
 __dir__
 
-# click: commands registered by name (cli/main.py COMMANDS) or by decorator, and the
+# click: commands registered by name (cli/app.py COMMANDS) or by decorator, and the
 # methods click calls on our ParamType/Group subclasses.
 list_cmd
 verify_cmd

@@ -10,7 +10,7 @@ test can check that none is missing).
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import click
 
@@ -109,14 +109,22 @@ def short_help(cmd: click.Command) -> str:
 class GroupedHelp(click.Group):
     """A click group whose help lists user commands and admin commands apart."""
 
+    def command_summary(self, ctx: click.Context, name: str) -> Optional[str]:
+        """The line ``--help`` lists for ``name`` (None: not listed). A group that imports
+        its commands lazily answers from its table instead, without importing them."""
+        cmd = self.get_command(ctx, name)
+        if cmd is None or cmd.hidden:
+            return None
+        return short_help(cmd)
+
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         user: List[Tuple[str, str]] = []
         admin: List[Tuple[str, str]] = []
         for name in self.list_commands(ctx):
-            cmd = self.get_command(ctx, name)
-            if cmd is None or cmd.hidden:
+            summary = self.command_summary(ctx, name)
+            if summary is None:
                 continue
-            (admin if name in ADMIN_COMMANDS else user).append((name, short_help(cmd)))
+            (admin if name in ADMIN_COMMANDS else user).append((name, summary))
         if user:
             with formatter.section("Commands"):
                 formatter.write_dl(user)

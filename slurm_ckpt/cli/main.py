@@ -1,337 +1,44 @@
-"""``ckpt-slurm``: the command line entry point.
+"""``ckpt-slurm``: the command line entry point (the console script is :func:`main`).
 
-:func:`main` is the console script. It runs the click group :data:`cli` and turns every
-:class:`~slurm_ckpt.errors.CkptError`, every user-caused :class:`OSError` (EACCES, ENOSPC,
-...) and Ctrl-C into one line ``ckpt-slurm: error: <message>`` on stderr plus an exit code
-(the error's ``exit_code``; 1 for OSError; 130 for Ctrl-C). Click usage errors become one
-line too (``ckpt-slurm: error: <message> (see 'ckpt-slurm CMD --help')``), exit code 2.
-Anything else is a bug and shows its traceback. The exit codes are those of
-:mod:`slurm_ckpt.errors` (``EXIT_*``), the one table README.md shows.
-
-``--config PATH`` is accepted before or after the subcommand (``_register`` adds it to
-every command), and ``--help`` groups the admin commands apart (:mod:`.help`).
-
-Adding a command: write a module that defines a click command or group (take global state
-with ``@pass_state`` from :mod:`slurm_ckpt.cli.output`, never import this module), then add
-``("module.path", "attribute")`` to :data:`COMMANDS` below.
+This module is kept small on purpose: an operator's shell, a prolog and a monitoring probe
+start ``ckpt-slurm`` often, and ``ckpt-slurm --version`` must answer without importing
+click, the command modules or anything they use (torch, boto3, rich). Everything else -
+the click group :data:`cli`, the commands, the one-line error handling and exit codes - is
+in :mod:`slurm_ckpt.cli.app`, imported on the first use of anything else. ``cli`` and
+``COMMANDS`` are still reachable here (``from slurm_ckpt.cli.main import cli``).
 """
 
 from __future__ import annotations
 
-import errno
-import importlib
-import os
 import sys
-from typing import List, NoReturn, Optional, Sequence, Tuple
-
-import click
+from typing import Any, NoReturn, Optional, Sequence
 
 from slurm_ckpt import __version__
-from slurm_ckpt.cli.help import ExamplesGroup, GroupedHelp, attach_examples
-from slurm_ckpt.cli.output import (
-    PROG,
-    CliState,
-    oserror_message,
-    pass_state,
-    print_config,
-    print_error,
-    print_json,
-)
-from slurm_ckpt.core.platform import require_supported_os
-from slurm_ckpt.errors import (
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_USAGE,
-    CkptError,
-)
 
-#: Command modules attached to :data:`cli` besides ``config`` (defined here), as
-#: ``(module, attribute)``, e.g. ``("slurm_ckpt.cli.status", "status")``. A module that
-#: fails to import is a bug and is deliberately not hidden.
-COMMANDS: List[Tuple[str, str]] = [
-    ("slurm_ckpt.cli.plan", "plan"),
-    ("slurm_ckpt.cli.catalog", "list_cmd"),
-    ("slurm_ckpt.cli.catalog", "verify_cmd"),
-    ("slurm_ckpt.cli.seal_cmd", "seal_cmd"),
-    ("slurm_ckpt.cli.seal_cmd", "adopt_cmd"),
-    ("slurm_ckpt.cli.hooks_cmds", "prolog_cmd"),
-    ("slurm_ckpt.cli.hooks_cmds", "epilog_cmd"),
-    ("slurm_ckpt.cli.hooks_cmds", "stager_cmd"),
-    ("slurm_ckpt.cli.hooks_cmds", "install_hooks_cmd"),
-    ("slurm_ckpt.cli.status", "status_cmd"),
-    ("slurm_ckpt.cli.gc", "gc_cmd"),
-    ("slurm_ckpt.cli.maint", "maint_cmd"),
-    ("slurm_ckpt.cli.maint", "guard_cmd"),
-    ("slurm_ckpt.cli.flush_cli", "flush_cmd"),
-    ("slurm_ckpt.cli.drill", "drill_cmd"),
-    ("slurm_ckpt.cli.report_cmd", "report_cmd"),
-    ("slurm_ckpt.cli.goodput_cmd", "goodput_cmd"),
-    ("slurm_ckpt.cli.doctor", "doctor_cmd"),
-    ("slurm_ckpt.cli.restore_cmd", "restore_cmd"),
-]
-
-#: OSError numbers that a user or the site causes (permissions, full or read-only disks,
-#: wrong paths). They get one line; any other OSError is treated as a bug (traceback).
-USER_ERRNOS = frozenset(
-    getattr(errno, name)
-    for name in (
-        "EACCES",
-        "EPERM",
-        "ENOSPC",
-        "EDQUOT",
-        "EROFS",
-        "ENOENT",
-        "ENOTDIR",
-        "EISDIR",
-        "EEXIST",
-        "ENOTEMPTY",
-        "ENAMETOOLONG",
-        "ELOOP",
-        "EXDEV",
-        "EMFILE",
-        "ENFILE",
-        "EIO",
-        "ESTALE",
-        "ETIMEDOUT",
-        "EBUSY",
-    )
-    if hasattr(errno, name)
-)
-
-CONFIG_HELP = (
-    "Config file (default: $SLURM_CKPT_CONFIG, else /etc/slurm-ckpt/config.toml; user "
-    "commands without one: ~/.config/slurm-ckpt/config.toml)."
-)
-
-
-@click.group(
-    name=PROG,
-    cls=GroupedHelp,
-    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
-)
-@click.version_option(
-    __version__, "--version", "-V", prog_name=PROG, message="%(prog)s %(version)s"
-)
-@click.option(
-    "--config",
-    "config_path",
-    metavar="PATH",
-    default=None,
-    help=CONFIG_HELP,
-)
-@click.pass_context
-def cli(ctx: click.Context, config_path: Optional[str]) -> None:
-    """Fast, verified, tiered checkpoints for long training jobs on SLURM clusters.
-
-    Exit status: 0 ok, 1 failed operation or a finding (corrupt checkpoint, failed
-    flush), 2 usage or configuration error, 3 SLURM unreachable, 4 not ready (maint,
-    guard), 130 interrupted.
-    """
-    ctx.obj = CliState(config_path)
-
-
-# --------------------------------------------------------------------------- config
-
-
-@click.group("config", cls=ExamplesGroup)
-def config_group() -> None:
-    """Show or check the site configuration."""
-
-
-@config_group.command("show")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON (bytes, seconds).")
-@pass_state
-def config_show(state: CliState, as_json: bool) -> None:
-    """Print the effective configuration, every default filled in."""
-    cfg = state.config
-    if as_json:
-        print_json(cfg.to_dict())
-    else:
-        print_config(cfg)
-
-
-@config_group.command("check")
-@click.option(
-    "--offline", is_flag=True, help="Check the file alone (syntax, values), not this node."
-)
-@pass_state
-def config_check(state: CliState, offline: bool) -> None:
-    """Validate the configuration and, unless --offline, the tier roots on this node.
-
-    The roots must exist, be directories (not symlinks), be owned by root and not be
-    writable by others (unless sticky); the local root must be a mount of its own when
-    required and have min_free free. A missing local root and low free space are
-    warnings (stderr); anything else exits 2 with one line. A user's own config (their
-    file, or tier flags; not as root) may have roots owned by that user.
-    """
-    from slurm_ckpt.cli.table import warn
-    from slurm_ckpt.errors import ConfigError
-    from slurm_ckpt.ops.config_check import ERROR, check_roots, own_config
-
-    cfg = state.config
-    if not offline:
-        findings = check_roots(cfg, owner=own_config(cfg))
-        errors = [f.text for f in findings if f.level == ERROR]
-        if errors:
-            raise ConfigError(f"{cfg.source}: " + "; ".join(errors))
-        for f in findings:
-            warn(f.text)
-    click.echo(f"ok: {cfg.source}" + (" (offline: file only)" if offline else ""))
-
-
-# --------------------------------------------------------------------------- wiring
-
-
-def _set_config(ctx: click.Context, _param: click.Parameter, value: Optional[str]) -> None:
-    """``--config`` given after the subcommand: it wins over one given before."""
-    if value is not None:
-        state = ctx.find_object(CliState)
-        if state is None:
-            state = ctx.ensure_object(CliState)
-        state.config_path = value
-        state._config = None
-
-
-def _add_config_option(cmd: click.Command) -> None:
-    """Accept ``--config`` after the subcommand too (unless it has its own)."""
-    if isinstance(cmd, click.Group):
-        for sub in cmd.commands.values():
-            _add_config_option(sub)
-        return
-    if any("--config" in getattr(p, "opts", ()) for p in cmd.params):
-        return
-    cmd.params.append(
-        click.Option(
-            ["--config"],
-            metavar="PATH",
-            default=None,
-            expose_value=False,
-            callback=_set_config,
-            help=CONFIG_HELP,
-        )
-    )
-
-
-#: Help of the tier flags (user commands without a site config, :mod:`.sources`).
-TIER_FLAG_HELP = {
-    "local": "The local tier's directory (a Checkpointer's local=), instead of a config file.",
-    "warm": "The warm tier's directory (a Checkpointer's warm=); with --local. "
-    "--pfs: its old name (deprecated).",
-    "cold": "The cold (archive) tier's directory; with --local.",
-}
-
-
-def _set_tier_root(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> None:
-    """``--local/--warm/--cold DIR`` of a user command: the tiers without a config file."""
-    if value is not None:
-        state = ctx.find_object(CliState) or ctx.ensure_object(CliState)
-        state.tier_roots[str(param.name)] = value
-        state._config = None
-
-
-def _add_tier_flags(cmd: click.Command, words: Tuple[str, ...] = ()) -> None:
-    """Give the user commands (:data:`slurm_ckpt.cli.sources.USER_COMMANDS`) tier flags."""
-    from slurm_ckpt.cli.sources import TIER_FLAGS, is_user_command
-
-    words = (*words, cmd.name or "")
-    if isinstance(cmd, click.Group):
-        for sub in cmd.commands.values():
-            _add_tier_flags(sub, words)
-        return
-    if not is_user_command(words):
-        return
-    for flags, tier in TIER_FLAGS:
-        cmd.params.append(
-            click.Option(
-                [*flags, tier],
-                metavar="DIR",
-                default=None,
-                expose_value=False,
-                callback=_set_tier_root,
-                type=click.Path(exists=True, file_okay=False, resolve_path=False),
-                help=TIER_FLAG_HELP[tier],
-            )
-        )
-
-
-def _register() -> None:
-    """Attach ``config`` and every command listed in :data:`COMMANDS` to :data:`cli`."""
-    cli.add_command(config_group)
-    for module_name, attr in COMMANDS:
-        cli.add_command(getattr(importlib.import_module(module_name), attr))
-    for cmd in cli.commands.values():
-        _add_tier_flags(cmd)
-        _add_config_option(cmd)
-        attach_examples(cmd)
-
-
-_register()
-
-
-def _quiet_stdout() -> None:
-    """After EPIPE on stdout, point it at /dev/null so the interpreter's flush is silent."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):  # pragma: no cover
-        pass
-
-
-def _click_error(exc: click.ClickException) -> int:
-    """Print a click error as one line (help for a bare group); return its exit code."""
-    no_args = getattr(click.exceptions, "NoArgsIsHelpError", None)
-    if no_args is not None and isinstance(exc, no_args):
-        exc.show()  # the help text of a group called without a subcommand
-        return exc.exit_code
-    message = exc.format_message()
-    if isinstance(exc, click.UsageError):
-        ctx = exc.ctx
-        path = ctx.command_path if ctx is not None else PROG
-        print_error(f"{message.rstrip('.')} (see '{path} --help')")
-        return EXIT_USAGE
-    print_error(message)
-    return exc.exit_code
+#: What ``--version``/``-V`` alone print; the same as click's version option in
+#: :mod:`slurm_ckpt.cli.app` (``ckpt-slurm --config X --version`` goes there).
+VERSION_LINE = f"ckpt-slurm {__version__}"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> NoReturn:
-    """Console-script entry point: run :data:`cli` and exit with a well-defined status."""
-    code = 0
-    try:
-        require_supported_os()
-        rv = cli.main(
-            args=list(argv) if argv is not None else None,
-            prog_name=PROG,
-            standalone_mode=False,
-        )
-        # --help/--version return click's exit code; a command may return an int status.
-        code = rv if isinstance(rv, int) and not isinstance(rv, bool) else 0
-    except CkptError as exc:
-        print_error(exc)
-        code = exc.exit_code
-    except click.exceptions.Abort as exc:
-        # click turns Ctrl-C into Abort; a declined confirmation is a plain Abort.
-        if isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt):
-            print_error("interrupted")
-            code = EXIT_INTERRUPTED
-        else:
-            print_error("aborted")
-            code = EXIT_FAILED
-    except click.ClickException as exc:
-        code = _click_error(exc)
-    except click.exceptions.Exit as exc:  # pragma: no cover - click returns it instead
-        code = exc.exit_code
-    except KeyboardInterrupt:
-        print_error("interrupted")
-        code = EXIT_INTERRUPTED
-    except BrokenPipeError:
-        _quiet_stdout()
-        code = EXIT_FAILED
-    except OSError as exc:
-        if exc.errno not in USER_ERRNOS:
-            raise
-        print_error(oserror_message(exc))
-        code = EXIT_FAILED
-    sys.exit(code)
+    """Console-script entry point: run the command and exit with a well-defined status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args in (["--version"], ["-V"]):
+        sys.stdout.write(VERSION_LINE + "\n")
+        sys.stdout.flush()
+        sys.exit(0)
+    from slurm_ckpt.cli.app import run
+
+    sys.exit(run(args))
+
+
+def __getattr__(name: str) -> Any:
+    """``cli``, ``COMMANDS`` and the rest of :mod:`slurm_ckpt.cli.app`, loaded on use."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    from slurm_ckpt.cli import app
+
+    return getattr(app, name)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ On a cluster the site config (``/etc/slurm-ckpt/config.toml``, ``$SLURM_CKPT_CON
 ``--config``) names the tiers. A user on a laptop or workstation has none, and their
 checkpoints sit in directories they chose (``Checkpointer(local=..., warm=...)``). So the
 *user commands* (:data:`USER_COMMANDS`: ``list``, ``status``, ``restore``, ``drill``,
-``verify``, ``adopt``, ``config show|check``) also take:
+``verify``, ``adopt``, ``report``, ``goodput``, ``config show|check``, ``flush``, ``gc``) also take:
 
 * tier flags ``--local DIR [--warm DIR] [--cold DIR]``: the tiers, no file at all (a local
   tier alone is fine: a laptop may have no second disk);
@@ -12,8 +12,8 @@ checkpoints sit in directories they chose (``Checkpointer(local=..., warm=...)``
   ``~/.config/slurm-ckpt/config.toml``), same format as the site's, read only when no site
   config exists and the caller is not root.
 
-Root never reads a user's config and never gets tier flags by default: root-run code
-(hooks, stager, gc, flush, maint) decides with the site config alone, whose trust
+Root never reads a user's config, and ``gc``/``flush`` refuse tier flags as root: root-run
+code (hooks, stager, gc, flush, maint) decides with the site config alone, whose trust
 ``config check`` and the hooks keep checking. The order is: ``--config``, then tier flags
 (both at once is a usage error), then ``$SLURM_CKPT_CONFIG``, then the site default, then
 (user commands, non-root) the user config.
@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 from typing import Dict, Optional, Sequence, Tuple
 
 import click
 
-from slurm_ckpt.core.config import Config, load_config
+from slurm_ckpt.core.config import Config, load_config, own_config_path, user_config_path
 from slurm_ckpt.core.config_schema import DEFAULT_CONFIG_PATH, ENV_CONFIG
 from slurm_ckpt.errors import ConfigError, UsageError
 
@@ -55,8 +54,14 @@ USER_COMMANDS = frozenset(
         ("adopt",),
         ("config", "show"),
         ("config", "check"),
+        ("flush",),
+        ("gc",),
     }
 )
+
+#: User commands that root runs on a cluster's site tiers: as root they take the site
+#: config alone (tier flags name directories a user controls).
+SITE_AS_ROOT = frozenset({("flush",), ("gc",)})
 
 #: The tier flags, as ``(options, tier)``. ``--pfs`` is the old name of ``--warm``
 #: (deprecated, kept one release).
@@ -65,15 +70,6 @@ TIER_FLAGS: Tuple[Tuple[Tuple[str, ...], str], ...] = (
     (("--warm", "--pfs"), "warm"),
     (("--cold",), "cold"),
 )
-
-
-def user_config_path() -> Path:
-    """The per-user config file: ``$XDG_CONFIG_HOME/slurm-ckpt/config.toml``, else
-    ``~/.config/slurm-ckpt/config.toml``."""
-    base = os.environ.get("XDG_CONFIG_HOME", "")
-    if not base or not os.path.isabs(base):  # the XDG spec: a relative value is ignored
-        base = os.path.join(os.path.expanduser("~"), ".config")
-    return Path(base) / "slurm-ckpt" / "config.toml"
 
 
 def is_user_command(words: Sequence[str]) -> bool:
@@ -117,13 +113,19 @@ def load_cli_config(
             raise UsageError("--config: empty path (name a config file)")
         return load_config(config_path)
     if roots:
+        if os.geteuid() == 0 and tuple(words) in SITE_AS_ROOT:
+            raise UsageError(
+                f"{' '.join(words)}: tier flags are for your own checkpoints; as root, "
+                f"{' '.join(words)} works on the site's tiers (--config or the site config)"
+            )
         return tier_flag_config(roots)
     if os.environ.get(ENV_CONFIG, "").strip() or os.geteuid() == 0:
         return load_config(None)
     if not os.path.lexists(DEFAULT_CONFIG_PATH) and is_user_command(words):
+        own = own_config_path()  # the same rule as Checkpointer.from_env()
+        if own is not None:
+            return load_config(own)
         user = user_config_path()
-        if os.path.lexists(user):
-            return load_config(user)
         raise ConfigError(
             f"no config: {DEFAULT_CONFIG_PATH} not found and no {user} (pass --config, "
             f"set {ENV_CONFIG}, or give the tiers: --local DIR [--warm DIR])"

@@ -22,7 +22,7 @@ import click
 
 from slurm_ckpt.cli.output import CliState, pass_state
 from slurm_ckpt.cli.params import JOB_ID, NODELIST, USER
-from slurm_ckpt.cli.safe_text import safe_json
+from slurm_ckpt.cli.safe_text import JSON_LIMIT, safe_json
 from slurm_ckpt.cli.table import (
     Column,
     Listing,
@@ -32,14 +32,26 @@ from slurm_ckpt.cli.table import (
     plural,
     warn,
 )
+from slurm_ckpt.core.config import user_config_path
 from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.units import format_bytes, format_duration, format_rate
 from slurm_ckpt.errors import CkptError
-from slurm_ckpt.ops.status import SlurmSnapshot, collect_status, no_slurm
+from slurm_ckpt.ops.status import SLURM_ABSENT, SlurmSnapshot, collect_status, no_slurm
 from slurm_ckpt.ops.tier_roots import require_roots
 from slurm_ckpt.slurm.hostlist import compress
 
 __all__ = ["status_cmd"]
+
+
+def _dumps(value: Any) -> str:
+    """One value as JSON, every string in it cut to :data:`JSON_LIMIT` characters.
+
+    Its encoding is at least as long as any string it holds (quotes and escapes only add
+    characters), so a value that encodes within the limit needs no cut and is encoded
+    once, in C; only a longer one is walked by :func:`safe_json` in Python.
+    """
+    text = json.dumps(value, default=str)
+    return text if len(text) <= JSON_LIMIT else json.dumps(safe_json(value), default=str)
 
 
 def write_json(doc: Dict[str, Any]) -> None:
@@ -49,18 +61,18 @@ def write_json(doc: Dict[str, Any]) -> None:
     line is what ``grep`` and ``head`` want, and it keeps encoding in C (indenting every
     field runs json's pure-Python encoder, about a tenth of a second here).
     """
-    items = list(safe_json(doc).items())
+    items = [(safe_json(name), value) for name, value in doc.items()]
     out = ["{"]
     for i, (name, value) in enumerate(items):
         comma = "," if i < len(items) - 1 else ""
         head = f"  {json.dumps(name)}: "
-        if isinstance(value, list) and value:
+        if isinstance(value, (list, tuple)) and value:
             out.append(head + "[")
-            rows = [f"    {json.dumps(v, default=str)}" for v in value]
+            rows = [f"    {_dumps(v)}" for v in value]
             out.append(",\n".join(rows))
             out.append(f"  ]{comma}")
         else:
-            out.append(f"{head}{json.dumps(value, default=str)}{comma}")
+            out.append(f"{head}{_dumps(value)}{comma}")
     out.append("}")
     sys.stdout.write("\n".join(out) + "\n")
     sys.stdout.flush()
@@ -231,7 +243,9 @@ def print_status(
     elif nodes_only:
         click.echo("no node reports a status")
     t = doc["totals"]
-    note = "" if doc["slurm"]["available"] else f"; SLURM: {doc['slurm']['note']}"
+    slurm = doc["slurm"]
+    quiet = slurm["available"] or slurm["note"] == SLURM_ABSENT  # a laptop: no error
+    note = "" if quiet else f"; SLURM: {slurm['note']}"
     echo_wrapped(
         f"{plural(t['jobs'], 'job')}, {format_bytes(t['bytes_at_risk'])} at risk in "
         f"{plural(t['checkpoints_at_risk'], 'checkpoint')}, "
@@ -304,7 +318,12 @@ def status_cmd(
         node = nodelist[0] if len(nodelist) == 1 else frozenset(nodelist)
     for note in require_roots(state.config):
         warn(note)
-    doc = collect_status(state.config, user=user, job=job, key=key, node=node, query=query)
+    # A user's own tiers (tier flags or their own config, as on a laptop): no node
+    # publishes a status there, so the local tier is read directly.
+    own = bool(state.tier_roots) or state.config.source == str(user_config_path())
+    doc = collect_status(
+        state.config, user=user, job=job, key=key, node=node, query=query, local_tier=own
+    )
     if out.json:
         write_json(doc)
     else:

@@ -80,8 +80,11 @@ __all__ = [
     "PfsTierConfig",
     "RetentionConfig",
     "TiersConfig",
+    "config_origin",
     "load_config",
+    "own_config_path",
     "resolve_config_path",
+    "user_config_path",
 ]
 
 # --------------------------------------------------------------------------- Config
@@ -198,6 +201,40 @@ def resolve_config_path(path: Optional[PathLike] = None) -> Tuple[Path, str]:
     if env.strip():
         return Path(env), "env"
     return DEFAULT_CONFIG_PATH, "default"
+
+
+def user_config_path() -> Path:
+    """The per-user config file: ``$XDG_CONFIG_HOME/slurm-ckpt/config.toml``, else
+    ``~/.config/slurm-ckpt/config.toml``."""
+    base = os.environ.get("XDG_CONFIG_HOME", "")
+    if not base or not os.path.isabs(base):  # the XDG spec: a relative value is ignored
+        base = os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "slurm-ckpt" / "config.toml"
+
+
+def own_config_path() -> Optional[Path]:
+    """The user's own config when it is the one to read, else None: not root (root
+    never reads a user's file), no ``$SLURM_CKPT_CONFIG``, no site default, and the file
+    exists. The one rule the user commands and ``Checkpointer.from_env()`` share."""
+    if os.environ.get(ENV_CONFIG, "").strip() or os.geteuid() == 0:
+        return None
+    if os.path.lexists(DEFAULT_CONFIG_PATH):
+        return None
+    user = user_config_path()
+    return user if os.path.lexists(user) else None
+
+
+def config_origin(path: Optional[PathLike] = None) -> str:
+    """In words, where :func:`load_config` would take the configuration from for
+    ``path`` (for the log line that says which configuration a job runs with)."""
+    cfg_path, origin = resolve_config_path(path)
+    if origin == "env":
+        return f"{cfg_path} (from ${ENV_CONFIG})"
+    if origin == "default":
+        return f"{cfg_path} (the site config)"
+    if path is not None and Path(os.fspath(path)) == user_config_path():
+        return f"{cfg_path} (your own config)"
+    return f"{cfg_path} (given)"
 
 
 def _read_file(path: Path) -> bytes:

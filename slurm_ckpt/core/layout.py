@@ -9,7 +9,7 @@ by step so that it can be resumed), ``.trash-*`` (a deletion in progress).
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Iterable, List, Optional
 
 from slurm_ckpt.errors import InvalidName
 
@@ -32,6 +32,17 @@ def step_dirname(step: int) -> str:
 def parse_step_dirname(name: str) -> Optional[int]:
     m = _STEP_RE.fullmatch(name)
     return int(m.group(1)) if m else None
+
+
+#: Step directory names among NUL-separated names (a file name never holds a NUL).
+_STEP_IN_LIST = re.compile(r"(?:\A|\x00)step-([0-9]{10})(?=\x00|\Z)")
+
+
+def step_numbers(names: Iterable[str]) -> List[int]:
+    """The steps of the step directory names among ``names``, newest first: what
+    :func:`parse_step_dirname` accepts, found by one regular-expression pass over the
+    whole listing (a catalog walk lists every series' directory)."""
+    return sorted(map(int, _STEP_IN_LIST.findall("\0".join(names))), reverse=True)
 
 
 def partial_dirname(step: int) -> str:

@@ -197,6 +197,8 @@ def has_control(text: str) -> bool:
     """Control characters (C0, C1, DEL), format characters (bidi overrides, zero-width),
     Unicode line/paragraph separators or surrogates: none of them may sit in a label
     root prints (a bidi override makes a line read backwards)."""
+    if text.isascii():  # the common case, in C: ASCII's only such characters are C0/DEL
+        return not text.isprintable()
     return any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp", "Cs") for c in text)
 
 

@@ -84,7 +84,9 @@ def validate_relpath(path: str) -> str:
         raise InvalidName(f"invalid file name {path!r}")
     if path.startswith("/"):
         raise InvalidName(f"invalid file name {path!r}: absolute paths are not allowed")
-    if _COMPONENT_BAD.search(path) or not all(_shows_as_is(c) for c in path):
+    if _COMPONENT_BAD.search(path) or (
+        not path.isascii() and not all(_shows_as_is(c) for c in path)
+    ):
         raise InvalidName(
             f"invalid file name {path!r}: control or format characters (C0, C1, bidi, "
             "zero-width), line separators, or backslash"

@@ -57,7 +57,8 @@ class SaveRecord:
     flush_s: Optional[float] = None
     #: "pending", "committed" or "failed"
     local_status: str = "pending"
-    #: "-", "not selected", "queued", "flushing", "done", "skipped", "failed", "left to epilog"
+    #: "-", "not selected", "queued", "flushing", "done", "skipped", "failed", "left to
+    #: epilog" (outside SLURM: "left for the next run", slurm_ckpt.job.owed)
     flush_status: str = "-"
     error: Optional[str] = None
     buffers: Any = field(default=None, repr=False)

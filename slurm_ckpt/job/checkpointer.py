@@ -55,6 +55,7 @@ from slurm_ckpt.job.closing import ClosingMethods
 from slurm_ckpt.job.dcp_series import part_key as dcp_part_key
 from slurm_ckpt.job.lazy import Drain, defer_mask
 from slurm_ckpt.job.options import OPTION_NAMES, UNSET, Options, build_config, resolve_aliases
+from slurm_ckpt.job.owed import load_job_config, no_epilog, queue_owed, without_epilog
 from slurm_ckpt.job.partner import PartnerLink, open_partner
 from slurm_ckpt.job.pipeline import (
     DEADLINE_MARGIN_S,
@@ -330,6 +331,11 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
             )
             if self.partner is not None:
                 self._pipeline.after_commit = self.partner.offer
+        if self.warm is not None and no_epilog():
+            # No epilog will flush what a run leaves: say so, and take over what an
+            # earlier run of this series left (slurm_ckpt.job.owed).
+            without_epilog(self._pipeline)
+            queue_owed(self._pipeline)
         self._requeue = opts.requeue
         self._requeue_fn = opts.requeue_fn or functools.partial(requeue_job, self.job)
         self._job_state_fn = opts.job_state_fn
@@ -362,8 +368,10 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
         config_path: Optional[PathLike] = None,
         **kwargs: Any,
     ) -> Checkpointer:
-        """The site config (``SLURM_CKPT_CONFIG`` or /etc/slurm-ckpt/config.toml) plus the
-        SLURM environment: the key defaults to ``SLURM_CKPT_KEY`` (ckpt-srun exports it),
+        """The configuration ``ckpt-slurm`` reads (``config_path``, else
+        ``$SLURM_CKPT_CONFIG``, else /etc/slurm-ckpt/config.toml, else - not as root - your
+        own ~/.config/slurm-ckpt/config.toml; one log line says which) plus the SLURM
+        environment: the key defaults to ``SLURM_CKPT_KEY`` (ckpt-srun exports it),
         else the job id; the node to SLURMD_NODENAME, rank/world to SLURM_PROCID and the
         step's task count. The warning signal ckpt-srun relays (``SLURM_CKPT_SIGNAL``) is
         added to the signals saved on, so the job reacts to it whatever the config lists.
@@ -371,7 +379,7 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
         error naming the nearest)."""
         Options.from_kwargs(kwargs)  # a one-line error (with a hint) for a misspelt option
         senv = job_env(required=False)
-        cfg = config if config is not None else Config.load(config_path)
+        cfg = config if config is not None else load_job_config(config_path)
         key = key or os.environ.get("SLURM_CKPT_KEY") or senv.job_id
         if not key:
             raise CkptError("Checkpointer.from_env(): no key given and SLURM_JOB_ID is not set")

@@ -116,6 +116,10 @@ class Pipeline:
                 dst=WARM_SLOT,
                 hand_off_note=LEFT_TO_EPILOG,
             )
+        #: Who finishes a flush this process cannot: the save's flush status, and the
+        #: words of the log lines (a laptop has no epilog: slurm_ckpt.job.owed).
+        self.left_status = LEFT_TO_EPILOG
+        self.left_to = "the epilog"
         self.cv = threading.Condition()
         self._stats = CheckpointStats()
         self.fatal: Optional[CheckpointFailed] = None
@@ -475,15 +479,16 @@ class Pipeline:
 
     def leave_to_epilog(self, rec: SaveRecord, left: Optional[float]) -> None:
         with self.cv:
-            rec.flush_status = "left to epilog"
+            rec.flush_status = self.left_status
             self._stats.left_to_epilog += 1
         if self.flusher is not None:
             self.flusher.hand_off([(self.shard.user, self.shard.key, rec.step)])
         log.warning(
-            "[ckpt] step=%d: %s left before the job ends, flush needs ~%.1fs: left to the epilog",
+            "[ckpt] step=%d: %s left before the job ends, flush needs ~%.1fs: left to %s",
             rec.step,
             "unknown time" if left is None else f"{left:.1f}s",
             self.estimate_flush_s(rec.nbytes),
+            self.left_to,
         )
         self.books.emit("flush_left_to_epilog", step=rec.step)
         self._log(rec)
@@ -578,5 +583,7 @@ class Pipeline:
             steps.append(current.step)  # in flight: killed with the interpreter (FLUSHING)
         if steps:
             log.warning(
-                "[ckpt] exiting without close(): flush of step(s) %s left to the epilog", steps
+                "[ckpt] exiting without close(): flush of step(s) %s left to %s",
+                steps,
+                self.left_to,
             )

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from slurm_ckpt.core import fsio, trust
-from slurm_ckpt.core.layout import parse_step_dirname, step_dirname
+from slurm_ckpt.core.layout import step_dirname, step_numbers
 from slurm_ckpt.core.manifest import MANIFEST_NAME, manifest_facts
 from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.errors import CkptError, NotFound, TierError
@@ -68,7 +68,7 @@ class SeriesHead:
 
 
 def _read_head(kfd: int, user: str, key: str, names: Iterable[str]) -> Optional[SeriesHead]:
-    steps = sorted((s for s in map(parse_step_dirname, names) if s is not None), reverse=True)
+    steps = step_numbers(names)  # names from os.listdir: never a NUL in one
     damaged = 0
     for i, step in enumerate(steps):
         try:

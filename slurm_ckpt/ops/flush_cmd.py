@@ -168,13 +168,20 @@ def _busy_of(cfg: Config, user: str, items: List[List[Any]]) -> List[List[Any]]:
 # --------------------------------------------------------------------------- user
 
 
-def _own_ledger(cfg: Config, node: str) -> Tuple[Optional[Ledger], bool]:
-    """The node's ledger if there is one (and whether this process may write it)."""
-    path = os.path.join(str(cfg.ledger.dir), LEDGER_NAME)
+def _own_ledger(
+    cfg: Config, node: str, user: Optional[str] = None
+) -> Tuple[Optional[Ledger], bool]:
+    """The node's ledger if there is one (and whether this process may write it); with
+    ``user``, that user's own ledger instead (``<local root>/<user>/.slurm_ckpt``, where
+    a Checkpointer keeps it when it may not write the node's: a laptop)."""
+    where = str(cfg.ledger.dir)
+    if user is not None:
+        where = os.path.join(str(cfg.tiers.local.root), user, ".slurm_ckpt")
+    path = os.path.join(where, LEDGER_NAME)
     if not os.path.exists(path):
         return None, False
     try:
-        return Ledger(cfg.ledger.dir, node), os.access(str(cfg.ledger.dir), os.W_OK | os.X_OK)
+        return Ledger(where, node), os.access(where, os.W_OK | os.X_OK)
     except (CkptError, OSError):
         return None, False
 
@@ -192,6 +199,8 @@ def flush_own(
     tiers = tiers_from_config(cfg)
     local, pfs = tiers["local"], warm_of(cfg, tiers)  # the warm tier: PFS or object store
     ledger, writable = _own_ledger(cfg, node)
+    if ledger is None:  # no node ledger (a laptop): the user's own, as a Checkpointer keeps
+        ledger, writable = _own_ledger(cfg, node, user)
     todo: List[Tuple[Ident, int]] = []
     if ledger is not None:
         try:

@@ -91,26 +91,35 @@ A **node entry**::
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Collection, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Collection, Dict, List, Optional, Set, Tuple, Union
 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.names import validate_key, validate_node, validate_user
-from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ledger.record import shown_tier
 from slurm_ckpt.ledger.status_store import status_store
 from slurm_ckpt.ledger.user_status import read_user_statuses
-from slurm_ckpt.ops.catalog import Series, SeriesHead
+from slurm_ckpt.ops.catalog import Series, SeriesHead, scan_catalog
 from slurm_ckpt.ops.catalog_tiers import shared_heads
 from slurm_ckpt.ops.partner_status import PartnerSeen
 from slurm_ckpt.ops.security_checks import squatted_dirs
-from slurm_ckpt.slurm.client import SlurmClient
-from slurm_ckpt.slurm.records import REASON_PREFIX
+from slurm_ckpt.ops.status_slurm import (
+    SLURM_ABSENT,
+    SlurmJob,
+    SlurmNode,
+    SlurmQuery,
+    SlurmSnapshot,
+    no_slurm,
+    query_slurm,
+    slurm_absent,
+)
 
 __all__ = [
+    "SLURM_ABSENT",
     "STATUS_FORMAT",
     "SlurmJob",
     "SlurmNode",
@@ -120,77 +129,13 @@ __all__ = [
     "collect_status",
     "no_slurm",
     "query_slurm",
+    "slurm_absent",
     "slurm_query",
 ]
 
 STATUS_FORMAT = "slurm_ckpt.status"
 STATUS_VERSION = 1
 _NO_JOB = ("", "None", "null")
-
-
-@dataclass(frozen=True)
-class SlurmJob:
-    """The little status needs to know about a job."""
-
-    job_id: str
-    state: str
-    user: Optional[str] = None
-    nodes: Tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class SlurmNode:
-    """The little status needs to know about a node."""
-
-    name: str
-    state: str
-    drained: bool = False
-    reason: Optional[str] = None
-
-    @property
-    def drained_by_us(self) -> bool:
-        return self.drained and (self.reason or "").startswith(REASON_PREFIX)
-
-
-@dataclass
-class SlurmSnapshot:
-    """One look at SLURM: every job and node it knows, or ``available=False`` and why."""
-
-    available: bool
-    note: str = ""
-    jobs: Dict[str, SlurmJob] = field(default_factory=dict)
-    nodes: Dict[str, SlurmNode] = field(default_factory=dict)
-
-
-#: The injectable query: no arguments, returns a snapshot, never raises.
-SlurmQuery = Callable[[], SlurmSnapshot]
-
-
-def no_slurm(note: str = "SLURM not queried") -> SlurmSnapshot:
-    """A snapshot that says SLURM could not be asked (states show as ``unknown``)."""
-    return SlurmSnapshot(False, note)
-
-
-def query_slurm(timeout: float = 10.0, env: Optional[Dict[str, str]] = None) -> SlurmSnapshot:
-    """Ask SLURM through :mod:`slurm_ckpt.slurm` (``squeue --json``, ``sinfo --json``).
-
-    Anything missing (the client module, the commands, the controller) gives a snapshot
-    with ``available=False`` and the one-line reason, never an exception: status is most
-    needed exactly when something is broken. ``env`` is the environment for SLURM's
-    commands (default: this process's, e.g. ``SLURM_CONF``).
-    """
-    try:
-        client = SlurmClient(backend="cli", timeout=timeout, env=env)
-        jobs = client.jobs()
-        nodes = client.nodes()
-    except CkptError as exc:
-        return no_slurm(str(exc))
-    snap = SlurmSnapshot(True, f"{len(jobs)} jobs, {len(nodes)} nodes")
-    for j in jobs:
-        snap.jobs[str(j.job_id)] = SlurmJob(str(j.job_id), j.state, j.user, tuple(j.nodes))
-    for n in nodes:  # sinfo lists a node once per partition: keep one
-        snap.nodes.setdefault(n.name, SlurmNode(n.name, n.state_string, n.drained, n.reason))
-    return snap
 
 
 # --------------------------------------------------------------------------- the join
@@ -212,6 +157,8 @@ class _Job:
     rate: Optional[float] = None
     #: Partner copies of this job's checkpoints held on other nodes (docs/partner.md).
     partner: PartnerSeen = field(default_factory=PartnerSeen)
+    #: The newest step read on the local tier itself (a laptop: no node status).
+    local_head: Optional[SeriesHead] = None
 
 
 def _job_id(value: Any) -> Optional[str]:
@@ -285,13 +232,16 @@ def build_status(
     user_statuses: Optional[List[Dict[str, Any]]] = None,
     squatted: Optional[List[Dict[str, Any]]] = None,
     notes: Optional[List[str]] = None,
+    local: Optional[Dict[Series, SeriesHead]] = None,
 ) -> Dict[str, Any]:
     """Join catalog heads, node status files and SLURM into the status document.
 
     Pure: everything it needs is passed in. See the module docstring for the fields.
     ``node`` is one node name or several (``status -w 'n[1-3]'``): jobs on any of them.
     ``shared`` is the catalog of each shared tier by name; ``warm`` names the tier
-    flushes go to.
+    flushes go to. ``local``: the local tier's own catalog, where this machine has it
+    (a laptop, ``status --local DIR``): a job no node status reports gets its local
+    step from there.
     """
     wanted_nodes = None if node is None else ({node} if isinstance(node, str) else set(node))
     jobs: Dict[Any, _Job] = {}
@@ -311,12 +261,14 @@ def build_status(
 
     # 0. what the jobs themselves published (their users' own status files): newer
     #    entries replace the hooks' for the same node and job; never node-level facts.
-    newer: Dict[Tuple[str, Any], Tuple[float, Dict[str, Any]]] = {}
+    # node -> job -> (time, entry): looked up per node below, so that the join stays
+    # linear in the number of nodes and jobs.
+    newer: Dict[str, Dict[Any, Tuple[float, Dict[str, Any]]]] = {}
     for doc in user_statuses or []:
         t = _num(doc.get("time"))
         for job_key, js in (doc.get("jobs") or {}).items():
             if isinstance(js, dict) and t is not None:
-                newer[(str(doc.get("node")), job_key)] = (t, js)
+                newer.setdefault(str(doc.get("node")), {})[job_key] = (t, js)
     problems: Dict[Series, List[Dict[str, Any]]] = {}
 
     # 1. node status files: what each node holds locally and owes the PFS.
@@ -341,8 +293,8 @@ def build_status(
             if isinstance(f, dict) and isinstance(f.get("user"), str):
                 problems.setdefault((f["user"], str(f.get("key"))), []).append(f)
         own = dict(doc.get("jobs") or {})
-        for (n, job_key), (t_user, js_user) in newer.items():
-            if n == name and (t is None or t_user > t):
+        for job_key, (t_user, js_user) in newer.get(name, {}).items():
+            if t is None or t_user > t:
                 own[job_key] = js_user
         for job_key, js in own.items():
             if not isinstance(js, dict):
@@ -393,6 +345,18 @@ def build_status(
                 j.user = series[0]
             into.setdefault(gid, []).append(head)
 
+    # 2b. the local tier read directly (no node status on a laptop).
+    for series, head in (local or {}).items():
+        seen = owner.get(series)
+        gid = seen[1] if seen is not None else group(_job_id(head.job), series, series[0])
+        if seen is None:
+            owner[series] = (0.0, gid)
+        j = jobs.setdefault(gid, _Job(gid[0] or None))
+        j.series.add(series)
+        j.user = j.user or series[0]
+        if j.local_head is None or head.step > j.local_head.step:
+            j.local_head = head
+
     # 3. SLURM: job states and nodes, drains.
     for j in jobs.values():
         sj = slurm.jobs.get(j.job) if j.job is not None else None
@@ -435,6 +399,9 @@ def build_status(
             sj = slurm.jobs.get(j.job)
             state = sj.state if sj is not None else "gone"
         warm_heads = by_tier.get(warm, {}).get(gid, [])
+        if j.latest_step is None and j.local_head is not None:
+            j.latest_step = j.local_head.step
+            j.last_commit_at = j.local_head.committed_at
         tiers: Dict[str, Any] = {
             "local": None
             if j.latest_step is None
@@ -554,8 +521,12 @@ def collect_status(
     node: Union[None, str, Collection[str]] = None,
     query: Optional[SlurmQuery] = None,
     now: Optional[float] = None,
+    local_tier: bool = False,
 ) -> Dict[str, Any]:
     """Read the catalog(s), the node status files and SLURM; return the status document.
+
+    ``local_tier``: also read the local tier's own catalog (a user's own tiers, as on a
+    laptop: no node publishes a status there).
 
     ``query`` defaults to :data:`slurm_query`. ``--user``/``--key`` narrow the catalog
     walk itself; ``--job``/``--node`` filter the joined rows (``node``: one name or several).
@@ -584,6 +555,9 @@ def collect_status(
     )
     # Jobs publish their own status in their user's directory on the PFS (none without).
     user_docs = [] if pfs_root is None else read_user_statuses(cfg.tiers.pfs.root, owners)
+    local_heads = None
+    if local_tier and os.path.isdir(cfg.tiers.local.root):
+        local_heads = scan_catalog(str(cfg.tiers.local.root), user=user, key=key)
     snapshot = (query or slurm_query)()
     return build_status(
         now=time.time() if now is None else now,
@@ -600,4 +574,5 @@ def collect_status(
         user_statuses=user_docs,
         squatted=squatted,
         notes=notes,
+        local=local_heads,
     )

@@ -233,3 +233,16 @@ def test_config_check_never_tells_a_user_to_give_their_venv_to_root(
     found = [f.text for f in check_trust(Config.standalone(local))]
     assert len(found) == 1 and "root-owned venv" in found[0], found
     assert "chown root" not in found[0] and "/home/newbie" in found[0], found
+
+
+def test_tier_warm_names_the_warm_tier(laptop: Site, tmp_path: Path) -> None:
+    """One vocabulary: ``--tier warm`` works where ``--tier pfs`` does (list, verify,
+    restore), whatever the warm tier's kind."""
+    f = _flags(laptop)
+    r = ckpt_slurm("list", "run", "-u", "alice", "--tier", "warm", "--json", *f)
+    assert r.returncode == 0, r.stderr
+    assert [(x["tier"], x["step"]) for x in json.loads(r.stdout)["checkpoints"]] == [("pfs", 1)]
+    assert ckpt_slurm("verify", "run", "-u", "alice", "--tier", "warm", *f).returncode == 0
+    back = tmp_path / "back"
+    r = ckpt_slurm("restore", "run", "-u", "alice", "--tier", "warm", "--to", str(back), *f)
+    assert r.returncode == 0 and "step 1 from pfs" in r.stdout, (r.stdout, r.stderr)

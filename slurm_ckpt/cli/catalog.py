@@ -42,7 +42,8 @@ from slurm_ckpt.ops.verify_path import (
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.registry import ORDER, tiers_from_config
 
-tier_choice = click.Choice(["all", *ORDER])
+#: ``warm`` names the warm tier whatever its kind (the PFS, or the object store).
+tier_choice = click.Choice(["all", "warm", *ORDER])
 
 user_option = click.option(
     "-u",
@@ -60,6 +61,8 @@ def _user(user: Optional[str]) -> str:
 
 
 def _selected(state: CliState, tier: str) -> Dict[str, Tier]:
+    if tier == "warm":
+        tier = state.config.tiers.warm
     for note in require_roots(state.config, None if tier == "all" else tier):
         warn(note)
     tiers = tiers_from_config(state.config)

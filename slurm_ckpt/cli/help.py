@@ -36,12 +36,12 @@ EXAMPLES: Dict[str, List[str]] = {
     "list": [
         "ckpt-slurm list",
         "ckpt-slurm list my-run",
-        "ckpt-slurm list my-run -u alice --tier pfs --parsable",
-        "ckpt-slurm list my-run --local ./ckpt/local --pfs ./ckpt/pfs   (no site config)",
+        "ckpt-slurm list my-run -u alice --tier warm --parsable",
+        "ckpt-slurm list my-run --local ./ckpt/local --warm ./ckpt/pfs   (no site config)",
     ],
     "verify": [
         "ckpt-slurm verify my-run",
-        "ckpt-slurm verify my-run --step 4000 --tier pfs",
+        "ckpt-slurm verify my-run --step 4000 --tier warm",
         "ckpt-slurm verify /lustre/checkpoints/alice/my-run/step-0000004000",
         "ckpt-slurm verify my-run --local ./ckpt/local   (no site config)",
     ],
@@ -66,7 +66,7 @@ EXAMPLES: Dict[str, List[str]] = {
     "restore": [
         "ckpt-slurm restore my-run --to /scratch/alice/restore",
         "ckpt-slurm restore my-run --tier cold --step 4000 --to /scratch/alice/3-days-ago",
-        "ckpt-slurm restore my-run --local ./ckpt/local --pfs ./ckpt/pfs --to ./back",
+        "ckpt-slurm restore my-run --local ./ckpt/local --warm ./ckpt/pfs --to ./back",
     ],
     "plan": [
         "ckpt-slurm plan --params 70e9 --local-bw 3GB/s --pfs-bw 500MB/s --mtbi 6h "

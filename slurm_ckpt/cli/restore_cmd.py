@@ -67,7 +67,11 @@ def check_destination(to: str) -> str:
 
 @click.command("restore")
 @click.argument("key")
-@click.option("--tier", type=click.Choice(list(ORDER)), help="Only from this tier.")
+@click.option(
+    "--tier",
+    type=click.Choice(["warm", *ORDER]),
+    help="Only from this tier (warm: the PFS, or the object store without one).",
+)
 @click.option("--step", type=click.IntRange(min=0), help="This step (default: the newest).")
 @click.option(
     "--to",
@@ -92,6 +96,8 @@ def restore_cmd(
     every byte checked against its manifest; a copy that does not verify is skipped for
     the next tier. Exit status 1 when none verifies, 2 when DIR cannot take it."""
     cfg = state.config
+    if tier == "warm":
+        tier = cfg.tiers.warm
     for note in require_roots(cfg, tier):
         warn(note)
     dest = check_destination(to)

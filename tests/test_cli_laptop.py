@@ -246,3 +246,30 @@ def test_tier_warm_names_the_warm_tier(laptop: Site, tmp_path: Path) -> None:
     back = tmp_path / "back"
     r = ckpt_slurm("restore", "run", "-u", "alice", "--tier", "warm", "--to", str(back), *f)
     assert r.returncode == 0 and "step 1 from pfs" in r.stdout, (r.stdout, r.stderr)
+
+
+def test_a_users_key_finds_its_ranks_series(tmp_path: Path) -> None:
+    """A two-rank job saves ``run.rank00000`` and ``run.rank00001``: ``list run`` and
+    ``verify run`` find both under the user's own key (they found nothing)."""
+    import numpy as np
+
+    from slurm_ckpt import Checkpointer
+
+    local, warm = tmp_path / "nvme", tmp_path / "pfs"
+    for rank in (0, 1):
+        c = Checkpointer(local=str(local), warm=str(warm), key="run", rank=rank, world_size=2)
+        c.save({"w": np.full(64, rank, dtype=np.float32)}, step=3)
+        c.close()
+    f = ["--local", str(local), "--warm", str(warm)]
+    r = ckpt_slurm("list", "run", "--json", *f)
+    assert r.returncode == 0, r.stderr
+    got = sorted({(x["tier"], x["key"], x["step"]) for x in json.loads(r.stdout)["checkpoints"]})
+    assert got == [
+        ("local", "run.rank00000", 3),
+        ("local", "run.rank00001", 3),
+        ("pfs", "run.rank00000", 3),
+        ("pfs", "run.rank00001", 3),
+    ], got
+    r = ckpt_slurm("verify", "run", "--json", *f)
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["checkpoints"]) == 4, r.stdout

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -252,35 +253,67 @@ def series_rows(tiers: Dict[str, Tier], users: Optional[List[str]]) -> List[Dict
     return rows
 
 
+#: The series a user's KEY stands for besides itself: one per rank of a multi-rank job
+#: (``KEY.rank00001``) and one per rank's DCP parts (``KEY.dcp.rank00001``).
+_UNDER = re.compile(r"\.(?:dcp\.)?rank[0-9]{5}")
+
+
+def series_under(tiers: Dict[str, Tier], user: str, key: str) -> List[str]:
+    """``key`` and every series of its ranks and DCP parts found on any tier, sorted: what
+    ``list KEY`` and ``verify KEY`` look at, grouped under the user's own key."""
+    found = {key}
+    for t in tiers.values():
+        try:
+            names = t.keys(user)
+        except (TierError, NotFound, OSError):
+            continue
+        found.update(k for k in names if k.startswith(key) and _UNDER.fullmatch(k[len(key) :]))
+    return sorted(found)
+
+
 def step_rows(tiers: Dict[str, Tier], user: str, key: str) -> List[Dict[str, Any]]:
-    """One row per step directory of ``user/key`` per tier: committed checkpoints
-    (``state`` "committed") and damaged ones (their state and ``reason``)."""
+    """One row per step directory of ``user/key`` (and of its ranks' and DCP parts'
+    series, :func:`series_under`) per tier: committed checkpoints (``state``
+    "committed") and damaged ones (their state and ``reason``)."""
     rows: List[Dict[str, Any]] = []
     now = time.time()
     for name, t in tiers.items():
-        steps, damaged = scan_series(t, user, key, now)  # type: ignore[arg-type]
-        for s in steps:
-            m = s.manifest
-            rows.append(
-                {
-                    "tier": name,
-                    "user": user,
-                    "key": key,
-                    "step": s.step,
-                    "tokens": m.tokens,
-                    "bytes": m.total_bytes,
-                    "files": len(m.files),
-                    "age_s": round(now - m.wall_time, 3),
-                    "job": m.job,
-                    "node": m.node,
-                    "data_version": m.meta.get("data_version"),
-                    "state": COMMITTED,
-                    "reason": None,
-                    "path": t.location(user, key, s.step),
-                }
-            )
-        rows += [dict(d.to_dict(), tier=name) for d in damaged]
-    rows.sort(key=lambda r: (ORDER.index(r["tier"]) if r["tier"] in ORDER else 99, r["step"] or 0))
+        for series in series_under({name: t}, user, key):
+            rows += _series_rows(name, t, user, series, now)
+    rows.sort(
+        key=lambda r: (
+            ORDER.index(r["tier"]) if r["tier"] in ORDER else 99,
+            r["key"],
+            r["step"] or 0,
+        )
+    )
+    return rows
+
+
+def _series_rows(name: str, t: Tier, user: str, key: str, now: float) -> List[Dict[str, Any]]:
+    rows: List[Dict[str, Any]] = []
+    steps, damaged = scan_series(t, user, key, now)  # type: ignore[arg-type]
+    for s in steps:
+        m = s.manifest
+        rows.append(
+            {
+                "tier": name,
+                "user": user,
+                "key": key,
+                "step": s.step,
+                "tokens": m.tokens,
+                "bytes": m.total_bytes,
+                "files": len(m.files),
+                "age_s": round(now - m.wall_time, 3),
+                "job": m.job,
+                "node": m.node,
+                "data_version": m.meta.get("data_version"),
+                "state": COMMITTED,
+                "reason": None,
+                "path": t.location(user, key, s.step),
+            }
+        )
+    rows += [dict(d.to_dict(), tier=name) for d in damaged]
     return rows
 
 
@@ -295,11 +328,12 @@ def verify_targets(
     broken: List[Tuple[str, Damaged]] = []
     validate_key(target)
     for name, t in tiers.items():
-        good, damaged = scan_series(t, user, target)  # type: ignore[arg-type]
-        for info in good:
-            if step is None or info.step == step:
-                checks.append((t, user, target, info.step, info.manifest.total_bytes))
-        broken += [(name, d) for d in damaged if step is None or d.step in (None, step)]
+        for series in series_under({name: t}, user, target):
+            good, damaged = scan_series(t, user, series)  # type: ignore[arg-type]
+            for info in good:
+                if step is None or info.step == step:
+                    checks.append((t, user, series, info.step, info.manifest.total_bytes))
+            broken += [(name, d) for d in damaged if step is None or d.step in (None, step)]
     if not checks and not broken:
         raise NotFound(
             f"no committed checkpoint for {user}/{target}"

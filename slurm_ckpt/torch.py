@@ -189,6 +189,27 @@ def restore(
     )
 
 
+def _check_args(ckpt: Any, model: Any, optimizer: Any) -> None:
+    """One line naming the argument for the usual mix-ups (swapped or repeated
+    arguments), instead of an AttributeError at the first save, or none at all."""
+    from slurm_ckpt.errors import CkptError
+
+    if isinstance(ckpt, torch.nn.Module) or not hasattr(ckpt, "save"):
+        raise CkptError(
+            f"TorchCheckpointer: the first argument is the Checkpointer, not a "
+            f"{type(ckpt).__name__}: TorchCheckpointer(ckpt, model, optimizer, ...)"
+        )
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise CkptError(
+            f"TorchCheckpointer: model= must be a torch.nn.Module, not {type(model).__name__}"
+        )
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise CkptError(
+            "TorchCheckpointer: optimizer= must be a torch.optim.Optimizer, not "
+            f"{type(optimizer).__name__} (the order is ckpt, model, optimizer, scheduler)"
+        )
+
+
 class TorchCheckpointer:
     """The one way to checkpoint a PyTorch job: a Checkpointer bound to the model, the
     optimizer, the scheduler, the scaler and the data loader, consistent across ranks.
@@ -243,6 +264,7 @@ class TorchCheckpointer:
         rng: bool = True,
         lazy: Optional[bool] = None,
     ) -> None:
+        _check_args(ckpt, model, optimizer)
         self.ckpt = ckpt
         self.model, self.optimizer = model, optimizer
         self.scheduler, self.scaler = scheduler, scaler

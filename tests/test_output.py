@@ -432,3 +432,43 @@ def test_restore_path_from_a_tier_that_does_not_exist_raises(tmp_path: Path) -> 
             ck.restore_path(tiers=["nvme"])
     finally:
         ck.close()
+
+
+def test_wrong_arguments_and_an_empty_block_are_one_line_errors(tmp_path: Path) -> None:
+    """Mix-ups get one CkptError naming the argument (they raised TypeError or
+    AttributeError from deep inside, or nothing): an empty output() block, swapped
+    adopt() arguments, local=5, and a Checkpointer given no file to write; ``local="~/x"``
+    is the home directory's x, not a literal ``./~/x``."""
+    import numpy as np
+
+    from slurm_ckpt.torch import TorchCheckpointer
+
+    with pytest.raises(CkptError, match="local= must be a directory path"):
+        Checkpointer(local=5, key="run")  # type: ignore[arg-type]
+    ckpt = Checkpointer(local=str(tmp_path / "l"), key="run")
+    try:
+        with pytest.raises(CkptError, match="wrote no file"), ckpt.output(step=1):
+            pass
+        with pytest.raises(CkptError, match=r"adopt\(step, directory\)"):
+            ckpt.adopt(str(tmp_path), 2)  # type: ignore[arg-type]
+        model = torch.nn.Linear(2, 2)
+        with pytest.raises(CkptError, match="first argument is the Checkpointer"):
+            TorchCheckpointer(model, ckpt)  # type: ignore[arg-type]
+        with pytest.raises(CkptError, match="optimizer= must be a torch.optim.Optimizer"):
+            TorchCheckpointer(ckpt, model, model)  # type: ignore[arg-type]
+        ckpt.save({"w": np.zeros(4, dtype=np.float32)}, step=3)
+    finally:
+        ckpt.close()
+    home = tmp_path / "home"
+    home.mkdir()
+    old = os.environ.get("HOME")
+    os.environ["HOME"] = str(home)
+    try:
+        c = Checkpointer(local="~/ckpt", key="run")
+        c.close()
+    finally:
+        if old is None:
+            del os.environ["HOME"]
+        else:
+            os.environ["HOME"] = old
+    assert (home / "ckpt").is_dir() and not (Path.cwd() / "~").exists()

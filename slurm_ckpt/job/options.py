@@ -150,6 +150,22 @@ def resolve_aliases(warm: Optional[PathLike], opts: Options) -> Optional[PathLik
 OPTION_NAMES = tuple(f.name for f in fields(Options))
 
 
+def _tier_path(name: str, value: Any) -> Optional[str]:
+    """A tier directory argument: a path (``~`` expanded, as a shell would), or one line
+    naming the argument (``local=5`` raised a TypeError from deep inside before)."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or isinstance(value, bytes):
+        raise CkptError(
+            f"Checkpointer: {name}= must be a directory path (str or pathlib.Path), "
+            f"not {type(value).__name__}"
+        )
+    text = os.fspath(value)
+    if not isinstance(text, str) or not text.strip():
+        raise CkptError(f"Checkpointer: {name}= must be a non-empty directory path")
+    return os.path.expanduser(text)
+
+
 def build_config(
     config: Optional[Config], local: Optional[PathLike], warm: Optional[PathLike], opts: Options
 ) -> Config:
@@ -164,6 +180,12 @@ def build_config(
     or any shared directory). ``warm_bandwidth`` caps the configured warm tier, whichever
     it is (``[tiers.pfs]``, or ``[tiers.object]`` on a site without a PFS).
     """
+    local, warm = _tier_path("local", local), _tier_path("warm", warm)
+    if config is not None and not isinstance(config, Config):
+        raise CkptError(
+            f"Checkpointer: config= must be a slurm_ckpt Config, not {type(config).__name__} "
+            "(a file: Checkpointer.from_env(config_path=...))"
+        )
     if config is None:
         if local is None:
             raise CkptError("Checkpointer: give local= (and warm= for a warm tier), or config=")

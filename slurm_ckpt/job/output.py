@@ -309,7 +309,18 @@ def output(
         prepared.abort()
         log.warning("[ckpt] step=%d: the output body raised: nothing committed", step)
         raise
+    if not _any_file(str(prepared.path)):
+        prepared.abort()
+        raise CkptError(
+            f"output(step={step}): the block wrote no file into {prepared.path}: nothing "
+            "committed (write the checkpoint's files into the path it yields)"
+        )
     _submit(ckpt, rec, prepared, preempt, t0)
+
+
+def _any_file(top: str) -> bool:
+    """Whether the directory holds a file anywhere below it (links not followed)."""
+    return any(files for _root, _dirs, files in os.walk(top))
 
 
 def adopt(
@@ -321,6 +332,13 @@ def adopt(
     preemption: Optional[bool] = None,
 ) -> SaveRecord:
     """:meth:`Checkpointer.adopt`: see the module docstring."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CkptError(
+            f"adopt(): step must be a whole number >= 0, not {step!r} "
+            "(the order is adopt(step, directory))"
+        )
+    if isinstance(src, bytes) or not isinstance(src, (str, os.PathLike)):
+        raise CkptError(f"adopt(): the directory must be a path, not {type(src).__name__}")
     t0 = time.monotonic()
     src = os.fspath(src)
     try:

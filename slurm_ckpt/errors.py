@@ -88,6 +88,18 @@ class NotFound(CkptError):
     exit_code = EXIT_FAILED
 
 
+class StepConflict(CkptError):
+    """The destination tier already holds a *different* checkpoint committed under this
+    step (two runs of one series took different paths to it). It is never overwritten
+    nor deleted: the copy is marked ``conflict`` (held - it keeps no node drained - and
+    shown by ``status``), the local copy is kept, and it is tried again after the backoff
+    (an older conflicting copy on the warm tier is replaced then, a newer one never)."""
+
+    exit_code = EXIT_FAILED
+    user_caused = True
+    hold_code = "conflict"
+
+
 class SlurmError(CkptError):
     """SLURM is missing, unreachable or answered with an error."""
 

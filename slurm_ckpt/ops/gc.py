@@ -54,7 +54,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.config_schema import PFS
-from slurm_ckpt.core.layout import PARTIAL_PREFIX, parse_step_dirname, step_dirname
+from slurm_ckpt.core.layout import parse_partial_dirname, step_dirname
 from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.core.retention import CkptInfo, RetentionPolicy, plan_warm_deletions
@@ -281,10 +281,9 @@ def gc_series(
     archiving: Set[int] = set()
     if next_tier is not None:
         for name in _names(next_tier, user, key):
-            if name.startswith(PARTIAL_PREFIX):
-                step = parse_step_dirname(name[len(PARTIAL_PREFIX) :])
-                if step is not None:
-                    archiving.add(step)
+            partial = parse_partial_dirname(name)
+            if partial is not None:
+                archiving.add(partial[0])
     infos = []
     for step, s in sorted(steps.items()):
         pinned = s.manifest.meta.get("pinned") is True or pin_name(step) in names

@@ -311,7 +311,8 @@ class PosixTier:
     ) -> List[str]:
         """Remove debris of crashed writers: ``.tmp-*`` of dead processes (or older than
         ``max_age_s``), ``.trash-*``, ``step-N`` without a valid manifest, and with
-        ``partials`` also interrupted copies. Returns the names removed."""
+        ``partials`` also interrupted copies (every writer's ``.partial-step-N.<writer>``
+        and the old ``.partial-step-N``). Returns the names removed."""
         removed = []
         try:
             ctx = self.key_fd(user, key)

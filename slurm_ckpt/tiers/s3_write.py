@@ -552,7 +552,11 @@ class S3Writer:
         return manifest
 
     def abort(self) -> None:
-        """Abort uploads in flight and delete the objects this writer made or kept."""
+        """Abort this writer's own uploads in flight; a fresh writer also deletes the
+        objects it made. A copy deletes no object: another writer of this step (another
+        node's copy of the same checkpoint) may share them by name and commit - or have
+        committed - a manifest that names them; a complete object of this copy is what a
+        resumed copy keeps anyway, and :meth:`S3Tier.sweep` removes what nobody commits."""
         if self._done:
             return
         self._done = True
@@ -564,7 +568,17 @@ class S3Writer:
                     self.tier.client().abort_multipart_upload(
                         Bucket=self.tier.bucket, Key=up.key, UploadId=up.upload_id
                     )
-        # No manifest was written: nothing listable is left, and debris is swept later.
+        if self.copy_of is not None:
+            return
+        # No manifest was written by us. Delete our objects unless the step is committed
+        # (by another writer, whose manifest may name objects of the same names).
+        try:
+            self.tier.manifest_bytes(self.user, self.key, self.step)
+            return
+        except NotFound:
+            pass
+        except (CkptError, OSError):
+            return  # cannot tell: leave them for the sweep
         with suppress(CkptError, OSError):
             self.tier.delete_keys(sorted(self._objects))
 

@@ -32,6 +32,7 @@ from slurm_ckpt.core.units import format_duration
 from slurm_ckpt.errors import SlurmError
 from slurm_ckpt.node.flush_engine import FlushOutcome
 from slurm_ckpt.node.partner_flush import defer_live_owners
+from slurm_ckpt.node.scrub import SCRUB_SHARE
 from slurm_ckpt.node.work import RESERVE_FRACTION, RESERVE_MAX_S, NodeWork, drain_reason
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.env import HookEnv
@@ -101,6 +102,12 @@ def run_epilog(
     # ledger, as long as the one just made: keep that back too, at any backlog size.
     deadline = t0 + total - reserve - 2 * (clock() - t1)
     outcome = work.flush(todo, deadline)
+    # Warm copies of what the node holds, read back (not those flushed just now): one
+    # that rotted is uncommitted on the warm tier and flushed again (node.scrub).
+    redo = work.scrub(min(deadline, clock() + total * SCRUB_SHARE), clock() - t0)
+    if redo:
+        owed = owed + redo
+        outcome.results += work.flush(redo, deadline).results
     report = EpilogReport(env.job_id, env.node, outcome)
     count, nbytes = work.backlog(running, owed, outcome)
     report.backlog = (count, nbytes)

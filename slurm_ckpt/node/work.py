@@ -51,6 +51,7 @@ from slurm_ckpt.node.owner_tasks import (
 )
 from slurm_ckpt.node.partner_flush import mark_partner_copies
 from slurm_ckpt.node.retry import RetryPolicy, held, retry_due
+from slurm_ckpt.node.scrub import scrub
 from slurm_ckpt.node.warm import lend_credentials
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.tiers.copy import CopyResult
@@ -496,6 +497,13 @@ class NodeWork:
             r for r in owed if r.ident not in gone and r.ident not in held_now and not held(r.extra)
         ]
         return len(recs), sum(r.nbytes for r in recs)
+
+    # -- scrub ------------------------------------------------------------------------
+    def scrub(self, deadline: Optional[float], max_age_s: float) -> List[Record]:
+        """Read back the warm copies of what this node holds (those last checked more than
+        ``max_age_s`` ago, until ``deadline``); a damaged one is uncommitted there and
+        owed again (:mod:`slurm_ckpt.node.scrub`). Returns the records owed again."""
+        return scrub(self, deadline, max_age_s)
 
     # -- retention --------------------------------------------------------------------
     def retention(self, running: Optional[Set[str]], deadline: Optional[float] = None) -> int:

@@ -36,7 +36,7 @@ import botocore.exceptions as bexc
 from slurm_ckpt.core.commit import AlreadyCommitted, manifest_to_commit
 from slurm_ckpt.core.faults import crashpoint
 from slurm_ckpt.core.hashing import ChunkedHasher, chunk_count, chunk_digest, combine
-from slurm_ckpt.core.manifest import MANIFEST_NAME, FileEntry, Manifest
+from slurm_ckpt.core.manifest import DAMAGED_MANIFEST_NAME, MANIFEST_NAME, FileEntry, Manifest
 from slurm_ckpt.core.manifest_limits import check_bytes
 from slurm_ckpt.core.names import validate_key, validate_relpath, validate_user
 from slurm_ckpt.core.verify import VerifyReport, verify_sources
@@ -476,13 +476,19 @@ class S3Writer:
     def resumable(self) -> Set[str]:
         """Objects of an interrupted copy that are complete and tagged with this
         manifest's hash and size (kept); other objects are deleted and interrupted
-        multipart uploads aborted (their files are sent again)."""
+        multipart uploads aborted (their files are sent again). Nothing is kept of a
+        copy that was found damaged and uncommitted (:meth:`S3Tier.uncommit`)."""
         m = self._manifest_for_copy()
         wanted = {e.path: e for e in m.files}
         prefix = self.tier.step_prefix(self.user, self.key, self.step)
         keep: Set[str] = set()
         stale: List[str] = []
-        for obj in self.tier.list_objects(prefix):
+        objs = list(self.tier.list_objects(prefix))
+        if any(o["Key"][len(prefix) :] == DAMAGED_MANIFEST_NAME for o in objs):
+            # A copy found damaged and uncommitted here: none of its objects is kept (their
+            # tags say what they were meant to hold, not what they hold now).
+            wanted = {}
+        for obj in objs:
             rel = obj["Key"][len(prefix) :]
             e = wanted.get(rel)
             if e is not None and int(obj["Size"]) == e.size:

@@ -29,11 +29,14 @@ from test_checkpointer import assert_state_equal, sample_state
 from slurm_ckpt import Checkpointer
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.hooks.epilog import run_epilog
+from slurm_ckpt.hooks.stager import stager_pass
 from slurm_ckpt.job.partner_net import MAGIC, Peer, ring_partner
 from slurm_ckpt.ledger import Ledger, State
 from slurm_ckpt.ledger.node_status import node_status
 from slurm_ckpt.node.work import NodeWork
 from slurm_ckpt.slurm.env import HookEnv
+from slurm_ckpt.slurm.records import NodeInfo
+from slurm_ckpt.tiers.copy import copy_checkpoint
 from slurm_ckpt.tiers.posix import PosixTier
 
 KEY = "run"
@@ -261,3 +264,74 @@ def test_a_rank_whose_partner_closed_first_closes_at_once(tmp_path: Path) -> Non
     closer.join(60)  # a bound far below the 300 s the sender would wait without the fix
     assert not closer.is_alive(), "close() waited for a partner that had already closed"
     assert [i.step for i in local_tier(tmp_path, "na").steps(r0.user, rank_key(0))] == [1]
+
+
+class _Slurm:
+    """What the stager asks SLURM, answered from a dict of node states (the partner
+    stager's decision is about the owner's state only; the cluster tests run real SLURM)."""
+
+    def __init__(self, states: Dict[str, str]) -> None:
+        self.states = states
+
+    def node(self, name: str) -> NodeInfo:
+        return NodeInfo(name, self.states[name])
+
+    def jobs_on_node(self, _node: str) -> List[Any]:
+        return []
+
+
+def test_the_partner_stager_leaves_a_live_owners_copies_and_learns_they_were_flushed(
+    tmp_path: Path,
+) -> None:
+    """Issue 28: the stager defers a live owner's partner copies, as the epilog does (two
+    nodes writing one step to the PFS at once would copy it twice), does not count them
+    against its node, and records them verified once the owner has flushed them."""
+    a, b = node(tmp_path, "na", 0), node(tmp_path, "nb", 1)
+    try:
+        st = states(3)
+        for step in (1, 2, 3):
+            save_all([a, b], step, st[step - 1])
+    finally:
+        a.close()
+        b.close()
+    pfs = PosixTier("pfs", str(tmp_path / "pfs"))
+    cfg = Config.from_dict(
+        {
+            "tiers": {
+                "local": {
+                    "root": str(tmp_path / "nb" / "local"),
+                    "min_free": 0,
+                    "require_mount": False,
+                },
+                "pfs": {"root": str(tmp_path / "pfs")},
+            },
+            "ledger": {"dir": str(tmp_path / "nb" / "ledger")},
+        }
+    )
+    owner_copies = [s for s in (2, 3) if s not in [i.step for i in pfs.steps("root", rank_key(0))]]
+    assert owner_copies, "the owner's newest steps must not be on the PFS yet"
+    rep = stager_pass(cfg, "nb", _Slurm({"na": "IDLE", "nb": "IDLE"}))
+    flushed = {r.ident for r in rep.flush.results}
+    assert rep.healthy, rep.line()
+    pending = Ledger(str(tmp_path / "nb" / "ledger"), "nb").pending_flush("root", rank_key(0))
+    assert {r.step for r in pending} >= set(owner_copies)  # owed, and left to their owner
+    assert not any(i[1] == rank_key(0) for i in flushed), rep.line()
+    assert rep.backlog == 0, rep.line()  # left to their owner: no reason to stay drained
+    assert [i.step for i in pfs.steps("root", rank_key(0))] != [1, 2, 3]
+    # The owner's node flushes its own (its hooks), then the partner's next pass learns it.
+    la = local_tier(tmp_path, "na")
+    for step in owner_copies:
+        copy_checkpoint(la, pfs, "root", rank_key(0), step)
+    rep = stager_pass(cfg, "nb", _Slurm({"na": "IDLE", "nb": "IDLE"}))
+    assert rep.healthy and rep.backlog == 0, rep.line()
+    assert not any(r.ident[1] == rank_key(0) for r in rep.flush.results), rep.line()
+    led = Ledger(str(tmp_path / "nb" / "ledger"), "nb")
+    for step in owner_copies:
+        rec = led.get("root", rank_key(0), step)
+        assert rec is not None and rec.tiers["pfs"] == State.VERIFIED
+    # An owner SLURM says is DOWN: its partner copies are the partner's to flush.
+    pfs.delete("root", rank_key(0), 3)
+    led.mark("root", rank_key(0), 3, "pfs", State.FLUSH_PENDING)
+    rep = stager_pass(cfg, "nb", _Slurm({"na": "DOWN", "nb": "IDLE"}))
+    assert (("root", rank_key(0), 3)) in {r.ident for r in rep.flush.results if r.ok}
+    assert pfs.verify("root", rank_key(0), 3).ok

@@ -25,7 +25,7 @@ counts it owed.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ledger import WARM_SLOT, Ident, Record, State
@@ -34,13 +34,14 @@ from slurm_ckpt.node.asuser import run_as
 from slurm_ckpt.node.flush_engine import MIN_SLICE_S
 from slurm_ckpt.node.marks import set_state
 from slurm_ckpt.node.owner_tasks import scrub_as_user
+from slurm_ckpt.node.retry import clear_failures
 
 if TYPE_CHECKING:  # pragma: no cover
     from slurm_ckpt.node.work import NodeWork
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SCRUB_BUDGET_S", "SCRUB_EVERY_S", "SCRUB_SHARE", "scrub"]
+__all__ = ["SCRUB_BUDGET_S", "SCRUB_EVERY_S", "SCRUB_SHARE", "learn_present", "scrub"]
 
 #: The stager re-reads one warm copy at most this often (seconds).
 SCRUB_EVERY_S = 3600.0
@@ -163,3 +164,35 @@ def _stamp(rec: Optional[Record], now: float) -> Optional[Record]:
     if rec is not None:
         rec.extra["scrubbed_at"] = now
     return rec
+
+
+def learn_present(work: NodeWork, recs: List[Record], deadline: Optional[float]) -> Set[Ident]:
+    """Of ``recs`` (owed, not flushed here: partner copies left to their live owner's
+    node), those the warm tier now holds identically - their owner flushed them - marked
+    ``VERIFIED`` in the ledger (the owner's copy verified every byte as it went), so that
+    they stop counting as owed here and local retention may drop them. One manifest read
+    each, in a child as the owner."""
+    by_user: Dict[str, List[Record]] = {}
+    for rec in recs:
+        if rec.user in work.users:
+            by_user.setdefault(rec.user, []).append(rec)
+    done: Set[Ident] = set()
+    for user, mine in sorted(by_user.items()):
+        left = None if deadline is None else deadline - work.clock()
+        if left is not None and left < MIN_SLICE_S:
+            break
+        items = [[r.key, r.step, False] for r in mine]
+        rows = _run(work, user, items, left, 0)
+        done |= {(user, k, st) for k, st, state, _why in rows if state == "present"}
+    if done:
+
+        def verified(rec: Record, _now: float) -> None:
+            clear_failures(rec)
+
+        changes = [(i, set_state(i, WARM_SLOT, State.VERIFIED, None, verified)) for i in done]
+        try:
+            work.ledger.update_many(changes)
+        except (CkptError, OSError) as exc:
+            log.warning("partner copies found on the warm tier not recorded: %s", exc)
+            return set()
+    return done

@@ -17,9 +17,13 @@ What must hold:
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -335,3 +339,98 @@ def test_the_partner_stager_leaves_a_live_owners_copies_and_learns_they_were_flu
     rep = stager_pass(cfg, "nb", _Slurm({"na": "DOWN", "nb": "IDLE"}))
     assert (("root", rank_key(0), 3)) in {r.ident for r in rep.flush.results if r.ok}
     assert pfs.verify("root", rank_key(0), 3).ok
+
+
+_EPILOG = """
+import json, sys
+from slurm_ckpt.core.config import Config
+from slurm_ckpt.hooks.epilog import run_epilog
+from slurm_ckpt.slurm.env import HookEnv
+cfg = Config.from_dict(json.loads(sys.argv[1]))
+rep = run_epilog(cfg, HookEnv(sys.argv[2], "root", 0, 0, "na", ["na", "nb"], 0))
+print(rep.line())
+"""
+
+
+def _node_cfg(tmp: Path, name: str) -> Dict[str, Any]:
+    local = {"root": str(tmp / name / "local"), "min_free": 0, "require_mount": False}
+    return {
+        "tiers": {"local": local, "pfs": {"root": str(tmp / "pfs")}},
+        "ledger": {"dir": str(tmp / name / "ledger")},
+        "hooks": {"budget": 60},
+    }
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[str]) -> None:
+    """Until ``path`` exists (the other side reached its pause), or it died/took 60 s."""
+    end = time.monotonic() + 60
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > end:
+            out, err = proc.communicate()
+            pytest.fail(f"the epilog never reached its pause: {out} {err}")
+        time.sleep(0.01)
+
+
+def test_the_owners_epilog_and_the_partners_stager_copy_one_step_at_once(tmp_path: Path) -> None:
+    """Issue 28: SLURM cannot be asked (no client), so the owner's epilog and the
+    partner node's stager both flush the same steps to one PFS. The epilog is stopped
+    just before it publishes its copy (a pause at ``commit:dirs-synced``, in its child
+    running as the owner) while the stager copies and commits the same step; then it goes
+    on. Every step committed stays, verifies, and both nodes' ledgers agree with the PFS."""
+    a, b = node(tmp_path, "na", 0), node(tmp_path, "nb", 1)
+    try:
+        st = states(3)
+        for step in (1, 2, 3):
+            save_all([a, b], step, st[step - 1])
+    finally:
+        a.close()
+        b.close()
+    pfs = PosixTier("pfs", str(tmp_path / "pfs"))
+    # The owner's job died before its own flush of step 3: its epilog owes it; the
+    # partner node holds a partner copy of it (and of step 2), owed too.
+    pfs.delete("root", rank_key(0), 3)
+    Ledger(str(tmp_path / "na" / "ledger"), "na").mark(
+        "root", rank_key(0), 3, "pfs", State.FLUSH_PENDING
+    )
+    shutil.rmtree(tmp_path / "na" / "local" / "root" / rank_key(1))  # only step 3 is owed
+    ours = [2, 3]
+    assert {i.step for i in local_tier(tmp_path, "nb").steps("root", rank_key(0))} == {2, 3}
+    pause = tmp_path / "pause"
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+        SLURM_CKPT_PAUSE_AT="commit:dirs-synced",
+        SLURM_CKPT_PAUSE_FILE=str(pause),
+    )
+    epilog = subprocess.Popen(
+        [sys.executable, "-c", _EPILOG, json.dumps(_node_cfg(tmp_path, "na")), JOB],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for(Path(str(pause) + ".paused"), epilog)
+        srep = stager_pass(Config.from_dict(_node_cfg(tmp_path, "nb")), "nb")
+    finally:
+        Path(str(pause) + ".go").touch()
+        out, err = epilog.communicate(timeout=120)
+    assert epilog.returncode == 0, err
+    listed = {i.step for i in pfs.steps("root", rank_key(0))}
+    assert set(ours) <= listed, f"committed step lost: {sorted(listed)} ({out})"
+    assert not srep.flush.failed, srep.line()
+    assert "failed" not in out, out
+    # The epilog lost the race to commit step 3 and found the very same step there.
+    assert "flushed 0 (0B), 1 already on the warm tier" in out, out
+    for step in sorted(listed):
+        assert pfs.verify("root", rank_key(0), step).ok
+    for name in ("na", "nb"):
+        led = Ledger(str(tmp_path / name / "ledger"), name)
+        for rec in led.records("root", rank_key(0)):
+            if rec.tiers.get("pfs") == State.VERIFIED:  # every ledger agrees with the PFS
+                assert rec.step in listed, f"{name} says step {rec.step} is on the PFS"
+        for step in ours if name == "nb" else [3]:
+            rec = led.get("root", rank_key(0), step)
+            assert rec is not None and rec.tiers.get("pfs") == State.VERIFIED, (name, rec, out)
+    left = [n for n in os.listdir(tmp_path / "pfs" / "root" / rank_key(0)) if n.startswith(".")]
+    assert [n for n in left if not n.startswith(".lock-")] == []

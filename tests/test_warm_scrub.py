@@ -21,6 +21,7 @@ from slurm_ckpt.hooks.epilog import run_epilog
 from slurm_ckpt.hooks.stager import stager_pass
 from slurm_ckpt.ledger import State
 from slurm_ckpt.node.work import NodeWork
+from slurm_ckpt.ops.damage import scan_series
 from slurm_ckpt.tiers.registry import tiers_from_config
 
 USER, KEY = "ckptuser1", "run"
@@ -72,6 +73,9 @@ def test_a_copy_uncommitted_elsewhere_is_learnt_and_flushed_by_the_stager(area: 
     os.rename(_step_dir(area, 1) / MANIFEST_NAME, _step_dir(area, 1) / DAMAGED_MANIFEST_NAME)
     assert (_step_dir(area, 1) / DAMAGED_MANIFEST_NAME).exists()
     assert not (_step_dir(area, 1) / MANIFEST_NAME).exists()
+    _good, damaged = scan_series(pfs, USER, KEY)  # what `verify`, `list`, `gc` report
+    assert [(d.step, d.state) for d in damaged] == [(1, "CORRUPT")]
+    assert "found damaged and uncommitted" in damaged[0].reason
     led = NodeWork(cfg, "n1").ledger
     assert led.get(USER, KEY, 1).state("pfs") is State.VERIFIED  # the ledger's belief
     srep = stager_pass(cfg, "n1")

@@ -28,7 +28,7 @@ FOREIGN ones are never deleted.
 Pins: a checkpoint is pinned when its manifest's ``meta`` has ``"pinned": true`` (set at
 save time) or when a marker ``<key>/.pin-step-NNNNNNNNNN`` exists beside it (``touch`` it
 to pin after the fact). A PFS checkpoint being archived right now (a
-``.partial-step-N`` on the cold tier) is kept until that copy is done.
+``.partial-step-N.<writer>`` on the cold tier) is kept until that copy is done.
 
 Aging's trust: a step the aging policy passes on to the next tier is kept here until the
 next tier holds a copy with identical manifest bytes (:func:`~slurm_ckpt.ops.age.aged_steps`),

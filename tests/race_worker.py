@@ -3,6 +3,9 @@ optionally pausing at a named crash point until told to go on.
 
     python race_worker.py SRC DST STEP [PAUSE_LABEL]
 
+DST is a directory (a POSIX tier) or ``s3:`` and a JSON object with ``endpoint``,
+``bucket``, ``prefix`` (an object tier; the AWS credentials come from the environment).
+
 With PAUSE_LABEL, the first time the copy reaches that crash point it prints ``paused``
 and waits for a line on stdin: the test then lets the other writer run to a known point
 (no sleeps, no timing). Prints one JSON line: ``{"present": bool}`` or ``{"error": type}``.
@@ -16,9 +19,12 @@ import threading
 
 import slurm_ckpt.core.commit as commit_mod
 import slurm_ckpt.tiers.copy as copy_mod
+import slurm_ckpt.tiers.s3_write as s3_write_mod
 from slurm_ckpt.errors import CkptError
+from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.copy import copy_checkpoint
 from slurm_ckpt.tiers.posix import PosixTier
+from slurm_ckpt.tiers.s3 import S3Tier
 
 CHUNK = 4096
 
@@ -41,6 +47,15 @@ def install_pause(label: str) -> None:
 
     commit_mod.crashpoint = point  # type: ignore[assignment]
     copy_mod.crashpoint = point  # type: ignore[assignment]
+    s3_write_mod.crashpoint = point  # type: ignore[assignment]
+
+
+def destination(spec: str) -> Tier:
+    """The shared tier: a directory, or ``s3:{json}``."""
+    if spec.startswith("s3:"):
+        where = json.loads(spec[3:])
+        return S3Tier("object", chunk_size=CHUNK, concurrency=2, **where)
+    return PosixTier("pfs", spec, chunk_size=CHUNK, streams=2)
 
 
 def main() -> None:
@@ -48,7 +63,7 @@ def main() -> None:
     if len(sys.argv) > 4:
         install_pause(sys.argv[4])
     src = PosixTier("local", src_root, chunk_size=CHUNK, streams=2)
-    dst = PosixTier("pfs", dst_root, chunk_size=CHUNK, streams=2)
+    dst = destination(dst_root)
     try:
         res = copy_checkpoint(src, dst, "alice", "run", step)
     except CkptError as exc:

@@ -25,6 +25,7 @@ import pytest
 from slurm_ckpt.core.layout import parse_partial_dirname, partial_dirname, step_dirname
 from slurm_ckpt.tiers.copy import copy_checkpoint
 from slurm_ckpt.tiers.posix import PosixTier
+from slurm_ckpt.tiers.s3 import S3Tier
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = str(Path(__file__).with_name("race_worker.py"))
@@ -200,3 +201,24 @@ def test_a_node_resumes_its_own_dead_copy_and_leaves_other_nodes_work_areas(tier
     )
     assert _work_areas(warm_root) == []
     assert (key / step_dirname(STEP) / "manifest.json").exists()
+
+
+def test_two_writers_of_one_step_on_the_object_tier(tiers, s3_server) -> None:
+    """The same on the object tier: writers share object names there, so a writer that
+    loses (or fails) must delete nothing; the one that commits second counts it done."""
+    owner, partner, _warm = tiers
+    want = PosixTier("local", str(owner)).manifest_bytes("alice", "run", STEP)
+    bucket = s3_server.bucket("race")
+    for rnd, label in enumerate(["copy:file-synced", "s3:before-manifest"] * 2):
+        where = {"endpoint": s3_server.endpoint, "bucket": bucket}
+        where["prefix"] = s3_server.fresh_prefix(f"race{rnd}")
+        spec = "s3:" + json.dumps(where)
+        dst = S3Tier("object", chunk_size=CHUNK, **where)
+        first, second = (owner, partner) if rnd % 2 == 0 else (partner, owner)
+        slow = _start_paused(first, spec, label)  # type: ignore[arg-type]
+        assert _run(second, spec) == {"present": False}  # type: ignore[arg-type]
+        late = _resume(slow)
+        assert [s.step for s in dst.steps("alice", "run")] == [STEP], f"lost ({late})"
+        assert late == {"present": True}, f"round {rnd} ({label}): {late}"
+        assert dst.manifest_bytes("alice", "run", STEP) == want
+        assert dst.verify("alice", "run", STEP).ok

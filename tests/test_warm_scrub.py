@@ -85,3 +85,17 @@ def test_a_copy_uncommitted_elsewhere_is_learnt_and_flushed_by_the_stager(area: 
     assert NodeWork(cfg, "n1").ledger.get(USER, KEY, 1).state("pfs") is State.VERIFIED
     assert not (_step_dir(area, 1) / DAMAGED_MANIFEST_NAME).exists()
     assert [n for n in os.listdir(area.pfs / USER / KEY) if n.startswith(".partial-")] == []
+
+
+def test_a_copy_the_warm_tiers_retention_deleted_is_not_flushed_again(area: Area) -> None:
+    """gc deleted a PFS step the node still holds: the node learns it is gone from the PFS
+    (not VERIFIED any more) but does not undo gc by flushing it again."""
+    cfg = area.cfg(retention={"keep_local": 2})
+    save(cfg, USER, KEY, 1)
+    run_epilog(cfg, area.env(USER))
+    pfs = tiers_from_config(cfg)["pfs"]
+    pfs.delete(USER, KEY, 1)  # as the warm tier's retention does
+    srep = stager_pass(cfg, "n1")
+    assert srep.flush.results == [] and srep.backlog == 0, srep.line()
+    assert pfs_steps(cfg, USER, KEY) == [] and local_steps(cfg, USER, KEY) == [1]
+    assert NodeWork(cfg, "n1").ledger.get(USER, KEY, 1).state("pfs") is State.DELETED

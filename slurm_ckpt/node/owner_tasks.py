@@ -173,8 +173,10 @@ def scrub_as_user(
     """Check the warm copies of checkpoints this node holds (``[key, step, full]``):
     ``[key, step, state, reason]`` per item checked, in order, until ``budget_s`` is spent.
 
-    Every item: is the warm tier's committed manifest the local one, byte for byte
-    (``missing`` when there is none - uncommitted, deleted - or another)? With ``full``
+    Every item: is the warm tier's committed manifest the local one, byte for byte?
+    ``missing`` when the warm copy was uncommitted as damaged (by another node), ``deleted``
+    when it is gone (the warm tier's retention), ``other`` when another checkpoint of the
+    step is committed there. With ``full``
     its every byte is re-read and hashed too (``verify``); a copy that fails is
     *uncommitted* there (:meth:`PosixTier.uncommit`: it stops counting for every node and
     every restore) and reported ``damaged`` - the local copy, still good, is flushed
@@ -197,8 +199,14 @@ def scrub_as_user(
             out.append([key, step, "gone", ""])
             continue
         theirs = committed_manifest(warm, user, key, step)
+        if theirs is None and warm.uncommitted(user, key, step):  # type: ignore[attr-defined]
+            why = "warm copy found damaged and uncommitted there (by another node's check)"
+            out.append([key, step, "missing", why])
+            continue
         if theirs != mine:
-            out.append([key, step, "missing", "no identical committed copy on the warm tier"])
+            # Deleted there (the warm tier's retention) or another checkpoint of the step:
+            # nothing to flush again on that ground - the ledger learns it is not there.
+            out.append([key, step, "deleted" if theirs is None else "other", ""])
             continue
         if not full or time.monotonic() >= end:
             out.append([key, step, "present", ""])

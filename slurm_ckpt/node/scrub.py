@@ -8,8 +8,9 @@ of what the node holds locally (the only copies that can still be flushed again)
 child running as each owner (:func:`~slurm_ckpt.node.owner_tasks.scrub_as_user`):
 
 * every such copy, every time: is its committed manifest on the warm tier still the
-  local one (cheap: one small read)? Not there (another node uncommitted it as damaged,
-  someone deleted it) - it is owed again;
+  local one (cheap: one small read)? Uncommitted there as damaged (by another node) - it
+  is owed again; deleted there (the warm tier's retention) - the ledger learns it is
+  gone (``DELETED``), and it is not flushed again (that would undo gc);
 * least recently checked first, within a time budget: every byte re-read and hashed. A
   copy that fails is **uncommitted** on the warm tier (its manifest moved aside: it
   stops counting for every node, every restore and ``status``) and owed again here.
@@ -51,7 +52,7 @@ SCRUB_BUDGET_S = 120.0
 SCRUB_SHARE = 0.25
 #: Owed again: the states a scrub reports for a warm copy that no longer counts.
 _OWED = ("missing", "damaged")
-_STATES = ("ok", "present", "gone", *_OWED)
+_STATES = ("ok", "present", "gone", "deleted", "other", *_OWED)
 
 
 def _last_check(rec: Record) -> float:
@@ -141,6 +142,11 @@ def _record(
             continue
         if state == "ok":
             changes.append((rec.ident, _stamp))
+        elif state == "deleted":
+            # Gone from the warm tier by its retention (gc): not flushed again - the node
+            # holding it must not undo gc - but no longer believed to be there.
+            gone = set_state(rec.ident, WARM_SLOT, State.DELETED, "not on the warm tier")
+            changes.append((rec.ident, gone))
         elif state in _OWED:
             log.warning("%s/%s step %d: %s: flushed again", rec.user, key, step, why)
             work.emit("failure", user=rec.user, key=key, step=step, reason="warm_" + state)

@@ -245,6 +245,10 @@ class Tier(Protocol):
         (never a copy committed again since). True when done here and now."""
         ...
 
+    def uncommitted(self, user: str, key: str, step: int) -> bool:
+        """Was this step found damaged and uncommitted here (and not written again)?"""
+        ...
+
     def lock(self, user: str, key: str, step: int, wait: bool = True) -> ContextManager[bool]:
         """Exclusive lock on one step, held by copies and deletes; yields False when
         ``wait`` is False and someone else holds it."""

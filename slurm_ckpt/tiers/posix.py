@@ -309,6 +309,15 @@ class PosixTier:
         except OSError as exc:
             raise fsio.tier_error(exc, self.where(user, key, step)) from None
 
+    def uncommitted(self, user: str, key: str, step: int) -> bool:
+        """Was this step found damaged and uncommitted here (and not written again)?"""
+        try:
+            with self.step_fd(user, key, step) as sfd:
+                os.stat(DAMAGED_MANIFEST_NAME, dir_fd=sfd, follow_symlinks=False)
+        except (NotFound, OSError):
+            return False
+        return True
+
     # -- deleting and sweeping -------------------------------------------------
     def delete(self, user: str, key: str, step: int) -> None:
         """Remove one checkpoint: the manifest first (so it stops counting), then the data."""

@@ -337,6 +337,17 @@ class S3Tier:
         self._call("delete_object", where, Key=self.object_key(user, key, step, MANIFEST_NAME))
         return True
 
+    def uncommitted(self, user: str, key: str, step: int) -> bool:
+        """Was this step found damaged and uncommitted here (and not written again)?"""
+        where = self.where(user, key, step)
+        try:
+            self._call(
+                "head_object", where, Key=self.object_key(user, key, step, DAMAGED_MANIFEST_NAME)
+            )
+        except NotFound:
+            return False
+        return True
+
     def delete(self, user: str, key: str, step: int) -> None:
         """The manifest first (the checkpoint stops counting), then every other object."""
         prefix = self.step_prefix(user, key, step)

@@ -86,16 +86,6 @@ class StepLocked(TierError):
     hold_code = "locked"
 
 
-class StepConflict(CkptError):
-    """The warm tier already holds a *different* committed checkpoint of this step (the
-    owner's own series went two ways: another node's copy, or a node back with an older
-    unflushed step). Nothing root may overwrite: that checkpoint is held (``conflict``)
-    for its owner to sort out; it never keeps a node drained."""
-
-    user_caused = True
-    hold_code = "conflict"
-
-
 class VerifyError(CkptError):
     """Bytes on a tier do not match their manifest (corrupt, truncated, missing, replaced)."""
 
@@ -106,6 +96,18 @@ class NotFound(CkptError):
     """No committed checkpoint matches the request."""
 
     exit_code = EXIT_FAILED
+
+
+class StepConflict(CkptError):
+    """The destination tier already holds a *different* checkpoint committed under this
+    step (two runs of one series took different paths to it). It is never overwritten
+    nor deleted: the copy is marked ``conflict`` (held - it keeps no node drained - and
+    shown by ``status``), the local copy is kept, and it is tried again after the backoff
+    (an older conflicting copy on the warm tier is replaced then, a newer one never)."""
+
+    exit_code = EXIT_FAILED
+    user_caused = True
+    hold_code = "conflict"
 
 
 class SlurmError(CkptError):

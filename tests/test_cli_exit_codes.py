@@ -267,8 +267,10 @@ def test_every_row_holds(world: World) -> None:
             assert got == code, f"{name}: exit {got}, the table says {code} ({meaning}): {err}"
             if code not in (0, 1):
                 assert "Traceback" not in err and err.strip(), (name, err)
-                assert err.strip().splitlines()[-1].startswith(
-                    ("ckpt-slurm: error: ", "ckpt-srun: error: ")
+                assert (
+                    err.strip()
+                    .splitlines()[-1]
+                    .startswith(("ckpt-slurm: error: ", "ckpt-srun: error: "))
                 ), err
             ran.append(name)
     assert len(ran) >= 10, ran

@@ -17,9 +17,13 @@ What must hold:
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -29,12 +33,15 @@ from test_checkpointer import assert_state_equal, sample_state
 from slurm_ckpt import Checkpointer
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.hooks.epilog import run_epilog
+from slurm_ckpt.hooks.stager import stager_pass
 from slurm_ckpt.job.partner_net import Peer, ring_partner
 from slurm_ckpt.job.partner_wire import HELLO_MAX, MAGIC
 from slurm_ckpt.ledger import Ledger, State
 from slurm_ckpt.ledger.node_status import node_status
 from slurm_ckpt.node.work import NodeWork
 from slurm_ckpt.slurm.env import HookEnv
+from slurm_ckpt.slurm.records import NodeInfo
+from slurm_ckpt.tiers.copy import copy_checkpoint
 from slurm_ckpt.tiers.posix import PosixTier
 
 KEY = "run"
@@ -263,3 +270,169 @@ def test_a_rank_whose_partner_closed_first_closes_at_once(tmp_path: Path) -> Non
     closer.join(60)  # a bound far below the 300 s the sender would wait without the fix
     assert not closer.is_alive(), "close() waited for a partner that had already closed"
     assert [i.step for i in local_tier(tmp_path, "na").steps(r0.user, rank_key(0))] == [1]
+
+
+class _Slurm:
+    """What the stager asks SLURM, answered from a dict of node states (the partner
+    stager's decision is about the owner's state only; the cluster tests run real SLURM)."""
+
+    def __init__(self, states: Dict[str, str]) -> None:
+        self.states = states
+
+    def node(self, name: str) -> NodeInfo:
+        return NodeInfo(name, self.states[name])
+
+    def jobs_on_node(self, _node: str) -> List[Any]:
+        return []
+
+
+def test_the_partner_stager_leaves_a_live_owners_copies_and_learns_they_were_flushed(
+    tmp_path: Path,
+) -> None:
+    """Issue 28: the stager defers a live owner's partner copies, as the epilog does (two
+    nodes writing one step to the PFS at once would copy it twice), does not count them
+    against its node, and records them verified once the owner has flushed them."""
+    a, b = node(tmp_path, "na", 0), node(tmp_path, "nb", 1)
+    try:
+        st = states(3)
+        for step in (1, 2, 3):
+            save_all([a, b], step, st[step - 1])
+    finally:
+        a.close()
+        b.close()
+    pfs = PosixTier("pfs", str(tmp_path / "pfs"))
+    cfg = Config.from_dict(
+        {
+            "tiers": {
+                "local": {
+                    "root": str(tmp_path / "nb" / "local"),
+                    "min_free": 0,
+                    "require_mount": False,
+                },
+                "pfs": {"root": str(tmp_path / "pfs")},
+            },
+            "ledger": {"dir": str(tmp_path / "nb" / "ledger")},
+        }
+    )
+    owner_copies = [s for s in (2, 3) if s not in [i.step for i in pfs.steps("root", rank_key(0))]]
+    assert owner_copies, "the owner's newest steps must not be on the PFS yet"
+    rep = stager_pass(cfg, "nb", _Slurm({"na": "IDLE", "nb": "IDLE"}))
+    flushed = {r.ident for r in rep.flush.results}
+    assert rep.healthy, rep.line()
+    pending = Ledger(str(tmp_path / "nb" / "ledger"), "nb").pending_flush("root", rank_key(0))
+    assert {r.step for r in pending} >= set(owner_copies)  # owed, and left to their owner
+    assert not any(i[1] == rank_key(0) for i in flushed), rep.line()
+    assert rep.backlog == 0, rep.line()  # left to their owner: no reason to stay drained
+    assert [i.step for i in pfs.steps("root", rank_key(0))] != [1, 2, 3]
+    # The owner's node flushes its own (its hooks), then the partner's next pass learns it.
+    la = local_tier(tmp_path, "na")
+    for step in owner_copies:
+        copy_checkpoint(la, pfs, "root", rank_key(0), step)
+    rep = stager_pass(cfg, "nb", _Slurm({"na": "IDLE", "nb": "IDLE"}))
+    assert rep.healthy and rep.backlog == 0, rep.line()
+    assert not any(r.ident[1] == rank_key(0) for r in rep.flush.results), rep.line()
+    led = Ledger(str(tmp_path / "nb" / "ledger"), "nb")
+    for step in owner_copies:
+        rec = led.get("root", rank_key(0), step)
+        assert rec is not None and rec.tiers["pfs"] == State.VERIFIED
+    # An owner SLURM says is DOWN: its partner copies are the partner's to flush.
+    pfs.delete("root", rank_key(0), 3)
+    led.mark("root", rank_key(0), 3, "pfs", State.FLUSH_PENDING)
+    rep = stager_pass(cfg, "nb", _Slurm({"na": "DOWN", "nb": "IDLE"}))
+    assert (("root", rank_key(0), 3)) in {r.ident for r in rep.flush.results if r.ok}
+    assert pfs.verify("root", rank_key(0), 3).ok
+
+
+_EPILOG = """
+import json, sys
+from slurm_ckpt.core.config import Config
+from slurm_ckpt.hooks.epilog import run_epilog
+from slurm_ckpt.slurm.env import HookEnv
+cfg = Config.from_dict(json.loads(sys.argv[1]))
+rep = run_epilog(cfg, HookEnv(sys.argv[2], "root", 0, 0, "na", ["na", "nb"], 0))
+print(rep.line())
+"""
+
+
+def _node_cfg(tmp: Path, name: str) -> Dict[str, Any]:
+    local = {"root": str(tmp / name / "local"), "min_free": 0, "require_mount": False}
+    return {
+        "tiers": {"local": local, "pfs": {"root": str(tmp / "pfs")}},
+        "ledger": {"dir": str(tmp / name / "ledger")},
+        "hooks": {"budget": 60},
+    }
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[str]) -> None:
+    """Until ``path`` exists (the other side reached its pause), or it died/took 60 s."""
+    end = time.monotonic() + 60
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > end:
+            out, err = proc.communicate()
+            pytest.fail(f"the epilog never reached its pause: {out} {err}")
+        time.sleep(0.01)
+
+
+def test_the_owners_epilog_and_the_partners_stager_copy_one_step_at_once(tmp_path: Path) -> None:
+    """Issue 28: SLURM cannot be asked (no client), so the owner's epilog and the
+    partner node's stager both flush the same steps to one PFS. The epilog is stopped
+    just before it publishes its copy (a pause at ``commit:dirs-synced``, in its child
+    running as the owner) while the stager copies and commits the same step; then it goes
+    on. Every step committed stays, verifies, and both nodes' ledgers agree with the PFS."""
+    a, b = node(tmp_path, "na", 0), node(tmp_path, "nb", 1)
+    try:
+        st = states(3)
+        for step in (1, 2, 3):
+            save_all([a, b], step, st[step - 1])
+    finally:
+        a.close()
+        b.close()
+    pfs = PosixTier("pfs", str(tmp_path / "pfs"))
+    # The owner's job died before its own flush of step 3: its epilog owes it; the
+    # partner node holds a partner copy of it (and of step 2), owed too.
+    pfs.delete("root", rank_key(0), 3)
+    Ledger(str(tmp_path / "na" / "ledger"), "na").mark(
+        "root", rank_key(0), 3, "pfs", State.FLUSH_PENDING
+    )
+    shutil.rmtree(tmp_path / "na" / "local" / "root" / rank_key(1))  # only step 3 is owed
+    ours = [2, 3]
+    assert {i.step for i in local_tier(tmp_path, "nb").steps("root", rank_key(0))} == {2, 3}
+    pause = tmp_path / "pause"
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+        SLURM_CKPT_PAUSE_AT="commit:dirs-synced",
+        SLURM_CKPT_PAUSE_FILE=str(pause),
+    )
+    epilog = subprocess.Popen(
+        [sys.executable, "-c", _EPILOG, json.dumps(_node_cfg(tmp_path, "na")), JOB],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for(Path(str(pause) + ".paused"), epilog)
+        srep = stager_pass(Config.from_dict(_node_cfg(tmp_path, "nb")), "nb")
+    finally:
+        Path(str(pause) + ".go").touch()
+        out, err = epilog.communicate(timeout=120)
+    assert epilog.returncode == 0, err
+    listed = {i.step for i in pfs.steps("root", rank_key(0))}
+    assert set(ours) <= listed, f"committed step lost: {sorted(listed)} ({out})"
+    assert not srep.flush.failed, srep.line()
+    assert "failed" not in out, out
+    # The epilog lost the race to commit step 3 and found the very same step there.
+    assert "flushed 0 (0B), 1 already on the warm tier" in out, out
+    for step in sorted(listed):
+        assert pfs.verify("root", rank_key(0), step).ok
+    for name in ("na", "nb"):
+        led = Ledger(str(tmp_path / name / "ledger"), name)
+        for rec in led.records("root", rank_key(0)):
+            if rec.tiers.get("pfs") == State.VERIFIED:  # every ledger agrees with the PFS
+                assert rec.step in listed, f"{name} says step {rec.step} is on the PFS"
+        for step in ours if name == "nb" else [3]:
+            rec = led.get("root", rank_key(0), step)
+            assert rec is not None and rec.tiers.get("pfs") == State.VERIFIED, (name, rec, out)
+    left = [n for n in os.listdir(tmp_path / "pfs" / "root" / rank_key(0)) if n.startswith(".")]
+    assert [n for n in left if not n.startswith(".lock-")] == []

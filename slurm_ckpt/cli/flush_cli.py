@@ -71,6 +71,8 @@ def _print(summary: FlushSummary, out: OutputFormat) -> None:
     )
     if summary.left_to_jobs:
         line += f", {summary.left_to_jobs} left to jobs still running here"
+    if summary.left_to_owners:
+        line += f", {summary.left_to_owners} partner copies left to their owners' nodes"
     echo_wrapped(line)
 
 

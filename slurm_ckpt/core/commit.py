@@ -4,19 +4,30 @@ Protocol (each arrow is durable before the next begins):
 
 1. make ``<key>/.tmp-step-N-<pid>-<rand>/`` and write every payload file into it, hashing
    each chunk as it is written; fsync every file and directory;
-2. rename the temporary directory to ``<key>/step-N/``; fsync ``<key>/``;
-3. write ``manifest.json`` last: temp file, fsync, rename, fsync ``step-N/``.
+2. write ``manifest.json`` last, into that work directory (temp file, fsync, rename,
+   fsync the directory);
+3. rename the work directory to ``<key>/step-N/`` - the one atomic act that publishes the
+   checkpoint - and fsync ``<key>/``.
 
 A checkpoint exists only once step 3 has completed: readers list a step only when its
-manifest parses and checks. A crash at any point leaves either nothing listable or the
-complete checkpoint; leftovers (``.tmp-*`` or a ``step-N`` without manifest) are swept by
-the next writer of that step or by :meth:`PosixTier.sweep`.
+manifest parses and checks, and a ``step-N`` never exists without its manifest while a
+writer is at work (so no writer can mistake another's commit in progress for debris). A
+crash at any point leaves either nothing listable or the complete checkpoint; leftovers
+(``.tmp-*``, or a ``step-N`` without manifest from a crash of an older version or a copy
+found damaged and uncommitted) are swept by the next writer of that step or by
+:meth:`PosixTier.sweep`.
 
 A **copy** of a committed checkpoint from another tier (``copy_of=manifest``) goes
-through the same protocol, with two differences: its work directory is named by the step
-(``.partial-step-N``), so a copy killed midway is found and resumed by the next one
-(:meth:`CheckpointWriter.resumable`); and the manifest is the source's, byte for byte.
-This is the one place a checkpoint is committed on a POSIX tier.
+through the same protocol, with two differences: its work directory is the writer's own,
+``.partial-step-N.<host>.<pid>.<rand>`` (two nodes, or two processes, copying one step to a
+shared tier at once never share one), and a copy killed midway is found and resumed by
+the next copy of that step on the same node: it claims the dead writer's work directory
+by renaming it to its own name (atomic: two claimants cannot both win) and keeps the
+complete files (:meth:`CheckpointWriter.resumable`); the manifest is the source's, byte
+for byte. A writer that loses the race to commit (``step-N`` is there when it renames)
+raises :class:`AlreadyCommitted` and removes only its own work directory - never the
+``step-N`` the winner committed. This is the one place a checkpoint is committed on a
+POSIX tier.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import socket
 import stat
 import threading
 import time
@@ -34,7 +46,12 @@ from slurm_ckpt.core import fsio, trust
 from slurm_ckpt.core.chunks import hash_range, run_chunks
 from slurm_ckpt.core.faults import crashpoint
 from slurm_ckpt.core.hashing import DEFAULT_CHUNK_SIZE, ChunkedHasher, chunk_digest, combine
-from slurm_ckpt.core.layout import TMP_PREFIX, partial_dirname, step_dirname
+from slurm_ckpt.core.layout import (
+    TMP_PREFIX,
+    parse_partial_dirname,
+    partial_dirname,
+    step_dirname,
+)
 from slurm_ckpt.core.manifest import MANIFEST_NAME, FileEntry, Manifest
 from slurm_ckpt.core.manifest_limits import check_bytes
 from slurm_ckpt.core.names import validate_key, validate_relpath, validate_user
@@ -44,6 +61,43 @@ from slurm_ckpt.errors import CkptError, VerifyError
 
 class AlreadyCommitted(CkptError):
     """The step is already committed on this tier; a checkpoint is never overwritten."""
+
+
+#: Work directories of copies this process is writing now (by path): a writer of this
+#: process never claims another's (two threads copying one step from two sources).
+_LIVE_PARTIALS: Set[str] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def host_tag() -> str:
+    """This node's name as it goes into a work directory's name: the short host name,
+    letters, digits, ``-`` and ``_`` only (a copy's writer id is ``<host>.<pid>.<rand>``)."""
+    name = socket.gethostname().split(".")[0]
+    tag = "".join(c for c in name if c.isascii() and (c.isalnum() or c in "-_"))[:64]
+    return tag or "host"
+
+
+def writer_id() -> str:
+    """A copy's writer id, unique among all writers of all nodes: ``<host>.<pid>.<rand>``."""
+    return f"{host_tag()}.{os.getpid()}.{secrets.token_hex(4)}"
+
+
+def _dead_here(writer: str) -> bool:
+    """Is the writer ``<host>.<pid>.<rand>`` one of this node's that is gone (so its work
+    directory may be resumed)? Never for another node's (its liveness is unknowable here)."""
+    parts = writer.split(".")
+    if len(parts) != 3 or parts[0] != host_tag() or not parts[1].isdigit():
+        return False
+    pid = int(parts[1])
+    if pid == os.getpid():
+        return True  # ours: an earlier writer of this process (live ones are excluded)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def read_manifest(step_fd: int, where: str) -> Manifest:
@@ -128,7 +182,7 @@ class CheckpointWriter:
         else:
             if (copy_of.user, copy_of.key, copy_of.step) != (user, key, step):
                 raise CkptError(f"{self.where}: manifest names another checkpoint")
-            self.tmp_name = partial_dirname(step)
+            self.tmp_name = partial_dirname(step, writer_id())
         #: The work directory by path (for producers that write files themselves, e.g.
         #: :mod:`slurm_ckpt.job.output`); it is renamed to ``step-N`` at the commit.
         self.work_path = os.path.join(root, user, key, self.tmp_name)
@@ -142,19 +196,19 @@ class CheckpointWriter:
             raise fsio.tier_error(exc, f"{where}: cannot create {root}/{user}/{key}") from None
         finally:
             os.close(root_fd)
+        self._root = root
         try:
             self._clear_leftover_step()
-            try:
+            if copy_of is None or not self._claim_partial():
                 os.mkdir(self.tmp_name, fsio.DIR_MODE, dir_fd=self._key_fd)
                 os.fsync(self._key_fd)
-            except FileExistsError:
-                if copy_of is None:
-                    raise
             self._tmp_fd = os.open(self.tmp_name, fsio.O_DIR, dir_fd=self._key_fd)
         except OSError as exc:
+            self._unregister()
             os.close(self._key_fd)
             raise fsio.tier_error(exc, f"{self.where}: cannot start checkpoint") from None
         except BaseException:
+            self._unregister()
             os.close(self._key_fd)
             raise
         self._dirs[""] = self._tmp_fd
@@ -162,19 +216,56 @@ class CheckpointWriter:
 
     # -- setup -----------------------------------------------------------------
     def _clear_leftover_step(self) -> None:
-        """A ``step-N`` without a valid manifest is debris of a crashed commit: remove it."""
+        """A ``step-N`` without a valid manifest is debris (a crash of an older version's
+        commit, a copy found damaged and uncommitted): remove it - that very directory,
+        never one another writer renamed into place meanwhile."""
         try:
             fd = os.open(self.step_name, fsio.O_DIR, dir_fd=self._key_fd)
         except FileNotFoundError:
             return
         try:
-            read_manifest(fd, self.where)
-        except VerifyError:
+            try:
+                read_manifest(fd, self.where)
+            except VerifyError:
+                _remove_if_same(self._key_fd, self.step_name, fd)
+                return
+        finally:
             os.close(fd)
-            fsio.remove_tree(self._key_fd, self.step_name)
-            return
-        os.close(fd)
         raise AlreadyCommitted(f"{self.where}: step already committed")
+
+    def _claim_partial(self) -> bool:
+        """Copy mode: take over the work directory of a copy of this step that a writer
+        of this node left behind when it died (renamed to this writer's name: atomic, so
+        of two claimants one wins and the other looks further). True when one was
+        claimed. Another node's work directories are never touched (their writers may be
+        alive); :meth:`PosixTier.sweep` with ``partials`` removes them."""
+        mine = os.path.join(self._root, self.user, self.key, self.tmp_name)
+        with _LIVE_LOCK:
+            _LIVE_PARTIALS.add(mine)
+            live = set(_LIVE_PARTIALS)
+        for name in sorted(os.listdir(self._key_fd)):
+            parsed = parse_partial_dirname(name)
+            if parsed is None or parsed[0] != self.step or parsed[1] is None:
+                continue
+            if name == self.tmp_name or not _dead_here(parsed[1]):
+                continue
+            if os.path.join(self._root, self.user, self.key, name) in live:
+                continue
+            try:
+                st = os.stat(name, dir_fd=self._key_fd, follow_symlinks=False)
+                if not stat.S_ISDIR(st.st_mode):
+                    continue
+                os.rename(name, self.tmp_name, src_dir_fd=self._key_fd, dst_dir_fd=self._key_fd)
+            except FileNotFoundError:
+                continue  # another writer claimed it first
+            os.fsync(self._key_fd)
+            return True
+        return False
+
+    def _unregister(self) -> None:
+        if self.copy_of is not None:
+            with _LIVE_LOCK:
+                _LIVE_PARTIALS.discard(os.path.join(self._root, self.user, self.key, self.tmp_name))
 
     def _parent_fd(self, relpath: str) -> Tuple[int, str]:
         """fd of the directory that will hold ``relpath`` (created, symlink-safe)."""
@@ -361,7 +452,12 @@ class CheckpointWriter:
 
     # -- commit ----------------------------------------------------------------
     def commit(self) -> Manifest:
-        """Publish the checkpoint: rename into place, then write the manifest last."""
+        """Publish the checkpoint: the manifest last into the work directory, then the
+        work directory renamed to ``step-N`` (see the module docstring).
+
+        When ``step-N`` is already there (another writer committed it first), raises
+        :class:`AlreadyCommitted` after removing this writer's own work directory: the
+        caller compares the manifests (:func:`slurm_ckpt.tiers.copy.copy_checkpoint`)."""
         if self._done:
             raise CkptError(f"{self.where}: writer already finished")
         manifest = manifest_to_commit(self)
@@ -377,41 +473,54 @@ class CheckpointWriter:
             for sub in sorted(self._dirs, key=len, reverse=True):
                 os.fsync(self._dirs[sub])
             crashpoint("commit:dirs-synced")
+            fsio.atomic_replace(self._tmp_fd, MANIFEST_NAME, data)
+            crashpoint("commit:manifest")
             try:
                 os.rename(
                     self.tmp_name, self.step_name, src_dir_fd=self._key_fd, dst_dir_fd=self._key_fd
                 )
             except OSError as exc:
                 if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    self.abort()  # our work directory only: step-N is the other writer's
                     raise AlreadyCommitted(f"{self.where}: step appeared concurrently") from None
                 raise
-            crashpoint("commit:renamed")
-            os.fsync(self._key_fd)
-            crashpoint("commit:key-synced")
-            fsio.atomic_replace(self._tmp_fd, MANIFEST_NAME, data)
-            crashpoint("commit:manifest")
         except OSError as exc:
             self.abort()
             raise fsio.tier_error(exc, f"{self.where}: commit failed") from None
+        # Published: from here on step-N may be counted by others (a concurrent copy that
+        # finds it), so nothing below removes it, whatever fails.
         self._done = True
-        self._close()
+        self._unregister()
+        try:
+            crashpoint("commit:renamed")
+            os.fsync(self._key_fd)
+            crashpoint("commit:key-synced")
+        except OSError as exc:
+            raise fsio.tier_error(exc, f"{self.where}: commit not durable") from None
+        finally:
+            self._close()
         return manifest
 
     def abort(self) -> None:
-        """Remove everything this writer made; nothing of it was ever listable."""
+        """Remove this writer's own work directory (that very directory: found by its
+        name and checked to be the one it made); nothing of it was ever listable, and a
+        ``step-N`` is never touched - after a lost race it is another writer's commit."""
         if self._done:
             return
         self._done = True
-        for name in (self.tmp_name, self.step_name):
+        self._unregister()
+        try:
+            fd = os.open(self.tmp_name, fsio.O_DIR, dir_fd=self._key_fd)
+        except OSError:
+            fd = None
+        if fd is not None:
             try:
-                fd = os.open(name, fsio.O_DIR, dir_fd=self._key_fd)
-            except OSError:
-                continue
-            same = os.fstat(fd).st_ino == os.fstat(self._tmp_fd).st_ino
-            os.close(fd)
+                same = _same_dir(fd, self._tmp_fd)
+            finally:
+                os.close(fd)
             if same:
                 with suppress(OSError):
-                    fsio.remove_tree(self._key_fd, name)
+                    fsio.remove_tree(self._key_fd, self.tmp_name)
         self._close()
 
     def _close(self) -> None:
@@ -431,6 +540,33 @@ class CheckpointWriter:
             self.commit()  # commit on a clean exit
         else:
             self.abort()  # no-op after commit; removes the work directory otherwise
+
+
+def _same_dir(a: int, b: int) -> bool:
+    sa, sb = os.fstat(a), os.fstat(b)
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def _remove_if_same(key_fd: int, name: str, fd: int) -> None:
+    """Remove ``name`` below ``key_fd`` if it is still the directory open as ``fd``: it is
+    renamed aside first (atomic), checked, and put back when another writer had renamed
+    a directory of its own into place meanwhile."""
+    aside = f".trash-{name}-{secrets.token_hex(4)}"
+    try:
+        os.rename(name, aside, src_dir_fd=key_fd, dst_dir_fd=key_fd)
+    except FileNotFoundError:
+        return
+    afd = os.open(aside, fsio.O_DIR, dir_fd=key_fd)
+    try:
+        same = _same_dir(afd, fd)
+    finally:
+        os.close(afd)
+    if not same:
+        with suppress(OSError):
+            os.rename(aside, name, src_dir_fd=key_fd, dst_dir_fd=key_fd)
+        return
+    os.fsync(key_fd)
+    fsio.remove_tree(key_fd, aside)
 
 
 class _FileSink:

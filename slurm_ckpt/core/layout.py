@@ -3,13 +3,15 @@
 Steps are zero-padded to ten digits so that a plain ``ls`` sorts them. Names starting with
 a dot inside a key directory are the toolkit's own work areas and are never listed:
 ``.tmp-*`` (a writer filling a new checkpoint), ``.partial-*`` (a copy in progress, named
-by step so that it can be resumed), ``.trash-*`` (a deletion in progress).
+by step and by its writer - ``.partial-step-N.<host>.<pid>.<rand>`` - so that two nodes
+copying one step to a shared tier never share a work area, and the same node's next copy
+can still find and resume it), ``.trash-*`` (a deletion in progress).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Tuple
 
 from slurm_ckpt.errors import InvalidName
 
@@ -45,8 +47,24 @@ def step_numbers(names: Iterable[str]) -> List[int]:
     return sorted(map(int, _STEP_IN_LIST.findall("\0".join(names))), reverse=True)
 
 
-def partial_dirname(step: int) -> str:
-    return PARTIAL_PREFIX + step_dirname(step)
+def partial_dirname(step: int, writer: Optional[str] = None) -> str:
+    """``.partial-step-N`` (a copy's work area by the step alone, as older versions named
+    it), or with ``writer`` that writer's own: ``.partial-step-N.<writer>``."""
+    base = PARTIAL_PREFIX + step_dirname(step)
+    return base if writer is None else f"{base}.{writer}"
+
+
+def parse_partial_dirname(name: str) -> Optional[Tuple[int, Optional[str]]]:
+    """``(step, writer)`` of a copy's work area (``writer`` None for the old name by step
+    alone), or None for any other name."""
+    if not name.startswith(PARTIAL_PREFIX):
+        return None
+    rest = name[len(PARTIAL_PREFIX) :]
+    base, dot, writer = rest.partition(".")
+    step = parse_step_dirname(base)
+    if step is None or (dot and not writer):
+        return None
+    return step, (writer if dot else None)
 
 
 def lock_name(step: int) -> str:

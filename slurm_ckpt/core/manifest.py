@@ -36,6 +36,10 @@ from slurm_ckpt.errors import InvalidName, VerifyError
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+#: Where the manifest of a copy found damaged goes (:meth:`PosixTier.uncommit`): the step
+#: stops counting - no listing, restore or flush takes it for a checkpoint - and the
+#: evidence stays until the step is written again or swept.
+DAMAGED_MANIFEST_NAME = "manifest.json.damaged"
 _HEX32 = set("0123456789abcdef")
 
 

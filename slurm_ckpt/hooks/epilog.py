@@ -35,6 +35,7 @@ from slurm_ckpt.core.units import format_duration
 from slurm_ckpt.errors import SlurmError
 from slurm_ckpt.node.flush_engine import FlushOutcome
 from slurm_ckpt.node.partner_flush import OwnerCheck, defer_live_owners
+from slurm_ckpt.node.scrub import SCRUB_SHARE
 from slurm_ckpt.node.work import RESERVE_FRACTION, RESERVE_MAX_S, NodeWork, drain_reason
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.env import HookEnv
@@ -124,6 +125,12 @@ def run_epilog(
     ledger_s = (t2 - t1) + (clock() - t3)
     deadline = t0 + total - reserve - 2 * ledger_s
     outcome = work.flush(todo, deadline)
+    # Warm copies of what the node holds, read back (not those flushed just now): one
+    # that rotted is uncommitted on the warm tier and flushed again (node.scrub).
+    redo = work.scrub(min(deadline, clock() + total * SCRUB_SHARE), clock() - t0)
+    if redo:
+        owed = owed + redo
+        outcome.results += work.flush(redo, deadline).results
     report = EpilogReport(env.job_id, env.node, outcome, owners=owners)
     count, nbytes = work.backlog(running, owed, outcome)
     report.backlog = (count, nbytes)

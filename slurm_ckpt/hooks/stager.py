@@ -6,7 +6,11 @@ this daemon and drains the node with a ``slurm_ckpt:`` reason. Each pass of the 
 
 1. reconciles the ledger with the local tier (as each user) - it also picks up anything
    left behind by a crashed job, epilog or stager;
-2. flushes every checkpoint still owed to the PFS (as its owner; jobs still running on
+2. reads back the PFS copies of what the node holds (each at most once an hour, within a
+   budget; :mod:`slurm_ckpt.node.scrub`): one that rotted is uncommitted there and owed
+   again; then flushes every checkpoint still owed to the PFS - but partner copies whose
+   owner's node is alive (that node flushes them, as the epilog decides; one it flushed
+   already is recorded verified here) (as its owner; jobs still running on
    the node are left to flush their own), without an overall time limit - resumable
    copies make a killed pass cheap to redo - but every child has one (``[hooks]
    child_timeout`` without progress, and a size-based cap): a child its user stopped is
@@ -36,6 +40,7 @@ from slurm_ckpt.errors import CkptError, SlurmError
 from slurm_ckpt.node.flush_engine import FlushOutcome
 from slurm_ckpt.node.guard import check_local_tier
 from slurm_ckpt.node.hook_record import note_hook
+from slurm_ckpt.node.scrub import SCRUB_BUDGET_S, SCRUB_EVERY_S
 from slurm_ckpt.node.work import NodeWork, drain_reason
 from slurm_ckpt.slurm.client import SlurmClient
 
@@ -100,9 +105,17 @@ def stager_pass(
         return report
     work.reconcile(deadline)
     running = work.running_jobs()
-    report.flush = work.flush(work.candidates(running), deadline)
+    # Warm copies of what the node holds, each read back at most once per SCRUB_EVERY_S:
+    # one that rotted is uncommitted there and flushed again in this pass (node.scrub).
+    scrub_end = clock() + SCRUB_BUDGET_S
+    work.scrub(scrub_end if deadline is None else min(deadline, scrub_end), SCRUB_EVERY_S)
+    # Partner copies whose owner's node is alive are that node's to flush (no two nodes
+    # copy one step at once for nothing); those it flushed already are recorded here.
+    todo, deferred = work.defer_partner_copies(work.candidates(running), deadline)
+    report.flush = work.flush(todo, deadline)
     report.deleted = work.retention(running, deadline)
-    report.backlog, report.backlog_bytes = work.backlog(running)
+    left = {r.ident for r in deferred}
+    report.backlog, report.backlog_bytes = work.backlog(running, skip=left)
     work.publish({"hook": "stager"})
     if client is not None:
         _return_to_service(cfg, node, client, report)

@@ -44,6 +44,7 @@ __all__ = [
     "flush_many_as_user",
     "reclaim_as_user",
     "scan_local",
+    "scrub_as_user",
 ]
 
 
@@ -194,6 +195,60 @@ def flush_many_as_user(
             out.append(ChildResult(flush_as_user(cfg, user, str(key), int(step), uid)))
         except Exception as exc:  # noqa: BLE001 - each item's own outcome, to the parent
             out.append(ChildResult.failed(exc))
+    return out
+
+
+def scrub_as_user(
+    cfg: Config, user: str, uid: int, items: List[List[Any]], budget_s: float
+) -> List[List[Any]]:
+    """Check the warm copies of checkpoints this node holds (``[key, step, full]``):
+    ``[key, step, state, reason]`` per item checked, in order, until ``budget_s`` is spent.
+
+    Every item: is the warm tier's committed manifest the local one, byte for byte?
+    ``missing`` when the warm copy was uncommitted as damaged (by another node), ``deleted``
+    when it is gone (the warm tier's retention), ``other`` when another checkpoint of the
+    step is committed there. With ``full``
+    its every byte is re-read and hashed too (``verify``); a copy that fails is
+    *uncommitted* there (:meth:`PosixTier.uncommit`: it stops counting for every node and
+    every restore) and reported ``damaged`` - the local copy, still good, is flushed
+    again. ``ok`` after a full check, ``present`` after the manifest alone, ``gone``
+    when the local copy is gone itself."""
+    tiers = owner_tiers(cfg)
+    local, warm = tiers["local"], warm_of(cfg, tiers)
+    alive()
+    check_user_dir(local, user, uid)
+    guard_user_dir(warm, user, uid)
+    end = time.monotonic() + budget_s
+    out: List[List[Any]] = []
+    for key, step, full in items:
+        key, step = str(key), int(step)
+        if out and time.monotonic() >= end:
+            break
+        alive()
+        mine = committed_manifest(local, user, key, step)
+        if mine is None:
+            out.append([key, step, "gone", ""])
+            continue
+        theirs = committed_manifest(warm, user, key, step)
+        if theirs is None and warm.uncommitted(user, key, step):  # type: ignore[attr-defined]
+            why = "warm copy found damaged and uncommitted there (by another node's check)"
+            out.append([key, step, "missing", why])
+            continue
+        if theirs != mine:
+            # Deleted there (the warm tier's retention) or another checkpoint of the step:
+            # nothing to flush again on that ground - the ledger learns it is not there.
+            out.append([key, step, "deleted" if theirs is None else "other", ""])
+            continue
+        if not full or time.monotonic() >= end:
+            out.append([key, step, "present", ""])
+            continue
+        rep = warm.verify(user, key, step, progress=lambda _n: alive())
+        if rep.ok:
+            out.append([key, step, "ok", ""])
+            continue
+        why = rep.problems[0] if rep.problems else "verify failed"
+        warm.uncommit(user, key, step, theirs)  # type: ignore[attr-defined]
+        out.append([key, step, "damaged", f"warm copy damaged, uncommitted there: {why}"])
     return out
 
 

@@ -2,8 +2,9 @@
 
 A partner copy is the owner's checkpoint, byte for byte, on another node's local tier:
 two nodes then hold the same ``user/key/step``. Two copy engines writing one step to the
-PFS at once would share its work directory there (``.partial-step-N``: copies resume
-by it) and could commit a torn checkpoint, so the two must not race:
+PFS at once is safe (each writes in its own work area and the second finds the step
+committed: :mod:`slurm_ckpt.tiers.copy`) but copies it twice, so the two are kept
+apart - by the epilog, the stager, root's ``ckpt-slurm flush`` and ckpt-srun alike:
 
 * while the **owner's node is alive** (SLURM does not say it is DOWN or not
   responding), its own hooks flush the step; the partner's epilog leaves the copy alone

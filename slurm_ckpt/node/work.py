@@ -49,8 +49,9 @@ from slurm_ckpt.node.owner_tasks import (
     flush_many_as_user,
     scan_local,
 )
-from slurm_ckpt.node.partner_flush import mark_partner_copies
+from slurm_ckpt.node.partner_flush import defer_live_owners, mark_partner_copies
 from slurm_ckpt.node.retry import RetryPolicy, held, retry_due
+from slurm_ckpt.node.scrub import learn_present, scrub
 from slurm_ckpt.node.warm import lend_credentials
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.tiers.copy import CopyResult
@@ -519,15 +520,19 @@ class NodeWork:
         running: Optional[Set[str]],
         owed: Optional[List[Record]] = None,
         outcome: Optional[FlushOutcome] = None,
+        skip: Optional[Set[Ident]] = None,
     ) -> Tuple[int, int]:
         """``(count, bytes)`` owed to the PFS that keep this node drained: jobs running
         here excluded, and so are checkpoints held because of their owner's doing or
         given up after ``max_retries`` (still owed, still reported, no longer a reason
         to keep the node out of service). With ``owed`` (:meth:`owed` before a flush)
         and that flush's ``outcome`` it is derived without another pass over the
-        ledger (a hook near the end of its budget)."""
+        ledger (a hook near the end of its budget). ``skip``: checkpoints left to
+        others (partner copies whose owner's node is alive)."""
         if owed is None or outcome is None:
-            recs = [r for r in self.owed(running) if not held(r.extra)]
+            recs = [
+                r for r in self.owed(running) if not held(r.extra) and r.ident not in (skip or ())
+            ]
             return len(recs), sum(r.nbytes for r in recs)
         done = (FlushStatus.FLUSHED, FlushStatus.ALREADY, FlushStatus.GONE)
         gone = {r.ident for r in outcome.results if r.status in done}
@@ -536,6 +541,27 @@ class NodeWork:
             r for r in owed if r.ident not in gone and r.ident not in held_now and not held(r.extra)
         ]
         return len(recs), sum(r.nbytes for r in recs)
+
+    def defer_partner_copies(
+        self, records: List[Record], deadline: Optional[float] = None
+    ) -> Tuple[List[Record], List[Record]]:
+        """``(to flush here, left to their owners)``: partner copies whose owner's node is
+        alive are that node's to flush, as the epilog decides
+        (:func:`~slurm_ckpt.node.partner_flush.defer_live_owners`); of those, the ones
+        the owner has flushed already (the warm tier holds the identical checkpoint) are
+        recorded verified here and are neither flushed nor left over."""
+        keep, deferred = defer_live_owners(records, self.scan_nodes, self.node, self.client)
+        if deferred:
+            there = learn_present(self, deferred, deadline)
+            deferred = [r for r in deferred if r.ident not in there]
+        return keep, deferred
+
+    # -- scrub ------------------------------------------------------------------------
+    def scrub(self, deadline: Optional[float], max_age_s: float) -> List[Record]:
+        """Read back the warm copies of what this node holds (those last checked more than
+        ``max_age_s`` ago, until ``deadline``); a damaged one is uncommitted there and
+        owed again (:mod:`slurm_ckpt.node.scrub`). Returns the records owed again."""
+        return scrub(self, deadline, max_age_s)
 
     # -- retention --------------------------------------------------------------------
     def retention(self, running: Optional[Set[str]], deadline: Optional[float] = None) -> int:

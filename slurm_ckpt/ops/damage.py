@@ -11,9 +11,11 @@ looks at every ``step-N`` entry of a series on a tier and sorts it into:
     the manifest is truncated, tampered with or not JSON, or ``step-N`` is not a
     directory (a regular file, a symlink: never followed);
 ``INCOMPLETE``
-    a step directory without a manifest, older than :data:`COMMIT_GRACE_S` (a commit
-    renames the directory into place and writes the manifest last; a younger one is a
-    commit in progress and is left out);
+    a step directory without a manifest, older than :data:`COMMIT_GRACE_S` (debris of a
+    crashed commit of an older version, which renamed the directory into place before
+    its manifest; a younger one may be such a commit in progress and is left out); one
+    whose manifest was moved aside because the copy was found damaged
+    (``manifest.json.damaged``) is ``CORRUPT``;
 ``UNREADABLE``
     permission denied on the step directory or its manifest (or on the series
     directory itself: then one entry with ``step`` None stands for the series);
@@ -37,7 +39,7 @@ from typing import List, Optional, Tuple
 
 from slurm_ckpt.core import fsio
 from slurm_ckpt.core.layout import parse_step_dirname, step_dirname
-from slurm_ckpt.core.manifest import MANIFEST_NAME, Manifest
+from slurm_ckpt.core.manifest import DAMAGED_MANIFEST_NAME, MANIFEST_NAME, Manifest
 from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.errors import NotFound, TierError, VerifyError
 from slurm_ckpt.tiers.base import StepInfo
@@ -97,6 +99,14 @@ def read_manifest(sfd: int) -> bytes:
     return fsio.read_regular(sfd, MANIFEST_NAME)[0]
 
 
+def _exists(dfd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except OSError:
+        return False
+    return True
+
+
 def _why(exc: OSError) -> str:
     return exc.strerror.lower() if exc.strerror else type(exc).__name__
 
@@ -127,6 +137,8 @@ def _classify(
         try:
             data = read_manifest(sfd)
         except FileNotFoundError:
+            if _exists(sfd, DAMAGED_MANIFEST_NAME):
+                return bad(CORRUPT, "found damaged and uncommitted (manifest.json.damaged)")
             try:
                 age = now - os.fstat(sfd).st_mtime
             except OSError:

@@ -38,6 +38,7 @@ from slurm_ckpt.node.flush_engine import (
 )
 from slurm_ckpt.node.warm import guard_user_dir, warm_of
 from slurm_ckpt.node.work import NodeWork
+from slurm_ckpt.slurm.env import job_env
 from slurm_ckpt.tiers.registry import tiers_from_config
 
 __all__ = ["FlushSummary", "flush_node", "flush_own", "flush_series"]
@@ -51,6 +52,8 @@ class FlushSummary:
     failed: List[Tuple[Ident, str]] = field(default_factory=list)
     busy: List[Ident] = field(default_factory=list)
     left_to_jobs: int = 0
+    #: Partner copies left to their owner's node (alive: it flushes them itself).
+    left_to_owners: int = 0
 
     def add(self, res: FlushResult) -> None:
         if res.ok:
@@ -69,6 +72,7 @@ class FlushSummary:
             ],
             "busy": [{"user": u, "key": k, "step": s} for u, k, s in self.busy],
             "left_to_running_jobs": self.left_to_jobs,
+            "left_to_owner_nodes": self.left_to_owners,
             "ok": not self.failed,
         }
 
@@ -81,6 +85,7 @@ class FlushSummary:
             failed=[((f["user"], f["key"], f["step"]), f["error"]) for f in d["failed"]],
             busy=[(b["user"], b["key"], b["step"]) for b in d["busy"]],
             left_to_jobs=d["left_to_running_jobs"],
+            left_to_owners=int(d.get("left_to_owner_nodes", 0)),
         )
 
 
@@ -118,6 +123,10 @@ def flush_node(
         summary.left_to_jobs = len(
             [r for r in work.ledger.pending_flush() if r.user in work.users]
         ) - len(todo)
+    # Partner copies whose owner's node is alive are that node's to flush (as the
+    # epilog decides); one it flushed already is recorded verified here.
+    todo, deferred = work.defer_partner_copies(todo)
+    summary.left_to_owners = len(deferred)
     if not wait:
         todo = _not_busy(cfg, work, todo, summary)
 
@@ -235,13 +244,20 @@ def flush_series(cfg: Config, user: str, key: str, timeout: Optional[float] = No
     """Copy every committed local checkpoint of ``user/key`` - and of its per-rank series
     ``key.rankNNNNN`` (a multi-rank job) - not yet on the PFS; returns one line per
     checkpoint (copied, already there, or why not). Newest first: if time runs out, the
-    newest is what a restart wants; the epilog flushes the rest."""
+    newest is what a restart wants; the epilog flushes the rest. Partner copies of the
+    checkpoints of another node of this job (their manifest names it) are left to it:
+    two nodes flushing one step at once would only copy it twice."""
     tiers = tiers_from_config(cfg)
     local, pfs = tiers["local"], warm_of(cfg, tiers)  # the warm tier: PFS or object store
     guard_user_dir(pfs, user, os.getuid())
     flusher = Flusher(copy_in_process(local, pfs), hand_off_note=LEFT_TO_EPILOG)
     deadline = None if timeout is None else time.monotonic() + timeout
     lines = []
+    try:
+        jenv = job_env(required=False)
+        here, peers = jenv.node, set(jenv.nodes or ())
+    except CkptError:
+        here, peers = None, set()
     # A multi-rank job saves one series per rank (<key>.rankNNNNN, see job.restore): the
     # rank(s) on this node are flushed too.
     shard = re.compile(re.escape(key) + r"\.rank[0-9]{5}")
@@ -249,8 +265,14 @@ def flush_series(cfg: Config, user: str, key: str, timeout: Optional[float] = No
         name = "" if series == key else f"{series[len(key) + 1 :]} "
         for info in reversed(local.steps(user, series)):
             ident = (user, series, info.step)
-            res = flusher.flush_one(ident, deadline=deadline, nbytes=info.nbytes)
             what = f"{name}step {info.step}"
+            owner = info.manifest.node
+            if here is not None and owner and owner != here and owner in peers:
+                # A partner copy: its owner's node (in this job, flushing now) flushes it;
+                # if that node is lost, the epilog here does (it asks SLURM).
+                lines.append(f"{what}: partner copy, left to its owner's node")
+                continue
+            res = flusher.flush_one(ident, deadline=deadline, nbytes=info.nbytes)
             if res.status is FlushStatus.HANDED:
                 lines.append(f"{what}: not flushed (flush timeout; the epilog will)")
             elif res.ok:

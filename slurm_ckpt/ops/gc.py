@@ -28,7 +28,7 @@ FOREIGN ones are never deleted.
 Pins: a checkpoint is pinned when its manifest's ``meta`` has ``"pinned": true`` (set at
 save time) or when a marker ``<key>/.pin-step-NNNNNNNNNN`` exists beside it (``touch`` it
 to pin after the fact). A PFS checkpoint being archived right now (a
-``.partial-step-N`` on the cold tier) is kept until that copy is done.
+``.partial-step-N.<writer>`` on the cold tier) is kept until that copy is done.
 
 Aging's trust: a step the aging policy passes on to the next tier is kept here until the
 next tier holds a copy with identical manifest bytes (:func:`~slurm_ckpt.ops.age.aged_steps`),
@@ -54,7 +54,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.config_schema import PFS
-from slurm_ckpt.core.layout import PARTIAL_PREFIX, parse_step_dirname, step_dirname
+from slurm_ckpt.core.layout import parse_partial_dirname, step_dirname
 from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.core.retention import CkptInfo, RetentionPolicy, plan_warm_deletions
@@ -281,10 +281,9 @@ def gc_series(
     archiving: Set[int] = set()
     if next_tier is not None:
         for name in _names(next_tier, user, key):
-            if name.startswith(PARTIAL_PREFIX):
-                step = parse_step_dirname(name[len(PARTIAL_PREFIX) :])
-                if step is not None:
-                    archiving.add(step)
+            partial = parse_partial_dirname(name)
+            if partial is not None:
+                archiving.add(partial[0])
     infos = []
     for step, s in sorted(steps.items()):
         pinned = s.manifest.meta.get("pinned") is True or pin_name(step) in names

@@ -52,6 +52,7 @@ from typing import (
 
 from slurm_ckpt.core.chunks import BandwidthLimiter
 from slurm_ckpt.core.manifest import FileEntry, Manifest
+from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.core.verify import VerifyReport
 
 __all__ = [
@@ -231,8 +232,21 @@ class Tier(Protocol):
         self, user: str, key: str, step: int, *, copy_of: Optional[Manifest] = None, **meta: Any
     ) -> TierWriter: ...
 
-    def verify(self, user: str, key: str, step: int) -> VerifyReport:
-        """Re-read and re-hash every byte against the manifest."""
+    def verify(
+        self, user: str, key: str, step: int, progress: Optional[ProgressFn] = None
+    ) -> VerifyReport:
+        """Re-read and re-hash every byte against the manifest (``progress(nbytes)`` hears
+        of each chunk)."""
+        ...
+
+    def uncommit(self, user: str, key: str, step: int, expect: bytes) -> bool:
+        """Take a committed checkpoint found damaged out of the listing, its manifest kept
+        aside as ``manifest.json.damaged`` - only while the manifest is still ``expect``
+        (never a copy committed again since). True when done here and now."""
+        ...
+
+    def uncommitted(self, user: str, key: str, step: int) -> bool:
+        """Was this step found damaged and uncommitted here (and not written again)?"""
         ...
 
     def lock(self, user: str, key: str, step: int, wait: bool = True) -> ContextManager[bool]:

@@ -13,9 +13,15 @@ equal to the bytes that were committed; only then is the destination committed, 
 source's manifest byte for byte.
 
 A copy killed midway leaves the destination writer's work area, which the next copy of
-the same step resumes (:meth:`TierWriter.resumable`: complete, matching files are kept).
-Copies of one step are serialised by the *source* tier's lock (node-local, so flock is
-reliable even when the destination is a parallel filesystem). Files are opened in
+the same step on that node resumes (:meth:`TierWriter.resumable`: complete, matching
+files are kept). Copies of one step from one source are serialised by the *source*
+tier's lock (node-local, so flock is reliable even when the destination is a parallel
+filesystem); copies from two sources (a checkpoint's owner node and the node holding its
+partner copy) may run at once, and need not be kept apart: each writer works in its own
+area on the destination and only its commit is atomic there. The writer that commits
+second finds the step committed: with the same manifest bytes that is this copy done
+(``already_present``), with other bytes a :class:`~slurm_ckpt.errors.StepConflict` -
+nothing committed is ever removed by a copy that lost. Files are opened in
 bounded batches, so a checkpoint of 100,000 files needs no more descriptors than one of
 64.
 """
@@ -30,10 +36,11 @@ from typing import Any, Dict, List, Optional
 
 from slurm_ckpt.core import fsio
 from slurm_ckpt.core.chunks import BandwidthLimiter, ShortRead, hash_pieces, run_chunks
+from slurm_ckpt.core.commit import AlreadyCommitted
 from slurm_ckpt.core.faults import crashpoint
 from slurm_ckpt.core.manifest import FileEntry
 from slurm_ckpt.core.progress import ProgressFn, report
-from slurm_ckpt.errors import CkptError, NotFound, VerifyError
+from slurm_ckpt.errors import NotFound, StepConflict, VerifyError
 from slurm_ckpt.tiers.base import RangeSink, RangeSource, Tier, TierReader, TierWriter
 
 __all__ = ["FILES_PER_BATCH", "CopyResult", "SourceCorrupt", "copy_checkpoint"]
@@ -116,8 +123,11 @@ def copy_checkpoint(
     copied. When it holds a *different* checkpoint of the same step: with
     ``replace_older`` and an older one (``wall_time``), that copy is of an abandoned
     timeline (training went back to an older step and came here again) and is replaced;
-    otherwise CkptError. ``reread`` reads the copy back from the device before the commit
-    (twice the I/O; for sites that distrust their storage path). The bandwidth cap of
+    otherwise :class:`~slurm_ckpt.errors.StepConflict`. Another copy of this step
+    committing first while this one runs counts as this one done when its manifest is
+    the same (``already_present``), else as a StepConflict. ``reread`` reads the copy
+    back from the device before the commit (twice the I/O; for sites that distrust their
+    storage path). The bandwidth cap of
     ``dst`` applies. ``progress(nbytes)`` hears of every copied (or already present)
     byte, for progress bars.
     """
@@ -152,6 +162,15 @@ def copy_checkpoint(
                     if not rep.ok:
                         raise VerifyError(f"{where}: re-read after copy failed: {rep.problems[0]}")
                 writer.commit()
+        except AlreadyCommitted:
+            # Another writer of this step (another node) committed first: its manifest
+            # decides - never replaced here, whatever its age.
+            if not _present(dst, reader, False):
+                raise
+            report(progress, manifest.total_bytes)
+            return CopyResult(
+                step, manifest.total_bytes, 0, time.monotonic() - t0, already_present=True
+            )
         except OSError as exc:
             # ENOSPC and friends: the writer gave the space back; nothing half-made is kept.
             raise fsio.tier_error(exc, f"copy to {where}") from None
@@ -165,7 +184,9 @@ def copy_checkpoint(
 
 
 def _present(dst: Tier, reader: TierReader, replace_older: bool) -> bool:
-    """True when ``dst`` already holds this exact checkpoint, committed."""
+    """True when ``dst`` already holds this exact checkpoint, committed; False when it
+    holds none (or an older one it replaced); :class:`StepConflict` when it holds
+    another."""
     m = reader.manifest
     try:
         existing = dst.manifest_bytes(m.user, m.key, m.step)
@@ -182,7 +203,10 @@ def _present(dst: Tier, reader: TierReader, replace_older: bool) -> bool:
         if theirs_time is None or theirs_time < m.wall_time:
             dst.delete(m.user, m.key, m.step)
             return False
-    raise CkptError(f"{where}: a different checkpoint with this step is already committed")
+    raise StepConflict(
+        f"{where}: a different checkpoint with this step is already committed (conflict; "
+        "neither is removed)"
+    )
 
 
 def _copy_files(

@@ -30,7 +30,7 @@ from slurm_ckpt.core.layout import (
     parse_step_dirname,
     step_dirname,
 )
-from slurm_ckpt.core.manifest import MANIFEST_NAME, Manifest
+from slurm_ckpt.core.manifest import DAMAGED_MANIFEST_NAME, MANIFEST_NAME, Manifest
 from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.core.verify import VerifyReport, open_payload, verify_files
@@ -312,6 +312,37 @@ class PosixTier:
             failed.append(rep)
         return None, failed
 
+    # -- damage ----------------------------------------------------------------
+    def uncommit(self, user: str, key: str, step: int, expect: bytes) -> bool:
+        """Take a committed checkpoint found damaged out of the tier's listing: its
+        manifest is renamed to ``manifest.json.damaged`` (atomic; the bytes stay for
+        inspection until the step is written again or swept). Only while the manifest is
+        still ``expect`` - the one found damaged, never a copy committed again since.
+        True when it was uncommitted here and now."""
+        try:
+            with self.step_fd(user, key, step) as sfd:
+                try:
+                    if fsio.read_small(sfd, MANIFEST_NAME) != expect:
+                        return False
+                except FileNotFoundError:
+                    return False
+                os.rename(MANIFEST_NAME, DAMAGED_MANIFEST_NAME, src_dir_fd=sfd, dst_dir_fd=sfd)
+                os.fsync(sfd)
+                return True
+        except NotFound:
+            return False
+        except OSError as exc:
+            raise fsio.tier_error(exc, self.where(user, key, step)) from None
+
+    def uncommitted(self, user: str, key: str, step: int) -> bool:
+        """Was this step found damaged and uncommitted here (and not written again)?"""
+        try:
+            with self.step_fd(user, key, step) as sfd:
+                os.stat(DAMAGED_MANIFEST_NAME, dir_fd=sfd, follow_symlinks=False)
+        except (NotFound, OSError):
+            return False
+        return True
+
     # -- deleting and sweeping -------------------------------------------------
     def delete(self, user: str, key: str, step: int) -> None:
         """Remove one checkpoint: the manifest first (so it stops counting), then the data."""
@@ -336,7 +367,8 @@ class PosixTier:
     ) -> List[str]:
         """Remove debris of crashed writers: ``.tmp-*`` of dead processes (or older than
         ``max_age_s``), ``.trash-*``, ``step-N`` without a valid manifest, and with
-        ``partials`` also interrupted copies. Returns the names removed."""
+        ``partials`` also interrupted copies (every writer's ``.partial-step-N.<writer>``
+        and the old ``.partial-step-N``). Returns the names removed."""
         removed = []
         try:
             ctx = self.key_fd(user, key)

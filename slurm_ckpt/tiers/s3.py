@@ -26,7 +26,7 @@ import botocore.exceptions as bexc
 from slurm_ckpt.core.chunks import PIECE, BandwidthLimiter
 from slurm_ckpt.core.hashing import DEFAULT_CHUNK_SIZE
 from slurm_ckpt.core.layout import parse_step_dirname, step_dirname
-from slurm_ckpt.core.manifest import MANIFEST_NAME, Manifest
+from slurm_ckpt.core.manifest import DAMAGED_MANIFEST_NAME, MANIFEST_NAME, Manifest
 from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.core.verify import VerifyReport, verify_sources
@@ -321,6 +321,32 @@ class S3Tier:
     def lock(self, user: str, key: str, step: int, wait: bool = True) -> Any:
         ident = f"{self.endpoint}|{self.bucket}|{self.step_prefix(user, key, step)}"
         return step_lock(ident, wait)
+
+    def uncommit(self, user: str, key: str, step: int, expect: bytes) -> bool:
+        """Take a committed checkpoint found damaged out of the listing (see
+        :meth:`PosixTier.uncommit`): the manifest is kept as ``manifest.json.damaged``
+        and the manifest object deleted, only while it is still ``expect``."""
+        try:
+            if self.manifest_bytes(user, key, step) != expect:
+                return False
+        except NotFound:
+            return False
+        where = self.where(user, key, step)
+        aside = self.object_key(user, key, step, DAMAGED_MANIFEST_NAME)
+        self._call("put_object", where, Key=aside, Body=expect)
+        self._call("delete_object", where, Key=self.object_key(user, key, step, MANIFEST_NAME))
+        return True
+
+    def uncommitted(self, user: str, key: str, step: int) -> bool:
+        """Was this step found damaged and uncommitted here (and not written again)?"""
+        where = self.where(user, key, step)
+        try:
+            self._call(
+                "head_object", where, Key=self.object_key(user, key, step, DAMAGED_MANIFEST_NAME)
+            )
+        except NotFound:
+            return False
+        return True
 
     def delete(self, user: str, key: str, step: int) -> None:
         """The manifest first (the checkpoint stops counting), then every other object."""

@@ -36,7 +36,7 @@ import botocore.exceptions as bexc
 from slurm_ckpt.core.commit import AlreadyCommitted, manifest_to_commit
 from slurm_ckpt.core.faults import crashpoint
 from slurm_ckpt.core.hashing import ChunkedHasher, chunk_count, chunk_digest, combine
-from slurm_ckpt.core.manifest import MANIFEST_NAME, FileEntry, Manifest
+from slurm_ckpt.core.manifest import DAMAGED_MANIFEST_NAME, MANIFEST_NAME, FileEntry, Manifest
 from slurm_ckpt.core.manifest_limits import check_bytes
 from slurm_ckpt.core.names import validate_key, validate_relpath, validate_user
 from slurm_ckpt.core.verify import VerifyReport, verify_sources
@@ -476,13 +476,19 @@ class S3Writer:
     def resumable(self) -> Set[str]:
         """Objects of an interrupted copy that are complete and tagged with this
         manifest's hash and size (kept); other objects are deleted and interrupted
-        multipart uploads aborted (their files are sent again)."""
+        multipart uploads aborted (their files are sent again). Nothing is kept of a
+        copy that was found damaged and uncommitted (:meth:`S3Tier.uncommit`)."""
         m = self._manifest_for_copy()
         wanted = {e.path: e for e in m.files}
         prefix = self.tier.step_prefix(self.user, self.key, self.step)
         keep: Set[str] = set()
         stale: List[str] = []
-        for obj in self.tier.list_objects(prefix):
+        objs = list(self.tier.list_objects(prefix))
+        if any(o["Key"][len(prefix) :] == DAMAGED_MANIFEST_NAME for o in objs):
+            # A copy found damaged and uncommitted here: none of its objects is kept (their
+            # tags say what they were meant to hold, not what they hold now).
+            wanted = {}
+        for obj in objs:
             rel = obj["Key"][len(prefix) :]
             e = wanted.get(rel)
             if e is not None and int(obj["Size"]) == e.size:
@@ -552,7 +558,11 @@ class S3Writer:
         return manifest
 
     def abort(self) -> None:
-        """Abort uploads in flight and delete the objects this writer made or kept."""
+        """Abort this writer's own uploads in flight; a fresh writer also deletes the
+        objects it made. A copy deletes no object: another writer of this step (another
+        node's copy of the same checkpoint) may share them by name and commit - or have
+        committed - a manifest that names them; a complete object of this copy is what a
+        resumed copy keeps anyway, and :meth:`S3Tier.sweep` removes what nobody commits."""
         if self._done:
             return
         self._done = True
@@ -564,7 +574,17 @@ class S3Writer:
                     self.tier.client().abort_multipart_upload(
                         Bucket=self.tier.bucket, Key=up.key, UploadId=up.upload_id
                     )
-        # No manifest was written: nothing listable is left, and debris is swept later.
+        if self.copy_of is not None:
+            return
+        # No manifest was written by us. Delete our objects unless the step is committed
+        # (by another writer, whose manifest may name objects of the same names).
+        try:
+            self.tier.manifest_bytes(self.user, self.key, self.step)
+            return
+        except NotFound:
+            pass
+        except (CkptError, OSError):
+            return  # cannot tell: leave them for the sweep
         with suppress(CkptError, OSError):
             self.tier.delete_keys(sorted(self._objects))
 

@@ -106,6 +106,27 @@ def test_verify_finds_one_flipped_byte(make_tier) -> None:
     assert not rep.ok and "model.bin" in rep.summary()
 
 
+def test_a_copy_found_damaged_is_uncommitted_and_flushed_again(make_tier) -> None:
+    """Issue 28: a warm copy that rots after it was verified stops counting (its manifest
+    moved aside, nothing deleted) and the next copy of the good one replaces it."""
+    src, dst = make_tier("a"), make_tier("b")
+    save(src, 5)
+    copy_checkpoint(src, dst, USER, KEY, 5)
+    good = dst.manifest_bytes(USER, KEY, 5)
+    corrupt_one_byte(dst, 5, "model.bin", CHUNK + 7)
+    assert not dst.verify(USER, KEY, 5).ok
+    assert not dst.uncommit(USER, KEY, 5, b"{}")  # not the manifest found damaged: kept
+    assert [s.step for s in dst.steps(USER, KEY)] == [5]
+    assert dst.uncommit(USER, KEY, 5, good)
+    assert dst.steps(USER, KEY) == [] and not dst.uncommit(USER, KEY, 5, good)
+    with pytest.raises(NotFound):
+        dst.manifest_bytes(USER, KEY, 5)
+    res = copy_checkpoint(src, dst, USER, KEY, 5)  # the good copy, flushed again
+    assert not res.already_present and res.copied_bytes == res.nbytes
+    assert dst.manifest_bytes(USER, KEY, 5) == good and dst.verify(USER, KEY, 5).ok
+    assert read_all(dst, 5) == payload(5)
+
+
 def corrupt_one_byte(tier: Tier, step: int, relpath: str, offset: int) -> None:
     """Damage a committed payload file the way a disk would (kind-specific access)."""
     if tier.kind == "posix":

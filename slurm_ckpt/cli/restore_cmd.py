@@ -69,6 +69,11 @@ def check_destination(to: str) -> str:
 @click.option("--tier", type=click.Choice(list(ORDER)), help="Only from this tier.")
 @click.option("--step", type=click.IntRange(min=0), help="This step (default: the newest).")
 @click.option(
+    "--lineage",
+    metavar="NAME",
+    help="Of this lineage (see list; a rollback's retired steps are restored so).",
+)
+@click.option(
     "--to",
     "to",
     required=True,
@@ -83,6 +88,7 @@ def restore_cmd(
     key: str,
     tier: Optional[str],
     step: Optional[int],
+    lineage: Optional[str],
     to: str,
     user: Optional[str],
     out: OutputFormat,
@@ -94,7 +100,7 @@ def restore_cmd(
     for note in require_roots(cfg, tier):
         warn(note)
     dest = check_destination(to)
-    doc = restore_to(cfg, key, dest, user=user, tier=tier, step=step)
+    doc = restore_to(cfg, key, dest, user=user, tier=tier, step=step, lineage=lineage)
     if out.json:
         print_json(doc)
         return
@@ -102,6 +108,7 @@ def restore_cmd(
         Listing(RESTORE_COLUMNS, [doc], "restore").print(out)
         return
     echo_wrapped(
-        f"restored {doc['user']}/{doc['key']} step {doc['step']} from {doc['tier']} "
+        f"restored {doc['user']}/{doc['key']} step {doc['step']} (lineage {doc['lineage']}"
+        f"{', retired' if doc['retired'] else ''}) from {doc['tier']} "
         f"({format_bytes(doc['bytes'])}, verified) to {doc['path']}"
     )

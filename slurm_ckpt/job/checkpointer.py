@@ -52,6 +52,7 @@ from slurm_ckpt.errors import CkptError, TierError
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord
 from slurm_ckpt.job.closing import ClosingMethods
 from slurm_ckpt.job.lazy import Drain, defer_mask
+from slurm_ckpt.job.lease import SeriesLease
 from slurm_ckpt.job.options import OPTION_NAMES, UNSET, Options, build_config, resolve_aliases
 from slurm_ckpt.job.partner import PartnerLink, open_partner
 from slurm_ckpt.job.pipeline import (
@@ -113,6 +114,7 @@ def _finish_at_exit(ref: Callable[[], Optional[Checkpointer]], pid: int) -> None
     ckpt = ref()
     if ckpt is not None and not ckpt._closed and os.getpid() == pid:
         ckpt._pipeline.finish_at_exit()
+        ckpt._lease.release()
 
 
 class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
@@ -158,6 +160,8 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
       user: owner of the checkpoints (the current user).
       node: node name (the host name).
       job: SLURM job id, recorded in manifests and the ledger.
+      takeover: take the key over from a writer that looks alive but is known dead (a
+        hung process, a node given up; docs/user-guide.md, "One writer per key").
     SLURM integration and callbacks:
       install_signals: install handlers for ``signals`` (False: you call nothing else).
       requeue: requeue the job after a save caused by the time limit.
@@ -204,6 +208,7 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
         user: Optional[str] = None,
         node: Optional[str] = None,
         job: Optional[Union[str, int]] = None,
+        takeover: bool = False,
         install_signals: bool = True,
         requeue: bool = False,
         requeue_fn: Optional[Callable[[str], None]] = None,
@@ -255,6 +260,17 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
                 self.warm.check_user(self.user)
             except TierError as exc:
                 log.warning("[ckpt] warm tier not usable now (flushes will fail): %s", exc)
+        # One writer per series: a second one stops here, before it touches anything.
+        self._lease = SeriesLease(self.local, self.warm, self.user, self.shard_key, self.node)
+        self._lease.acquire(self.job, opts.takeover)
+        try:
+            self._setup(cfg, opts, standalone)
+        except BaseException:
+            self._lease.release()
+            raise
+
+    def _setup(self, cfg: Config, opts: Options, standalone: bool) -> None:
+        """The rest of the construction, once the series' lease is held."""
         if standalone:
             sweep_debris(self.local, self.user, self.shard_key)
 
@@ -290,6 +306,7 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
             flush_policy=opts.flush_policy,
             min_free=cfg.tiers.local.min_free,
             max_consecutive_failures=cfg.job.max_consecutive_failures,
+            lease=self._lease,
         )
         #: Partner copies of this rank's checkpoints on the next node (None: off).
         self.partner: Optional[PartnerLink] = None

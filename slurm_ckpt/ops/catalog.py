@@ -23,6 +23,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from slurm_ckpt.core import fsio, trust
 from slurm_ckpt.core.layout import parse_step_dirname, step_dirname
+from slurm_ckpt.core.lineage import SeriesView, lineage_of
 from slurm_ckpt.core.manifest import MANIFEST_NAME, manifest_facts
 from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.errors import CkptError, NotFound, TierError
@@ -254,11 +255,19 @@ def series_rows(tiers: Dict[str, Tier], users: Optional[List[str]]) -> List[Dict
 
 def step_rows(tiers: Dict[str, Tier], user: str, key: str) -> List[Dict[str, Any]]:
     """One row per step directory of ``user/key`` per tier: committed checkpoints
-    (``state`` "committed") and damaged ones (their state and ``reason``)."""
+    (``state`` "committed") and damaged ones (their state and ``reason``). Each committed
+    one names its ``lineage`` and whether it is ``retired`` (a rollback abandoned it:
+    :mod:`slurm_ckpt.core.lineage`, judged over the tiers listed together)."""
     rows: List[Dict[str, Any]] = []
     now = time.time()
+    scanned = {name: scan_series(t, user, key, now) for name, t in tiers.items()}  # type: ignore[arg-type]
+    view = SeriesView.of(
+        (s.step, s.manifest.meta, s.manifest.wall_time)
+        for steps, _ in scanned.values()
+        for s in steps
+    )
     for name, t in tiers.items():
-        steps, damaged = scan_series(t, user, key, now)  # type: ignore[arg-type]
+        steps, damaged = scanned[name]
         for s in steps:
             m = s.manifest
             rows.append(
@@ -274,6 +283,8 @@ def step_rows(tiers: Dict[str, Tier], user: str, key: str) -> List[Dict[str, Any
                     "job": m.job,
                     "node": m.node,
                     "data_version": m.meta.get("data_version"),
+                    "lineage": lineage_of(m.meta).name,
+                    "retired": not view.active(s.step, m.meta),
                     "state": COMMITTED,
                     "reason": None,
                     "path": t.location(user, key, s.step),

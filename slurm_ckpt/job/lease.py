@@ -66,6 +66,27 @@ class SeriesBusy(CkptError):
     """Another live writer holds the series."""
 
 
+#: Longest wait for another writer's update of the record (it takes milliseconds; a
+#: process stopped in the middle of one must not hang this one forever).
+UPDATE_WAIT_S = 30.0
+
+
+def _lock_update(fd: int, key: str) -> None:
+    """Take the short update lock, waiting at most :data:`UPDATE_WAIT_S`."""
+    until = time.monotonic() + UPDATE_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > until:
+                raise SeriesBusy(
+                    f"key {key}: another process has been updating its lease record for "
+                    f"{UPDATE_WAIT_S:.0f}s (stopped?): try again, or use another key"
+                ) from None
+            time.sleep(0.05)
+
+
 def _start_time(pid: int) -> Optional[int]:
     """A process's start time (clock ticks since boot), None when unknown; ``-1`` for a
     zombie (dead, not yet reaped)."""
@@ -167,7 +188,7 @@ class SeriesLease:
         hold = _open_lock(kfd, _HOLD)
         update = _open_lock(kfd, _UPDATE)
         try:
-            fcntl.flock(update, fcntl.LOCK_EX)
+            _lock_update(update, self.key)
             try:
                 fcntl.flock(hold, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
@@ -304,7 +325,7 @@ class SeriesLease:
             with self.local.key_fd(self.user, self.key, create=True) as kfd:  # type: ignore[attr-defined]
                 update = _open_lock(kfd, _UPDATE)
                 try:
-                    fcntl.flock(update, fcntl.LOCK_EX)
+                    _lock_update(update, self.key)
                     rec = self._read_local()
                     if rec is not None and rec.generation == self.generation:
                         self._write_local(_released(done))

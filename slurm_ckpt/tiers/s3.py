@@ -324,7 +324,7 @@ class S3Tier:
         okey = self.series_prefix(user, key) + LEASE_FILE
         where = f"{self.where(user, key)}/{LEASE_FILE}"
         try:
-            return self._call("get_object", where, Key=okey)["Body"].read(65537)[:65537]
+            return self._call("get_object", where, Key=okey)["Body"].read(65537)
         except NotFound:
             return None
         except (bexc.BotoCoreError, OSError) as exc:

@@ -24,6 +24,7 @@ from helpers.site import Site
 
 from slurm_ckpt import Checkpointer
 from slurm_ckpt.core.lease import LEASE_FILE, LeaseRecord, StaleGeneration
+from slurm_ckpt.core.lineage import Lineage, SeriesView, lineage_of
 from slurm_ckpt.core.names import current_user
 from slurm_ckpt.core.retention import (
     CkptInfo,
@@ -341,3 +342,40 @@ def test_retention_does_not_count_retired_steps() -> None:
     assert plan_local_deletions(old + new, policy) == [18, 19, 20]
     # warm: the new lineage's newest two are kept, and the retired lineage's newest as history
     assert plan_warm_deletions(old + new, now=1000, policy=policy) == [18, 19]
+
+
+def test_a_chain_of_rollbacks_keeps_each_ancestor_up_to_its_branch_point() -> None:
+    """main 1..20; back to 10 (g2@10: 11..15); back to 12 (g3@12: 13, 14). Current: main up
+    to 10, g2@10 up to 12, all of g3@12; the rest is retired, whichever step is higher."""
+    main = Lineage()
+    b2 = main.branch("g2@10", 10)
+    b3 = b2.branch("g3@12", 12)
+    items = [(s, {"generation": 1, **main.meta()}, s) for s in range(1, 21)]
+    items += [(s, {"generation": 2, **b2.meta()}, 100 + s) for s in range(11, 16)]
+    items += [(s, {"generation": 3, **b3.meta()}, 200 + s) for s in (13, 14)]
+    view = SeriesView.of(items)
+    assert view.head.name == "g3@12" and view.newest_active() == 14
+    active = sorted((s, lineage_of(m).name) for s, m, _ in items if view.active(s, m))
+    assert active == [(s, "main") for s in range(1, 11)] + [
+        (11, "g2@10"),
+        (12, "g2@10"),
+        (13, "g3@12"),
+        (14, "g3@12"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        b"not json",
+        b'{"key": "run", "node": "n\\n1", "pid": 1, "generation": 1, "since": 1, "heartbeat": 1}',
+        b'{"key": "run", "node": "n", "pid": true, "generation": 1, "since": 1, "heartbeat": 1}',
+        b'{"key": "run", "node": "n", "pid": 1, "generation": -1, "since": 1, "heartbeat": 1}',
+        b'{"key": "run", "node": "n", "pid": 1, "generation": 1, "since": 1e999, "heartbeat": 1}',
+        b"[" * 5000,
+    ],
+)
+def test_a_malformed_lease_record_reads_as_none(doc: bytes) -> None:
+    """The record is the user's file, read by whoever writes next: anything odd is no
+    record (the next writer rewrites it), never a crash or a forged line."""
+    assert LeaseRecord.from_bytes(doc) is None

@@ -491,6 +491,7 @@ def restore_path(
         return None
     ckpt.restored = got
     ckpt._schedule.restored(got.step, got.tokens)
+    ckpt._adopt_lineage(got, r.view if tiers is None else None)  # a rollback branches here too
     log.info(
         "[ckpt] restore_path: step=%d tokens=%s from %s: %s",
         got.step,

@@ -285,7 +285,7 @@ def test_rollback_sticks_after_a_crash(tmp_path: Path) -> None:
         got = c.restore()
         assert (got.step, got.state) == (12, {"x": 12})  # today: 20, the abandoned timeline
         assert got.lineage == "g2@10"
-        with pytest.raises(CkptError, match="retired lineage main"):
+        with pytest.raises(CkptError, match=r"step is retired \(lineage main"):
             c.restore(step=20)
         old = c.restore(step=20, lineage="main")
         assert (old.step, old.state, old.retired) == (20, {"x": 20}, True)
@@ -379,3 +379,50 @@ def test_a_malformed_lease_record_reads_as_none(doc: bytes) -> None:
     """The record is the user's file, read by whoever writes next: anything odd is no
     record (the next writer rewrites it), never a crash or a forged line."""
     assert LeaseRecord.from_bytes(doc) is None
+
+
+def test_a_requeue_that_resumed_behind_the_old_newest_supersedes_it(tmp_path: Path) -> None:
+    """Generation 1 saved 15 (flushed) and 20 (its flush never happened); the requeued
+    job (generation 2, another node) resumed from 15 and saved 16, 17; then the old
+    node's 20 reaches the warm tier (its epilog, late). The restart takes 17: 20 is the
+    old timeline, retired, and still restorable by step and lineage."""
+    warm = tmp_path / "warm"
+    lost = Checkpointer(
+        local=tmp_path / "nodeA",
+        warm=warm,
+        key="run",
+        node="nodeA",
+        job="7",
+        install_signals=False,
+    )
+    for step in (15, 20):
+        lost.save({"x": step}, step=step)
+    lost.close()
+    wt = PosixTier("pfs", str(warm))
+    wt.delete(USER, "run", 20)  # its flush never happened
+    with Checkpointer(
+        local=tmp_path / "nodeB",
+        warm=warm,
+        key="run",
+        node="nodeB",
+        job="7",
+        install_signals=False,
+    ) as b:
+        assert b.restore().step == 15
+        for step in (16, 17):
+            b.save({"x": step}, step=step)
+    from slurm_ckpt.tiers.copy import copy_checkpoint
+
+    copy_checkpoint(PosixTier("local", str(tmp_path / "nodeA")), wt, USER, "run", 20)
+    with Checkpointer(
+        local=tmp_path / "nodeC",
+        warm=warm,
+        key="run",
+        node="nodeC",
+        job="7",
+        install_signals=False,
+    ) as c:
+        got = c.restore()
+        assert (got.step, got.state) == (17, {"x": 17})  # today: 20, the old timeline
+        old = c.restore(step=20, lineage="main")
+        assert (old.step, old.retired) == (20, True)

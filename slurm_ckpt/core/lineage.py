@@ -10,9 +10,15 @@ the writer's generation (``meta.generation``, :mod:`slurm_ckpt.core.lease`).
 The rule, evaluated over the manifests of one series (on one tier or on all of them
 together): the **head** is the manifest committed last - highest generation, then
 latest ``wall_time`` (one writer's clock). Current ("active") are the steps of the
-head's lineage and, of each ancestor, the steps up to the one it branched at. Every other
+head's lineage and, of each ancestor, the steps up to the one it branched at - except
+the steps a later writer of the same lineage went back behind: when generation G's
+lowest step in a lineage is S, the steps >= S of older generations in it are superseded
+(a requeued job that resumed from step 15 because step 20 never reached the warm tier,
+and a stale writer's late steps, are the old timeline, not the new one). Every other
 step is **retired**: kept as history, listed as such, restorable by naming its step and
 lineage, never chosen by an automatic restore, never counted as the newest by retention.
+Manifests without a generation (0: written before there were any, or by a writer that
+records none) neither supersede nor are superseded.
 
 A series that never rolled back has one lineage, ``main`` (manifests older than
 lineages read as ``main``, generation 0). A branch is named ``g<generation>@<step>``
@@ -113,6 +119,20 @@ class SeriesView:
         for name, step in self.head.ancestry:
             if name not in self.bounds:
                 self.bounds[name] = step
+        # lineage -> generation -> its lowest step there (generations >= 1 only)
+        low: Dict[str, Dict[int, int]] = {}
+        for e in entries:
+            if e.generation > 0:
+                gens = low.setdefault(e.lineage.name, {})
+                gens[e.generation] = min(e.step, gens.get(e.generation, e.step))
+        #: lineage -> [(generation, lowest step of any newer generation)], ascending.
+        self._later: Dict[str, List[Tuple[int, int]]] = {}
+        for name, gens in low.items():
+            rows, floor = [], None
+            for g in sorted(gens, reverse=True):
+                rows.append((g, floor))
+                floor = gens[g] if floor is None else min(floor, gens[g])
+            self._later[name] = [(g, f) for g, f in rows if f is not None]
 
     @classmethod
     def of(cls, items: Iterable[Tuple[int, Any, float]]) -> SeriesView:
@@ -122,11 +142,15 @@ class SeriesView:
 
     def active(self, step: int, meta: Any) -> bool:
         """Whether the checkpoint ``step`` with manifest ``meta`` is current."""
-        name = lineage_of(meta).name
-        if name not in self.bounds:
+        return self._active(_Entry(step, lineage_of(meta), generation_of(meta), 0.0))
+
+    def _superseded(self, e: _Entry) -> bool:
+        if e.generation == 0:
             return False
-        bound = self.bounds[name]
-        return bound is None or step <= bound
+        for g, floor in self._later.get(e.lineage.name, ()):
+            if g == e.generation:
+                return floor <= e.step
+        return False
 
     def newest_active(self) -> Optional[int]:
         """The highest current step (None when there is none)."""
@@ -134,5 +158,7 @@ class SeriesView:
         return max(steps, default=None)
 
     def _active(self, e: _Entry) -> bool:
-        bound = self.bounds.get(e.lineage.name, -1)
-        return bound is None or e.step <= bound  # type: ignore[operator]
+        if e.lineage.name not in self.bounds or self._superseded(e):
+            return False
+        bound = self.bounds[e.lineage.name]
+        return bound is None or e.step <= bound

@@ -272,9 +272,9 @@ class Restorer:
         if self.only_step is not None and not out and retired:
             names = ", ".join(sorted(retired))
             raise CkptError(
-                f"restore(step={self.only_step}): that step is in the retired lineage "
-                f"{names} only (a rollback abandoned it): say restore(step={self.only_step}, "
-                f"lineage={sorted(retired)[0]!r})"
+                f"restore(step={self.only_step}): that step is retired (lineage {names}: a "
+                "rollback, or a later writer, went back behind it): say "
+                f"restore(step={self.only_step}, lineage={sorted(retired)[0]!r})"
             )
         return out
 

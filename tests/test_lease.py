@@ -426,3 +426,37 @@ def test_a_requeue_that_resumed_behind_the_old_newest_supersedes_it(tmp_path: Pa
         assert (got.step, got.state) == (17, {"x": 17})  # today: 20, the old timeline
         old = c.restore(step=20, lineage="main")
         assert (old.step, old.retired) == (20, True)
+
+
+def test_a_dropped_unclosed_checkpointer_lets_go_of_its_key(dirs) -> None:
+    """``Checkpointer(...).restore()`` and dropped (no close()): the next one is not refused."""
+    local, warm = dirs
+    with Checkpointer(local=local, warm=warm, key="run", install_signals=False) as c:
+        c.save({"x": 1}, step=1)
+    assert (
+        Checkpointer(local=local, warm=warm, key="run", install_signals=False).restore().step == 1
+    )
+    assert (
+        Checkpointer(local=local, warm=warm, key="run", install_signals=False).restore().step == 1
+    )
+
+
+def test_a_replica_rank_of_a_one_part_series_takes_no_lease_until_it_saves(
+    dirs, monkeypatch
+) -> None:
+    """Lightning's DDP: every rank builds the one-part series (rank=0, world_size=1) and
+    only global rank 0 writes. The others restore freely; one that saves gets the line."""
+    local, warm = dirs
+    with Checkpointer(local=local, warm=warm, key="run", install_signals=False) as writer:
+        writer.save({"x": 1}, step=1)
+        writer.wait()
+        monkeypatch.setenv("LOCAL_RANK", "1")
+        replica = Checkpointer(
+            local=local, warm=warm, key="run", rank=0, world_size=1, install_signals=False
+        )
+        assert replica.restore().step == 1
+        with pytest.raises(CkptError, match=f"is being written by pid {os.getpid()}"):
+            replica.save({"x": 2}, step=2)
+        replica.close()
+        writer.save({"x": 2}, step=2)
+    assert [s.step for s in PosixTier("pfs", str(warm)).steps(USER, "run")] == [1, 2]

@@ -82,7 +82,7 @@ from slurm_ckpt.job.standalone import make_roots, sweep_debris
 from slurm_ckpt.job.state import flatten, index_bytes, layout
 from slurm_ckpt.job.stats import CheckpointStats
 from slurm_ckpt.slurm.client import job_end_time_provider
-from slurm_ckpt.slurm.env import job_env, resolve_rank
+from slurm_ckpt.slurm.env import job_env, replica_rank, resolve_rank
 from slurm_ckpt.slurm.requeue import requeue_job
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.registry import tiers_from_config
@@ -260,9 +260,15 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
                 self.warm.check_user(self.user)
             except TierError as exc:
                 log.warning("[ckpt] warm tier not usable now (flushes will fail): %s", exc)
-        # One writer per series: a second one stops here, before it touches anything.
-        self._lease = SeriesLease(self.local, self.warm, self.user, self.shard_key, self.node)
-        self._lease.acquire(self.job, opts.takeover)
+        # One writer per series: a second one stops here, before it touches anything. A
+        # replica rank of a one-part series (Lightning: only global rank 0 writes) takes
+        # the lease at its first save, if it ever saves.
+        self._lease = SeriesLease(
+            self.local, self.warm, self.user, self.shard_key, self.node, job=self.job,
+            takeover=opts.takeover,
+        ).owned_by(self)  # fmt: skip
+        if not ((opts.rank, opts.world_size) == (0, 1) and replica_rank()):
+            self._lease.acquire()
         try:
             self._setup(cfg, opts, standalone)
         except BaseException:
@@ -515,6 +521,7 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
         self._raise_if_failed()
         if self._closed:
             raise CkptError("Checkpointer.save(): already closed")
+        self._lease.ensure()  # held since construction, except by a replica rank
         t0 = time.monotonic()
         preempt = self._schedule.preempt_pending if preemption is None else bool(preemption)
         reason = "signal" if preempt else "interval"

@@ -29,11 +29,13 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
+import gc
 import logging
 import os
 import threading
 import time
-from typing import Dict, Optional, Tuple
+import weakref
+from typing import Callable, Dict, Optional, Tuple
 
 from slurm_ckpt.core import fsio
 from slurm_ckpt.core.lease import (
@@ -57,7 +59,7 @@ STALE_AFTER_S = 600.0
 _HOLD = ".lock-lease"
 _UPDATE = ".lock-lease-update"
 
-_registry_lock = threading.Lock()
+_registry_lock = threading.RLock()  # a finalizer may release inside acquire's section
 #: Leases held in this process: (local root, user, key) -> the lease.
 _held: Dict[Tuple[str, str, str], SeriesLease] = {}
 
@@ -142,11 +144,13 @@ class SeriesLease:
         user: str,
         key: str,
         node: str,
+        *,
+        job: Optional[str] = None,
+        takeover: bool = False,
     ) -> None:
         self.local, self.warm = local, warm
         self.user, self.key, self.node = user, key, node
-        self.job: Optional[str] = None
-        self.takeover = False
+        self.job, self.takeover = job, takeover
         self.ident = (os.path.realpath(getattr(local, "root", local.name)), user, key)
         self.generation = 0
         self.record: Optional[LeaseRecord] = None
@@ -156,15 +160,41 @@ class SeriesLease:
         self._hold_fd: Optional[int] = None
         self._stop = threading.Event()
         self._beat: Optional[threading.Thread] = None
+        self._owner: Optional[Callable[[], object]] = None
+        self._pid = os.getpid()
 
     # -- taking it -----------------------------------------------------------------------
-    def acquire(self, job: Optional[str] = None, takeover: bool = False) -> SeriesLease:
-        """Take the lease as SLURM job ``job``, or raise :class:`SeriesBusy` (one line)
-        when a live writer holds it and ``takeover`` is not given."""
-        self.job, self.takeover = job, takeover
+    def ensure(self) -> None:
+        """Take the lease now unless held (a replica rank's first save)."""
+        if self.record is None:
+            if self.released:
+                raise CkptError(f"key {self.key}: this Checkpointer is closed")
+            self.acquire()
+
+    def owned_by(self, owner: object) -> SeriesLease:
+        """Tie the lease to its Checkpointer: when that is garbage collected without
+        ``close()`` (``Checkpointer(...).restore()`` and dropped), the lease goes with it."""
+        self._owner = weakref.ref(owner)
+        weakref.finalize(owner, self.release)
+        return self
+
+    def _holder_here(self) -> Optional[SeriesLease]:
+        """The live lease of another Checkpointer of this process on this series."""
         with _registry_lock:
             other = _held.get(self.ident)
-            if other is not None and not other.released and other.record is not None:
+        if other is None or other.released or other.record is None or other is self:
+            return None
+        owner = other._owner
+        return None if owner is not None and owner() is None else other
+
+    def acquire(self) -> SeriesLease:
+        """Take the lease, or raise :class:`SeriesBusy` (one line) when a live writer
+        holds it and ``takeover`` is not given."""
+        if self._holder_here() is not None:
+            gc.collect()  # a dropped, unclosed Checkpointer in a reference cycle lets go now
+        with _registry_lock:
+            other = self._holder_here()
+            if other is not None and other.record is not None:
                 if not self.takeover:
                     raise SeriesBusy(
                         self._busy(other.record, " (another Checkpointer of this process)")
@@ -284,6 +314,8 @@ class SeriesLease:
         :class:`StaleGeneration` when a newer writer holds the series there."""
         if self.lost is not None:
             raise self.lost
+        if self.record is None:
+            raise CkptError(f"key {self.key}: no lease taken: this writer may not commit")
         if tier == "warm":
             rec, where = self._read_warm(), self.warm.where(self.user, self.key)  # type: ignore[union-attr]
         else:
@@ -311,10 +343,13 @@ class SeriesLease:
     def release(self) -> None:
         """Mark the records released (when still ours) and drop the flock: the next
         writer of the series takes over at once, on any node."""
-        if self.released:
-            return
+        if self.released or os.getpid() != self._pid:
+            return  # a forked child (a DataLoader worker) never gives its parent's lease back
         self.released = True
         self._stop.set()
+        beat = self._beat
+        if beat is not None and beat is not threading.current_thread():
+            beat.join(5.0)  # it wakes at once; bounded: a PFS write may hang
         with _registry_lock:
             if _held.get(self.ident) is self:
                 del _held[self.ident]

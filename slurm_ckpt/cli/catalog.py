@@ -89,6 +89,7 @@ STEP_COLUMNS = [
     Column("job", "job", drop=1),
     Column("node", "node", drop=1),
     Column("data_version", "data", fmt=lambda v: v or "-", drop=3),
+    Column("lineage", "lineage", fmt=lambda v: v or "-"),
     Column("state", "state"),
     Column("reason", "reason", wrap=True),
     Column("path", "path", drop=6, wrap=True),
@@ -120,7 +121,9 @@ def list_cmd(
 
     Without KEY: one line per series and tier (root: every user's series; -u: that
     user's). Damaged step directories are listed too, with their state (CORRUPT,
-    INCOMPLETE, UNREADABLE, FOREIGN) and reason. Exit status 1 when KEY has no
+    INCOMPLETE, UNREADABLE, FOREIGN) and reason. Each step names its lineage;
+    "(retired)" marks a step a rollback abandoned (restore it by step and lineage).
+    Exit status 1 when KEY has no
     committed checkpoint, or when a damaged step is listed.
     """
     tiers = _selected(state, tier)
@@ -143,6 +146,9 @@ def list_cmd(
     validate_key(key)
     rows = step_rows(tiers, user, key)
     bad_rows = [r for r in rows if r["state"] != COMMITTED]
+    for r in rows:  # a retired step (a rollback abandoned it) says so where people look
+        if r.get("retired") and not out.json:
+            r["lineage"] = f"{r['lineage']} (retired)"
     if out.json:
         print_json({"user": user, "key": key, "checkpoints": rows})
         return 1 if bad_rows else 0

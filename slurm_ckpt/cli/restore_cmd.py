@@ -74,6 +74,11 @@ def check_destination(to: str) -> str:
 )
 @click.option("--step", type=click.IntRange(min=0), help="This step (default: the newest).")
 @click.option(
+    "--lineage",
+    metavar="NAME",
+    help="Of this lineage (see list; a rollback's retired steps are restored so).",
+)
+@click.option(
     "--to",
     "to",
     required=True,
@@ -88,6 +93,7 @@ def restore_cmd(
     key: str,
     tier: Optional[str],
     step: Optional[int],
+    lineage: Optional[str],
     to: str,
     user: Optional[str],
     out: OutputFormat,
@@ -102,7 +108,9 @@ def restore_cmd(
         warn(note)
     dest = check_destination(to)
     with ByteProgress(f"restore {key}: copy + verify") as bar:
-        doc = restore_to(cfg, key, dest, user=user, tier=tier, step=step, progress=bar.advance)
+        doc = restore_to(
+            cfg, key, dest, user=user, tier=tier, step=step, lineage=lineage, progress=bar.advance
+        )
     if out.json:
         print_json(doc)
         return
@@ -110,6 +118,7 @@ def restore_cmd(
         Listing(RESTORE_COLUMNS, [doc], "restore").print(out)
         return
     echo_wrapped(
-        f"restored {doc['user']}/{doc['key']} step {doc['step']} from {doc['tier']} "
+        f"restored {doc['user']}/{doc['key']} step {doc['step']} (lineage {doc['lineage']}"
+        f"{', retired' if doc['retired'] else ''}) from {doc['tier']} "
         f"({format_bytes(doc['bytes'])}, verified) to {doc['path']}"
     )

@@ -102,6 +102,11 @@ class CkptInfo:
     verified: bool = False
     warm_verified: bool = False
     next_tier_verified: Optional[bool] = None
+    #: A step of a lineage abandoned by a rollback (:mod:`slurm_ckpt.core.lineage`):
+    #: never counted among the newest kept; ``lineage`` names it (the warm tier keeps the
+    #: newest verified step of each retired lineage as its history).
+    retired: bool = False
+    lineage: Optional[str] = None
 
 
 def selected_for_flush(seq: int, policy: Optional[RetentionPolicy] = None) -> bool:
@@ -139,10 +144,11 @@ def plan_local_deletions(
 ) -> List[int]:
     """Steps that may be deleted from the local tier (ascending, no duplicates).
 
-    Kept: the newest ``keep_local`` checkpoints; every pinned one; every one selected for
-    flush (or forced) whose warm copy is not verified yet. Everything else may go: a
-    checkpoint not selected for flush once it is superseded, a flushed one once its warm
-    copy is verified and it is outside the newest ``keep_local``.
+    Kept: the newest ``keep_local`` current checkpoints (retired steps, of a lineage a
+    rollback abandoned, are not counted: they go like any superseded step); every pinned
+    one; every one selected for flush (or forced) whose warm copy is not verified yet.
+    Everything else may go: a checkpoint not selected for flush once it is superseded, a
+    flushed one once its warm copy is verified and it is outside the newest ``keep_local``.
 
     ``local`` must hold one series. A step listed more than once is deleted only if no
     entry for it is protected.
@@ -154,7 +160,7 @@ def plan_local_deletions(
     for info in ordered:
         if len(newest_steps) >= p.keep_local:
             break
-        if info.step not in newest_steps:
+        if info.step not in newest_steps and not info.retired:
             newest_steps.append(info.step)
     keep.update(newest_steps)
     for info in ordered:
@@ -197,13 +203,20 @@ def plan_warm_deletions(
       may still be in progress);
     * checkpoints whose copy on the next tier is required but not verified
       (``next_tier_verified is False``);
-    * checkpoints committed after ``now`` (clock skew between nodes: judge them later).
+    * checkpoints committed after ``now`` (clock skew between nodes: judge them later);
+    * retired steps (of a lineage a rollback abandoned) count for none of the "newest"
+      rules above; of each retired lineage its newest verified step is kept, as history.
 
     Everything else may go, including unverified (bad) copies older than the newest
     verified checkpoint.
     """
     p = policy or DEFAULT_POLICY
     ordered = _newest_first(warm)
+    history: Dict[Optional[str], int] = {}
+    for info in ordered:
+        if info.retired and info.verified and info.lineage not in history:
+            history[info.lineage] = info.step
+    ordered_all, ordered = ordered, [i for i in ordered if not i.retired]
     verified = [i for i in ordered if i.verified]
     keep: Set[int] = set()
     newest_verified = verified[0] if verified else None
@@ -217,12 +230,17 @@ def plan_warm_deletions(
             count.append(info.step)
     keep.update(count)
     keep |= _warm_window_keepers(verified, float(p.keep_warm_every_s))
-    for info in ordered:
+    keep.update(history.values())
+    for info in ordered_all:
         if (
             info.pinned
             or info.next_tier_verified is False
             or info.wall_time > now
-            or (not info.verified and (newest_verified is None or info.step > newest_verified.step))
+            or (
+                not info.verified
+                and not info.retired
+                and (newest_verified is None or info.step > newest_verified.step)
+            )
         ):
             keep.add(info.step)
-    return sorted({i.step for i in ordered} - keep)
+    return sorted({i.step for i in ordered_all} - keep)

@@ -54,6 +54,7 @@ from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord
 from slurm_ckpt.job.closing import ClosingMethods
 from slurm_ckpt.job.dcp_series import part_key as dcp_part_key
 from slurm_ckpt.job.lazy import Drain, defer_mask
+from slurm_ckpt.job.lease import SeriesLease
 from slurm_ckpt.job.options import OPTION_NAMES, UNSET, Options, build_config, resolve_aliases
 from slurm_ckpt.job.owed import load_job_config, no_epilog, queue_owed, without_epilog
 from slurm_ckpt.job.partner import PartnerLink, open_partner
@@ -85,7 +86,7 @@ from slurm_ckpt.job.state import flatten, index_bytes, layout
 from slurm_ckpt.job.stats import CheckpointStats
 from slurm_ckpt.job.timeline import RankTimeline
 from slurm_ckpt.slurm.client import job_end_time_provider
-from slurm_ckpt.slurm.env import job_env, resolve_rank
+from slurm_ckpt.slurm.env import job_env, replica_rank, resolve_rank
 from slurm_ckpt.slurm.requeue import requeue_job
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.registry import tiers_from_config
@@ -123,6 +124,7 @@ def _finish_at_exit(ref: Callable[[], Optional[Checkpointer]], pid: int) -> None
     ckpt = ref()
     if ckpt is not None and not ckpt._closed and os.getpid() == pid:
         ckpt._pipeline.finish_at_exit()
+        ckpt._lease.release()
 
 
 class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
@@ -168,6 +170,8 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
       user: owner of the checkpoints (the current user).
       node: node name (the host name).
       job: SLURM job id, recorded in manifests and the ledger.
+      takeover: take the key over from a writer that looks alive but is known dead (a
+        hung process, a node given up; docs/user-guide.md, "One writer per key").
     SLURM integration and callbacks:
       install_signals: install handlers for ``signals`` (False: you call nothing else).
       requeue: requeue the job after a save caused by the time limit.
@@ -214,6 +218,7 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
         user: Optional[str] = None,
         node: Optional[str] = None,
         job: Optional[Union[str, int]] = None,
+        takeover: bool = False,
         install_signals: bool = True,
         requeue: bool = False,
         requeue_fn: Optional[Callable[[str], None]] = None,
@@ -267,6 +272,23 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
                 self.warm.check_user(self.user)
             except TierError as exc:
                 log.warning("[ckpt] warm tier not usable now (flushes will fail): %s", exc)
+        # One writer per series: a second one stops here, before it touches anything. A
+        # replica rank of a one-part series (Lightning: only global rank 0 writes) takes
+        # the lease at its first save, if it ever saves.
+        self._lease = SeriesLease(
+            self.local, self.warm, self.user, self.shard_key, self.node, job=self.job,
+            takeover=opts.takeover,
+        ).owned_by(self)  # fmt: skip
+        if not ((opts.rank, opts.world_size) == (0, 1) and replica_rank()):
+            self._lease.acquire()
+        try:
+            self._setup(cfg, opts, standalone)
+        except BaseException:
+            self._lease.release()
+            raise
+
+    def _setup(self, cfg: Config, opts: Options, standalone: bool) -> None:
+        """The rest of the construction, once the series' lease is held."""
         if standalone:
             # No site hooks: this Checkpointer alone owns its tiers, so what a killed or
             # interrupted save or flush left there goes now (copies in progress too).
@@ -312,6 +334,7 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
             flush_policy=opts.flush_policy,
             min_free=cfg.tiers.local.min_free,
             max_consecutive_failures=cfg.job.max_consecutive_failures,
+            lease=self._lease,
         )
         #: Partner copies of this rank's checkpoints on the next node (None: off).
         self.partner: Optional[PartnerLink] = None
@@ -528,6 +551,7 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
         self._raise_if_failed()
         if self._closed:
             raise CkptError("Checkpointer.save(): already closed")
+        self._lease.ensure()  # held since construction, except by a replica rank
         t0 = time.monotonic()
         preempt = self._schedule.preempt_pending if preemption is None else bool(preemption)
         reason = "signal" if preempt else "interval"

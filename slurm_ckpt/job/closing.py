@@ -105,6 +105,7 @@ class ClosingMethods:
         self._pipeline.finish(until)
         if self.partner is not None:
             self.partner.close(60.0 if until is None else max(0.0, until - time.time()))
+        self._lease.release()  # the next writer of the series takes over at once
         self._maybe_requeue()
         self._flag.uninstall()
         self._staging.close()

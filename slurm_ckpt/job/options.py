@@ -53,7 +53,8 @@ class Options:
     ``partner_bandwidth``, ``partner_dir`` (the rendezvous base directory).
 
     The job: ``rank``/``world_size`` (default: ``RANK``/``WORLD_SIZE``, else SLURM's),
-    ``user``, ``node``, ``job``; ``flush_policy`` ("skip"/"wait"); ``install_signals``;
+    ``user``, ``node``, ``job``; ``takeover`` (take the series' lease from a writer
+    known dead, :mod:`slurm_ckpt.job.lease`); ``flush_policy`` ("skip"/"wait"); ``install_signals``;
     ``partner_host`` (the address other nodes reach this rank's partner server at).
 
     Providers and callbacks: ``requeue`` (requeue after a time-limit save) and
@@ -89,6 +90,7 @@ class Options:
     user: Optional[str] = None
     node: Optional[str] = None
     job: Optional[Union[str, int]] = None
+    takeover: bool = False
     install_signals: bool = True
     requeue: bool = False
     requeue_fn: Optional[Callable[[str], None]] = None

@@ -236,6 +236,7 @@ def _start(
     ckpt._raise_if_failed()
     if ckpt._closed:
         raise CkptError(f"Checkpointer.{what}(): already closed")
+    ckpt._lease.ensure()  # held since construction, except by a replica rank
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CkptError(f"{what}(): step must be a whole number >= 0, got {step!r}")
     preempt = ckpt._schedule.preempt_pending if preemption is None else bool(preemption)
@@ -510,6 +511,7 @@ def restore_path(
         return None
     ckpt.restored = got
     ckpt._schedule.restored(got.step, got.tokens)
+    ckpt._adopt_lineage(got, r.view if tiers is None else None)  # a rollback branches here too
     log.info(
         "[ckpt] restore_path: step=%d tokens=%s from %s: %s",
         got.step,

@@ -35,17 +35,21 @@ from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 from slurm_ckpt.core.commit import AlreadyCommitted
+from slurm_ckpt.core.lease import StaleGeneration
+from slurm_ckpt.core.lineage import SeriesView
 from slurm_ckpt.core.retention import CkptInfo, RetentionPolicy, plan_local_deletions
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, TierError
 from slurm_ckpt.job.background import yielding
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord, reason_of
+from slurm_ckpt.job.lease import SeriesLease
+from slurm_ckpt.job.series import SeriesPlace
 from slurm_ckpt.job.signals import Deadline
 from slurm_ckpt.job.staging import write_direct
 from slurm_ckpt.job.state import STATE_FORMAT
 from slurm_ckpt.job.stats import CheckpointStats
 from slurm_ckpt.ledger.record import WARM_SLOT, State
-from slurm_ckpt.node.flush_engine import LEFT_TO_EPILOG, Flusher, FlushResult, copy_in_process
+from slurm_ckpt.node.flush_engine import LEFT_TO_EPILOG, Flusher, copy_in_process
 from slurm_ckpt.tiers.base import Tier, TierWriter
 
 log = logging.getLogger(__name__)
@@ -95,8 +99,12 @@ class Pipeline:
         flush_policy: str = "skip",
         min_free: int = 0,
         max_consecutive_failures: int = 3,
+        lease: Optional[SeriesLease] = None,
     ) -> None:
         self.local, self.warm = local, warm
+        #: This writer's place in its series: the generation of its lease and the lineage
+        #: its saves belong to (every manifest records both); the fence before commits.
+        self.series = SeriesPlace(local, warm, shard.user, shard.key, lease)
         self.shard = shard
         self.books = books
         self.policy = policy
@@ -122,7 +130,7 @@ class Pipeline:
         self.left_to = "the epilog"
         self.cv = threading.Condition()
         self._stats = CheckpointStats()
-        self.fatal: Optional[CheckpointFailed] = None
+        self.fatal: Optional[CkptError] = None
         self.local_job: Optional[SaveRecord] = None
         self.flush_queue: Deque[SaveRecord] = collections.deque()
         self.flush_current: Optional[SaveRecord] = None
@@ -273,8 +281,10 @@ class Pipeline:
 
     def open_local(self, rec: SaveRecord, state_format: str = STATE_FORMAT) -> TierWriter:
         """A fresh writer of ``rec``'s step on the local tier, with this shard's manifest
-        fields; a step of an abandoned timeline (committed by an older run) is replaced."""
+        fields (generation and lineage included); the same step of a retired lineage, or of
+        an older writer of this one, is replaced; a newer writer's is never."""
         sh = self.shard
+        lineage = self.series.save_lineage()
         meta = dict(rec.meta)
         meta.update(
             rank=sh.rank,
@@ -282,33 +292,32 @@ class Pipeline:
             base_key=sh.base_key,
             reason=rec.reason,
             state_format=state_format,
+            generation=self.series.generation,
+            **lineage.meta(),
         )
         kw = dict(tokens=rec.tokens, job=sh.job, node=sh.node, meta=meta)
         try:
             return self.local.writer(sh.user, sh.key, rec.step, **kw)
         except AlreadyCommitted:
-            if rec.step in self._own_steps:
+            own = rec.step in self._own_steps
+            self.series.may_replace(rec.step, lineage, own)  # StaleGeneration: kept
+            if own:
                 # The same step saved twice in this run: the newer save replaces ours, once
                 # the earlier one's flush (queued or running) is done with the local copy;
                 # deleting it under that flush made the flush fail.
                 with self.cv:
                     while self._flush_pending(rec.step) and not self._stop:
                         self.cv.wait()
-                log.info(
-                    "[ckpt] step=%d saved again in this run: replacing the earlier save", rec.step
-                )
-            else:
-                # A step of an abandoned timeline (we restored from an older step and came
-                # back to this one): the current state supersedes it.
-                log.warning(
-                    "[ckpt] step=%d already committed on the local tier (older run): replacing it",
-                    rec.step,
-                )
             self.local.delete(sh.user, sh.key, rec.step)
             return self.local.writer(sh.user, sh.key, rec.step, **kw)
 
     def _write_local(self, rec: SaveRecord) -> None:
         if rec.prepared is not None:
+            try:
+                self.series.fence("local")
+            except BaseException:
+                rec.prepared.abort()
+                raise
             rec.prepared.commit()  # files already in its writer: hash them, commit
             return
         sh = self.shard
@@ -320,6 +329,7 @@ class Pipeline:
                 items = {f"{sh.prefix}/{n}": v for n, v in rec.buffers.items()}
                 items[f"{sh.prefix}/index.json"] = rec.index_data
                 w.write_buffers(items)
+            self.series.fence("local")  # raising here aborts the writer: nothing is committed
             w.commit()
 
     def _run_local(self, rec: SaveRecord) -> None:
@@ -378,7 +388,9 @@ class Pipeline:
             s.failures += 1
             s.consecutive_failures += 1
             s.last_error = reason
-            if s.consecutive_failures >= self.max_consecutive_failures:
+            if isinstance(exc, StaleGeneration):
+                self.fatal = exc  # taken over: no save of this writer may count again
+            elif s.consecutive_failures >= self.max_consecutive_failures:
                 self.fatal = CheckpointFailed(
                     f"{s.consecutive_failures} checkpoints failed in a row "
                     f"(job.max_consecutive_failures={self.max_consecutive_failures}); "
@@ -442,11 +454,20 @@ class Pipeline:
             self.leave_to_epilog(rec, left)
             return
         assert self.flusher is not None  # only selected saves get here (a warm tier exists)
+        try:
+            self.series.fence("warm")
+        except StaleGeneration as exc:
+            with self.cv:
+                self.fatal = exc
+            self._flush_failed(rec, str(exc))
+            return
+        except (CkptError, OSError) as exc:
+            log.warning("[ckpt] step=%d: warm-tier lease not readable: %s", rec.step, exc)
         self.books.emit("flush_start", step=rec.step)
         res = self.flusher.flush_one((self.shard.user, self.shard.key, rec.step), nbytes=rec.nbytes)
         rec.flush_s = res.seconds
         if not res.ok:
-            self._flush_failed(rec, res)
+            self._flush_failed(rec, res.error or res.status)
             return
         if res.copied and res.seconds > 0:
             self._flush_rate = res.copied / res.seconds
@@ -467,8 +488,7 @@ class Pipeline:
         )
         self._log(rec)
 
-    def _flush_failed(self, rec: SaveRecord, res: FlushResult) -> None:
-        reason = res.error or res.status
+    def _flush_failed(self, rec: SaveRecord, reason: str) -> None:
         rec.error = reason
         with self.cv:
             rec.flush_status = "failed"
@@ -510,13 +530,18 @@ class Pipeline:
                     if self.local_job is not None:
                         busy.add(self.local_job.step)
                 infos = []
-                for info in self.local.steps(sh.user, sh.key):
+                listed = self.local.steps(sh.user, sh.key)
+                view = SeriesView.of(
+                    (i.step, i.manifest.meta, i.manifest.wall_time) for i in listed
+                )
+                for info in listed:
                     r = records.get(info.step)
                     if r is not None:
                         ci = r.to_local_info()
                     else:
                         ci = CkptInfo(info.step, wall_time=info.manifest.wall_time, seq=-1)
                     ci.pinned = ci.pinned or info.step in busy
+                    ci.retired = not view.active(info.step, info.manifest.meta)
                     infos.append(ci)
                 for step in plan_local_deletions(infos, self.policy):
                     self.local.delete(sh.user, sh.key, step)

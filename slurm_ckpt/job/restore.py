@@ -37,6 +37,12 @@ verification is marked ``BAD`` in the ledger and skipped: the same step from the
 tier, or else the next newest step. (POSIX tiers are read with direct I/O through their
 file descriptors, objects with parallel ranged GETs: :mod:`slurm_ckpt.job.state_reader`.)
 
+Lineages
+--------
+A rollback (a restore of an older step, then a save) starts a new lineage and retires
+the newer steps of the old one (:mod:`slurm_ckpt.core.lineage`). Only current steps are
+candidates of an automatic restore; ``restore(step=N, lineage=L)`` reads a retired one.
+
 Data version
 ------------
 ``save(..., data_version=...)`` records which data a checkpoint was trained on (in the
@@ -55,6 +61,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.fastread import READ_STREAMS
+from slurm_ckpt.core.lineage import SeriesView, lineage_of
 from slurm_ckpt.core.manifest import Manifest
 from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
 from slurm_ckpt.job.state import GROUP_REST, GROUP_WEIGHTS, INDEX_NAME, STATE_FORMAT
@@ -169,6 +176,10 @@ class Restored:
     #: verification and an older step was restored whole instead: ``state`` then holds
     #: the weights too, and they must be applied again.
     rolled_back: bool = False
+    #: The lineage of the step (``main`` unless the series was rolled back) and whether
+    #: it is retired (only when asked for by ``restore(step=..., lineage=...)``).
+    lineage: str = "main"
+    retired: bool = False
 
 
 class Restorer:
@@ -189,6 +200,7 @@ class Restorer:
         step: Optional[int] = None,
         expect_data_version: Optional[str] = None,
         on_data_change: str = "warn",
+        lineage: Optional[str] = None,
     ) -> None:
         if on_data_change not in DATA_CHANGE_ACTIONS:
             raise CkptError(
@@ -197,6 +209,9 @@ class Restorer:
             )
         self.tiers = list(tiers)
         self.only_step = step
+        self.only_lineage = lineage
+        #: The lineages of this rank's series over the tiers read (set by own_steps).
+        self.view = SeriesView([])
         self.expect_data_version = expect_data_version
         self.on_data_change = on_data_change
         self.user, self.key = user, key
@@ -213,8 +228,9 @@ class Restorer:
         self._own: Dict[int, List[Tuple[Tier, Manifest]]] = {}
 
     # -- listing -----------------------------------------------------------------------
-    def _shard_steps(self, tier: Tier, rank: int) -> Dict[int, Manifest]:
-        """Committed steps of ``rank``'s shard on ``tier`` that belong to this world size."""
+    def _shard_steps(self, tier: Tier, rank: int, any_step: bool = False) -> Dict[int, Manifest]:
+        """Committed steps of ``rank``'s shard on ``tier`` that belong to this world size
+        (only the step asked for, unless ``any_step``)."""
         key = shard_key(self.key, rank, self.world_size)
         try:
             infos = tier.steps(self.user, key)
@@ -223,7 +239,7 @@ class Restorer:
             return {}
         out = {}
         for info in infos:
-            if self.only_step is not None and info.step != self.only_step:
+            if self.only_step is not None and info.step != self.only_step and not any_step:
                 continue
             meta = info.manifest.meta
             if meta.get("world_size", 1) == self.world_size and meta.get("rank", 0) == rank:
@@ -231,11 +247,35 @@ class Restorer:
         return out
 
     def own_steps(self) -> Dict[int, List[Tuple[Tier, Manifest]]]:
-        """My shard's committed steps -> the tiers holding it (in tier order)."""
+        """My shard's committed steps -> the tiers holding it (in tier order): the current
+        ones (:mod:`slurm_ckpt.core.lineage`), or those of the lineage asked for. A step
+        asked for that only a retired lineage holds is a one-line error naming it."""
+        found = [
+            (tier, step, m)
+            for tier in self.tiers
+            for step, m in self._shard_steps(tier, self.rank, any_step=True).items()
+        ]
+        self.view = SeriesView.of((step, m.meta, m.wall_time) for _, step, m in found)
         out: Dict[int, List[Tuple[Tier, Manifest]]] = {}
-        for tier in self.tiers:
-            for step, m in self._shard_steps(tier, self.rank).items():
+        retired: Set[str] = set()
+        for tier, step, m in found:
+            if self.only_step is not None and step != self.only_step:
+                continue
+            if self.only_lineage is not None:
+                keep = lineage_of(m.meta).name == self.only_lineage
+            else:
+                keep = self.view.active(step, m.meta)
+                if not keep:
+                    retired.add(lineage_of(m.meta).name)
+            if keep:
                 out.setdefault(step, []).append((tier, m))
+        if self.only_step is not None and not out and retired:
+            names = ", ".join(sorted(retired))
+            raise CkptError(
+                f"restore(step={self.only_step}): that step is retired (lineage {names}: a "
+                "rollback, or a later writer, went back behind it): say "
+                f"restore(step={self.only_step}, lineage={sorted(retired)[0]!r})"
+            )
         return out
 
     def complete_steps(self) -> List[int]:
@@ -266,6 +306,8 @@ class Restorer:
             world_size=self.world_size,
             meta=dict(m.meta),
             data_version=m.meta.get("data_version"),
+            lineage=lineage_of(m.meta).name,
+            retired=not self.view.active(m.step, m.meta),
             nbytes=m.total_bytes,
             seconds=time.monotonic() - t0,
             partial=partial,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, List, Optional, Sequence
 
+from slurm_ckpt.core.lineage import SeriesView, lineage_of
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, NotFound
 from slurm_ckpt.job.dist import dist_agree
@@ -36,6 +37,7 @@ class RestoreMethods:
     # Provided by the Checkpointer (declared for readers and type checkers).
     _books: Any
     _schedule: Any
+    _pipeline: Any
     _agree: Optional[Callable[[Any], Any]]
     _restorer: Optional[Restorer]
     restored: Optional[Restored]
@@ -91,6 +93,7 @@ class RestoreMethods:
         on_data_change: str = "warn",
         factory: Callable[..., Restorer] = Restorer,
         partner: Optional[PartnerTier] = None,
+        lineage: Optional[str] = None,
     ) -> Restorer:
         """The one place a restorer of this rank is built (``restore()``, and
         ``restore_path()`` with ``factory=partial(DirRestorer, local)``): the tier list
@@ -98,6 +101,7 @@ class RestoreMethods:
         agreement and the corrupt-copy handling."""
         if tiers is not None:
             tiers = check_tier_names(tiers, [t.name for t in self.tiers], self.config.tiers.warm)
+        extra = {} if lineage is None else {"lineage": lineage}
         use: List[Any] = list(
             self.tiers if tiers is None else [t for t in self.tiers if t.name in tiers]
         )
@@ -116,7 +120,21 @@ class RestoreMethods:
             step=step,
             expect_data_version=expect_data_version,
             on_data_change=on_data_change,
+            **extra,
         )
+
+    def _adopt_lineage(self, got: Restored, view: Optional[SeriesView]) -> None:
+        """Saves after this restore go on in the restored step's lineage when it is the
+        series' newest current step; else (a rollback) the next save starts a new
+        lineage from it, retiring the newer steps (:mod:`slurm_ckpt.core.lineage`)."""
+        if view is None:  # the restore looked at some tiers only: judge over local + warm
+            view = self._pipeline.series.series_view()
+        newest = view.newest_active()
+        lineage = lineage_of(got.meta)
+        if view.active(got.step, got.meta) and (newest is None or got.step >= newest):
+            self._pipeline.series.follow(lineage)
+        else:
+            self._pipeline.series.branch_from(lineage, got.step)
 
     def restore(
         self,
@@ -126,6 +144,7 @@ class RestoreMethods:
         tiers: Optional[Sequence[str]] = None,
         expect_data_version: Optional[str] = None,
         on_data_change: str = "warn",
+        lineage: Optional[str] = None,
     ) -> Optional[Restored]:
         """The newest complete checkpoint that verifies, on any configured tier (local,
         PFS, object store, cold; the fastest that holds it); None when there is none.
@@ -138,12 +157,18 @@ class RestoreMethods:
         tier); ``tiers`` limits the tiers looked at (names, e.g. ``["cold"]``).
         ``expect_data_version``: the data version the job has now; a checkpoint trained
         on another one is restored with a warning (``on_data_change="warn"``) or refused
-        with :class:`~slurm_ckpt.job.restore.DataVersionMismatch` (``"refuse"``)."""
+        with :class:`~slurm_ckpt.job.restore.DataVersionMismatch` (``"refuse"``).
+
+        Lineages (docs/user-guide.md, "Rolling back"): restoring an older step than the
+        newest and saving on starts a new lineage; the newer steps are then retired and
+        no automatic restore picks them. ``lineage`` names the lineage to read from
+        (``Restored.lineage`` says which one a restore read): ``restore(step=20,
+        lineage="main")`` gets a retired step back."""
         if self._restorer is not None:
             self._restorer.cancel()
         partner = self._partner_tier() if tiers is None else None
         self._restorer = self._make_restorer(
-            tiers, step, expect_data_version, on_data_change, partner=partner
+            tiers, step, expect_data_version, on_data_change, partner=partner, lineage=lineage
         )
         got = self._restorer.restore(weights_only=weights_only)
         if got is not None and got.tier == PARTNER and self.partner is not None:
@@ -154,9 +179,12 @@ class RestoreMethods:
         self.restored = got
         self._schedule.restored(got.step, got.tokens)
         self._timeline.restored(got.step, got.tier, got.seconds)
+        self._adopt_lineage(got, self._restorer.view if tiers is None else None)
         log.info(
-            "[ckpt] restored step=%d tokens=%s from %s (%s in %.3fs)%s",
+            "[ckpt] restored step=%d (lineage %s%s) tokens=%s from %s (%s in %.3fs)%s",
             got.step,
+            got.lineage,
+            ", retired" if got.retired else "",
             got.tokens,
             got.tier,
             format_bytes(got.nbytes),
@@ -182,6 +210,7 @@ class RestoreMethods:
         if got.rolled_back:
             self.restored = got
             self._schedule.restored(got.step, got.tokens)
+            self._adopt_lineage(got, self._restorer.view)
         return got
 
     def _partner_tier(self) -> Optional[PartnerTier]:

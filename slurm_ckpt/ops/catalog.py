@@ -24,6 +24,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from slurm_ckpt.core import fsio, trust
 from slurm_ckpt.core.layout import step_dirname, step_numbers
+from slurm_ckpt.core.lineage import SeriesView, lineage_of
 from slurm_ckpt.core.manifest import MANIFEST_NAME, manifest_facts
 from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.errors import CkptError, NotFound, TierError
@@ -274,12 +275,13 @@ def series_under(tiers: Dict[str, Tier], user: str, key: str) -> List[str]:
 def step_rows(tiers: Dict[str, Tier], user: str, key: str) -> List[Dict[str, Any]]:
     """One row per step directory of ``user/key`` (and of its ranks' and DCP parts'
     series, :func:`series_under`) per tier: committed checkpoints (``state``
-    "committed") and damaged ones (their state and ``reason``)."""
+    "committed") and damaged ones (their state and ``reason``). Each committed one names
+    its ``lineage`` and whether it is ``retired`` (a rollback abandoned it:
+    :mod:`slurm_ckpt.core.lineage`, judged per series over the tiers listed together)."""
     rows: List[Dict[str, Any]] = []
     now = time.time()
-    for name, t in tiers.items():
-        for series in series_under({name: t}, user, key):
-            rows += _series_rows(name, t, user, series, now)
+    for series in series_under(tiers, user, key):
+        rows += _series_rows(tiers, user, series, now)
     rows.sort(
         key=lambda r: (
             ORDER.index(r["tier"]) if r["tier"] in ORDER else 99,
@@ -290,30 +292,39 @@ def step_rows(tiers: Dict[str, Tier], user: str, key: str) -> List[Dict[str, Any
     return rows
 
 
-def _series_rows(name: str, t: Tier, user: str, key: str, now: float) -> List[Dict[str, Any]]:
+def _series_rows(tiers: Dict[str, Tier], user: str, key: str, now: float) -> List[Dict[str, Any]]:
     rows: List[Dict[str, Any]] = []
-    steps, damaged = scan_series(t, user, key, now)  # type: ignore[arg-type]
-    for s in steps:
-        m = s.manifest
-        rows.append(
-            {
-                "tier": name,
-                "user": user,
-                "key": key,
-                "step": s.step,
-                "tokens": m.tokens,
-                "bytes": m.total_bytes,
-                "files": len(m.files),
-                "age_s": round(now - m.wall_time, 3),
-                "job": m.job,
-                "node": m.node,
-                "data_version": m.meta.get("data_version"),
-                "state": COMMITTED,
-                "reason": None,
-                "path": t.location(user, key, s.step),
-            }
-        )
-    rows += [dict(d.to_dict(), tier=name) for d in damaged]
+    scanned = {name: scan_series(t, user, key, now) for name, t in tiers.items()}  # type: ignore[arg-type]
+    view = SeriesView.of(
+        (s.step, s.manifest.meta, s.manifest.wall_time)
+        for steps, _ in scanned.values()
+        for s in steps
+    )
+    for name, t in tiers.items():
+        steps, damaged = scanned[name]
+        for s in steps:
+            m = s.manifest
+            rows.append(
+                {
+                    "tier": name,
+                    "user": user,
+                    "key": key,
+                    "step": s.step,
+                    "tokens": m.tokens,
+                    "bytes": m.total_bytes,
+                    "files": len(m.files),
+                    "age_s": round(now - m.wall_time, 3),
+                    "job": m.job,
+                    "node": m.node,
+                    "data_version": m.meta.get("data_version"),
+                    "lineage": lineage_of(m.meta).name,
+                    "retired": not view.active(s.step, m.meta),
+                    "state": COMMITTED,
+                    "reason": None,
+                    "path": t.location(user, key, s.step),
+                }
+            )
+        rows += [dict(d.to_dict(), tier=name) for d in damaged]
     return rows
 
 

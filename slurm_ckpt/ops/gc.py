@@ -55,6 +55,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.layout import parse_partial_dirname, step_dirname
+from slurm_ckpt.core.lineage import SeriesView, lineage_of
 from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.core.retention import CkptInfo, RetentionPolicy, plan_warm_deletions
@@ -109,7 +110,7 @@ def _window(info: CkptInfo, every_s: float) -> float:
 def _must_verify(infos: List[CkptInfo], deleted: Set[int], policy: RetentionPolicy) -> List[int]:
     """Steps whose ``verified`` flag lets another checkpoint be deleted (newest first)."""
     ordered = sorted(infos, key=lambda i: (i.step, i.wall_time), reverse=True)
-    presumed = [i for i in ordered if i.verified]
+    presumed = [i for i in ordered if i.verified and not i.retired]
     must: List[int] = []
     for info in presumed:
         if len(must) >= max(policy.keep_warm, 1):
@@ -284,6 +285,7 @@ def gc_series(
             partial = parse_partial_dirname(name)
             if partial is not None:
                 archiving.add(partial[0])
+    view = SeriesView.of((s.step, s.manifest.meta, s.manifest.wall_time) for s in good)
     infos = []
     for step, s in sorted(steps.items()):
         pinned = s.manifest.meta.get("pinned") is True or pin_name(step) in names
@@ -296,6 +298,8 @@ def gc_series(
                 nbytes=s.nbytes,
                 pinned=pinned,
                 next_tier_verified=False if step in archiving or step in (owed or ()) else None,
+                retired=not view.active(step, s.manifest.meta),
+                lineage=lineage_of(s.manifest.meta).name,
             )
         )
 

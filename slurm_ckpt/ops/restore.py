@@ -6,6 +6,10 @@ the one copy engine, every byte checked against the manifest on the way, and com
 in ``DIR/<user>/<key>/step-NNNNNNNNNN/`` - a tier root of its own, so ``ckpt-slurm
 verify DIR/<user>/<key>/step-...`` and ``Checkpointer(local=DIR, ...)`` read it as is.
 A copy that does not verify is skipped for the same step on the next tier.
+
+Lineages (:mod:`slurm_ckpt.core.lineage`): without ``--step`` the newest *current* step
+is taken, never one a rollback retired; ``--lineage L`` takes the newest (or the given
+step) of lineage L, retired or not. What was restored names its lineage.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import os
 from typing import Any, Dict, List, Optional
 
 from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.lineage import SeriesView, lineage_of
 from slurm_ckpt.core.names import current_user, validate_key, validate_user
 from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.errors import NotFound, TierError, UsageError, VerifyError
@@ -33,6 +38,7 @@ def restore_to(
     tier: Optional[str] = None,
     step: Optional[int] = None,
     progress: Optional[ProgressFn] = None,
+    lineage: Optional[str] = None,
 ) -> Dict[str, Any]:
     """Copy a committed, verifying checkpoint of ``key`` into ``to`` (see the module
     docstring): the given ``step`` (default: the newest on the tiers looked at), from
@@ -44,24 +50,40 @@ def restore_to(
         if tier not in tiers:
             raise UsageError(f"--tier {tier}: not configured (configured: {', '.join(tiers)})")
         tiers = {tier: tiers[tier]}
-    holders: Dict[int, List[Any]] = {}
+    found: List[Any] = []
     for t in tiers.values():
         try:
-            infos = t.steps(user, key)
+            found += [(t, i) for i in t.steps(user, key)]
         except (TierError, OSError):
             continue
-        for info in infos:
-            if step is None or info.step == step:
-                holders.setdefault(info.step, []).append(t)
+    view = SeriesView.of((i.step, i.manifest.meta, i.manifest.wall_time) for _, i in found)
+
+    def wanted(info: Any, current_only: bool) -> bool:
+        if step is not None and info.step != step:
+            return False
+        if lineage is not None:
+            return lineage_of(info.manifest.meta).name == lineage
+        return not current_only or view.active(info.step, info.manifest.meta)
+
+    holders: Dict[int, List[Any]] = {}
+    # Current steps first; a step asked for by number that only a retired lineage holds
+    # is still restored (it was asked for), and the result says it is retired.
+    for current_only in (True, False):
+        for t, info in found:
+            if wanted(info, current_only):
+                holders.setdefault(info.step, []).append((t, info.manifest.meta))
+        if holders or step is None:
+            break
     if not holders:
         where = f" on the {tier} tier" if tier else ""
         at = f" at step {step}" if step is not None else ""
+        at += f" in lineage {lineage}" if lineage is not None else ""
         raise NotFound(f"no committed checkpoint of {user}/{key}{at}{where}")
     to = os.path.abspath(to)
     os.makedirs(to, exist_ok=True)
     skipped: List[str] = []
     for s in sorted(holders, reverse=True):
-        for t in sorted(holders[s], key=lambda x: ORDER.index(x.name)):
+        for t, meta in sorted(holders[s], key=lambda x: ORDER.index(x[0].name)):
             dst = PosixTier("restore", to, chunk_size=t.chunk_size, streams=cfg.copy.streams)
             try:
                 res = copy_checkpoint(t, dst, user, key, s, progress=progress)
@@ -73,6 +95,8 @@ def restore_to(
                 "key": key,
                 "step": s,
                 "tier": t.name,
+                "lineage": lineage_of(meta).name,
+                "retired": not view.active(s, meta),
                 "path": dst.step_path(user, key, s),
                 "bytes": res.nbytes,
                 "seconds": round(res.seconds, 3),

@@ -36,6 +36,7 @@ __all__ = [
     "job_end_time",
     "job_env",
     "parse_job_id",
+    "replica_rank",
     "resolve_rank",
     "slurmd_nodename",
     "this_node",
@@ -271,6 +272,20 @@ def resolve_rank(
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise CkptError(f"rank must be a whole number in 0..{world_size - 1}, got {rank!r}")
     return rank, world_size
+
+
+def replica_rank(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether the launcher made this process other than the job's first rank
+    (``RANK``, ``SLURM_PROCID``, ``LOCAL_RANK`` or ``NODE_RANK`` set and not 0). Why: a
+    framework that writes each checkpoint whole from global rank 0 (Lightning) has every
+    rank build the same one-part series; the others only restore, and must not be taken
+    for a second writer of it (:mod:`slurm_ckpt.job.lease`)."""
+    env = os.environ if environ is None else environ
+    for name in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK"):
+        text = (env.get(name) or "").strip()
+        if _INT_RE.match(text) and int(text) != 0:
+            return True
+    return False
 
 
 def this_node(node: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> str:

@@ -38,6 +38,7 @@ from slurm_ckpt.core import fsio
 from slurm_ckpt.core.chunks import BandwidthLimiter, ShortRead, hash_pieces, run_chunks
 from slurm_ckpt.core.commit import AlreadyCommitted
 from slurm_ckpt.core.faults import crashpoint
+from slurm_ckpt.core.lease import generation_of
 from slurm_ckpt.core.manifest import FileEntry
 from slurm_ckpt.core.progress import ProgressFn, report
 from slurm_ckpt.errors import NotFound, StepConflict, VerifyError
@@ -197,10 +198,20 @@ def _present(dst: Tier, reader: TierReader, replace_older: bool) -> bool:
     where = dst.where(m.user, m.key, m.step)
     if replace_older:
         try:
-            theirs_time: Optional[float] = dst.manifest(m.user, m.key, m.step).wall_time
+            theirs = dst.manifest(m.user, m.key, m.step)
+            theirs_time: Optional[float] = theirs.wall_time
+            theirs_gen = generation_of(theirs.meta)
         except VerifyError:
             theirs_time = None  # a corrupt manifest: debris of nothing we can trust
-        if theirs_time is None or theirs_time < m.wall_time:
+            theirs_gen = 0
+        if theirs_gen > generation_of(m.meta):
+            # A newer writer of the series committed this step: a stale writer's copy
+            # (taken over, core/lease.py) never replaces it, whatever the clocks say.
+            raise StepConflict(
+                f"{where}: committed by a newer writer (generation {theirs_gen} > "
+                f"{generation_of(m.meta)}): not replaced"
+            )
+        if theirs_time is None or theirs_time < m.wall_time or theirs_gen < generation_of(m.meta):
             dst.delete(m.user, m.key, m.step)
             return False
     raise StepConflict(

@@ -30,6 +30,7 @@ from slurm_ckpt.core.layout import (
     parse_step_dirname,
     step_dirname,
 )
+from slurm_ckpt.core.lease import LEASE_FILE
 from slurm_ckpt.core.manifest import DAMAGED_MANIFEST_NAME, MANIFEST_NAME, Manifest
 from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.core.progress import ProgressFn
@@ -342,6 +343,26 @@ class PosixTier:
         except (NotFound, OSError):
             return False
         return True
+
+    # -- the series' lease record ---------------------------------------------
+    def read_lease(self, user: str, key: str) -> Optional[bytes]:
+        """The series' lease record (:mod:`slurm_ckpt.core.lease`), or None when there is
+        none. A regular file, opened without following links, at most 64 KiB."""
+        try:
+            with self.key_fd(user, key) as kfd:
+                return fsio.read_regular(kfd, LEASE_FILE, limit=65536)[0]
+        except (NotFound, FileNotFoundError):
+            return None
+        except OSError as exc:
+            raise fsio.tier_error(exc, f"{self.where(user, key)}/{LEASE_FILE}") from None
+
+    def write_lease(self, user: str, key: str, data: bytes) -> None:
+        """Replace the series' lease record atomically (the series directory is made)."""
+        with self.key_fd(user, key, create=True) as kfd:
+            try:
+                fsio.atomic_replace(kfd, LEASE_FILE, data)
+            except OSError as exc:
+                raise fsio.tier_error(exc, f"{self.where(user, key)}/{LEASE_FILE}") from None
 
     # -- deleting and sweeping -------------------------------------------------
     def delete(self, user: str, key: str, step: int) -> None:

@@ -26,6 +26,7 @@ import botocore.exceptions as bexc
 from slurm_ckpt.core.chunks import PIECE, BandwidthLimiter
 from slurm_ckpt.core.hashing import DEFAULT_CHUNK_SIZE
 from slurm_ckpt.core.layout import parse_step_dirname, step_dirname
+from slurm_ckpt.core.lease import LEASE_FILE
 from slurm_ckpt.core.manifest import DAMAGED_MANIFEST_NAME, MANIFEST_NAME, Manifest
 from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.core.progress import ProgressFn
@@ -316,6 +317,24 @@ class S3Tier:
             self.buffer_size,
             progress,
         )
+
+    # -- the series' lease record ------------------------------------------------------
+    def read_lease(self, user: str, key: str) -> Optional[bytes]:
+        """The series' lease record (:mod:`slurm_ckpt.core.lease`), or None."""
+        okey = self.series_prefix(user, key) + LEASE_FILE
+        where = f"{self.where(user, key)}/{LEASE_FILE}"
+        try:
+            return self._call("get_object", where, Key=okey)["Body"].read(65537)
+        except NotFound:
+            return None
+        except (bexc.BotoCoreError, OSError) as exc:
+            raise s3_error(exc, where, self.endpoint) from None
+
+    def write_lease(self, user: str, key: str, data: bytes) -> None:
+        """Replace the series' lease record (one PUT: atomic on an object store)."""
+        okey = self.series_prefix(user, key) + LEASE_FILE
+        where = f"{self.where(user, key)}/{LEASE_FILE}"
+        self._call("put_object", where, Key=okey, Body=data, ChecksumCRC32=crc32_b64(data))
 
     # -- locking, deleting, sweeping -----------------------------------------------------
     def lock(self, user: str, key: str, step: int, wait: bool = True) -> Any:

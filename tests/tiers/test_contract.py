@@ -263,3 +263,22 @@ def test_a_killed_copy_leaves_nothing_listed_and_resumes(make_tier) -> None:
     assert res.resumed_files == 1  # model.bin was complete and is kept
     assert res.copied_bytes == src.manifest(USER, KEY, 6).total_bytes - len(payload(6)["model.bin"])
     assert dst.verify(USER, KEY, 6).ok and read_all(dst, 6) == payload(6)
+
+
+# --------------------------------------------------------------------------- lease record
+
+
+def test_the_series_lease_record_round_trips_and_is_never_a_step(make_tier) -> None:
+    """``read_lease``/``write_lease`` (slurm_ckpt/job/lease.py's warm-tier record): None
+    before, the bytes written after, replaced whole; never listed as a step or a series,
+    and kept by the sweep."""
+    t = make_tier("warm")
+    assert t.read_lease(USER, KEY) is None
+    t.write_lease(USER, KEY, b'{"generation": 1}\n')
+    save(t, 3)
+    t.write_lease(USER, KEY, b'{"generation": 2}\n')
+    assert t.read_lease(USER, KEY) == b'{"generation": 2}\n'
+    assert [s.step for s in t.steps(USER, KEY)] == [3]
+    assert t.keys(USER) == [KEY]
+    t.sweep(USER, KEY, max_age_s=0, partials=True)
+    assert t.read_lease(USER, KEY) == b'{"generation": 2}\n'

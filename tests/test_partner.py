@@ -282,6 +282,9 @@ class _Slurm:
     def node(self, name: str) -> NodeInfo:
         return NodeInfo(name, self.states[name])
 
+    def node_table(self, timeout: Any = None) -> Dict[str, NodeInfo]:
+        return {n: NodeInfo(n, s) for n, s in self.states.items()}
+
     def jobs_on_node(self, _node: str) -> List[Any]:
         return []
 

@@ -58,6 +58,10 @@ from slurm_ckpt.tiers.copy import CopyResult
 
 log = logging.getLogger(__name__)
 
+#: The stager's and root flush's one SLURM query about partner copies' owners waits at
+#: most this long (the epilog's own bound is a share of its budget).
+OWNER_QUERY_TIMEOUT_S = 10.0
+
 __all__ = [
     "HANDED_TO_STAGER",
     "RESERVE_FRACTION",
@@ -550,7 +554,15 @@ class NodeWork:
         (:func:`~slurm_ckpt.node.partner_flush.defer_live_owners`); of those, the ones
         the owner has flushed already (the warm tier holds the identical checkpoint) are
         recorded verified here and are neither flushed nor left over."""
-        keep, deferred = defer_live_owners(records, self.scan_nodes, self.node, self.client)
+        keep, deferred, _check = defer_live_owners(
+            records,
+            self.scan_nodes,
+            self.node,
+            self.client,
+            now=self.ledger.clock(),
+            grace_s=self.cfg.partner.owner_grace,
+            timeout=OWNER_QUERY_TIMEOUT_S,
+        )
         if deferred:
             there = learn_present(self, deferred, deadline)
             deferred = [r for r in deferred if r.ident not in there]

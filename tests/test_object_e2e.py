@@ -255,9 +255,9 @@ def test_a_full_store_fails_the_flush_and_keeps_the_local_copy(site, s3_server) 
         c.close()
     assert stats.flush_failures >= 1 and "HTTP 500" in (stats.last_error or "")
     assert steps(cfg) == {"local": [1], "object": []}
-    with ckpt(cfg) as c:  # a later flush (here: close() of the next run) gets it there
-        c.save(state(2), step=2)
-    assert steps(cfg)["object"] == [2]
+    with ckpt(cfg) as c:  # the next run: its own save flushed, and (outside SLURM) the
+        c.save(state(2), step=2)  # step the full store refused, owed, flushed at its start
+    assert steps(cfg)["object"] == [1, 2]
 
 
 def test_the_data_version_round_trips_and_a_change_warns_or_refuses(

@@ -64,6 +64,34 @@ _registry_lock = threading.RLock()  # a finalizer may release inside acquire's s
 _held: Dict[Tuple[str, str, str], SeriesLease] = {}
 
 
+#: SLURM job states after which a job's processes are gone.
+_ENDED = frozenset(
+    {
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "PREEMPTED",
+        "OUT_OF_MEMORY",
+        "BOOT_FAIL",
+        "DEADLINE",
+    }
+)
+
+
+def _job_ended(job: str) -> bool:
+    """True only when SLURM says the holder's job has ended (a job SLURM no longer
+    knows, or no SLURM at all, is no verdict: the heartbeat rule decides then)."""
+    try:
+        from slurm_ckpt.slurm.client import SlurmClient
+
+        state, _reason = SlurmClient(timeout=5.0).job_state(job)
+    except (CkptError, OSError, ValueError):
+        return False
+    return state.split()[0].rstrip("+") in _ENDED
+
+
 class SeriesBusy(CkptError):
     """Another live writer holds the series."""
 
@@ -268,6 +296,8 @@ class SeriesLease:
             return pid_alive(rec.pid, rec.pid_start)
         if self.job is not None and rec.job == self.job:
             return False  # the same job, requeued or relaunched on another node
+        if self.job is not None and rec.job and _job_ended(rec.job):
+            return False  # its job is over (a resubmit after a crash or a cancel)
         return time.time() - rec.heartbeat < STALE_AFTER_S
 
     def _busy(self, rec: LeaseRecord, extra: str) -> str:

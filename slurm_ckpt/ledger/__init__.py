@@ -24,7 +24,6 @@ _LAZY = {
     "LOCK_NAME": "slurm_ckpt.ledger.ledger",
     "Ledger": "slurm_ckpt.ledger.ledger",
     "LedgerError": "slurm_ckpt.ledger.ledger",
-    "node_status": "slurm_ckpt.ledger.node_status",
     "publish_status": "slurm_ckpt.ledger.node_status",
     "read_node_statuses": "slurm_ckpt.ledger.node_status",
     "status_path": "slurm_ckpt.ledger.node_status",
@@ -48,6 +47,11 @@ __all__ = [
     "read_node_statuses",
     "status_path",
 ]
+
+
+# Bound now, not lazily: the submodule of the same name would shadow it (Python binds a
+# submodule on its package once anything imports it, and __getattr__ is then never asked).
+from slurm_ckpt.ledger.node_status import node_status  # noqa: E402
 
 
 def __getattr__(name: str) -> Any:

@@ -96,12 +96,15 @@ class Run:
         key: Optional[str] = None,
         new_job: bool = False,
         racy: bool = False,
+        refused: bool = False,
         **kw: Any,
     ) -> Worker:
         """Prolog, then the trainer; checks where it resumed (I4) and what it loaded (I1).
 
         ``racy``: another trainer or hook may commit newer steps while this one starts,
-        so it may resume at a newer step than the one computed beforehand."""
+        so it may resume at a newer step than the one computed beforehand. ``refused``:
+        another live writer holds the key, so the trainer must stop at construction with
+        the one line naming it (one writer per series), before touching anything."""
         key = key or self.key
         first = self.job is None
         if first or new_job:
@@ -115,6 +118,13 @@ class Run:
         args.update(sleep=self.sleep)
         args.update(kw)
         w = self.site.worker(node, self.job, key, restart, **args)
+        if refused:
+            rc = w.finish()
+            self.check(
+                rc != 0 and "is being written by pid" in w.tail(),
+                f"a second writer of {key} on {node} was not refused (exit {rc}):\n{w.tail()}",
+            )
+            return w
         m = w.wait_for(r"^(START fresh|RESUMED step=(\d+) tier=(\S+) digest=(\S+))$", 60)
         if m is None:
             self.check(False, f"trainer on {node} exited before starting:\n{w.tail()}")

@@ -52,7 +52,14 @@ from slurm_ckpt.errors import CkptError, TierError
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord
 from slurm_ckpt.job.closing import ClosingMethods
 from slurm_ckpt.job.lazy import Drain, defer_mask
-from slurm_ckpt.job.options import OPTION_NAMES, UNSET, Options, build_config, resolve_aliases
+from slurm_ckpt.job.options import (
+    OPTION_NAMES,
+    UNSET,
+    Options,
+    RamOptions,
+    build_config,
+    resolve_aliases,
+)
 from slurm_ckpt.job.partner import PartnerLink, open_partner
 from slurm_ckpt.job.pipeline import (
     DEADLINE_MARGIN_S,
@@ -60,6 +67,7 @@ from slurm_ckpt.job.pipeline import (
     Pipeline,
     Shard,
 )
+from slurm_ckpt.job.ram_methods import RamMethods, open_ram, with_ram_stats
 from slurm_ckpt.job.restore import (
     Restored,
     Restorer,
@@ -115,7 +123,7 @@ def _finish_at_exit(ref: Callable[[], Optional[Checkpointer]], pid: int) -> None
         ckpt._pipeline.finish_at_exit()
 
 
-class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
+class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
     """Fast, verified, tiered checkpoints from inside a training job.
 
     Standalone (no SLURM, no config file; a laptop needs only ``local``)::
@@ -152,6 +160,8 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
       partner_bandwidth: cap on the partner copies (bytes/s or "1GB/s").
       partner_dir: rendezvous directory every node of the job mounts (addresses, secret).
       partner_host: the address other nodes reach this rank's partner server at.
+      ram: the RAM tier, ``True`` or a ``RamOptions`` (docs/in-job-recovery.md): snapshots
+        in memory by ``ram_save()``, replicated into the partner's memory.
     Identity (defaults from the environment):
       rank: this process's rank (RANK, else SLURM_PROCID).
       world_size: number of ranks (WORLD_SIZE, else the step's task count).
@@ -199,6 +209,7 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
         partner_bandwidth: Optional[Union[float, str]] = None,
         partner_dir: Optional[PathLike] = None,
         partner_host: Optional[str] = None,
+        ram: Optional[Union[bool, RamOptions]] = None,
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         user: Optional[str] = None,
@@ -309,6 +320,8 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
             )
             if self.partner is not None:
                 self._pipeline.after_commit = self.partner.offer
+        #: The RAM tier (None: off): snapshots in memory, copies in the partner's.
+        self.ram = open_ram(opts.ram, self)
         self._requeue = opts.requeue
         self._requeue_fn = opts.requeue_fn or functools.partial(requeue_job, self.job)
         self._job_state_fn = opts.job_state_fn
@@ -389,7 +402,7 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
     # ------------------------------------------------------------------ public state
     @property
     def stats(self) -> CheckpointStats:
-        return self._pipeline.stats
+        return with_ram_stats(self._pipeline.stats, self.ram)
 
     @property
     def preempted(self) -> bool:

@@ -230,6 +230,10 @@ def serve(link: PartnerLink, conn: socket.socket, session: bytes, request: bytes
     except (ValueError, KeyError, TypeError):
         raise WireError("malformed fetch request") from None
     why = link.refuse_series(key)
+    # "src": "ram": the RAM copies held here for other ranks (:mod:`.ram_replica`).
+    tier = link.ram_held if req.get("src") == "ram" else link.local
+    if why is None and tier is None:
+        why = "no RAM tier here"
     if why is not None:
         link._count(refused=1)
         conn.sendall(_NO)
@@ -238,13 +242,14 @@ def serve(link: PartnerLink, conn: socket.socket, session: bytes, request: bytes
         return
     if op == "list":
         conn.sendall(_GO)
-        send_frame(conn, json.dumps([i.step for i in _held_here(link, key)]).encode(), session)
+        steps = [i.step for i in _held_here(link, tier, key)]
+        send_frame(conn, json.dumps(steps).encode(), session)
         return
     if op == "manifests":
         docs = []
-        for info in _held_here(link, key):
+        for info in _held_here(link, tier, key):
             with contextlib.suppress(NotFound, VerifyError):
-                docs.append(link.local.manifest_bytes(link.user, key, info.step))
+                docs.append(tier.manifest_bytes(link.user, key, info.step))
         conn.sendall(_GO)
         send_frame(conn, json.dumps([d.decode() for d in docs]).encode(), session)
         return
@@ -252,7 +257,7 @@ def serve(link: PartnerLink, conn: socket.socket, session: bytes, request: bytes
         raise WireError(f"unknown fetch request {op!r}")
     step = int(req["step"])
     try:
-        reader = link.local.reader(link.user, key, step)
+        reader = tier.reader(link.user, key, step)
     except (NotFound, VerifyError) as exc:
         conn.sendall(_NO)
         send_frame(conn, f"no step {step} here ({exc})".encode(), session)
@@ -271,9 +276,9 @@ def serve(link: PartnerLink, conn: socket.socket, session: bytes, request: bytes
         log.info("[ckpt] served step %d of %s back to its owner", step, key)
 
 
-def _held_here(link: PartnerLink, key: str) -> List[Any]:
+def _held_here(link: PartnerLink, tier: Any, key: str) -> List[Any]:
     try:
-        return list(link.local.steps(link.user, key))
+        return list(tier.steps(link.user, key))
     except NotFound:
         return []
 

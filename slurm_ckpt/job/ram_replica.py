@@ -154,8 +154,9 @@ class Interval:
         self.copy_s = copy_s if self.copy_s is None else (1 - a) * self.copy_s + a * copy_s
         step = self.step_s
         if self.fixed is None and step:
-            by_budget = math.ceil(self.cost_s / (self.budget * step))
-            by_copy = math.ceil(self.copy_s / step)
+            # (less a hair: 0.01 / (0.02 * 0.1) is 5.000000000000001 in floats)
+            by_budget = math.ceil(self.cost_s / (self.budget * step) - 1e-9)
+            by_copy = math.ceil(self.copy_s / step - 1e-9)
             self.k = max(1, by_budget, by_copy)
         return self.k
 

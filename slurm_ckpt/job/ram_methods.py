@@ -86,7 +86,9 @@ class RamMethods:
         into host memory when the RAM tier's interval is due (``ram=RamOptions(every=...)``;
         ``force``: now), hashed and replicated to the partner rank's memory in the
         background. Returns whether a snapshot was taken; ``state`` may be changed as
-        soon as this returns. The RAM tier's own interval is independent of ``save()``'s.
+        soon as this returns. ``state`` may also be a function returning it, called only
+        when a snapshot is due (building a state tree each step costs time too). The
+        RAM tier's interval is its own, independent of ``save()``'s.
 
         Raises a one-line :class:`CkptError` when the RAM tier is off or an argument is
         wrong; never for a snapshot that could not be taken or copied (counted in

@@ -17,9 +17,11 @@ memory over the partner link (the RAM tier's moving part; the store is
   series, hashes every chunk on arrival against the manifest and commits only a copy
   whose every chunk matched. At most ``keep`` listed per series, ``keep + 1`` slots.
 * **The interval** (:class:`Interval`): every N calls, or ``"auto"``: the cost of a
-  snapshot (the caller's stall plus the background thread's CPU time) and the wall
-  time of its copy are measured and the interval set to the smallest N that keeps the
-  cost within ``budget`` of N steps and lets each copy end before the next is due.
+  snapshot (the caller's stall, the background thread's CPU time, and the CPU time a
+  received copy costs the holder) and the wall time of its copy are measured, and the
+  interval set to the smallest N that keeps the cost within ``budget`` of N steps and
+  lets each copy end before the next is due (in ``"auto"`` a snapshot due while the
+  previous one's copy still runs waits for it).
 * **Cannot keep up**: a snapshot is never dropped silently. When a newer snapshot
   arrives while the previous one still waits for its copy, the older one is superseded:
   counted (``behind``), an event (``ram_behind``) and a warning in the log (at most one
@@ -216,6 +218,8 @@ class RamCopies:
         self._busy = False
         self._stop = False
         self._conn: Optional[Tuple[socket.socket, bytes]] = None
+        #: CPU seconds the last received copy cost this rank (its holder's side).
+        self._recv_cpu = 0.0
         self._warned = 0.0
         self._unwarned = 0
         self._thread = threading.Thread(
@@ -298,7 +302,11 @@ class RamCopies:
         due = self.interval.tick(t0)
         if not (due or force):
             return False
+        if not force and self.interval.fixed is None and not self.idle():
+            return False  # "auto": the next one when the copy before it is done
         self.interval.taken()
+        if callable(state):  # built only now that a snapshot is due
+            state = state()
         slot = self.own.begin(self.key, step)
         if slot is None:
             with self.cv:
@@ -400,7 +408,10 @@ class RamCopies:
             self._event("ram_replica_failed", step=pend.step, error=reason)
         finally:
             self.own.unpin(pend.slot)
-        cost = pend.stall_s + (time.thread_time() - cpu0)
+        # The cost: training's stall, this thread's CPU, and the CPU the partner spends
+        # receiving (measured here as the holder of the partner's copies: the ring
+        # makes them alike), all taken from cores training could use.
+        cost = pend.stall_s + (time.thread_time() - cpu0) + self._recv_cpu
         k = self.interval.measured(cost, time.monotonic() - t1 + (t1 - t0))
         with self.cv:
             changed = k != self._stats.every
@@ -498,6 +509,7 @@ class RamCopies:
                 log.warning("[ckpt] RAM copy of %s/%d refused: %s", m.key, m.step, why)
                 conn.settimeout(IDLE_S)
                 continue
+            cpu0 = time.thread_time()
             try:
                 self.held.allocate(slot, {e.path: e.size for e in m.files})
                 conn.sendall(_GO)
@@ -512,6 +524,7 @@ class RamCopies:
                     conn.sendall(_FAIL)
                     send_frame(conn, reason[:500].encode(), session)
                 return  # the stream is out of step: the sender opens a new session
+            self._recv_cpu = time.thread_time() - cpu0
             self.held.commit(slot, m, mbytes)
             self.held.unpin(slot)
             self._count(received=1, last_received_step=m.step)

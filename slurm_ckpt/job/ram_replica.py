@@ -318,7 +318,12 @@ class RamCopies:
             self._count(not_taken=1)
             self._report("ram_not_taken", step, reason="every buffer in use")
             return False
-        if not self._fill(slot, state, step):
+        try:
+            filled = self._fill(slot, state, step)
+        except BaseException:  # a state that cannot be snapshotted: the caller's error
+            self.own.abandon(slot)
+            raise
+        if not filled:
             self.own.abandon(slot)
             self._count(not_taken=1)
             self._report("ram_not_taken", step, reason="does not fit the memory limit")
@@ -502,6 +507,9 @@ class RamCopies:
             slot = self.held.begin(m.key, m.step) if why is None else None
             if why is None and slot is None:
                 why = "every RAM slot of this series is in use, or too many series held"
+            if slot is not None and m.total_bytes - slot.nbytes > _spare_memory():
+                self.held.abandon(slot)  # new memory needed, and more than it can spare
+                slot, why = None, "not enough memory on the partner"
             if why is not None or slot is None:
                 self._count(refused=1)
                 conn.sendall(_NO)
@@ -539,8 +547,6 @@ class RamCopies:
             return "not a rank series of this job's checkpoint"
         if m.meta.get("base_key") != self.base_key:
             return "not a rank series of this job's checkpoint"
-        if m.total_bytes > psutil.virtual_memory().available // 2:
-            return "not enough memory on the partner"
         return None
 
     # -- the end -----------------------------------------------------------------------
@@ -576,6 +582,11 @@ def _receive_into(conn: socket.socket, slot: Slot, m: Manifest) -> None:
                 pos += k
             if chunk_digest(view[off:end]) != digest:
                 raise VerifyError(f"{e.path}: bytes {off}-{end} do not match the manifest")
+
+
+def _spare_memory() -> int:
+    """Bytes a holder may newly allocate for a copy: half the available memory."""
+    return int(psutil.virtual_memory().available // 2)
 
 
 def _reason(s: socket.socket, session: bytes) -> str:

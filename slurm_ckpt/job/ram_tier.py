@@ -85,7 +85,8 @@ class Slot:
 
     def free(self) -> None:
         for v in self.files.values():
-            v.release()
+            with contextlib.suppress(BufferError):  # still exported: freed by the GC
+                v.release()
         self.files = {}
         for buf in self._mem:
             with contextlib.suppress(BufferError):
@@ -139,6 +140,7 @@ class RamStore:
         self.cv = threading.Condition()
         self._slots: Dict[str, List[Slot]] = {}
         self._seq = 0
+        self.closed = False
         #: Buffer sets allocated so far (reuse keeps this flat while the layout holds).
         self.allocations = 0
 
@@ -148,6 +150,8 @@ class RamStore:
         ``keep + 1`` exist, else the one not pinned that is not committed, else the
         oldest committed one not pinned. None: all pinned (or too many series)."""
         with self.cv:
+            if self.closed:
+                return None
             slots = self._slots.get(key)
             if slots is None:
                 if len(self._slots) >= self.max_series:
@@ -245,7 +249,9 @@ class RamStore:
             self.unpin(slot)
 
     def close(self) -> None:
+        """Free every buffer; nothing is taken in from now on."""
         with self.cv:
+            self.closed = True
             slots = [s for ss in self._slots.values() for s in ss]
             self._slots = {}
         for s in slots:

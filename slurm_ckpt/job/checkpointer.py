@@ -25,10 +25,11 @@ This module is the facade: it builds the parts - the schedule (:mod:`.schedule`)
 staging area, the pipeline, the bookkeeping (:mod:`.bookkeeping`: ledger, events,
 metrics) and the restorer (:mod:`.restore`) - and keeps the public API: ``save``,
 ``should_save``, ``restore``, ``restore_weights``, ``restore_rest``, ``preempted``,
-``wait``, ``close``, ``stats``. Its methods come from mixins by concept: saving and the
-schedule here, the restore side in :mod:`.restoring`, waiting and the end of the run in
-:mod:`.closing`, the doors for other checkpoint formats in :mod:`.seams`; the counters
-are :class:`~slurm_ckpt.job.stats.CheckpointStats`.
+``wait``, ``close``, ``stats``, ``ram_save``. Its methods come from mixins by concept:
+saving and the schedule here, the restore side in :mod:`.restoring`, waiting and the end
+of the run in :mod:`.closing`, the doors for other checkpoint formats in :mod:`.seams`,
+the RAM tier in :mod:`.ram_methods`; the counters are
+:class:`~slurm_ckpt.job.stats.CheckpointStats`.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ from test_partner_wire import MARKER, Relay, marked_state
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.job.options import RamOptions
 from slurm_ckpt.job.partner_net import Peer
+from slurm_ckpt.job.partner_tier import PartnerTier
 from slurm_ckpt.job.partner_wire import Channel, Identity, WireError, client_handshake
 from slurm_ckpt.job.ram_replica import RAMPUT, Interval
 from slurm_ckpt.job.ram_tier import manifest_of
@@ -352,10 +353,11 @@ def test_the_holder_verifies_every_chunk_on_arrival(tmp_path: Path) -> None:
 
 
 def test_a_recorded_ram_copy_shows_no_plaintext(tmp_path: Path) -> None:
-    """The RAM copies travel in the partner transport's sealed records like the disk
-    copies: a relay recording every byte between the ranks sees neither the payload's
-    marker nor the manifest's series key, while the holder keeps the copy, marker and
-    all (verified chunk by chunk on arrival)."""
+    """The RAM copies, and the restore's ranged reads of them (``src: ram``), travel in
+    the partner transport's sealed records like the disk copies: a relay recording every
+    byte between the ranks sees neither the payload's marker nor the manifest's series
+    key, while the holder keeps the copy, marker and all (verified chunk by chunk on
+    arrival), and the owner reads it back bitwise."""
     a = partner_node(tmp_path, "na", 0, ram=RamOptions(every=1))
     b = partner_node(tmp_path, "nb", 1, ram=RamOptions(every=1))
     assert a.partner is not None and b.partner is not None
@@ -372,6 +374,22 @@ def test_a_recorded_ram_copy_shows_no_plaintext(tmp_path: Path) -> None:
         assert held.step == 2
         payload = b"".join(bytes(v) for v in held.files.values())
         assert MARKER in payload  # it went through, marker and all
+        # and back: rank 0 reads its RAM copy from rank 1 as the restore does (tier
+        # partner-ram, ranged reads), through the recorder too
+        via_relay = {0: Peer(0, "na", "127.0.0.1", a.partner.port), 1: a.partner._partner}
+        a.partner.rdv.peers = lambda *_a, **_k: via_relay  # type: ignore[method-assign]
+        tier = PartnerTier(a.partner, ram=True)
+        assert [i.step for i in tier.steps("root", "run.rank00000")] == [2]
+        with tier.reader("root", "run.rank00000", 2) as r:
+            for e in r.manifest.files:
+                buf = bytearray(e.size)
+                src = r.open(e.path)
+                try:
+                    assert src.readinto(memoryview(buf), 0) == e.size
+                finally:
+                    src.close()
+                assert bytes(buf) == bytes(held.files[e.path])
+        assert relay.connections >= 3  # the copy, the listing, a ranged read
         with relay.lock:
             captured = bytes(relay.captured)
         assert len(captured) > len(MARKER) * 4096

@@ -55,14 +55,7 @@ from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord
 from slurm_ckpt.job.closing import ClosingMethods
 from slurm_ckpt.job.dcp_series import part_key as dcp_part_key
 from slurm_ckpt.job.lazy import Drain, defer_mask
-from slurm_ckpt.job.options import (
-    OPTION_NAMES,
-    UNSET,
-    Options,
-    RamOptions,
-    build_config,
-    resolve_aliases,
-)
+from slurm_ckpt.job.options import OPTION_NAMES, UNSET, Options, build_config, resolve_aliases
 from slurm_ckpt.job.partner import PartnerLink, open_partner
 from slurm_ckpt.job.pipeline import (
     DEADLINE_MARGIN_S,
@@ -70,7 +63,7 @@ from slurm_ckpt.job.pipeline import (
     Pipeline,
     Shard,
 )
-from slurm_ckpt.job.ram_methods import RamMethods, open_ram, with_ram_stats
+from slurm_ckpt.job.ram_methods import RamMethods, RamSetting, open_ram, with_ram_stats
 from slurm_ckpt.job.restore import (
     Restored,
     Restorer,
@@ -219,7 +212,7 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
         partner_bandwidth: Optional[Union[float, str]] = None,
         partner_dir: Optional[PathLike] = None,
         partner_host: Optional[str] = None,
-        ram: Optional[Union[bool, RamOptions]] = None,
+        ram: RamSetting = None,
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         user: Optional[str] = None,

@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 from slurm_ckpt.errors import CkptError
-from slurm_ckpt.job.options import ram_options
+from slurm_ckpt.job.options import RamOptions, ram_options
 from slurm_ckpt.job.ram_replica import RamCopies
 from slurm_ckpt.job.saved import check_save_args
 from slurm_ckpt.job.stats import CheckpointStats
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RamMethods", "open_ram", "with_ram_stats"]
+__all__ = ["RamMethods", "RamSetting", "open_ram", "with_ram_stats"]
+
+#: What ``Checkpointer(ram=...)`` takes: ``True`` (the defaults), a :class:`RamOptions`,
+#: or ``None``/``False`` (off).
+RamSetting = Optional[Union[bool, RamOptions]]
 
 
 def open_ram(value: Any, ckpt: Any) -> Optional[RamCopies]:

@@ -258,15 +258,12 @@ class PartnerLink:
                     self._sending = None
                     self.cv.notify_all()
 
-    def target(self) -> Optional[Peer]:
-        """The ring partner copies go to (None: one node)."""
-        return self._target()
-
     def forget_target(self) -> None:
         """Look the partner's address up again before the next copy (it failed)."""
         self._partner = None
 
-    def _target(self) -> Optional[Peer]:
+    def target(self) -> Optional[Peer]:
+        """The ring partner copies (disk and RAM) go to (None: one node)."""
         if self._partner is None:
             peers = self.rdv.peers(RENDEZVOUS_TIMEOUT_S, stop=lambda: self._closing)
             self._partner = ring_partner(peers, self.rank)
@@ -277,7 +274,7 @@ class PartnerLink:
         return self._partner
 
     def _send(self, step: int) -> None:
-        peer = self._target()
+        peer = self.target()
         if peer is None:
             return  # one node: nowhere to send to
         t0 = time.monotonic()

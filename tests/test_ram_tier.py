@@ -22,6 +22,7 @@ the interval chosen from the budget, bad options.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -30,17 +31,22 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Dict, List
 
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
 from ram_worker import make_state
 from test_partner import node as partner_node
 from test_partner_wire import MARKER, Relay, marked_state
 
+from slurm_ckpt.core.hashing import chunk_digest
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.job.options import RamOptions
+from slurm_ckpt.job.partner import MAX_CONNECTIONS
 from slurm_ckpt.job.partner_net import Peer
 from slurm_ckpt.job.partner_tier import PartnerTier
 from slurm_ckpt.job.partner_wire import Channel, Identity, WireError, client_handshake
@@ -400,3 +406,115 @@ def test_a_recorded_ram_copy_shows_no_plaintext(tmp_path: Path) -> None:
         relay.close()
         a.close()
         b.close()
+
+
+#: A sound copy's payload in the hostile sessions below (2 chunks of 64 KiB).
+SOUND = bytes(range(256)) * 512
+
+
+@st.composite
+def hostile_ram_session(draw: st.DrawFn) -> List[Any]:
+    """What an authenticated peer (a rank of the job: it has the secret) might send
+    after ``RAMPUT``: frames of junk, or manifests (checksums right) as sent or with a
+    field made hostile (sizes, chunk size and digests, paths, duplicate paths, step,
+    series), each followed by some payload bytes (none, too few, right, or of the right
+    length but other bytes), then a hang-up."""
+    out: List[Any] = []
+    for _ in range(draw(st.integers(1, 3))):
+        if draw(st.booleans()):
+            out.append(("frame", draw(st.binary(max_size=256))))
+            continue
+        m = snapshot_of(draw(st.integers(0, 2**62)), SOUND)
+        files = list(m.files)
+        i = draw(st.integers(0, len(files) - 1))
+        what = draw(st.sampled_from(["none", "size", "chunks", "path", "dup", "chunk_size", "key"]))
+        if what == "size":
+            size = draw(st.one_of(st.integers(-(2**63), 2**20), st.integers(2**40, 2**63)))
+            files[i] = dataclasses.replace(files[i], size=size)
+        elif what == "chunks":
+            files[i] = dataclasses.replace(files[i], chunks=draw(st.lists(st.text(max_size=40))))
+        elif what == "path":
+            files[i] = dataclasses.replace(files[i], path=draw(st.text(max_size=40)))
+        elif what == "dup":
+            files.append(dataclasses.replace(files[i], size=draw(st.integers(0, 2**18))))
+        elif what == "chunk_size":
+            m = dataclasses.replace(m, chunk_size=draw(st.integers(-(2**31), 2**31)))
+        elif what == "key":
+            m = dataclasses.replace(m, key=draw(st.sampled_from(["run.rank00001", "x", ""])))
+        out.append(("frame", dataclasses.replace(m, files=files).to_bytes()))
+        wrong = SOUND[::-1] + b"{}"  # the right length, other bytes
+        out.append(("raw", draw(st.sampled_from([b"", SOUND[:4096], SOUND + b"{}", wrong]))))
+    return out
+
+
+def test_hostile_ram_sessions_never_break_the_holder(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever an authenticated peer sends in a RAM copy session, the holder ends that
+    session (a refusal, a failure, or a copy verified chunk by chunk), lists nothing it
+    did not verify, keeps its memory bounds, and takes the next sound copy."""
+    a = partner_node(tmp_path, "na", 0, ram=RamOptions(every=1))
+    b = partner_node(tmp_path, "nb", 1, ram=RamOptions(every=1))
+    assert a.partner is not None and b.partner is not None and b.ram is not None
+    ram = b.ram
+
+    def held_sound() -> None:
+        """Every copy listed on the holder matches its manifest, within the bounds."""
+        series = ram.held.keys()
+        for key in series:
+            for slot in ram.held.listed(key):
+                m = slot.manifest
+                assert m is not None and key == m.key == "run.rank00000"
+                for e in m.files:
+                    view = slot.files[e.path]
+                    assert len(view) == e.size
+                    for ci, digest in enumerate(e.chunks):
+                        part = view[ci * m.chunk_size : (ci + 1) * m.chunk_size]
+                        assert chunk_digest(part) == digest
+            assert ram.held.slots(key) <= 2  # keep + 1
+        assert len(series) <= 4
+
+    @settings(max_examples=100, deadline=None, database=None)
+    @given(hostile_ram_session())
+    def case(session: List[Any]) -> None:
+        # (the holder may hang up first)
+        with contextlib.suppress(WireError, OSError), put_session(b, a.partner.ident) as s:  # type: ignore[union-attr]
+            for kind, data in session:
+                if kind == "frame":
+                    s.send_frame(data)
+                elif data:
+                    s.sendall(data)
+            # hang up only once the holder has read it all (its answers read to its end:
+            # a close with unread answers would reset the connection, dropping the rest)
+            s.sock.shutdown(socket.SHUT_WR)
+            while s.sock.recv(65536):
+                pass
+        # the session's end is awaited: its slot is free for the next one
+        wait_for(lambda: b.partner._conns._value == MAX_CONNECTIONS)  # type: ignore[union-attr]
+        held_sound()
+
+    try:
+        case()
+        assert "unexpected error" not in caplog.text
+        assert "partner copy (step None) not received" not in caplog.text  # ended as RAM
+        m = snapshot_of(99, SOUND)
+        with put_session(b, a.partner.ident) as s:
+            s.send_frame(m.to_bytes())
+            assert s.recv_exact(1) == b"G"
+            for e in m.files:
+                s.sendall(b"{}" if e.path.endswith("index.json") else SOUND)
+            assert s.recv_exact(1) == b"K"
+        assert 99 in [x.step for x in ram.held.listed("run.rank00000")]
+        held_sound()
+    finally:
+        a.close()
+        b.close()
+
+
+def wait_for(done: Any, limit: float = 60.0) -> None:
+    """Until ``done()`` (a thread of this process reaching a known point), at most
+    ``limit`` seconds (then the test fails)."""
+    until = time.monotonic() + limit
+    while not done():
+        assert time.monotonic() < until, "the holder did not end the session"
+        time.sleep(0.01)

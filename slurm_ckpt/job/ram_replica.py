@@ -488,7 +488,16 @@ class RamCopies:
     # -- the holder (the partner link's connection thread) -----------------------------
     def serve_put(self, conn: Channel, first: bytes) -> None:
         """One replication session from a peer (authenticated by the link): snapshots
-        until the peer hangs up, each verified chunk by chunk before it is committed."""
+        until the peer hangs up, each verified chunk by chunk before it is committed.
+        A peer speaking wrongly or gone mid-answer ends the session (counted here)."""
+        try:
+            self._put_session(conn)
+        except (CkptError, OSError) as exc:
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            self._count(receive_failures=1, last_error=reason)
+            log.warning("[ckpt] RAM copy session ended: %s", reason)
+
+    def _put_session(self, conn: Channel) -> None:
         conn.settimeout(IDLE_S)
         while True:
             try:

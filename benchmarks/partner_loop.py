@@ -114,8 +114,11 @@ def agree(*flags: bool) -> List[bool]:
     return [bool(v) for v in t.tolist()]
 
 
-def open_checkpointer(rank: int, work: Path, bandwidth: Optional[str]) -> Checkpointer:
-    """This rank's Checkpointer, partner copies on (off windows withhold the offer)."""
+def open_checkpointer(
+    rank: int, work: Path, bandwidth: Optional[str], **extra: Any
+) -> Checkpointer:
+    """This rank's Checkpointer, partner copies on (off windows withhold the offer);
+    ``extra``: more options (benchmarks/ram_tier.py turns the RAM tier on)."""
     node = f"n{rank}"
     root = work / node
     for d in (root / "local", root / "ledger", work / "warm", work / "rendezvous"):
@@ -139,6 +142,7 @@ def open_checkpointer(rank: int, work: Path, bandwidth: Optional[str]) -> Checkp
         partner_dir=work / "rendezvous",
         partner_host="127.0.0.1",
         partner_bandwidth=bandwidth,
+        **extra,
     )
     if ckpt.partner is None:
         raise RuntimeError("partner copies did not start")

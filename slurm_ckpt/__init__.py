@@ -30,6 +30,7 @@ from slurm_ckpt.errors import (  # noqa: E402 - after __version__ on purpose
 
 if TYPE_CHECKING:  # pragma: no cover
     from slurm_ckpt.job.checkpointer import Checkpointer
+    from slurm_ckpt.job.options import RamOptions
     from slurm_ckpt.job.pipeline import CheckpointFailed
     from slurm_ckpt.job.restore import DataVersionMismatch, Restored
     from slurm_ckpt.job.saved import Saved
@@ -37,6 +38,8 @@ if TYPE_CHECKING:  # pragma: no cover
 _LAZY = {
     "Checkpointer": "slurm_ckpt.job.checkpointer",
     "Saved": "slurm_ckpt.job.saved",
+    # Checkpointer(ram=RamOptions(...)): the RAM tier (docs/in-job-recovery.md)
+    "RamOptions": "slurm_ckpt.job.options",
     "Restored": "slurm_ckpt.job.restore",
     # raised by save() after too many failures in a row
     "CheckpointFailed": "slurm_ckpt.job.pipeline",
@@ -52,6 +55,7 @@ __all__ = [
     "DataVersionMismatch",
     "InvalidName",
     "NotFound",
+    "RamOptions",
     "Restored",
     "Saved",
     "TierError",

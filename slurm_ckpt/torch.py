@@ -407,6 +407,26 @@ class TorchCheckpointer:
             self._saved_after_signal = True
         return self.last_save
 
+    def ram_save(self, step: int, tokens: Optional[int] = None, force: bool = False) -> bool:
+        """Call after every optimizer step with the RAM tier on (``Checkpointer(ram=...)``,
+        docs/in-job-recovery.md): the bound objects go into host memory (and the
+        partner's) when the RAM tier's interval is due; they are captured only then.
+        Returns whether a snapshot was taken."""
+
+        def state() -> Any:
+            return capture(
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                self.scaler,
+                None,
+                None,
+                rng=self.rng,
+                loader=self.loader,
+            )
+
+        return bool(self.ckpt.ram_save(state, step=step, tokens=tokens, force=force))
+
     @property
     def preempted(self) -> bool:
         """True once the state was saved after a preemption signal (on any rank)."""

@@ -115,3 +115,14 @@ pfs_bandwidth
 # The deprecated Python names of retention.keep_warm/keep_warm_every (kept one release
 # for code that reads config.retention.keep_pfs*; tests/test_warm_aliases.py uses them).
 keep_pfs_every
+
+# The RAM tier's counters (job/ram_replica.py RamStats, job/stats.py ram_*): public
+# stats a user or a metrics scrape reads; set through dataclasses.replace(**) or
+# RamCopies._count(**), which vulture cannot follow.
+_.bytes_own
+_.bytes_partner
+_.last_replicated_step
+_.ram_behind
+_.ram_not_taken
+_.ram_replica_failures
+_.ram_every

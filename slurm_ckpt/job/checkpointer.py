@@ -25,10 +25,11 @@ This module is the facade: it builds the parts - the schedule (:mod:`.schedule`)
 staging area, the pipeline, the bookkeeping (:mod:`.bookkeeping`: ledger, events,
 metrics) and the restorer (:mod:`.restore`) - and keeps the public API: ``save``,
 ``should_save``, ``restore``, ``restore_weights``, ``restore_rest``, ``preempted``,
-``wait``, ``close``, ``stats``. Its methods come from mixins by concept: saving and the
-schedule here, the restore side in :mod:`.restoring`, waiting and the end of the run in
-:mod:`.closing`, the doors for other checkpoint formats in :mod:`.seams`; the counters
-are :class:`~slurm_ckpt.job.stats.CheckpointStats`.
+``wait``, ``close``, ``stats``, ``ram_save``. Its methods come from mixins by concept:
+saving and the schedule here, the restore side in :mod:`.restoring`, waiting and the end
+of the run in :mod:`.closing`, the doors for other checkpoint formats in :mod:`.seams`,
+the RAM tier in :mod:`.ram_methods`; the counters are
+:class:`~slurm_ckpt.job.stats.CheckpointStats`.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from slurm_ckpt.job.pipeline import (
     Pipeline,
     Shard,
 )
+from slurm_ckpt.job.ram_methods import RamMethods, RamSetting, open_ram, with_ram_stats
 from slurm_ckpt.job.restore import (
     Restored,
     Restorer,
@@ -127,7 +129,7 @@ def _finish_at_exit(ref: Callable[[], Optional[Checkpointer]], pid: int) -> None
         ckpt._lease.release()
 
 
-class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
+class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
     """Fast, verified, tiered checkpoints from inside a training job.
 
     Standalone (no SLURM, no config file; a laptop needs only ``local``)::
@@ -164,6 +166,8 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
       partner_bandwidth: cap on the partner copies (bytes/s or "1GB/s").
       partner_dir: rendezvous directory every node of the job mounts (addresses, secret).
       partner_host: the address other nodes reach this rank's partner server at.
+      ram: the RAM tier, ``True`` or a ``RamOptions`` (docs/in-job-recovery.md): snapshots
+        in memory by ``ram_save()``, replicated into the partner's memory.
     Identity (defaults from the environment):
       rank: this process's rank (RANK, else SLURM_PROCID).
       world_size: number of ranks (WORLD_SIZE, else the step's task count).
@@ -213,6 +217,7 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
         partner_bandwidth: Optional[Union[float, str]] = None,
         partner_dir: Optional[PathLike] = None,
         partner_host: Optional[str] = None,
+        ram: RamSetting = None,
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         user: Optional[str] = None,
@@ -359,6 +364,8 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
             # earlier run of this series left (slurm_ckpt.job.owed).
             without_epilog(self._pipeline)
             queue_owed(self._pipeline)
+        #: The RAM tier (None: off): snapshots in memory, copies in the partner's.
+        self.ram = open_ram(opts.ram, self)
         self._requeue = opts.requeue
         self._requeue_fn = opts.requeue_fn or functools.partial(requeue_job, self.job)
         self._job_state_fn = opts.job_state_fn
@@ -441,7 +448,7 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
     # ------------------------------------------------------------------ public state
     @property
     def stats(self) -> CheckpointStats:
-        return self._pipeline.stats
+        return with_ram_stats(self._pipeline.stats, self.ram)
 
     @property
     def preempted(self) -> bool:

@@ -45,6 +45,7 @@ class ClosingMethods:
     _staging: Any
     config: Any
     partner: Any
+    ram: Any
     stats: CheckpointStats
 
     def wait_snapshot(self) -> float:
@@ -103,6 +104,8 @@ class ClosingMethods:
         if dcp is not None:
             dcp.finish(until)
         self._pipeline.finish(until)
+        if self.ram is not None:
+            self.ram.close(30.0 if until is None else max(0.0, until - time.time()))
         if self.partner is not None:
             self.partner.close(60.0 if until is None else max(0.0, until - time.time()))
         self._lease.release()  # the next writer of the series takes over at once

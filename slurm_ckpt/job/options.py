@@ -20,7 +20,7 @@ from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.config_schema import PFS, STANDALONE_SOURCE
 from slurm_ckpt.errors import CkptError
 
-__all__ = ["FLUSH_POLICIES", "OPTION_NAMES", "UNSET", "Options", "build_config"]
+__all__ = ["FLUSH_POLICIES", "OPTION_NAMES", "UNSET", "Options", "RamOptions", "build_config"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 FLUSH_POLICIES = ("skip", "wait")
@@ -36,6 +36,54 @@ class _Unset:
 #: "Not given" where None means something (``end_time_fn=None``: no deadline at all).
 UNSET: Any = _Unset()
 _INTERVALS = ("interval_tokens", "interval_steps", "interval_seconds", "interval")
+
+
+@dataclass(frozen=True)
+class RamOptions:
+    """The RAM tier (docs/in-job-recovery.md): the newest ``keep`` snapshots of this
+    rank's state stay in host memory, hashed like any checkpoint, and (with partner
+    copies on) are replicated into the partner rank's memory.
+
+    ``every``: take one every N calls of ``Checkpointer.ram_save()`` (N >= 1), or
+    ``"auto"``: as often as ``budget`` allows, the interval chosen at run time from the
+    measured cost of a snapshot and its copy against the measured step time.
+    ``budget``: the share of step time the RAM tier may cost in ``"auto"`` (0.02: 2 %).
+    ``keep``: snapshots kept per series, for this rank and for the partner it holds for
+    (memory: ``keep + 1`` buffer sets of the state's size each).
+    ``replicate``: send them to the partner (needs ``partner=True``).
+    ``bandwidth``: cap on the replication, bytes/s (0 or None: none).
+    """
+
+    every: Union[int, str] = "auto"
+    budget: float = 0.02
+    keep: int = 1
+    replicate: bool = True
+    bandwidth: Optional[float] = None
+
+    def validate(self) -> RamOptions:
+        every = self.every
+        if every != "auto" and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise CkptError(f'ram: every must be a whole number >= 1 or "auto", got {every!r}')
+        b = self.budget
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= 1:
+            raise CkptError(f"ram: budget must be a share of step time in (0, 1], got {b!r}")
+        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
+            raise CkptError(f"ram: keep must be a whole number >= 1, got {self.keep!r}")
+        bw = self.bandwidth
+        if bw is not None and (isinstance(bw, bool) or not isinstance(bw, (int, float)) or bw < 0):
+            raise CkptError(f"ram: bandwidth must be bytes/s >= 0, got {bw!r}")
+        return self
+
+
+def ram_options(value: Any) -> Optional[RamOptions]:
+    """``ram=``: None/False (off), True (the defaults) or a :class:`RamOptions`."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return RamOptions()
+    if not isinstance(value, RamOptions):
+        raise CkptError(f"ram must be True, False or a RamOptions, got {type(value).__name__}")
+    return value.validate()
 
 
 @dataclass
@@ -85,6 +133,7 @@ class Options:
     partner_bandwidth: Optional[Union[float, str]] = None
     partner_dir: Optional[PathLike] = None
     partner_host: Optional[str] = None
+    ram: Optional[Union[bool, RamOptions]] = None
     rank: Optional[int] = None
     world_size: Optional[int] = None
     user: Optional[str] = None
@@ -105,6 +154,7 @@ class Options:
 
     def validate(self) -> Options:
         """One-line errors for values no config check sees (the identity, the policy)."""
+        ram_options(self.ram)
         if self.flush_policy not in FLUSH_POLICIES:
             raise CkptError(
                 f"flush_policy must be one of {FLUSH_POLICIES}, got {self.flush_policy!r}"

@@ -37,7 +37,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from slurm_ckpt.core import trust
 from slurm_ckpt.core.chunks import BandwidthLimiter
@@ -170,6 +170,11 @@ class PartnerLink:
         self.port = self._sock.getsockname()[1]
         rendezvous.publish(node, host, self.port)
         self._conns = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        #: Sessions of other kinds, by the first bytes of their first frame (the RAM
+        #: tier's replication, :mod:`.ram_replica`): ``fn(channel, frame)``.
+        self.handlers: Dict[bytes, Callable[[Channel, bytes], None]] = {}
+        #: The partners' RAM copies held here, read as a tier (None: RAM tier off).
+        self.ram_held: Optional[Any] = None
         self._retention_lock = threading.Lock()
         self._threads: List[threading.Thread] = []
         loops = (("ckpt-partner-send", self._send_loop), ("ckpt-partner-recv", self._accept_loop))
@@ -253,7 +258,12 @@ class PartnerLink:
                     self._sending = None
                     self.cv.notify_all()
 
-    def _target(self) -> Optional[Peer]:
+    def forget_target(self) -> None:
+        """Look the partner's address up again before the next copy (it failed)."""
+        self._partner = None
+
+    def target(self) -> Optional[Peer]:
+        """The ring partner copies (disk and RAM) go to (None: one node)."""
         if self._partner is None:
             peers = self.rdv.peers(RENDEZVOUS_TIMEOUT_S, stop=lambda: self._closing)
             self._partner = ring_partner(peers, self.rank)
@@ -264,7 +274,7 @@ class PartnerLink:
         return self._partner
 
     def _send(self, step: int) -> None:
-        peer = self._target()
+        peer = self.target()
         if peer is None:
             return  # one node: nowhere to send to
         t0 = time.monotonic()
@@ -323,6 +333,10 @@ class PartnerLink:
                     except (CkptError, OSError) as exc:
                         reason = " ".join(str(exc).split()) or type(exc).__name__
                         log.warning("[ckpt] partner fetch request not served: %s", reason)
+                    return
+                handler = next((h for p, h in self.handlers.items() if mbytes.startswith(p)), None)
+                if handler is not None:
+                    handler(conn, mbytes)
                     return
                 m = Manifest.from_bytes(mbytes, "partner manifest")
                 step = m.step

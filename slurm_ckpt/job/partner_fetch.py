@@ -190,6 +190,10 @@ def serve(link: PartnerLink, conn: Channel, request: bytes) -> None:
     except (ValueError, KeyError, TypeError):
         raise WireError("malformed fetch request") from None
     why = link.refuse_series(key)
+    # "src": "ram": the RAM copies held here for other ranks (:mod:`.ram_replica`).
+    tier = link.ram_held if req.get("src") == "ram" else link.local
+    if why is None and tier is None:
+        why = "no RAM tier here"
     if why is not None:
         link._count(refused=1)
         conn.sendall(_NO)
@@ -198,13 +202,14 @@ def serve(link: PartnerLink, conn: Channel, request: bytes) -> None:
         return
     if op == "list":
         conn.sendall(_GO)
-        conn.send_frame(json.dumps([i.step for i in _held_here(link, key)]).encode())
+        steps = [i.step for i in _held_here(link, tier, key)]
+        conn.send_frame(json.dumps(steps).encode())
         return
     if op == "manifests":
         docs = []
-        for info in _held_here(link, key):
+        for info in _held_here(link, tier, key):
             with contextlib.suppress(NotFound, VerifyError):
-                docs.append(link.local.manifest_bytes(link.user, key, info.step))
+                docs.append(tier.manifest_bytes(link.user, key, info.step))
         conn.sendall(_GO)
         conn.send_frame(json.dumps([d.decode() for d in docs]).encode())
         return
@@ -212,7 +217,7 @@ def serve(link: PartnerLink, conn: Channel, request: bytes) -> None:
         raise WireError(f"unknown fetch request {op!r}")
     step = int(req["step"])
     try:
-        reader = link.local.reader(link.user, key, step)
+        reader = tier.reader(link.user, key, step)
     except (NotFound, VerifyError) as exc:
         conn.sendall(_NO)
         conn.send_frame(f"no step {step} here ({exc})".encode())
@@ -231,9 +236,9 @@ def serve(link: PartnerLink, conn: Channel, request: bytes) -> None:
         log.info("[ckpt] served step %d of %s back to its owner", step, key)
 
 
-def _held_here(link: PartnerLink, key: str) -> List[Any]:
+def _held_here(link: PartnerLink, tier: Any, key: str) -> List[Any]:
     try:
-        return list(link.local.steps(link.user, key))
+        return list(tier.steps(link.user, key))
     except NotFound:
         return []
 

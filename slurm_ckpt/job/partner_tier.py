@@ -57,10 +57,12 @@ if TYPE_CHECKING:  # pragma: no cover - the link is built above this module
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PARTNER", "STREAMS", "PartnerTier"]
+__all__ = ["PARTNER", "PARTNER_RAM", "STREAMS", "PartnerTier"]
 
 #: The tier's name (``Restored.tier``, ``RESUMED ... tier=partner``).
 PARTNER = "partner"
+#: The same over the RAM copies the other ranks hold (:mod:`.ram_replica`).
+PARTNER_RAM = "partner-ram"
 #: Connections one restore keeps open to the holder (each carries one ranged request at
 #: a time; the holder serves a few connections at once, see ``partner.MAX_CONNECTIONS``).
 STREAMS = 4
@@ -73,15 +75,19 @@ class PartnerTier:
 
     name = PARTNER
 
-    def __init__(self, link: PartnerLink) -> None:
+    def __init__(self, link: PartnerLink, ram: bool = False) -> None:
+        """``ram``: the holders' RAM copies (tier ``partner-ram``), not their disks."""
         self.link = link
+        self.src = "ram" if ram else "disk"
+        self.name = PARTNER_RAM if ram else PARTNER
         self._listed: Optional[Dict[int, Tuple[Peer, Manifest, bytes]]] = None
 
     # -- what the restore asks ---------------------------------------------------------
     def where(self, user: str, key: str, step: Optional[int] = None) -> str:
         got = (self._listed or {}).get(step) if step is not None else None
         node = got[0].node if got is not None else "?"
-        return f"partner copy on {node}:{key}" + ("" if step is None else f"/step-{step}")
+        kind = "RAM copy" if self.src == "ram" else "partner copy"
+        return f"{kind} on {node}:{key}" + ("" if step is None else f"/step-{step}")
 
     location = where
 
@@ -101,7 +107,7 @@ class PartnerTier:
 
     def reader(self, user: str, key: str, step: int) -> PartnerReader:
         peer, m, mbytes = self._held(user, key, step)
-        return PartnerReader(self.link, peer, m, mbytes, self.where(user, key, step))
+        return PartnerReader(self.link, peer, m, mbytes, self.where(user, key, step), self.src)
 
     def verify(self, user: str, key: str, step: int) -> Any:
         """Not offered: the holder's copy is verified by reading it (the restore did)."""
@@ -133,7 +139,7 @@ class PartnerTier:
         for r in others_nearest_first(link, peers):
             peer = peers[r]
             try:
-                docs = retried(_manifests, link, peer)
+                docs = retried(_manifests, link, peer, self.src)
             except (CkptError, OSError, ValueError) as exc:
                 log.warning("[ckpt] partner tier: rank %d on %s: %s", r, peer.node, exc)
                 continue
@@ -146,13 +152,13 @@ class PartnerTier:
                     continue
                 listed.setdefault(m.step, (peer, m, doc))
         if not listed:
-            log.info("[ckpt] partner tier: no rank holds a copy of %s", link.key)
+            log.info("[ckpt] %s tier: no rank holds a copy of %s", self.name, link.key)
         return listed
 
 
-def _manifests(link: PartnerLink, peer: Peer) -> List[bytes]:
+def _manifests(link: PartnerLink, peer: Peer, src: str) -> List[bytes]:
     with connect(link, peer) as s:
-        ask(link, s, {"op": "manifests", "key": link.key})
+        ask(link, s, {"op": "manifests", "key": link.key, "src": src})
         docs = json.loads(s.recv_frame())
     return [str(d).encode() for d in docs]
 
@@ -161,8 +167,11 @@ class _Pool:
     """Up to :data:`STREAMS` open ranged-read sessions with the holder, shared by the
     reader's sources (one request at a time each), closed when the last user is done."""
 
-    def __init__(self, link: PartnerLink, peer: Peer, m: Manifest, mbytes: bytes, where: str):
+    def __init__(
+        self, link: PartnerLink, peer: Peer, m: Manifest, mbytes: bytes, where: str, src: str
+    ):
         self.link, self.peer, self.m, self.mbytes, self.where = link, peer, m, mbytes, where
+        self.src = src
         self.cv = threading.Condition()
         self.idle: List[_Conn] = []
         self.count = 0
@@ -175,7 +184,8 @@ class _Pool:
     def _open(self) -> _Conn:
         s = connect(self.link, self.peer)
         try:
-            ask(self.link, s, {"op": "open", "key": self.link.key, "step": self.m.step})
+            req = {"op": "open", "key": self.link.key, "step": self.m.step, "src": self.src}
+            ask(self.link, s, req)
             if s.recv_frame() != self.mbytes:
                 raise TierError(f"{self.where}: the holder's copy changed since it was listed")
         except BaseException:
@@ -246,10 +256,18 @@ class PartnerReader:
     session is opened here, so a holder that no longer has the step, or has another
     copy of it than it listed, is found before any payload is read."""
 
-    def __init__(self, link: PartnerLink, peer: Peer, m: Manifest, mbytes: bytes, where: str):
+    def __init__(
+        self,
+        link: PartnerLink,
+        peer: Peer,
+        m: Manifest,
+        mbytes: bytes,
+        where: str,
+        src: str = "disk",
+    ):
         self.where, self.manifest, self.manifest_bytes = where, m, mbytes
         self._index = {e.path: i for i, e in enumerate(m.files)}
-        self._pool = _Pool(link, peer, m, mbytes, where)
+        self._pool = _Pool(link, peer, m, mbytes, where, src)
         self._pool.hold()
         try:
             self._pool.give(self._pool.take())

@@ -160,7 +160,8 @@ class Restored:
     state: Any
     #: The tier read (``local``, ``pfs``, ``s3``, ``cold``), or ``partner``: read straight
     #: from the rank holding this rank's partner copy (a rank relaunched on a spare node,
-    #: :mod:`slurm_ckpt.job.partner_tier`).
+    #: :mod:`slurm_ckpt.job.partner_tier`); ``ram``: this process's own RAM snapshot,
+    #: ``partner-ram``: the RAM copy another rank holds (:mod:`slurm_ckpt.job.ram_tier`).
     tier: str
     key: str = ""
     rank: int = 0

@@ -21,7 +21,8 @@ from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, NotFound
 from slurm_ckpt.job.dist import dist_agree
 from slurm_ckpt.job.partner_fetch import relaunched
-from slurm_ckpt.job.partner_tier import PARTNER, PartnerTier
+from slurm_ckpt.job.partner_tier import PARTNER, PARTNER_RAM, PartnerTier
+from slurm_ckpt.job.ram_tier import RAM
 from slurm_ckpt.job.restore import Restored, Restorer, check_tier_names
 from slurm_ckpt.ledger.record import State
 from slurm_ckpt.tiers.base import Tier
@@ -50,10 +51,11 @@ class RestoreMethods:
     world_size: int
     partner: Any
     _timeline: Any
+    ram: Any
 
     def _mark_bad(self, key: str, tier: str, step: int, reason: str) -> None:
-        if tier == PARTNER:
-            return  # the holder's copy, not this node's: logged by the restore, not booked
+        if tier in (PARTNER, PARTNER_RAM, RAM):
+            return  # the holder's copy, not this node's, or memory: logged, not booked
         self._books.set_state(step, tier, State.BAD, reason, code="verify_failed", key=key)
 
     def _uncommit_corrupt(self, tier: Tier, key: str, step: int) -> None:
@@ -63,7 +65,10 @@ class RestoreMethods:
         no node's retention takes the copy that rotted for the safe one (while it stayed
         committed, a re-flush would find the identical manifest and copy nothing). This
         node's own good copy, if any, is owed again too: the ledger says BAD there."""
-        if tier.name in (self.local.name, PARTNER):
+        if tier.name == RAM:
+            tier.delete(self.user, key, step)  # unlisted: its slot is refilled first
+            return
+        if tier.name in (self.local.name, PARTNER, PARTNER_RAM):
             return  # the job's own local copy (retention and the next save deal with it),
             # or the holder's partner copy (its own node's to deal with)
         try:
@@ -92,22 +97,25 @@ class RestoreMethods:
         expect_data_version: Optional[str] = None,
         on_data_change: str = "warn",
         factory: Callable[..., Restorer] = Restorer,
-        partner: Optional[PartnerTier] = None,
+        partner: Sequence[PartnerTier] = (),
         lineage: Optional[str] = None,
     ) -> Restorer:
         """The one place a restorer of this rank is built (``restore()``, and
         ``restore_path()`` with ``factory=partial(DirRestorer, local)``): the tier list
         (an unknown name is an error; ``partner`` goes right after the local tier), the
-        agreement and the corrupt-copy handling."""
+        agreement and the corrupt-copy handling. The own RAM tier goes first (when no
+        ``tiers`` are named)."""
         if tiers is not None:
             tiers = check_tier_names(tiers, [t.name for t in self.tiers], self.config.tiers.warm)
         extra = {} if lineage is None else {"lineage": lineage}
         use: List[Any] = list(
             self.tiers if tiers is None else [t for t in self.tiers if t.name in tiers]
         )
-        if partner is not None:
+        if partner:
             at = next((i + 1 for i, t in enumerate(use) if t is self.local), 0)
-            use.insert(at, partner)
+            use[at:at] = list(partner)
+        if self.ram is not None and tiers is None and factory is Restorer:
+            use.insert(0, self.ram.tier)
         return factory(
             use,
             self.user,
@@ -166,7 +174,7 @@ class RestoreMethods:
         lineage="main")`` gets a retired step back."""
         if self._restorer is not None:
             self._restorer.cancel()
-        partner = self._partner_tier() if tiers is None else None
+        partner = self._partner_tiers() if tiers is None else []
         self._restorer = self._make_restorer(
             tiers, step, expect_data_version, on_data_change, partner=partner, lineage=lineage
         )
@@ -213,18 +221,22 @@ class RestoreMethods:
             self._adopt_lineage(got, self._restorer.view)
         return got
 
-    def _partner_tier(self) -> Optional[PartnerTier]:
-        """In a step relaunched after a node loss, a rank whose local tier holds nothing
-        of its series (it runs on a spare) also reads the partner's disk: its newest
-        checkpoints are there, and the PFS may hold only older ones (docs/spares.md)."""
-        if self.partner is None or not relaunched():
-            return None
+    def _partner_tiers(self) -> List[PartnerTier]:
+        """A rank whose local tier holds nothing of its series (it runs on a spare) also
+        reads what the other ranks hold of it - in a step relaunched after a node loss,
+        or whenever the RAM tier is on: their RAM copies first (tier ``partner-ram``,
+        with the RAM tier on), then their disks (``partner``): its newest checkpoints
+        are there, and the PFS may hold only older ones (docs/spares.md,
+        docs/in-job-recovery.md)."""
+        if self.partner is None or not (relaunched() or self.ram is not None):
+            return []
         try:
             if self.local.steps(self.user, self.shard_key):
-                return None
+                return []
         except NotFound:
             pass
         except (CkptError, OSError) as exc:
             log.warning("[ckpt] partner tier skipped: %s", exc)
-            return None
-        return PartnerTier(self.partner)
+            return []
+        disk = PartnerTier(self.partner)
+        return [PartnerTier(self.partner, ram=True), disk] if self.ram is not None else [disk]

@@ -43,3 +43,13 @@ class CheckpointStats:
     snapshot_waits: int = 0
     snapshot_wait_s: float = 0.0
     last_drain_s: Optional[float] = None
+    #: The RAM tier (``ram=``, docs/in-job-recovery.md): snapshots committed in memory,
+    #: copies the partner kept, snapshots superseded before their copy (replication
+    #: could not keep up) or not taken (no buffer or memory), failed copies, and the
+    #: interval in use (every N ``ram_save()`` calls).
+    ram_snapshots: int = 0
+    ram_replicated: int = 0
+    ram_behind: int = 0
+    ram_not_taken: int = 0
+    ram_replica_failures: int = 0
+    ram_every: Optional[int] = None

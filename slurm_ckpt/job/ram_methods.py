@@ -1,0 +1,105 @@
+"""The Checkpointer's side of the RAM tier: ``ram_save()`` at every step boundary, the
+``ram_*`` counters in ``stats``, and the tiers a restore reads it through.
+
+A mixin, as :mod:`.restoring` and :mod:`.closing` are (``self`` is the Checkpointer);
+the machinery is :mod:`.ram_replica` (snapshots, their copies to the partner, the
+holder's side) over :mod:`.ram_tier` (the memory and its manifests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Dict, Optional, Union
+
+from slurm_ckpt.errors import CkptError
+from slurm_ckpt.job.options import RamOptions, ram_options
+from slurm_ckpt.job.ram_replica import RamCopies
+from slurm_ckpt.job.saved import check_save_args
+from slurm_ckpt.job.stats import CheckpointStats
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RamMethods", "RamSetting", "open_ram", "with_ram_stats"]
+
+#: What ``Checkpointer(ram=...)`` takes: ``True`` (the defaults), a :class:`RamOptions`,
+#: or ``None``/``False`` (off).
+RamSetting = Optional[Union[bool, RamOptions]]
+
+
+def open_ram(value: Any, ckpt: Any) -> Optional[RamCopies]:
+    """The RAM tier of ``ckpt`` for its ``ram=`` option (None: off). Replication needs the
+    partner link (``partner=True``); without one the snapshots stay on this node only."""
+    opts = ram_options(value)
+    if opts is None:
+        return None
+    if opts.replicate and ckpt.partner is None:
+        log.warning(
+            "[ckpt] RAM tier: no partner link (partner copies off, one rank or one node): "
+            "the RAM snapshots are not replicated"
+        )
+    return RamCopies(
+        opts,
+        user=ckpt.user,
+        key=ckpt.shard_key,
+        base_key=ckpt.key,
+        prefix=ckpt.prefix,
+        rank=ckpt.rank,
+        world_size=ckpt.world_size,
+        job=ckpt.job,
+        node=ckpt.node,
+        chunk_size=int(getattr(ckpt.local, "chunk_size", 0) or 64 * 2**20),
+        staging_limit=ckpt.config.job.staging_memory_limit,
+        link=ckpt.partner,
+        on_event=ckpt._books.emit,
+    )
+
+
+def with_ram_stats(stats: CheckpointStats, ram: Optional[RamCopies]) -> CheckpointStats:
+    """``stats`` with the RAM tier's counters filled in."""
+    if ram is None:
+        return stats
+    r = ram.stats
+    return dataclasses.replace(
+        stats,
+        ram_snapshots=r.snapshots,
+        ram_replicated=r.replicated,
+        ram_behind=r.behind,
+        ram_not_taken=r.not_taken,
+        ram_replica_failures=r.replica_failures,
+        ram_every=r.every,
+    )
+
+
+class RamMethods:
+    """``Checkpointer.ram_save`` (see the module docstring)."""
+
+    ram: Optional[RamCopies]
+    _closed: bool
+
+    def ram_save(
+        self,
+        state: Any,
+        *,
+        step: int,
+        tokens: Optional[int] = None,
+        meta: Optional[Dict[str, Any]] = None,
+        force: bool = False,
+    ) -> bool:
+        """Call at every step boundary (after the optimizer step): a snapshot of ``state``
+        into host memory when the RAM tier's interval is due (``ram=RamOptions(every=...)``;
+        ``force``: now), hashed and replicated to the partner rank's memory in the
+        background. Returns whether a snapshot was taken; ``state`` may be changed as
+        soon as this returns. ``state`` may also be a function returning it, called only
+        when a snapshot is due (building a state tree each step costs time too). The
+        RAM tier's interval is its own, independent of ``save()``'s.
+
+        Raises a one-line :class:`CkptError` when the RAM tier is off or an argument is
+        wrong; never for a snapshot that could not be taken or copied (counted in
+        ``stats.ram_not_taken`` / ``stats.ram_behind``, an event and a log line)."""
+        if self.ram is None:
+            raise CkptError("ram_save(): the RAM tier is off (Checkpointer(..., ram=True))")
+        if self._closed:
+            raise CkptError("Checkpointer.ram_save(): already closed")
+        meta = check_save_args(step, tokens, meta, None, None)
+        return self.ram.save(state, step, tokens, meta, bool(force))

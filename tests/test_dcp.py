@@ -325,3 +325,33 @@ def test_metadata_that_does_not_fit_its_part_is_skipped(
     got = _blank()
     _load(reader, got)
     assert torch.equal(got["w"], _state(1)["w"]) and got["extra"] == _state(1)["extra"]
+
+
+def test_a_taken_over_writer_commits_no_dcp_part(tmp_path: Path) -> None:
+    """The series' generation fences DCP saves too: once another writer took the key over
+    (``takeover=True``), the old writer's dcp.save commits nothing (it raised through
+    DCP) and the new writer's steps stand."""
+    import torch.distributed.checkpoint as dcp
+
+    from slurm_ckpt import Checkpointer
+
+    old = Checkpointer(local=str(tmp_path / "l"), key="run")
+    try:
+        dcp.save({"w": torch.ones(4)}, storage_writer=old.dcp_writer(step=1), no_dist=True)
+        new = Checkpointer(local=str(tmp_path / "l"), key="run", takeover=True)
+        try:
+            with pytest.raises(BaseException, match="taken over"):
+                dcp.save(
+                    {"w": torch.full((4,), 2.0)},
+                    storage_writer=old.dcp_writer(step=2),
+                    no_dist=True,
+                )
+            dcp.save(
+                {"w": torch.full((4,), 3.0)}, storage_writer=new.dcp_writer(step=3), no_dist=True
+            )
+        finally:
+            new.close()
+    finally:
+        old.close()
+    steps = sorted(p.name for p in (tmp_path / "l").glob("*/run.dcp.rank00000/step-*"))
+    assert steps == ["step-0000000001", "step-0000000003"], steps

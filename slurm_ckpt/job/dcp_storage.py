@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from slurm_ckpt.core.commit import AlreadyCommitted
+from slurm_ckpt.core.lease import LeaseRecord, check_generation
 from slurm_ckpt.core.manifest import FileEntry
 from slurm_ckpt.errors import CkptError, VerifyError
 from slurm_ckpt.job.dcp_meta import ItemInfo, dtype_name, encode
@@ -140,8 +141,12 @@ class SlurmDcpWriter(StorageWriter):
         node: Optional[str] = None,
         meta: Optional[Dict[str, Any]] = None,
         token: Optional[str] = None,
+        fence: Optional[Tuple[str, int]] = None,
     ) -> None:
         super().__init__()
+        #: ``(series key, generation)`` of the writer's lease: every part's commit checks
+        #: that no newer writer took the series over (job/lease.py), as save() does.
+        self.fence = fence
         self.tier, self.user, self.key, self.step = tier, user, key, step
         self.tokens, self.job, self.node = tokens, job, node
         self.meta = dict(meta or {})
@@ -201,6 +206,8 @@ class SlurmDcpWriter(StorageWriter):
             state_format=STATE_FORMAT,
             dcp_save_id=self.save_id,
         )
+        if self.fence is not None:
+            meta["generation"] = self.fence[1]
         kw = dict(tokens=self.tokens, job=self.job, node=self.node, meta=meta)
         key = part_key(self.key, self.rank)
         try:
@@ -210,6 +217,17 @@ class SlurmDcpWriter(StorageWriter):
             log.warning("[ckpt] dcp step=%d: replacing the older committed part", self.step)
             self.tier.delete(self.user, key, self.step)
             return self.tier.writer(self.user, key, self.step, **kw)
+
+    def _check_fence(self) -> None:
+        """StaleGeneration when a newer writer holds the series (read from the local
+        tier's lease record: this may run in DCP's save process, not the trainer's)."""
+        if self.fence is None:
+            return
+        key, mine = self.fence
+        read = getattr(self.tier, "read_lease", None)
+        data = read(self.user, key) if read is not None else None
+        rec = None if data is None else LeaseRecord.from_bytes(data)
+        check_generation(rec, mine, self.tier.where(self.user, key))
 
     def _value(self, planner: SavePlanner, item: Any) -> Tuple[memoryview, str]:
         """A non-tensor item as data (:mod:`slurm_ckpt.job.dcp_values`), else as the
@@ -272,6 +290,7 @@ class SlurmDcpWriter(StorageWriter):
             if self.is_coordinator:
                 self._w = w  # committed in finish(), with the metadata, last
             else:
+                self._check_fence()
                 w.commit()
                 w = None
                 notify_committed(self.token, self.step)
@@ -308,6 +327,7 @@ class SlurmDcpWriter(StorageWriter):
             metadata.storage_meta = self.storage_meta()
             w.write_buffers({METADATA_FILE: encode(metadata, items, parts)})
             _fault("before_metadata_commit")
+            self._check_fence()
             w.commit()
         except BaseException:
             w.abort()

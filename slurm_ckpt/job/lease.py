@@ -339,6 +339,11 @@ class SeriesLease:
             log.warning("[ckpt] key %s: warm-tier lease not written: %s", self.key, exc)
 
     # -- the fence -----------------------------------------------------------------------
+    def fence(self) -> Optional[Tuple[str, int]]:
+        """``(series key, generation)`` for a writer that commits outside this process's
+        pipeline (DCP's save, maybe in another process): None without a lease taken."""
+        return None if self.record is None else (self.key, self.generation)
+
     def check(self, tier: str) -> None:
         """Before a commit to ``tier`` (``"local"`` or ``"warm"``): raise
         :class:`StaleGeneration` when a newer writer holds the series there."""

@@ -142,6 +142,7 @@ class FrameworkSeams:
             node=self.node,
             meta=meta,
             token=series.token,
+            fence=self._lease.fence(),
         )
 
     def dcp_reader(

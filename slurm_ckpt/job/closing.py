@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -22,6 +23,9 @@ from slurm_ckpt.job.stats import CheckpointStats
 from slurm_ckpt.slurm.requeue import requeue_reason
 
 log = logging.getLogger(__name__)
+
+#: close() says it is waiting once it waited this long (seconds).
+WAIT_NOTE_S = 1.0
 
 __all__ = ["ClosingMethods"]
 
@@ -100,10 +104,22 @@ class ClosingMethods:
         if self._flag.received is not None or self._schedule.preempt_saved:
             d = self._deadline.deadline()
             until = None if d is None else d - DEADLINE_MARGIN_S
+        # A wait longer than a second says so (a log line), and says when it ended: a
+        # silent close() of 10 s reads as a hang.
+        t0 = time.monotonic()
+        note = threading.Timer(
+            WAIT_NOTE_S,
+            lambda: log.info("[ckpt] close(): waiting for the local write and the flushes"),
+        )
+        note.daemon = True
+        note.start()
         dcp = self.__dict__.get("_dcp")  # DCP parts (dcp_writer): picked up and flushed too
         if dcp is not None:
             dcp.finish(until)
         self._pipeline.finish(until)
+        note.cancel()
+        if time.monotonic() - t0 > WAIT_NOTE_S:
+            log.info("[ckpt] close(): done waiting after %.1fs", time.monotonic() - t0)
         if self.ram is not None:
             self.ram.close(30.0 if until is None else max(0.0, until - time.time()))
         if self.partner is not None:

@@ -273,3 +273,12 @@ def test_a_users_key_finds_its_ranks_series(tmp_path: Path) -> None:
     r = ckpt_slurm("verify", "run", "--json", *f)
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout)["checkpoints"]) == 4, r.stdout
+
+
+def test_status_heads_the_warm_tier_warm(laptop: Site) -> None:
+    """One vocabulary on the screen too: the warm tier's column is headed ``warm`` (it
+    said ``pfs``), while JSON keeps the tier's own field names."""
+    r = ckpt_slurm("status", "-u", "alice", *_flags(laptop))
+    assert r.returncode == 0, r.stderr
+    header = next(ln for ln in r.stdout.splitlines() if ln.lstrip().startswith("job "))
+    assert " warm " in f"{header} " and " pfs " not in f"{header} ", header

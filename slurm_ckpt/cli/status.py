@@ -106,15 +106,17 @@ def _count(value: Any) -> str:
 
 
 def _tier_columns(names: List[str]) -> List[Column]:
-    """The newest step (and its age) on each shared tier, named after it: ``pfs_step``,
-    ``object_step``, ``cold_step`` (the warm tier's first; colder ones drop first)."""
+    """The newest step (and its age) on each shared tier: fields named after the tier
+    (``pfs_step``, ``object_step``, ``cold_step``: JSON and ``--parsable`` keep them), the
+    first headed ``warm`` on a terminal, whatever its kind (colder ones drop first)."""
     out = []
     for i, name in enumerate(names):
-        out.append(Column(f"{name}_step", name, fmt=_count, right=True, drop=8 if i else 0))
+        title = "warm" if i == 0 else name
+        out.append(Column(f"{name}_step", title, fmt=_count, right=True, drop=8 if i else 0))
         out.append(
             Column(
                 f"{name}_age_s",
-                f"{name} age",
+                f"{title} age",
                 fmt=format_duration,
                 right=True,
                 drop=4 if i == 0 else 9,

@@ -273,6 +273,10 @@ def test_a_users_key_finds_its_ranks_series(tmp_path: Path) -> None:
     r = ckpt_slurm("verify", "run", "--json", *f)
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout)["checkpoints"]) == 4, r.stdout
+    r = ckpt_slurm("drill", "run", "--json", *f)  # rank 0's series: what its restart reads
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert (doc["ok"], doc["step"], doc["key"]) == (True, 3, "run.rank00000"), doc
 
 
 def test_status_heads_the_warm_tier_warm(laptop: Site) -> None:

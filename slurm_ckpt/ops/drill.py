@@ -58,6 +58,24 @@ def _series(tiers: List[Any], user: str, key: str) -> Tuple[str, int, int]:
     return key, 0, 1
 
 
+def _drilled_series(tiers: Dict[str, Any], user: str, key: str) -> str:
+    """``key`` itself when it has checkpoints; for a multi-rank job's key (only
+    ``KEY.rankNNNNN`` series exist), rank 0's series: what a restart of rank 0 reads."""
+    from slurm_ckpt.ops.catalog import series_under
+
+    found = series_under(tiers, user, key)
+    rank0 = f"{key}.rank00000"
+    if found == [key] or rank0 not in found:
+        return key
+    for tier in tiers.values():
+        try:
+            if tier.steps(user, key):
+                return key
+        except (TierError, OSError):
+            continue
+    return rank0
+
+
 def _scratch_dir(base: Optional[str], tier_root: str, user: str) -> str:
     """A fresh private directory for the copy (caller removes it)."""
     if base is None:
@@ -108,6 +126,7 @@ def run_drill(
     # What Checkpointer.restore() looks at: every configured tier, fastest first (local,
     # pfs, object, cold).
     order = list(tiers.values())
+    key = _drilled_series(tiers, user, key)
     base, rank, ws = _series(order, user, key)
     restorer = Restorer(order, user, base, rank, ws)
     own = restorer.own_steps()

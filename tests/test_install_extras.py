@@ -4,18 +4,14 @@
   PFS sites need no object-store client); a config with an object tier then says in one
   line which extra to install;
 * ``pip install "CHECKOUT[s3]"`` adds boto3, and the object tier loads;
-* ``[hf]`` and ``[lightning]`` are resolved (``pip install --dry-run --report``): their
-  packages (transformers with accelerate; pytorch-lightning) are what each extra pulls.
-  They are resolved rather than installed because both pull torch, which this machine
-  installs from its CPU wheel (the resolution is pointed at it, so nothing of CUDA is
-  fetched either).
+* ``[hf,lightning]`` installs transformers with accelerate and pytorch-lightning, with
+  torch from the CPU wheel (the README's hint), and both doors import.
 
 The packages come from the package index through pip's cache (scripts/setup warmed it).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -81,23 +77,16 @@ def test_each_extra_installs_what_the_readme_says(tmp_path: Path) -> None:
     after = subprocess.run([str(py), "-c", probe], capture_output=True, text=True)
     assert after.stdout.strip() == "['local', 'object']", after
 
-    for extra, wanted in (
-        ("hf", {"transformers", "accelerate"}),
-        ("lightning", {"pytorch-lightning"}),
-    ):
-        report = tmp_path / f"{extra}.json"
-        r = _pip(
-            py,
-            "install",
-            "-q",
-            "--dry-run",
-            "--ignore-installed",
-            "--report",
-            str(report),
-            f"{REPO}[{extra}]",
-            "torch==2.13.0",
-        )
-        assert r.returncode == 0, (extra, r.stderr)
-        names = {i["metadata"]["name"].lower() for i in json.loads(report.read_text())["install"]}
-        assert wanted <= names, (extra, sorted(names))
-        assert "boto3" not in names, (extra, sorted(names))
+    # [hf] and [lightning], installed for real (torch from the CPU wheel this machine
+    # keeps in /opt/wheels, as the README's hint says): the doors import.
+    both = _pip(py, "install", "-q", f"{REPO}[hf,lightning]", "torch==2.13.0")
+    assert both.returncode == 0, both.stderr
+    for module in ("transformers", "accelerate", "pytorch_lightning"):
+        assert _has(py, module), module
+    doors = subprocess.run(
+        [str(py), "-c", "import slurm_ckpt.hf, slurm_ckpt.lightning; print('ok')"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert doors.stdout.strip() == "ok", doors.stderr

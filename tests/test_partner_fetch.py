@@ -83,13 +83,16 @@ def lose(c: Checkpointer, tmp: Path, name: str) -> None:
     """The node dies with its disk: its rank never closes (no final flush)."""
     c.partner.close(0)  # type: ignore[union-attr]
     c._pipeline.finish(0)
+    c._lease.release()  # its process is gone: so is the series lease it held
     shutil.rmtree(tmp / name / "local")
 
 
 def end(c: Checkpointer) -> None:
-    """A surviving rank's step ends (the failed step is killed: no final flush)."""
+    """A surviving rank's step ends (the failed step is killed: no final flush; its
+    process exits, and with it the lease on its series)."""
     c.partner.close(0)  # type: ignore[union-attr]
     c._pipeline.finish(0)
+    c._lease.release()
 
 
 @pytest.fixture

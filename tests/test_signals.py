@@ -364,9 +364,30 @@ def test_ctrl_c_in_close_ends_cleanly_and_the_next_start_sweeps_the_copy(
 
     def debris() -> list:
         # The copy's own work area, or (its abort under way at the exit) that area
-        # renamed for removal: either is the next start's to sweep.
+        # renamed for removal; or nothing, when the abort finished before the exit.
         return list(series.glob(".partial-*")) + list(series.glob(".trash-*"))
 
-    assert debris()
+    left = debris()
     Checkpointer(local=local, warm=warm, key="k", install_signals=False).close()
-    assert not debris()
+    assert not debris(), left  # whatever the interrupted close left, the next start swept
+
+
+def test_a_standalone_start_sweeps_its_series_debris(tmp_path: Path) -> None:
+    """Debris of an interrupted copy or save of this series (a work area, one renamed
+    for removal, a half-written local save) on the local and warm tiers goes at the next
+    start of a standalone Checkpointer; another series' is left alone."""
+    local, warm = tmp_path / "local", tmp_path / "warm"
+    user = pwd.getpwuid(os.getuid()).pw_name
+    Checkpointer(local=local, warm=warm, key="k", install_signals=False).close()
+    mine = [
+        warm / user / "k" / ".partial-step-0000000001.host.1.abcd",
+        warm / user / "k" / ".trash-partial-step-0000000001.host.1.abcd-1234",
+        local / user / "k" / ".partial-step-0000000002",
+    ]
+    other = warm / user / "other" / ".partial-step-0000000001.host.1.abcd"
+    for d in (*mine, other):
+        (d / "rank-00000").mkdir(parents=True)
+        (d / "rank-00000" / "data-0000.bin").write_bytes(b"x" * 10)
+    Checkpointer(local=local, warm=warm, key="k", install_signals=False).close()
+    assert [d for d in mine if d.exists()] == []
+    assert other.exists()

@@ -83,3 +83,29 @@ def test_a_planted_symlink_is_not_followed(tmp_path: Path) -> None:
     else:
         raise AssertionError("followed a symlink")
     assert target.read_text() == ""
+
+
+def test_goodput_reads_the_timeline_below_the_pfs_without_following_links(tmp_path: Path) -> None:
+    """``ckpt-slurm goodput`` (root's too) reads ``<pfs>/<user>/.slurm_ckpt/jobs/<job>``
+    component by component: a symlink a user planted on the way is refused, not followed."""
+    import pytest
+
+    from slurm_ckpt.core.config import Config
+    from slurm_ckpt.errors import UsageError
+    from slurm_ckpt.ops.job_timeline import job_goodput, timeline_dir
+
+    (tmp_path / "local").mkdir()
+    cfg = Config.standalone(tmp_path / "local", tmp_path / "pfs")
+    where = Path(timeline_dir(cfg, "alice", "7"))  # type: ignore[arg-type]
+    where.mkdir(parents=True)
+    append_record(str(where / "srun.jsonl"), "start", job="7")
+    append_record(str(where / "srun.jsonl"), "end", rc=0)
+    assert job_goodput(cfg, "alice", "7").failures == []
+    elsewhere = tmp_path / "elsewhere" / "jobs" / "8"
+    elsewhere.mkdir(parents=True)
+    append_record(str(elsewhere / "srun.jsonl"), "start", job="8")
+    bob = tmp_path / "pfs" / "bob"
+    bob.mkdir()
+    (bob / ".slurm_ckpt").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(UsageError, match="not followed"):
+        job_goodput(cfg, "bob", "8")

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import pwd
 from typing import Optional
 
 import click
 
 from slurm_ckpt.cli.output import CliState, pass_state, print_json, print_table
 from slurm_ckpt.cli.params import USER
+from slurm_ckpt.core.names import current_user
 from slurm_ckpt.core.units import format_duration
 from slurm_ckpt.ops.job_timeline import job_goodput
 
@@ -31,7 +30,7 @@ def goodput_cmd(
     steps recomputed, and per node loss the detection, recovery, restore and
     back-to-training times, from the job's timeline on the warm tier.
     """
-    owner = user or pwd.getpwuid(os.getuid()).pw_name
+    owner = user or current_user()
     cfg = None if directory else state.config
     g = job_goodput(cfg, owner, job, directory)  # type: ignore[arg-type]
     if as_json:

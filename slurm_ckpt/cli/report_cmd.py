@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import pwd
 from datetime import datetime, timezone
 from typing import Optional
 
@@ -11,6 +9,7 @@ import click
 
 from slurm_ckpt.cli.output import CliState, pass_state, print_json, print_table
 from slurm_ckpt.cli.params import USER
+from slurm_ckpt.core.names import current_user
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.ops.report import plot_png, series_life
 
@@ -29,7 +28,7 @@ def report_cmd(
 
     From this node's ledger and event log; --png draws it (needs the plot extra).
     """
-    owner = user or pwd.getpwuid(os.getuid()).pw_name
+    owner = user or current_user()
     life = series_life(state.config, owner, key)
     written = plot_png(life, png) if png else None
     doc = life.to_json()

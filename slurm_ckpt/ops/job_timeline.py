@@ -9,9 +9,11 @@ timeline. Writing never stops the job: a failure is said once and the job goes o
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 from slurm_ckpt.core import fsio
 from slurm_ckpt.core.config import Config
@@ -59,15 +61,41 @@ class SrunTimeline:
             self.path = None
 
 
-def _read(path: Path) -> List[str]:
-    """The file's lines: no symlink followed, no FIFO waited on (the user's file; root's
-    ``goodput`` reads it too), at most MAX_FILE_BYTES."""
+def _open_dir(base: str, below: Tuple[str, ...]) -> int:
+    """``base`` (the admin's path, resolved), then every component ``below`` it opened
+    relative to the one above without following a symlink: below a tier root the path is
+    the user's, and root's ``goodput`` must not be led elsewhere by a link they planted."""
+    fd = os.open(os.path.realpath(base), os.O_RDONLY | os.O_DIRECTORY)
     try:
-        dfd = os.open(str(path.parent), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except FileNotFoundError:
+        for part in below:
+            try:
+                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except NotADirectoryError:
+                # Linux says ENOTDIR for a symlink opened with O_DIRECTORY|O_NOFOLLOW
+                if stat.S_ISLNK(os.lstat(part, dir_fd=fd).st_mode):
+                    raise OSError(errno.ELOOP, "a symlink") from None
+                raise
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read(base: str, below: Tuple[str, ...], name: str) -> List[str]:
+    """The lines of ``base/below.../name``: no symlink followed below ``base``, no FIFO
+    waited on (the user's file; root's ``goodput`` reads it too), at most
+    MAX_FILE_BYTES."""
+    try:
+        dfd = _open_dir(base, below)
+    except (FileNotFoundError, NotADirectoryError):
         return []
+    except OSError as exc:  # ELOOP: a symlink where a directory belongs
+        where = os.path.join(base, *below)
+        raise UsageError(f"{where}: {exc.strerror or exc} (not followed)") from None
     try:
-        fd, _st = fsio.open_regular(dfd, path.name)
+        fd, _st = fsio.open_regular(dfd, name)
     except FileNotFoundError:
         return []
     finally:
@@ -79,11 +107,17 @@ def _read(path: Path) -> List[str]:
 
 def job_goodput(cfg: Config, user: str, job: str, directory: Optional[str] = None) -> Goodput:
     """The measured goodput of ``job`` (NotFound when it left no timeline)."""
-    where = directory or timeline_dir(cfg, user, job)
-    if where is None:
-        raise NotFound("no job timeline: the warm tier is not a PFS directory (use --dir)")
-    srun = parse_lines(_read(Path(where) / "srun.jsonl"))
-    rank0 = parse_lines(_read(Path(where) / "rank0.jsonl"))
+    if directory is not None:
+        base, below = directory, ()
+    else:
+        where = timeline_dir(cfg, user, job)
+        if where is None:
+            raise NotFound("no job timeline: the warm tier is not a PFS directory (use --dir)")
+        base = str(cfg.tiers.pfs.root)  # type: ignore[union-attr]
+        below = tuple(Path(os.path.relpath(where, base)).parts)
+    srun = parse_lines(_read(base, below, "srun.jsonl"))
+    rank0 = parse_lines(_read(base, below, "rank0.jsonl"))
     if not srun and not rank0:
-        raise NotFound(f"job {job}: no timeline in {where} (was it run under ckpt-srun?)")
+        shown = os.path.join(base, *below)
+        raise NotFound(f"job {job}: no timeline in {shown} (was it run under ckpt-srun?)")
     return analyze(job, srun, rank0)

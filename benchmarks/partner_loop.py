@@ -326,6 +326,37 @@ def quartiles(xs: List[float]) -> List[float]:
     return [q[0], q[2]]
 
 
+def run_ranks(worker: Any, cfg: Dict[str, Any], prefix: str, base: Optional[str]) -> List[Any]:
+    """Run ``worker`` on every rank in a fresh private work directory (``cfg["work"]``) and
+    return each rank's ``result.rankN.json``; the directory goes either way."""
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir=base or "/var/tmp"))
+    os.chmod(work, 0o700)
+    cfg["work"] = str(work)
+    try:
+        mp.start_processes(worker, args=(cfg,), nprocs=WORLD, join=True, start_method="spawn")
+        return [json.loads((work / f"result.rank{r}.json").read_text()) for r in range(WORLD)]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def paired_ratios(rows: List[Any]) -> List[float]:
+    """Each pair's on/off steps/s, the mean over the ranks (both run the same steps; their
+    ratios differ by the spread of their clocks)."""
+    return [statistics.mean(rows[k][i]["ratio"] for k in range(WORLD)) for i in range(len(rows[0]))]
+
+
+def overlap_bounds(rows: List[Any]) -> List[float]:
+    """The drift-free lower bound on the cost, as a ratio: 1 - the on window's time lost in
+    the steps that overlapped its copy / the window (mean of the ranks)."""
+    return [
+        1.0
+        - statistics.mean(
+            rows[k][i]["on"]["copy_step_loss_s"] / rows[k][i]["on"]["seconds"] for k in range(WORLD)
+        )
+        for i in range(len(rows[0]))
+    ]
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default=None, help="bulk state per rank (64MiB; --quick 8MiB)")
@@ -349,9 +380,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     if cfg["every"] <= 0 or cfg["rounds"] < 1 or cfg["settle"] < 0:
         print("partner_loop: --every must be above 0, --rounds at least 1, --settle >= 0")
         return 2
-    work = Path(tempfile.mkdtemp(prefix="ckpt-partnerloop-", dir=args.dir or "/var/tmp"))
-    os.chmod(work, 0o700)
-    cfg["work"] = str(work)
     load_start = os.getloadavg()
     print(
         f"partner copies on vs off: {WORLD} ranks (gloo, 127.0.0.1), "
@@ -361,15 +389,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         f"{load_start[0]:.1f}",
         flush=True,
     )
-    try:
-        mp.start_processes(worker, args=(cfg,), nprocs=WORLD, join=True, start_method="spawn")
-        docs = [json.loads((work / f"result.rank{r}.json").read_text()) for r in range(WORLD)]
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    docs = run_ranks(worker, cfg, "ckpt-partnerloop-", args.dir)
     rows = [d["pairs"] for d in docs]
     n = len(rows[0])
-    # both ranks run the same steps; their steps/s differ by the spread of their clocks
-    ratios = [statistics.mean(rows[k][i]["ratio"] for k in range(WORLD)) for i in range(n)]
+    ratios = paired_ratios(rows)
     # The same claim estimated from CPU accounting: the partner copy's extra CPU time
     # (on minus off, both ranks, in the window), taken from cores that the two ranks
     # otherwise keep busy: 1 - extra / (ranks x window). Robust to the machine's drift
@@ -383,15 +406,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         / (WORLD * cfg["every"])
         for i in range(n)
     ]
-    # The drift-free lower bound on the cost, as a ratio: 1 - the on window's time lost
-    # in the steps that overlapped its copy / the window (mean of the ranks).
-    overlap_ratios = [
-        1.0
-        - statistics.mean(
-            rows[k][i]["on"]["copy_step_loss_s"] / rows[k][i]["on"]["seconds"] for k in range(WORLD)
-        )
-        for i in range(n)
-    ]
+    overlap_ratios = overlap_bounds(rows)
     r0 = rows[0]
     pooled = (sum(x["on"]["steps"] for x in r0) / sum(x["on"]["seconds"] for x in r0)) / (
         sum(x["off"]["steps"] for x in r0) / sum(x["off"]["seconds"] for x in r0)

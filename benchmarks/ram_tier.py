@@ -36,10 +36,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -50,9 +48,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from claims import claim  # noqa: E402
-from partner_loop import WORLD, Net, agree, free_port, open_checkpointer, quartiles  # noqa: E402
+from partner_loop import (  # noqa: E402
+    WORLD,
+    Net,
+    agree,
+    free_port,
+    open_checkpointer,
+    overlap_bounds,
+    paired_ratios,
+    quartiles,
+    run_ranks,
+)
 from torch import nn  # noqa: E402
 
 from slurm_ckpt import torch as sct  # noqa: E402
@@ -215,9 +222,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     if cfg["window"] <= 0 or cfg["rounds"] < 1 or cfg["settle"] < 0 or not 0 < args.budget <= 1:
         print("ram_tier: --window > 0, --rounds >= 1, --settle >= 0, 0 < --budget <= 1")
         return 2
-    work = Path(tempfile.mkdtemp(prefix="ckpt-ramtier-", dir=args.dir or "/var/tmp"))
-    os.chmod(work, 0o700)
-    cfg["work"] = str(work)
     load = os.getloadavg()
     print(
         f"RAM tier on vs off: {WORLD} ranks (gloo, 127.0.0.1), {format_bytes(cfg['size'])} "
@@ -226,21 +230,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         f"CPUs, load average {load[0]:.1f}",
         flush=True,
     )
-    try:
-        mp.start_processes(worker, args=(cfg,), nprocs=WORLD, join=True, start_method="spawn")
-        docs = [json.loads((work / f"result.rank{r}.json").read_text()) for r in range(WORLD)]
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    docs = run_ranks(worker, cfg, "ckpt-ramtier-", args.dir)
     rows = [d["pairs"] for d in docs]
     n = len(rows[0])
-    ratios = [statistics.mean(rows[k][i]["ratio"] for k in range(WORLD)) for i in range(n)]
-    overlap = [
-        1.0
-        - statistics.mean(
-            rows[k][i]["on"]["copy_step_loss_s"] / rows[k][i]["on"]["seconds"] for k in range(WORLD)
-        )
-        for i in range(n)
-    ]
+    ratios = paired_ratios(rows)
+    overlap = overlap_bounds(rows)
     r0 = rows[0]
     summaries = [d["summary"] for d in docs]
     failures = sum(s["failures"] for s in summaries)

@@ -334,7 +334,8 @@ def _nodes(value: str) -> int:
 @click.option(
     "--strategies",
     is_flag=True,
-    help="Goodput of PFS only, local + PFS, + partner copies, + restart in the allocation.",
+    help="Goodput of PFS only, local + PFS, + partner copies, + restart in the allocation, "
+    "+ in-job recovery from memory.",
 )
 @click.option("--node-mtbf", metavar="DURATION", help="--strategies: one node's MTBF: 150d.")
 @click.option(
@@ -348,6 +349,10 @@ def _nodes(value: str) -> int:
 @click.option("--gpus-per-node", metavar="N", help="--strategies: for GPU-hours [8].")
 @click.option("--days", metavar="N", help="--strategies: run length for GPU-hours [30].")
 @click.option("--gpu-hour-cost", metavar="PRICE", help="--strategies: price of a GPU-hour.")
+@click.option("--ram-interval", metavar="DURATION", help="--strategies: RAM snapshot period [30s].")
+@click.option("--detect", metavar="DURATION", help="--strategies: node loss found in [10s].")
+@click.option("--reform", metavar="DURATION", help="--strategies: group re-formed in [30s].")
+@click.option("--ram-cost", metavar="PCT", help="--strategies: RAM tier's share of step time [2%].")
 @output_options
 @click.pass_context
 def plan(
@@ -386,6 +391,10 @@ def plan(
     gpus_per_node: Optional[str],
     days: Optional[str],
     gpu_hour_cost: Optional[str],
+    ram_interval: Optional[str],
+    detect: Optional[str],
+    reform: Optional[str],
+    ram_cost: Optional[str],
     out: OutputFormat,
 ) -> None:
     """Size the checkpoint, time each tier and choose how often to save.
@@ -398,7 +407,8 @@ def plan(
     ckpt-slurm plan --cluster --jobs site.toml --pfs-bw 1TB/s --node-bw 5GB/s --share 70%
 
     With --strategies: expected loss per failure, time to resume and goodput of PFS
-    only, local + PFS, local + partner + PFS and a restart inside the allocation.
+    only, local + PFS, local + partner + PFS, a restart inside the allocation and
+    recovery inside the job from the partner's memory (RAM tier, hot spare).
     Example: ckpt-slurm plan --strategies --params 70e9 --nodes 1024 --node-mtbf 150d
     --local-bw 3GB/s --pfs-bw 100GB/s --pfs-node-bw 500MB/s --partner-bw 12.5GB/s
     """
@@ -443,6 +453,10 @@ def plan(
                     gpus_per_node=gpus_per_node,
                     days=days,
                     gpu_hour_cost=gpu_hour_cost,
+                    ram_interval=ram_interval,
+                    detect=detect,
+                    reform=reform,
+                    ram_cost=ram_cost,
                 ),
                 out=out,
             )

@@ -1,4 +1,4 @@
-"""``ckpt-slurm plan --strategies``: goodput of four checkpoint strategies side by side.
+"""``ckpt-slurm plan --strategies``: goodput of five checkpoint strategies side by side.
 
 The model is :mod:`slurm_ckpt.core.goodput`; this module turns the ``plan`` command's
 options into its inputs and prints one row per strategy (or ``--json``/``--parsable``).
@@ -35,6 +35,10 @@ class StrategyOptions:
     gpus_per_node: Optional[str] = None
     days: Optional[str] = None
     gpu_hour_cost: Optional[str] = None
+    ram_interval: Optional[str] = None
+    detect: Optional[str] = None
+    reform: Optional[str] = None
+    ram_cost: Optional[str] = None
 
 
 def _pct(text: Optional[str], default: float, what: str) -> float:
@@ -163,6 +167,16 @@ def run_strategy_plan(
         else _as_duration(opts.relaunch, "--relaunch", positive=False),
         init_s=120.0 if opts.init is None else _as_duration(opts.init, "--init", positive=False),
         max_loss_s=None if max_loss is None else _as_duration(max_loss, "--max-loss"),
+        ram_interval_s=30.0
+        if opts.ram_interval is None
+        else _as_duration(opts.ram_interval, "--ram-interval"),
+        detect_s=10.0
+        if opts.detect is None
+        else _as_duration(opts.detect, "--detect", positive=False),
+        reform_s=30.0
+        if opts.reform is None
+        else _as_duration(opts.reform, "--reform", positive=False),
+        ram_cost=_pct(opts.ram_cost, 0.02, "--ram-cost"),
     )
     gpus = int(_count(opts.gpus_per_node, 8, "--gpus-per-node")) * nodes
     days = _count(opts.days, 30, "--days")

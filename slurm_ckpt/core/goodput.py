@@ -16,7 +16,16 @@ strategies are set side by side from the same stated inputs:
     at ``partner_bw``): a lost node's part comes back from its partner;
 ``in_allocation``
     partner copies, and the job relaunches its step on a spare node inside its own
-    allocation instead of going back through the queue.
+    allocation instead of going back through the queue;
+``in_job``
+    recovery inside the job, from memory: the newest state stays in host memory and is
+    copied to the partner's memory every ``ram_interval_s`` (the RAM tier); the job
+    finds a lost node itself in ``detect_s`` (heartbeats, not SLURM's timeout), the
+    survivors keep their processes (no start-up), a hot spare takes the lost rank's
+    place, the group re-forms in ``reform_s``, and the spare reads the lost node's part
+    from its partner's memory. Every failure, disk lost or not, loses at most the RAM
+    copy's interval and lag; the RAM tier itself costs ``ram_cost`` of the step time.
+    The NVMe -> PFS path keeps its own interval (what covers a lost partner pair).
 
 The failure model (stated once):
 
@@ -55,12 +64,13 @@ __all__ = [
 ]
 
 #: The strategies, in the order they are shown.
-STRATEGIES = ("pfs_only", "local_pfs", "local_partner_pfs", "in_allocation")
+STRATEGIES = ("pfs_only", "local_pfs", "local_partner_pfs", "in_allocation", "in_job")
 DESCRIPTIONS = {
     "pfs_only": "PFS only (synchronous save)",
     "local_pfs": "local + PFS",
     "local_partner_pfs": "local + partner + PFS",
     "in_allocation": "local + partner + PFS, restart in the allocation",
+    "in_job": "RAM tier + partner memory, in-job recovery with a hot spare",
 }
 
 
@@ -82,16 +92,25 @@ class GoodputInputs:
     relaunch_s: float = 60.0
     init_s: float = 120.0
     max_loss_s: Optional[float] = None
+    ram_interval_s: float = 30.0  # in_job: time between two RAM snapshots
+    detect_s: float = 10.0  # in_job: heartbeat timeout
+    reform_s: float = 30.0  # in_job: the process group re-formed with the spare
+    ram_cost: float = 0.02  # in_job: share of step time the RAM tier costs
 
     def __post_init__(self) -> None:
         for name in ("checkpoint_bytes", "nodes", "node_mtbf_s", "pfs_bw", "local_bw"):
             v = float(getattr(self, name))
             if not math.isfinite(v) or v <= 0:
                 raise PlanInputError(f"{name}: must be positive, got {getattr(self, name)!r}")
-        for name in ("queue_wait_s", "relaunch_s", "init_s"):
+        for name in ("queue_wait_s", "relaunch_s", "init_s", "detect_s", "reform_s"):
             v = float(getattr(self, name))
             if not math.isfinite(v) or v < 0:
                 raise PlanInputError(f"{name}: must not be negative, got {v!r}")
+        v = float(self.ram_interval_s)
+        if not math.isfinite(v) or v <= 0:
+            raise PlanInputError(f"ram interval: must be positive, got {self.ram_interval_s!r}")
+        if not 0.0 <= self.ram_cost < 1.0:
+            raise PlanInputError(f"ram cost: must be a share below 100%, got {self.ram_cost!r}")
         if not 0.0 <= self.node_loss_share <= 1.0:
             raise PlanInputError(
                 f"node loss share: must be between 0 and 1, got {self.node_loss_share!r}"
@@ -140,7 +159,7 @@ def _lagged_loss(interval: float, copy_s: float) -> float:
 
 
 def compare_strategies(inp: GoodputInputs) -> List[StrategyResult]:
-    """The four strategies of the module docstring, from the same inputs."""
+    """The strategies of the module docstring, from the same inputs."""
     per_node = inp.bytes_per_node
     pfs_write = inp.checkpoint_bytes / inp.pfs_bw
     local_write = per_node / inp.local_bw
@@ -153,7 +172,20 @@ def compare_strategies(inp: GoodputInputs) -> List[StrategyResult]:
     async_stall = local_write if inp.stall_s is None else inp.stall_s
     out = []
     for name in STRATEGIES:
-        if name == "pfs_only":
+        cost = 0.0  # share of step time lost besides the saves' stalls
+        if name == "in_job":
+            cost = inp.ram_cost
+            stall = async_stall
+            t = _interval(stall, inp)
+            n_flush = flush_every(pfs_write, t)
+            # A RAM copy is taken every ram_interval_s (no sooner than the last one is
+            # across: the RAM tier waits for it) and counts once it is in the partner's
+            # memory; survivors read theirs from their own memory, the spare its part
+            # over the network.
+            ram_copy = per_node / partner_bw
+            loss = _lagged_loss(max(inp.ram_interval_s, ram_copy), ram_copy)
+            resume = inp.detect_s + inp.reform_s + per_node / partner_bw
+        elif name == "pfs_only":
             stall = pfs_write
             t = _interval(stall, inp)
             n_flush = 1
@@ -174,7 +206,7 @@ def compare_strategies(inp: GoodputInputs) -> List[StrategyResult]:
             start = inp.relaunch_s if name == "in_allocation" else inp.queue_wait_s
             resume = start + inp.init_s + (1 - p) * read_local + p * lost_read
         waste = loss + resume
-        good = max(0.0, 1.0 - waste / inp.mtbi_s) * t / (t + stall)
+        good = max(0.0, 1.0 - waste / inp.mtbi_s) * t / (t + stall) * (1.0 - cost)
         out.append(
             StrategyResult(
                 strategy=name,

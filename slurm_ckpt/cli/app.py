@@ -17,9 +17,8 @@ is a :class:`LazyGroup` and ``ckpt-slurm --help`` lists each command by the summ
 :data:`COMMANDS` (a test checks that it is the command's own first sentence), so neither
 ``--help`` nor one command pays for every other command's imports (torch, boto3, rich).
 
-Adding a command: write a module that defines a click command or group (take global state
-with ``@pass_state`` from :mod:`slurm_ckpt.cli.output`, never import this module), then add
-``(name, "module.path", "attribute", summary)`` to :data:`COMMANDS` below.
+Adding a command: one entry in :data:`slurm_ckpt.cli.registry.REGISTRY` (where it lives,
+its summary and examples, admin or user command).
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ from slurm_ckpt.cli.output import (
     print_error,
     print_json,
 )
+from slurm_ckpt.cli.registry import REGISTRY
 from slurm_ckpt.core.platform import require_supported_os
 from slurm_ckpt.errors import (
     EXIT_FAILED,
@@ -52,139 +52,9 @@ from slurm_ckpt.errors import (
 )
 
 #: Commands attached to :data:`cli` besides ``config`` (defined here), as ``(name, module,
-#: attribute, summary)``. The module is imported when the command runs; ``summary`` is what
-#: ``ckpt-slurm --help`` lists (the command's first sentence, checked by
-#: tests/test_cli_help.py). A module that fails to import is a bug and is not hidden.
+#: attribute, summary)``, from the one table :data:`slurm_ckpt.cli.registry.REGISTRY`.
 COMMANDS: List[Tuple[str, str, str, str]] = [
-    (
-        "plan",
-        "slurm_ckpt.cli.plan",
-        "plan",
-        "Size the checkpoint, time each tier and choose how often to save.",
-    ),
-    (
-        "list",
-        "slurm_ckpt.cli.catalog",
-        "list_cmd",
-        "List the committed checkpoints of KEY on each tier, or (no KEY) your series.",
-    ),
-    (
-        "verify",
-        "slurm_ckpt.cli.catalog",
-        "verify_cmd",
-        "Re-hash every byte of TARGET (a KEY, or a checkpoint directory anywhere) against "
-        "its manifest.",
-    ),
-    (
-        "prolog",
-        "slurm_ckpt.cli.hooks_cmds",
-        "prolog_cmd",
-        "SLURM Prolog (root, every node of the job): prepare the local tier or refuse.",
-    ),
-    (
-        "epilog",
-        "slurm_ckpt.cli.hooks_cmds",
-        "epilog_cmd",
-        "SLURM Epilog (root, every node of the job): flush the job's checkpoints.",
-    ),
-    (
-        "stager",
-        "slurm_ckpt.cli.hooks_cmds",
-        "stager_cmd",
-        "Per-node daemon: finish flushes the epilog handed off, then resume the node (only "
-        "if its drain reason is still ours).",
-    ),
-    (
-        "install-hooks",
-        "slurm_ckpt.cli.hooks_cmds",
-        "install_hooks_cmd",
-        "Write DEST/prolog and DEST/epilog calling this ckpt-slurm with that config.",
-    ),
-    (
-        "status",
-        "slurm_ckpt.cli.status",
-        "status_cmd",
-        "Checkpoints per job and flush backlog per node, as seen from the shared tiers and SLURM.",
-    ),
-    (
-        "gc",
-        "slurm_ckpt.cli.gc",
-        "gc_cmd",
-        "Apply retention on the PFS (and cold) tiers: keep the newest retention.keep_warm "
-        "checkpoints that verify now, one per retention.keep_warm_every, and pinned ones.",
-    ),
-    (
-        "maint",
-        "slurm_ckpt.cli.maint",
-        "maint_cmd",
-        "Drain NODELIST, wait until its jobs are gone and every checkpoint is flushed to the "
-        "PFS, then reboot it, reserve it, or run COMMAND (after --, without a shell).",
-    ),
-    (
-        "guard",
-        "slurm_ckpt.cli.maint",
-        "guard_cmd",
-        "Exit 0 when this node has no checkpoint waiting for the PFS, else exit 4.",
-    ),
-    (
-        "flush",
-        "slurm_ckpt.cli.flush_cli",
-        "flush_cmd",
-        "Flush this node's checkpoints to the PFS now (root: every user's, as that user; "
-        "otherwise your own).",
-    ),
-    (
-        "seal",
-        "slurm_ckpt.cli.seal_cmd",
-        "seal_cmd",
-        "Seal a checkpoint directory another tool wrote (DCP, HF checkpoint-N, Lightning's "
-        "dirpath, Orbax): write our manifest into it, last and atomically.",
-    ),
-    (
-        "adopt",
-        "slurm_ckpt.cli.seal_cmd",
-        "adopt_cmd",
-        "Adopt a sealed directory into one of your series, as a step flush, gc and restore "
-        "look after.",
-    ),
-    (
-        "report",
-        "slurm_ckpt.cli.report_cmd",
-        "report_cmd",
-        "A series' life on this node: saves, flushes to the warm tier, failures, and the "
-        "steps at risk over time (what a node loss would have cost at each moment).",
-    ),
-    (
-        "goodput",
-        "slurm_ckpt.cli.goodput_cmd",
-        "goodput_cmd",
-        "Measured goodput of a job run under ckpt-srun: productive time against wall time, "
-        "steps recomputed, and per node loss the detection, recovery, restore and "
-        "back-to-training times, from the job's timeline on the warm tier.",
-    ),
-    (
-        "drill",
-        "slurm_ckpt.cli.drill",
-        "drill_cmd",
-        "Recovery drill: copy the checkpoint a restart would use into scratch space, verify "
-        "and load it, and report the time to the weights and to the full state.",
-    ),
-    (
-        "doctor",
-        "slurm_ckpt.cli.doctor",
-        "doctor_cmd",
-        "Check SLURM and site settings against this node's measured save and flush times: "
-        "signal lead, KillWait, PrologEpilogTimeout, preemption signals and requeue, USR1, "
-        "free space, the hook scripts, the tier roots.",
-    ),
-    (
-        "restore",
-        "slurm_ckpt.cli.restore_cmd",
-        "restore_cmd",
-        "Copy a checkpoint of KEY from the fastest tier holding it (or --tier) into DIR, "
-        "every byte checked against its manifest; a copy that does not verify is skipped "
-        "for the next tier.",
-    ),
+    (c.name, c.module, c.attr, c.summary) for c in REGISTRY if c.attr != "config_group"
 ]
 
 #: OSError numbers that a user or the site causes (permissions, full or read-only disks,

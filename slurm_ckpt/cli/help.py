@@ -4,94 +4,27 @@
 sections: commands for everyone, and the admin commands (root, usually run by SLURM or
 systemd on compute nodes: :data:`ADMIN_COMMANDS`). Summaries are the first sentence of a
 command's help, never cut with "...". :func:`attach_examples` gives every command an
-"Examples" epilog from :data:`EXAMPLES` (one place, so README and ``--help`` agree and a
-test can check that none is missing).
+"Examples" epilog from :data:`EXAMPLES` (kept beside each command in
+:mod:`slurm_ckpt.cli.registry`, so README and ``--help`` agree and a test can check that
+none is missing).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import click
 
+from slurm_ckpt.cli.registry import admin_names, examples
+
 __all__ = ["ADMIN_COMMANDS", "EXAMPLES", "GroupedHelp", "attach_examples", "short_help"]
 
-#: Root-side commands, listed apart from the user commands.
-ADMIN_COMMANDS = ("prolog", "epilog", "stager", "install-hooks", "maint", "guard", "doctor")
+#: Root-side commands, listed apart from the user commands (:mod:`.registry`).
+ADMIN_COMMANDS = admin_names()
 
-#: Examples per command path (as ``ckpt-slurm`` shows them), the first one the simplest.
-EXAMPLES: Dict[str, List[str]] = {
-    "config": ["ckpt-slurm config check", "ckpt-slurm config show --json"],
-    "config show": ["ckpt-slurm config show", "ckpt-slurm --config ./site.toml config show --json"],
-    "config check": [
-        "ckpt-slurm config check",
-        "ckpt-slurm config check --offline --config ./site.toml",
-    ],
-    "status": [
-        "ckpt-slurm status",
-        "ckpt-slurm status -u alice",
-        "ckpt-slurm status -w 'gpu-[001-004]' --nodes",
-        "ckpt-slurm status --parsable --noheader | awk -F'|' '$9 > 0'",
-    ],
-    "list": [
-        "ckpt-slurm list",
-        "ckpt-slurm list my-run",
-        "ckpt-slurm list my-run -u alice --tier warm --parsable",
-        "ckpt-slurm list my-run --local ./ckpt/local --warm ./ckpt/pfs   (no site config)",
-    ],
-    "verify": [
-        "ckpt-slurm verify my-run",
-        "ckpt-slurm verify my-run --step 4000 --tier warm",
-        "ckpt-slurm verify /lustre/checkpoints/alice/my-run/step-0000004000",
-        "ckpt-slurm verify my-run --local ./ckpt/local   (no site config)",
-    ],
-    "seal": [
-        "ckpt-slurm seal out/checkpoint-500",
-        "ckpt-slurm seal /scratch/alice/dcp/step-2000 --key my-run",
-        "ckpt-slurm seal lightning_logs/version_0/checkpoints --step 1200",
-    ],
-    "adopt": [
-        "ckpt-slurm adopt out/checkpoint-500 --key my-run",
-        "ckpt-slurm adopt /scratch/alice/dcp/step-2000 --key my-run --tier warm",
-        "ckpt-slurm adopt out/checkpoint-500 --key my-run --local ./ckpt/local   (no site config)",
-    ],
-    "gc": ["ckpt-slurm gc --dry-run", "ckpt-slurm gc -u alice -k my-run --json"],
-    "flush": ["ckpt-slurm flush", "ckpt-slurm flush -j 123456 --wait"],
-    "drill": ["ckpt-slurm drill my-run", "ckpt-slurm drill my-run -u alice --json"],
-    "goodput": ["ckpt-slurm goodput 123456", "ckpt-slurm goodput 123456 --json"],
-    "report": [
-        "ckpt-slurm report my-run --png my-run.png",
-        "ckpt-slurm report my-run --local ./ckpt/local --json   (no site config)",
-    ],
-    "restore": [
-        "ckpt-slurm restore my-run --to /scratch/alice/restore",
-        "ckpt-slurm restore my-run --tier cold --step 4000 --to /scratch/alice/3-days-ago",
-        "ckpt-slurm restore my-run --local ./ckpt/local --warm ./ckpt/pfs --to ./back",
-    ],
-    "plan": [
-        "ckpt-slurm plan --params 70e9 --local-bw 3GB/s --pfs-bw 500MB/s --mtbi 6h "
-        "--max-loss 30min",
-        "ckpt-slurm plan --size 350GB --pfs-bw 2GB/s --mtbi 1-00:00:00 --parsable",
-    ],
-    "prolog": [
-        "Prolog=/etc/slurm/ckpt-hooks/prolog   (slurm.conf; the script runs: "
-        "ckpt-slurm prolog --budget 100s)"
-    ],
-    "epilog": [
-        "Epilog=/etc/slurm/ckpt-hooks/epilog   (slurm.conf; the script runs: "
-        "ckpt-slurm epilog --budget 100s)"
-    ],
-    "stager": ["systemctl enable --now slurm-ckpt-stager", "ckpt-slurm stager --once"],
-    "install-hooks": [
-        "ckpt-slurm install-hooks --dest /etc/slurm/ckpt-hooks --config /etc/slurm-ckpt/config.toml"
-    ],
-    "maint": [
-        "ckpt-slurm maint 'gpu-[001-004]' --reason 'firmware' --signal-jobs --reboot",
-        "ckpt-slurm maint gpu-007 --reason 'disk swap' --timeout 2h -- /usr/local/sbin/swap",
-    ],
-    "guard": ["ckpt-slurm guard", "ckpt-slurm guard --wait 5min && /sbin/reboot"],
-    "doctor": ["ckpt-slurm doctor", "ckpt-slurm doctor --signal-lead 300s --json"],
-}
+#: Examples per command path (as ``ckpt-slurm`` shows them), the first one the simplest;
+#: kept beside each command in :mod:`slurm_ckpt.cli.registry`.
+EXAMPLES: Dict[str, Tuple[str, ...]] = examples()
 
 
 def short_help(cmd: click.Command) -> str:
@@ -147,7 +80,7 @@ class ExamplesGroup(click.Group):
                 formatter.write_dl(rows)
 
 
-def _epilog(lines: List[str]) -> str:
+def _epilog(lines: Sequence[str]) -> str:
     # "\b" keeps click from re-flowing the example lines into one paragraph.
     return "Examples:\n\n\b\n" + "\n".join(f"  {line}" for line in lines)
 

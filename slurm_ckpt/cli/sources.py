@@ -27,6 +27,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import click
 
+from slurm_ckpt.cli.registry import user_paths
 from slurm_ckpt.core.config import Config, load_config, own_config_path, user_config_path
 from slurm_ckpt.core.config_schema import DEFAULT_CONFIG_PATH, ENV_CONFIG
 from slurm_ckpt.errors import ConfigError, UsageError
@@ -41,23 +42,8 @@ __all__ = [
 ]
 
 #: Commands (as their words after ``ckpt-slurm``) that act on the caller's own
-#: checkpoints and so accept tier flags and the per-user config.
-USER_COMMANDS = frozenset(
-    {
-        ("list",),
-        ("status",),
-        ("restore",),
-        ("drill",),
-        ("report",),
-        ("goodput",),
-        ("verify",),
-        ("adopt",),
-        ("config", "show"),
-        ("config", "check"),
-        ("flush",),
-        ("gc",),
-    }
-)
+#: checkpoints and so accept tier flags and the per-user config (:mod:`.registry`).
+USER_COMMANDS = user_paths()
 
 #: User commands that root runs on a cluster's site tiers: as root they take the site
 #: config alone (tier flags name directories a user controls).

@@ -106,6 +106,15 @@ def test_cli_plan_cluster_file_json_and_errors(tmp_path: Path) -> None:
     assert {j["name"] for j in doc["per_job"]} == {"llm", "small"}
     res = runner.invoke(plan_cmd, [*args, "--share", "50%"])
     assert res.exit_code == 0 and "max_nodes" in res.output and "100" in res.output
+    # the one table library: --parsable gives raw fields, no verdict line or blank line
+    res = runner.invoke(plan_cmd, [*args, "--parsable"])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert lines[0] == "figure|value|note" and "" not in lines
+    head = "job|nodes|bytes_per_node|interval_s|job_flush_s|fits|at_risk_bytes|at_risk_work_s"
+    assert head in lines
+    llm = lines[lines.index(head) + 1].split("|")
+    assert llm[0] == "llm" and llm[1] == "512" and int(llm[2]) == 40 * 10**9  # size per node
     js = tmp_path / "site.json"
     js.write_text(json.dumps({"jobs": [{"nodes": 4, "size": "1GB", "interval": "1h"}]}))
     res = runner.invoke(

@@ -423,7 +423,7 @@ def plan(
                 tenants=tenants,
                 cap=cap,
                 jitter=jitter,
-                as_json=out.json,
+                out=out,
             )
         except CkptError as e:
             print_error(e)

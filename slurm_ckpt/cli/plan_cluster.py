@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from slurm_ckpt.cli.output import console, print_json
+from slurm_ckpt.cli.output import print_json
+from slurm_ckpt.cli.table import Column, Listing, OutputFormat, warn
 from slurm_ckpt.core.fleet_plan import (
     ClusterPlan,
     FleetJob,
@@ -86,21 +87,34 @@ def _bw(bps: float) -> str:
     return f"{bps / 1e12:g} TB/s" if bps >= 1e12 else f"{bps / 1e9:g} GB/s"
 
 
-def _print(plan: ClusterPlan) -> None:
-    from rich.markup import escape
-    from rich.table import Table
+FIGURE_COLUMNS = [
+    Column("figure", "figure"),
+    Column("value", "value", right=True),
+    Column("note", "note", wrap=True, drop=1),
+]
+JOB_COLUMNS = [
+    Column("job", "job"),
+    Column("nodes", "nodes", right=True),
+    Column("bytes_per_node", "per node", fmt=format_bytes, right=True),
+    Column("interval_s", "interval", fmt=format_duration, right=True),
+    Column("job_flush", "job flush", right=True, parsable=False),
+    Column("job_flush_s", "job flush", human=False),
+    Column("fits", "fits", human=False),
+    Column("at_risk_bytes", "at risk", fmt=format_bytes, right=True),
+    Column("at_risk_work_s", "work at risk", fmt=format_duration, right=True),
+]
 
-    out = console()
-    verdict = "[green]fit[/green]" if plan.fits else "[red]do NOT fit[/red]"
-    out.print(
-        f"[bold]{plan.jobs} jobs on {plan.nodes:,} nodes, PFS {_bw(plan.pfs_bw)}:[/bold] "
-        f"the checkpoint flushes {verdict} within {plan.share:.0%} of the PFS"
-    )
-    t = Table(title="cluster plan", show_lines=False)
-    t.add_column("figure", style="bold")
-    t.add_column("value", justify="right")
-    t.add_column("note", style="dim")
-    rows = [
+
+def _print(plan: ClusterPlan, out: OutputFormat) -> None:
+    """The plan as two listings of the one table library (:mod:`.table`): the figures
+    and the 20 biggest jobs' data at risk."""
+    verdict = "fit" if plan.fits else "do NOT fit"
+    if out.human and not out.noheader:
+        print(
+            f"{plan.jobs} jobs on {plan.nodes:,} nodes, PFS {_bw(plan.pfs_bw)}: "
+            f"the checkpoint flushes {verdict} within {plan.share:.0%} of the PFS"
+        )
+    figures = [
         ("checkpoint traffic", f"{format_bytes(plan.bytes_per_hour)}/h", "all jobs together"),
         ("PFS utilisation", f"{plan.utilisation:.1%}", f"target share {plan.share:.0%}"),
         (
@@ -109,7 +123,7 @@ def _print(plan: ClusterPlan) -> None:
             f"biggest job at {_bw(plan.node_bw)} per node",
         ),
         ("[admission] max_nodes", str(plan.cap), plan.cap_basis),
-        ("  or max_bandwidth", _bw(plan.max_bandwidth), f"{plan.share:.0%} of the PFS"),
+        ("or [admission] max_bandwidth", _bw(plan.max_bandwidth), f"{plan.share:.0%} of the PFS"),
         (
             "peak demand, with the cap",
             f"{plan.peak_demand_capped / plan.pfs_bw:.0%}",
@@ -117,7 +131,7 @@ def _print(plan: ClusterPlan) -> None:
         ),
         ("[admission] jitter", format_duration(plan.jitter_s), plan.jitter_basis),
         (
-            "  jitter without a cap",
+            "jitter without a cap",
             format_duration(plan.jitter_without_cap_s),
             "to keep the biggest burst under the share alone",
         ),
@@ -126,28 +140,30 @@ def _print(plan: ClusterPlan) -> None:
         ("job flush", format_duration(plan.mean_job_flush_s), "mean: save -> last node done"),
         ("worst job flush", format_duration(plan.worst_job_flush_s), "the slowest job"),
     ]
-    for name, value, note in rows:
-        t.add_row(escape(name), escape(value), escape(note))
-    out.print(t)
-    jt = Table(title="per job: worst-case data at risk", show_lines=False)
-    for col in ("job", "nodes", "per node", "interval", "job flush", "at risk", "work at risk"):
-        jt.add_column(col, justify="left" if col == "job" else "right")
-    for f in sorted(plan.per_job, key=lambda f: -f.checkpoint_bytes)[:20]:
-        name = f.name if f.count == 1 else f"{f.name} (x{f.count})"
-        jt.add_row(
-            escape(name),
-            str(f.nodes),
-            format_bytes(f.bytes_per_node),
-            format_duration(f.interval_s),
-            format_duration(f.job_flush_s) + ("" if f.fits else " !"),
-            format_bytes(f.at_risk_bytes),
-            format_duration(f.at_risk_work_s),
-        )
-    out.print(jt)
-    if len(plan.per_job) > 20:
-        out.print(f"[dim]({len(plan.per_job) - 20} smaller jobs not shown; --json has all)[/dim]")
+    rows = [{"figure": f, "value": v, "note": n} for f, v, n in figures]
+    Listing(FIGURE_COLUMNS, rows, "cluster plan").print(out)
+    jobs = sorted(plan.per_job, key=lambda f: -f.checkpoint_bytes)[:20]
+    job_rows = [
+        {
+            "job": f.name if f.count == 1 else f"{f.name} (x{f.count})",
+            "nodes": f.nodes,
+            "bytes_per_node": f.bytes_per_node,
+            "interval_s": f.interval_s,
+            "job_flush": format_duration(f.job_flush_s) + ("" if f.fits else " !"),
+            "job_flush_s": f.job_flush_s,
+            "fits": f.fits,
+            "at_risk_bytes": f.at_risk_bytes,
+            "at_risk_work_s": f.at_risk_work_s,
+        }
+        for f in jobs
+    ]
+    if out.human and not out.noheader:
+        print()
+    Listing(JOB_COLUMNS, job_rows, "per job: worst-case data at risk").print(out)
+    if len(plan.per_job) > 20 and out.human and not out.noheader:
+        print(f"({len(plan.per_job) - 20} smaller jobs not shown; --json has all)")
     for w in plan.warnings:
-        out.print(f"[yellow]warning:[/yellow] {escape(w)}")
+        warn(w)
 
 
 def run_cluster_plan(
@@ -160,7 +176,7 @@ def run_cluster_plan(
     tenants: Optional[str],
     cap: Optional[str],
     jitter: Optional[str],
-    as_json: bool,
+    out: OutputFormat,
 ) -> None:
     """Parse, plan, print. Raises :class:`PlanInputError` for bad input (exit code 2)."""
     if pfs_bw is None:
@@ -183,7 +199,7 @@ def run_cluster_plan(
         cap=cap_n,
         jitter=jitter,
     )
-    if as_json:
+    if out.json:
         print_json(plan.to_dict())
     else:
-        _print(plan)
+        _print(plan, out)

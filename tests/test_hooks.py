@@ -559,6 +559,18 @@ def test_install_hooks(
     assert f"\nExecStart={exe} stager --interval 30\n" in unit, unit
     assert f"\nEnvironment=SLURM_CKPT_CONFIG={conf}\n" in unit, unit
     assert "stager unit for this installation" in res.output
+    assert "does not exist" not in res.output  # both roots are there
+    # A root missing on the installing node: installed all the same (it may be a login
+    # node), but said, since every prolog on a node without it refuses the job.
+    gone = area.base / "no-such-local"
+    conf2 = area.base / "site2.toml"
+    conf2.write_text(conf.read_text().replace(str(area.local), str(gone)))
+    res = CliRunner().invoke(
+        ckpt_cli, ["install-hooks", "--dest", str(dest), "--config", str(conf2)]
+    )
+    assert res.exit_code == 0, res.output
+    assert f"warning: the local tier's root {gone} does not exist on this node" in res.output
+    assert str(area.pfs) not in res.output.split("warning:", 1)[1]
     monkeypatch.setattr(hooks_cmds, "_client", lambda timeout=10.0: _FakeClient(45.0))
     with pytest.raises(SystemExit) as ex:
         ckpt_main(["install-hooks", "--dest", str(dest), "--config", str(conf)])

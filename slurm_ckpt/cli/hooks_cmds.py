@@ -294,6 +294,13 @@ def install_hooks_cmd(
         f"budget {format_duration(done.budget)}); slurm.conf: Prolog={prolog} "
         f"Epilog={epilog} PrologFlags=Alloc"
     )
+    for tier, root in done.missing:
+        click.echo(
+            f"warning: the {tier} tier's root {root} does not exist on this node: create it "
+            "(root-owned, mode 755) on every node that runs jobs before pointing slurm.conf "
+            "at these hooks, or every prolog there refuses its job",
+            err=True,
+        )
     if done.unit is not None:
         click.echo(
             f"stager unit for this installation: {done.unit} (cp it to /etc/systemd/system/, "

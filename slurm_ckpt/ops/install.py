@@ -17,14 +17,15 @@ import os
 import shlex
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 from slurm_ckpt.core import fsio, trust
 from slurm_ckpt.core.config import load_config, resolve_config_path
 from slurm_ckpt.core.units import format_duration
 from slurm_ckpt.errors import CkptError, ConfigError, SlurmError
+from slurm_ckpt.ops.tier_roots import missing_roots
 
 __all__ = [
     "GRACE_S",
@@ -176,6 +177,9 @@ class Installed:
     note: Optional[str] = None
     #: The stager's systemd unit for this installation (copy it to /etc/systemd/system).
     unit: Optional[Path] = None
+    #: ``(tier, root)`` of the configured tier roots missing on the node that installed:
+    #: every job's prolog on a node without its local root refuses the job, so say so now.
+    missing: List[Tuple[str, str]] = field(default_factory=list)
 
 
 def install_hooks(
@@ -216,7 +220,7 @@ def install_hooks(
     ]
     unit = dest / "slurm-ckpt-stager.service"
     fsio.atomic_replace_path(unit, render_stager_unit(exe, str(path)).encode(), 0o644)
-    return Installed(written, exe, path, budget, note, unit=unit)
+    return Installed(written, exe, path, budget, note, unit=unit, missing=missing_roots(cfg))
 
 
 # --------------------------------------------------------------------------- trust

@@ -286,3 +286,30 @@ def test_status_heads_the_warm_tier_warm(laptop: Site) -> None:
     assert r.returncode == 0, r.stderr
     header = next(ln for ln in r.stdout.splitlines() if ln.lstrip().startswith("job "))
     assert " warm " in f"{header} " and " pfs " not in f"{header} ", header
+
+
+def test_status_on_a_workstation_with_an_unconfigured_slurm_client(
+    laptop: Site, tmp_path: Path
+) -> None:
+    """SLURM's commands installed but no cluster behind them (no slurm.conf): that is a
+    workstation, not an error to print under every status. Any other SLURM failure is
+    still reported."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+
+    def fake(message: str) -> None:
+        for cmd in ("squeue", "sinfo", "scontrol"):
+            p = bin_dir / cmd
+            p.write_text(f"#!/bin/sh\necho '{cmd}: error: {message}' >&2\nexit 1\n")
+            p.chmod(0o755)
+
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    fake("Could not establish a configuration source")
+    r = ckpt_slurm("status", "-u", "alice", *_flags(laptop), env=env)
+    assert r.returncode == 0, r.stderr
+    assert "SLURM" not in r.stdout and "error" not in r.stdout + r.stderr, r.stdout
+    assert "1 job," in r.stdout
+    fake("Unable to contact slurm controller (connect failure)")
+    r = ckpt_slurm("status", "-u", "alice", *_flags(laptop), env=env)
+    assert r.returncode == 0, r.stderr
+    assert "SLURM: " in r.stdout and "Unable to contact slurm controller" in r.stdout, r.stdout

@@ -36,7 +36,13 @@ from slurm_ckpt.core.config import user_config_path
 from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.units import format_bytes, format_duration, format_rate
 from slurm_ckpt.errors import CkptError
-from slurm_ckpt.ops.status import SLURM_ABSENT, SlurmSnapshot, collect_status, no_slurm
+from slurm_ckpt.ops.status import (
+    SLURM_ABSENT,
+    SLURM_UNCONFIGURED,
+    SlurmSnapshot,
+    collect_status,
+    no_slurm,
+)
 from slurm_ckpt.ops.tier_roots import require_roots
 from slurm_ckpt.slurm.hostlist import compress
 
@@ -246,7 +252,8 @@ def print_status(
         click.echo("no node reports a status")
     t = doc["totals"]
     slurm = doc["slurm"]
-    quiet = slurm["available"] or slurm["note"] == SLURM_ABSENT  # a laptop: no error
+    # a laptop or a workstation outside any cluster: nothing to report as an error
+    quiet = slurm["available"] or slurm["note"] in (SLURM_ABSENT, SLURM_UNCONFIGURED)
     note = "" if quiet else f"; SLURM: {slurm['note']}"
     echo_wrapped(
         f"{plural(t['jobs'], 'job')}, {format_bytes(t['bytes_at_risk'])} at risk in "

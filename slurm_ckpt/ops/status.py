@@ -109,6 +109,7 @@ from slurm_ckpt.ops.partner_status import PartnerSeen
 from slurm_ckpt.ops.security_checks import squatted_dirs
 from slurm_ckpt.ops.status_slurm import (
     SLURM_ABSENT,
+    SLURM_UNCONFIGURED,
     SlurmJob,
     SlurmNode,
     SlurmQuery,
@@ -120,6 +121,7 @@ from slurm_ckpt.ops.status_slurm import (
 
 __all__ = [
     "SLURM_ABSENT",
+    "SLURM_UNCONFIGURED",
     "STATUS_FORMAT",
     "SlurmJob",
     "SlurmNode",

@@ -31,6 +31,12 @@ __all__ = [
 
 #: The SLURM note of a machine without SLURM (a laptop): not an error, not printed.
 SLURM_ABSENT = "not installed on this machine"
+#: The note of a machine whose SLURM commands are installed but belong to no cluster (no
+#: slurm.conf, no configless source): a workstation with the client package. Like
+#: :data:`SLURM_ABSENT`, nothing to report as an error.
+SLURM_UNCONFIGURED = "not configured on this machine"
+#: What SLURM's commands print when they have no configuration at all.
+_NO_CONFIG_SOURCE = "Could not establish a configuration source"
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,8 @@ def query_slurm(timeout: float = 10.0, env: Optional[Dict[str, str]] = None) -> 
         jobs = client.jobs()
         nodes = client.nodes()
     except CkptError as exc:
+        if _NO_CONFIG_SOURCE in str(exc):
+            return no_slurm(SLURM_UNCONFIGURED)
         return no_slurm(str(exc))
     snap = SlurmSnapshot(True, f"{len(jobs)} jobs, {len(nodes)} nodes")
     for j in jobs:

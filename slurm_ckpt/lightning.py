@@ -146,8 +146,8 @@ class SlurmCheckpointIO(CheckpointIO):
             # a preemption right after an interval save): it is written already, and
             # replacing a step whose write or flush is still in flight only fails them.
             # close() flushes the newest step whether or not it was chosen for a flush.
-            if self.preemption or (self.preemption is None and self.ckpt._schedule.preempt_pending):
-                self.ckpt._schedule.saved(step, tokens, 0.0, preemption=True)
+            if self.preemption or (self.preemption is None and self.ckpt.preemption_pending):
+                self.ckpt.mark_preemption_saved(step, tokens)
             log.debug("[ckpt] lightning: step %d is saved already (%s)", step, path)
             return
         meta = {

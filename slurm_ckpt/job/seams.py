@@ -96,6 +96,16 @@ class FrameworkSeams:
             return False
         return self._schedule.preempt_pending or self._near_end()
 
+    def mark_preemption_saved(self, step: int, tokens: Optional[int] = None) -> None:
+        """Count ``step``, saved already, as the save answering a pending preemption.
+
+        A framework may be asked for the same step twice (Lightning's ModelCheckpoint
+        saving "last" beside ours, or a signal right after an interval save): writing it
+        again would only fail the write or flush still in flight, and ``close()`` flushes
+        the newest step anyway. This is the public door for "that step was the preemption
+        save": :attr:`preempted` turns true and :attr:`preemption_pending` false."""
+        self._schedule.saved(step, tokens, 0.0, preemption=True)
+
     # ------------------------------------------------------------------ DCP (torch.distributed)
     def _dcp_series(self) -> Any:
         dcp = self.__dict__.get("_dcp")

@@ -55,3 +55,35 @@ def test_the_checker_sees_what_it_must_refuse(tmp_path: Path) -> None:
     assert facts.pfs_literals == ["slurm_ckpt/node/work.py:2"]
     assert facts.loggers == ["slurm_ckpt/hooks/b.py:2: getLogger('slurm_ckpt.hooks')"]
     assert facts.exit_literals == ["slurm_ckpt/hooks/b.py:4: Bad"]
+
+
+def test_the_checker_sees_kind_leaks_circles_torch_and_copies(tmp_path: Path) -> None:
+    """A tiny package with a circle, a private reach, PosixTier and "object" outside
+    tiers/, torch at module level in core and a file copy call in ops: each is found,
+    and the same names inside tiers/ are not."""
+    pkg = tmp_path / "slurm_ckpt"
+    for part in ("core", "tiers", "ops"):
+        (pkg / part).mkdir(parents=True)
+        (pkg / part / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "tiers" / "posix.py").write_text(
+        "import os\nclass PosixTier:\n    kind = 'object'\n"
+        "def cp(a, b):\n    os.copy_file_range(a, b, 1)\n"
+    )
+    (pkg / "ops" / "a.py").write_text(
+        "import os\nfrom slurm_ckpt.ops import b\nfrom slurm_ckpt.tiers.posix import PosixTier\n"
+        "def f(t, x):\n    os.copy_file_range(1, 2, 3)\n    os._exit(0)\n"
+        "    return isinstance(t, PosixTier) and x._secret and t.name == 'object'\n"
+    )
+    (pkg / "ops" / "b.py").write_text("def g():\n    from slurm_ckpt.ops import a\n")
+    (pkg / "core" / "t.py").write_text(
+        "from typing import TYPE_CHECKING\nimport torch\nif TYPE_CHECKING:\n    import torch.nn\n"
+        "def lazy():\n    import torch.distributed\n"
+    )
+    facts = import_graph.scan(tmp_path)
+    assert facts.circles == [["slurm_ckpt.ops.a", "slurm_ckpt.ops.b"]]
+    assert facts.reaches == ["slurm_ckpt/ops/a.py:7: ._secret"]
+    assert facts.posix_outside == ["slurm_ckpt/ops/a.py:3", "slurm_ckpt/ops/a.py:7"]
+    assert facts.object_literals == ["slurm_ckpt/ops/a.py:7"]
+    assert facts.torch_below == ["slurm_ckpt/core/t.py:2"]
+    assert facts.copy_loops == ["slurm_ckpt/ops/a.py:5: os.copy_file_range"]

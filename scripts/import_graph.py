@@ -295,7 +295,9 @@ def _more_facts(
             names = (
                 [a.name for a in stmt.names]
                 if isinstance(stmt, ast.Import)
-                else [stmt.module or ""] if not stmt.level else []
+                else [stmt.module or ""]
+                if not stmt.level
+                else []
             )
             if any(n == "torch" or n.startswith("torch.") for n in names):
                 facts.torch_below.append(f"{rel}:{stmt.lineno}")

@@ -50,11 +50,10 @@ from slurm_ckpt.node.flush_engine import FlushOutcome
 from slurm_ckpt.node.guard import (
     NodeCheckFailed,
     check_local_tier,
-    check_user_dir,
     required_free,
 )
 from slurm_ckpt.node.reclaim import reclaim_departed
-from slurm_ckpt.node.warm import guard_step_files, guard_user_dir, owner_tiers, warm_of
+from slurm_ckpt.node.warm import owner_tiers, warm_of
 from slurm_ckpt.node.work import NodeWork
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.env import HookEnv
@@ -228,9 +227,9 @@ def _stage_candidates(
 def _stage_as_user(cfg: Config, user: str, key: str, step: int, uid: int) -> dict:
     tiers = owner_tiers(cfg)
     warm = warm_of(cfg, tiers)
-    guard_user_dir(warm, user, uid)
-    check_user_dir(tiers["local"], user, uid)
-    guard_step_files(warm, user, key, step, uid)
+    warm.guard_user(user, uid)
+    tiers["local"].guard_user(user, uid)
+    warm.guard_step(user, key, step, uid)
     res = copy_checkpoint(warm, tiers["local"], user, key, step, progress=lambda _n: alive())
     return {"nbytes": res.nbytes, "seconds": res.seconds, "already": res.already_present}
 

@@ -36,7 +36,7 @@ from slurm_ckpt.node.flush_engine import (
     FlushStatus,
     copy_in_process,
 )
-from slurm_ckpt.node.warm import guard_user_dir, warm_of
+from slurm_ckpt.node.warm import warm_of
 from slurm_ckpt.node.work import NodeWork
 from slurm_ckpt.slurm.env import job_env
 from slurm_ckpt.tiers.registry import tiers_from_config
@@ -249,7 +249,7 @@ def flush_series(cfg: Config, user: str, key: str, timeout: Optional[float] = No
     two nodes flushing one step at once would only copy it twice."""
     tiers = tiers_from_config(cfg)
     local, pfs = tiers["local"], warm_of(cfg, tiers)  # the warm tier: PFS or object store
-    guard_user_dir(pfs, user, os.getuid())
+    pfs.guard_user(user, os.getuid())
     flusher = Flusher(copy_in_process(local, pfs), hand_off_note=LEFT_TO_EPILOG)
     deadline = None if timeout is None else time.monotonic() + timeout
     lines = []

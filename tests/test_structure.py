@@ -1,5 +1,6 @@
 """The house's structure, from its import graph (scripts/import_graph.py): no import runs
-up the layers, and no module takes another module's private names."""
+up the layers, no module takes another module's private names, and no code outside
+tiers/ decides what kind a tier is."""
 
 from __future__ import annotations
 
@@ -22,6 +23,15 @@ def test_no_cross_module_private_imports() -> None:
 def test_loggers_by_module_name_and_exit_codes_by_constant() -> None:
     facts = import_graph.scan()
     assert facts.loggers == [] and facts.exit_literals == []
+
+
+def test_the_kind_of_a_tier_is_decided_in_tiers_only() -> None:
+    """Issue 32 item 1: no code outside slurm_ckpt/tiers/ names the POSIX tier's class or
+    decides by the object tier's name (the config's alias table aside): callers ask the
+    tier, and tiers/registry.py builds each kind."""
+    facts = import_graph.scan()
+    assert facts.posix_outside == []
+    assert facts.object_literals == []
 
 
 def test_the_checker_sees_what_it_must_refuse(tmp_path: Path) -> None:

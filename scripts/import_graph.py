@@ -24,6 +24,9 @@
   :data:`FRAMEWORK_FLOOR` (the framework doors may import torch; the job floor may not).
 * **file copy loops outside tiers/**: ``os.copy_file_range``/``os.sendfile``/``shutil``
   copies outside the copy engine of ``slurm_ckpt/tiers/``.
+* **files each tier kind touches**: for each class of ``tiers/`` that says its ``kind``,
+  the product files that name it (its own module, the registry: what adding a kind
+  costs).
 
 Reads the source with :mod:`ast` only (nothing is imported or run).
 """
@@ -96,6 +99,7 @@ class Facts:
     object_literals: List[str] = field(default_factory=list)
     torch_below: List[str] = field(default_factory=list)
     copy_loops: List[str] = field(default_factory=list)
+    kind_files: Dict[str, List[str]] = field(default_factory=dict)
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -133,6 +137,8 @@ def scan(root: Path = REPO) -> Facts:
     sizes: List[Tuple[str, int]] = []
     known = {module_name(p, root) for p in pkg.rglob("*.py")}
     edges: Dict[str, Set[str]] = {m: set() for m in known}
+    named: Dict[str, Set[str]] = {}  # file -> identifiers it names
+    kinds: Set[str] = set()  # tier classes (they say their kind)
     for path in sorted(pkg.rglob("*.py")):
         here = module_name(path, root)
         rel = str(path.relative_to(root))
@@ -210,11 +216,46 @@ def scan(root: Path = REPO) -> Facts:
                     if _private(n):
                         facts.private.append(f"{rel}:{node.lineno}: {src}.{n}")
         _more_facts(tree, rel, here, mine, facts, edges, known)
+        named[rel] = _names_in(tree)
+        if mine == "tiers":
+            kinds |= _kind_classes(tree)
     facts.upward.sort()
     facts.private.sort()
     facts.largest = sorted(sizes, key=lambda s: -s[1])[:5]
     facts.circles = _circles(edges, known)
+    facts.kind_files = {
+        cls: sorted(f for f, names in named.items() if cls in names) for cls in sorted(kinds)
+    }
     return facts
+
+
+def _kind_classes(tree: ast.Module) -> Set[str]:
+    """Classes whose body says ``kind = "<a string>"`` (a tier kind)."""
+    return {
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.ClassDef)
+        for stmt in node.body
+        if isinstance(stmt, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "kind" for t in stmt.targets)
+        and isinstance(stmt.value, ast.Constant)
+        and isinstance(stmt.value.value, str)
+    }
+
+
+def _names_in(tree: ast.Module) -> Set[str]:
+    """Every identifier a module names in code (not in text)."""
+    out: Set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            out.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            out.add(node.attr)
+        elif isinstance(node, (ast.ImportFrom, ast.Import)):
+            out.update(a.name.split(".")[-1] for a in node.names)
+        elif isinstance(node, ast.ClassDef):
+            out.add(node.name)
+    return out
 
 
 def _top_level_imports(body: List[ast.stmt]) -> Iterator[ast.stmt]:
@@ -376,6 +417,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{title}: {len(lines)}")
         for line in lines:
             print(f"  {line}")
+    print("product files naming each tier kind's class:")
+    for cls, files in f.kind_files.items():
+        print(f"  {cls}: {len(files)}: {', '.join(files)}")
     return 0
 
 

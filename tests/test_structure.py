@@ -34,6 +34,13 @@ def test_the_kind_of_a_tier_is_decided_in_tiers_only() -> None:
     assert facts.object_literals == []
 
 
+def test_a_new_tier_kind_is_one_module_and_the_registry() -> None:
+    """The archive kind (added as the demonstration of issue 32) is named by its own
+    module and the registry only: a new kind touches at most 3 product files."""
+    files = import_graph.scan().kind_files["ArchiveTier"]
+    assert files == ["slurm_ckpt/tiers/archive.py", "slurm_ckpt/tiers/registry.py"]
+
+
 def test_the_checker_sees_what_it_must_refuse(tmp_path: Path) -> None:
     """The same scan over a tiny package that breaks every rule finds every break (and
     the "pfs" literal), so the tests above can fail."""
@@ -97,3 +104,4 @@ def test_the_checker_sees_kind_leaks_circles_torch_and_copies(tmp_path: Path) ->
     assert facts.object_literals == ["slurm_ckpt/ops/a.py:7"]
     assert facts.torch_below == ["slurm_ckpt/core/t.py:2"]
     assert facts.copy_loops == ["slurm_ckpt/ops/a.py:5: os.copy_file_range"]
+    assert facts.kind_files == {"PosixTier": ["slurm_ckpt/ops/a.py", "slurm_ckpt/tiers/posix.py"]}

@@ -27,10 +27,10 @@ from slurm_ckpt.core.names import validate_key
 from slurm_ckpt.errors import CkptError, InvalidName, NotFound, StepConflict, TierError
 from slurm_ckpt.node.asuser import ChildResult, alive
 from slurm_ckpt.node.guard import OwnPermissionDenied, UnsafeCheckpoint
-from slurm_ckpt.node.warm import owner_tiers, warm_of
+from slurm_ckpt.node.warm import owner_tiers
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.copy import CopyResult, copy_checkpoint
-from slurm_ckpt.tiers.registry import directory_tier, tiers_from_config
+from slurm_ckpt.tiers.registry import directory_tier, tiers_from_config, warm_tier
 
 __all__ = [
     "delete_as_user",
@@ -121,7 +121,7 @@ def flush_as_user(cfg: Config, user: str, key: str, step: int, uid: int) -> Copy
 
 def _flush_as_user(cfg: Config, user: str, key: str, step: int, uid: int) -> CopyResult:
     tiers = _bounded_locks(cfg, owner_tiers(cfg))  # object: root's lent keys (node.warm)
-    warm = warm_of(cfg, tiers)  # the PFS, or the object store on a site without one
+    warm = warm_tier(cfg, tiers)  # the PFS, or the object store on a site without one
     alive()
     tiers["local"].guard_user(user, uid)
     warm.guard_user(user, uid)  # POSIX: the user's own dir; object: we are the user
@@ -211,7 +211,7 @@ def scrub_as_user(
     again. ``ok`` after a full check, ``present`` after the manifest alone, ``gone``
     when the local copy is gone itself."""
     tiers = owner_tiers(cfg)
-    local, warm = tiers["local"], warm_of(cfg, tiers)
+    local, warm = tiers["local"], warm_tier(cfg, tiers)
     alive()
     local.guard_user(user, uid)
     warm.guard_user(user, uid)
@@ -254,7 +254,7 @@ def delete_as_user(cfg: Config, user: str, key: str, step: int, uid: int, need_w
     committed checkpoint (identical manifest bytes) - the ledger is a cache, this is the
     last word before bytes disappear."""
     tiers = _bounded_locks(cfg, owner_tiers(cfg))
-    local, warm = tiers["local"], warm_of(cfg, tiers)  # warm: the PFS or the object store
+    local, warm = tiers["local"], warm_tier(cfg, tiers)  # warm: the PFS or the object store
     alive()
     local.guard_step(user, key, step, uid)
     if need_warm:

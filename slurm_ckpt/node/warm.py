@@ -2,8 +2,9 @@
 site without one (``cfg.tiers.warm``).
 
 The flushers (epilog, prolog rescue and staging, stager, root and user ``ckpt-slurm
-flush``, ckpt-srun) name the warm tier through :func:`warm_of`, never ``tiers["pfs"]``,
-and guard it through the tier's own guards (:meth:`~slurm_ckpt.tiers.base.Tier.guard_user`,
+flush``, ckpt-srun) name the warm tier through
+:func:`~slurm_ckpt.tiers.registry.warm_tier`, never ``tiers["pfs"]``, and guard it
+through the tier's own guards (:meth:`~slurm_ckpt.tiers.base.Tier.guard_user`,
 :meth:`~slurm_ckpt.tiers.base.Tier.guard_step`): on a POSIX tier they look at owners,
 modes and links (:mod:`slurm_ckpt.tiers.posix_guard`); an object store has none of
 those and keeps the rule below (:meth:`slurm_ckpt.tiers.s3.S3Tier.guard_user`).
@@ -42,12 +43,11 @@ from typing import Any, Dict, Optional
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.errors import TierError
 from slurm_ckpt.tiers.base import Tier
-from slurm_ckpt.tiers.registry import object_tier_class, tiers_from_config, warm_tier
+from slurm_ckpt.tiers.registry import object_tier_class, tiers_from_config
 
 __all__ = [
     "lend_credentials",
     "owner_tiers",
-    "warm_of",
 ]
 
 #: Root's object-store credentials, resolved before forking owner children (see the
@@ -56,12 +56,6 @@ _LENT: Optional[Dict[str, str]] = None
 _LENT_SET = False
 #: Root's sealed botocore session for those children (see the module docstring).
 _SEALED: Any = None
-
-
-def warm_of(cfg: Config, tiers: Dict[str, Tier]) -> Tier:
-    """The tier every flush goes to: ``tiers["pfs"]``, or ``tiers["object"]`` on a site
-    without a PFS."""
-    return warm_tier(cfg, tiers)
 
 
 def lend_credentials(cfg: Config) -> None:

@@ -172,10 +172,11 @@ class TiersConfig:
 
     @property
     def shared_tiers(self) -> Tuple[str, ...]:
-        """The configured shared tiers in flush order: the first is the warm tier."""
-        if self.shared:
-            return self.shared
-        return tuple(n for n in SHARED_ORDER if getattr(self, n) is not None)
+        """The configured shared tiers in flush order: the first is the warm tier. A
+        section taken away since (``dataclasses.replace(tiers, pfs=None)``: a command
+        that reads the local tier alone) is left out."""
+        order = self.shared or SHARED_ORDER
+        return tuple(n for n in order if getattr(self, n) is not None)
 
     @property
     def warm(self) -> str:

@@ -21,11 +21,12 @@ from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.errors import ConfigError
 from slurm_ckpt.tiers.registry import shared_tiers
 
-__all__ = ["missing_roots", "require_roots"]
+__all__ = ["directory_roots", "missing_roots", "require_roots"]
 
 
-def _posix_roots(cfg: Config) -> List[Tuple[str, str]]:
-    """``(tier, root)`` of every configured tier kept under a root directory."""
+def directory_roots(cfg: Config) -> List[Tuple[str, str]]:
+    """``(tier, root)`` of every configured tier kept under a root directory, local
+    first, then the shared ones in flush order (an object store has no root)."""
     out = []
     for name in ("local", *shared_tiers(cfg)):
         root = getattr(getattr(cfg.tiers, name), "root", None)
@@ -39,7 +40,7 @@ def missing_roots(cfg: Config, tier: Optional[str] = None) -> List[Tuple[str, st
     does not exist (a dangling symlink counts as existing: opening it gives the reason)."""
     return [
         (name, root)
-        for name, root in _posix_roots(cfg)
+        for name, root in directory_roots(cfg)
         if (tier is None or tier == name) and not os.path.lexists(root)
     ]
 

@@ -491,3 +491,88 @@ def test_standalone_rejects_bad_overrides(tmp_path):
 
 def test_config_error_is_ckpt_error():
     assert issubclass(ConfigError, CkptError)
+
+
+# --------------------------------------------------------------------------- tier kinds
+
+NEW_FORM = """
+[tiers]
+shared = ["pfs", "object", "cold"]
+[tiers.local]
+root = "/local/ckpt"
+[tiers.pfs]
+kind = "posix"
+root = "/pfs/ckpt"
+[tiers.object]
+kind = "s3"
+endpoint = "http://127.0.0.1:8333"
+bucket = "ckpt"
+[tiers.cold]
+kind = "posix"
+root = "/archive/ckpt"
+"""
+
+
+def test_tiers_say_their_kind_and_the_shared_list_orders_them(tmp_path, recwarn):
+    cfg = load_config(write(tmp_path, NEW_FORM))
+    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]
+    assert cfg.tiers.shared_tiers == ("pfs", "object", "cold") and cfg.tiers.warm == "pfs"
+    assert [cfg.tiers.kind_of(n) for n in ("local", "pfs", "object", "cold")] == [
+        "posix",
+        "posix",
+        "s3",
+        "posix",
+    ]
+    shown = cfg.to_dict()["tiers"]
+    assert shown["shared"] == ["pfs", "object", "cold"] and shown["object"]["kind"] == "s3"
+    assert Config.from_dict(cfg.to_dict()) == cfg  # the current form round-trips
+
+
+def test_every_old_tiers_form_still_loads_with_a_warning_naming_the_new_form(tmp_path):
+    old = re.sub(r"^(kind = .*|shared = .*|\[tiers\])\n", "", NEW_FORM, flags=re.M)
+    assert "kind" not in old and "shared" not in old
+    with pytest.warns(DeprecationWarning) as got:
+        cfg = load_config(write(tmp_path, old))
+    msg = str(got[0].message)
+    assert "without kind are deprecated" in msg
+    assert 'shared = ["pfs", "object", "cold"]' in msg and 'kind = "s3" in [tiers.object]' in msg
+    assert cfg == load_config(write(tmp_path, NEW_FORM))  # the very same configuration
+    no_pfs = re.sub(r'\[tiers\.(pfs|cold)\]\nroot = ".*"\n', "", old)
+    with pytest.warns(DeprecationWarning, match=r'shared = \["object"\] and kind = "s3"'):
+        assert load_config(write(tmp_path, no_pfs)).tiers.warm == "object"
+    with pytest.warns(DeprecationWarning, match=r'shared = \["pfs"\] and kind = "posix"'):
+        load_config(write(tmp_path, MINIMAL))
+    assert load_config(EXAMPLE).tiers.warm == "pfs"
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ('kind = "S3!"\nroot = "/pfs', 'tiers.pfs.kind: expected a kind name such as "posix"'),
+        ('kind = 3\nroot = "/pfs', 'tiers.pfs.kind: expected a kind name such as "posix"'),
+    ],
+)
+def test_a_wrong_kind_is_one_line(tmp_path, change, message):
+    msg = error_of(NEW_FORM.replace('kind = "posix"\nroot = "/pfs', change), tmp_path)
+    assert message in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize(
+    "shared, message",
+    [
+        ('["object", "pfs", "cold"]', "is not an order this release supports"),
+        ('["pfs", "object"]', 'list every configured shared tier once: ["pfs", "object", "cold"]'),
+        ('["pfs", "pfs", "object", "cold"]', "list every configured shared tier once"),
+        ('["pfs", "gcs"]', "'gcs' is not a shared tier (one of: pfs, object, cold)"),
+        ('"pfs"', "tiers.shared: expected a list of tier names"),
+    ],
+)
+def test_a_wrong_shared_list_is_one_line(tmp_path, shared, message):
+    msg = error_of(NEW_FORM.replace('["pfs", "object", "cold"]', shared), tmp_path)
+    assert message in msg and "\n" not in msg
+
+
+def test_shared_names_a_tier_without_a_section(tmp_path):
+    text = NEW_FORM.split("[tiers.cold]")[0]
+    msg = error_of(text, tmp_path)
+    assert "tiers.shared: 'cold' has no [tiers.cold] section" in msg

@@ -204,14 +204,14 @@ def test_a_user_cannot_make_roots_child_write_under_another_prefix(site: Site) -
 
     def as_user1() -> str:
         try:
-            warm.guard_user_dir(tier, "ckptuser2", u2.uid)
+            tier.guard_user("ckptuser2", u2.uid)
         except Exception as exc:  # noqa: BLE001 - the message is the result
             return str(exc)
         return "allowed"
 
     got = run_as_user("ckptuser1", as_user1)
     assert "is not ckptuser2" in got and "refusing" in got
-    assert run_as_user("ckptuser1", lambda: warm.guard_user_dir(tier, "ckptuser1", u1.uid)) is None
+    assert run_as_user("ckptuser1", lambda: tier.guard_user("ckptuser1", u1.uid)) is None
 
 
 def test_stager_and_root_flush_finish_hand_offs_into_the_object_store(site: Site) -> None:

@@ -1,5 +1,6 @@
 """The house's structure, from its import graph (scripts/import_graph.py): no import runs
-up the layers, and no module takes another module's private names."""
+up the layers, no module takes another module's private names, and no code outside
+tiers/ decides what kind a tier is."""
 
 from __future__ import annotations
 
@@ -22,6 +23,22 @@ def test_no_cross_module_private_imports() -> None:
 def test_loggers_by_module_name_and_exit_codes_by_constant() -> None:
     facts = import_graph.scan()
     assert facts.loggers == [] and facts.exit_literals == []
+
+
+def test_the_kind_of_a_tier_is_decided_in_tiers_only() -> None:
+    """Issue 32 item 1: no code outside slurm_ckpt/tiers/ names the POSIX tier's class or
+    decides by the object tier's name (the config's alias table aside): callers ask the
+    tier, and tiers/registry.py builds each kind."""
+    facts = import_graph.scan()
+    assert facts.posix_outside == []
+    assert facts.object_literals == []
+
+
+def test_a_new_tier_kind_is_one_module_and_the_registry() -> None:
+    """The archive kind (added as the demonstration of issue 32) is named by its own
+    module and the registry only: a new kind touches at most 3 product files."""
+    files = import_graph.scan().kind_files["ArchiveTier"]
+    assert files == ["slurm_ckpt/tiers/archive.py", "slurm_ckpt/tiers/registry.py"]
 
 
 def test_the_checker_sees_what_it_must_refuse(tmp_path: Path) -> None:
@@ -55,3 +72,36 @@ def test_the_checker_sees_what_it_must_refuse(tmp_path: Path) -> None:
     assert facts.pfs_literals == ["slurm_ckpt/node/work.py:2"]
     assert facts.loggers == ["slurm_ckpt/hooks/b.py:2: getLogger('slurm_ckpt.hooks')"]
     assert facts.exit_literals == ["slurm_ckpt/hooks/b.py:4: Bad"]
+
+
+def test_the_checker_sees_kind_leaks_circles_torch_and_copies(tmp_path: Path) -> None:
+    """A tiny package with a circle, a private reach, PosixTier and "object" outside
+    tiers/, torch at module level in core and a file copy call in ops: each is found,
+    and the same names inside tiers/ are not."""
+    pkg = tmp_path / "slurm_ckpt"
+    for part in ("core", "tiers", "ops"):
+        (pkg / part).mkdir(parents=True)
+        (pkg / part / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "tiers" / "posix.py").write_text(
+        "import os\nclass PosixTier:\n    kind = 'object'\n"
+        "def cp(a, b):\n    os.copy_file_range(a, b, 1)\n"
+    )
+    (pkg / "ops" / "a.py").write_text(
+        "import os\nfrom slurm_ckpt.ops import b\nfrom slurm_ckpt.tiers.posix import PosixTier\n"
+        "def f(t, x):\n    os.copy_file_range(1, 2, 3)\n    os._exit(0)\n"
+        "    return isinstance(t, PosixTier) and x._secret and t.name == 'object'\n"
+    )
+    (pkg / "ops" / "b.py").write_text("def g():\n    from slurm_ckpt.ops import a\n")
+    (pkg / "core" / "t.py").write_text(
+        "from typing import TYPE_CHECKING\nimport torch\nif TYPE_CHECKING:\n    import torch.nn\n"
+        "def lazy():\n    import torch.distributed\n"
+    )
+    facts = import_graph.scan(tmp_path)
+    assert facts.circles == [["slurm_ckpt.ops.a", "slurm_ckpt.ops.b"]]
+    assert facts.reaches == ["slurm_ckpt/ops/a.py:7: ._secret"]
+    assert facts.posix_outside == ["slurm_ckpt/ops/a.py:3", "slurm_ckpt/ops/a.py:7"]
+    assert facts.object_literals == ["slurm_ckpt/ops/a.py:7"]
+    assert facts.torch_below == ["slurm_ckpt/core/t.py:2"]
+    assert facts.copy_loops == ["slurm_ckpt/ops/a.py:5: os.copy_file_range"]
+    assert facts.kind_files == {"PosixTier": ["slurm_ckpt/ops/a.py", "slurm_ckpt/tiers/posix.py"]}

@@ -119,7 +119,13 @@ def test_restore_tiers_warm_names_the_warm_tier_and_pfs_is_its_alias(tmp_path: P
 
 
 def test_site_config_keep_pfs_keys_are_read_as_keep_warm_for_one_release(tmp_path: Path) -> None:
-    base = {"tiers": {"local": {"root": str(tmp_path / "l")}, "pfs": {"root": str(tmp_path / "p")}}}
+    base = {
+        "tiers": {
+            "shared": ["pfs"],
+            "local": {"root": str(tmp_path / "l")},
+            "pfs": {"kind": "posix", "root": str(tmp_path / "p")},
+        }
+    }
     with pytest.warns(DeprecationWarning, match=r"retention\.keep_pfs is deprecated"):
         cfg = Config.from_dict({**base, "retention": {"keep_pfs": 7, "keep_pfs_every": "2h"}})
     assert cfg.retention.keep_warm == 7 and cfg.retention.keep_warm_every == 7200.0

@@ -121,6 +121,9 @@ def print_config(cfg: Config) -> None:
     data = cfg.to_dict(human=True)
     click.echo(f"config: {cfg.source}\n")
     for tier, values in data["tiers"].items():
+        if isinstance(values, list):  # [tiers] shared: the shared tiers in flush order
+            click.echo(f"[tiers] {tier} = {', '.join(values) or '(none)'}\n")
+            continue
         if values is None:
             click.echo(f"[tiers.{tier}] not configured")
         else:

@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from slurm_ckpt.core.config_parse import all_keys, parse_section, type_name, unknown_key
+from slurm_ckpt.core.config_parse import all_keys, parse_section, unknown_key
 from slurm_ckpt.core.config_schema import (  # noqa: F401 - the section classes are re-exported
     DEFAULT_CONFIG_PATH,
     ENV_CONFIG,
     LEDGER_SUBDIR,
+    OBJECT_SECTION,
     PFS,
     SECTION_CLASSES,
     STANDALONE_SOURCE,
@@ -55,6 +56,7 @@ from slurm_ckpt.core.config_schema import (  # noqa: F401 - the section classes 
     section_to_dict,
     tiers_to_dict,
 )
+from slurm_ckpt.core.config_tiers import parse_tiers
 from slurm_ckpt.core.manifest_limits import ManifestLimits, set_limits
 from slurm_ckpt.errors import ConfigError
 
@@ -309,29 +311,7 @@ def _build(data: Mapping[str, Any], src: str) -> Config:
 
     # [tiers]
     tiers_raw = data.get("tiers")
-    tiers_objs: Dict[str, Any] = {}
-    if tiers_raw is None:
-        problems.append(f"{src}: [tiers.local] is missing (required)")
-        problems.append(f"{src}: [tiers.pfs] is missing (required)")
-    elif not isinstance(tiers_raw, Mapping):
-        problems.append(f"{src}: tiers: expected a table, got {type_name(tiers_raw)}")
-    else:
-        for key in tiers_raw:
-            if key not in TIER_CLASSES:
-                problems.append(unknown_key(src, "tiers", str(key), list(TIER_CLASSES)))
-        for name, cls in TIER_CLASSES.items():
-            raw = tiers_raw.get(name)
-            if raw is None:
-                # Library use on a laptop (Checkpointer(local=...) alone, no site file)
-                # may have no warm tier; a site always has one.
-                no_warm_ok = src == STANDALONE_SOURCE
-                if name == "local" or (
-                    name == PFS and tiers_raw.get("object") is None and not no_warm_ok
-                ):
-                    hint = " (or [tiers.object] for a site without one)" if name == PFS else ""
-                    problems.append(f"{src}: [tiers.{name}] is missing (required){hint}")
-                continue
-            tiers_objs[name] = parse_section(cls, raw, src, f"tiers.{name}", problems)
+    tiers_objs, shared, kinds = parse_tiers(tiers_raw, src, problems)
 
     # Optional sections.
     sections: Dict[str, Any] = {}
@@ -379,8 +359,7 @@ def _build(data: Mapping[str, Any], src: str) -> Config:
         and adm.enabled
         and adm.dir is None
         and tiers_objs.get(PFS) is None
-        and isinstance(tiers_raw, Mapping)
-        and tiers_raw.get("object") is not None
+        and tiers_objs.get(OBJECT_SECTION) is not None
     ):
         problems.append(
             f"{src}: admission.dir: a site without a PFS keeps its admission slots in a "
@@ -396,8 +375,10 @@ def _build(data: Mapping[str, Any], src: str) -> Config:
     tiers = TiersConfig(
         local=tiers_objs["local"],
         pfs=tiers_objs.get(PFS),
-        object=tiers_objs.get("object"),
+        object=tiers_objs.get(OBJECT_SECTION),
         cold=tiers_objs.get("cold"),
+        shared=shared,
+        kinds=kinds,
     )
     cfg = Config(tiers=tiers, source=src, **sections)
     # The process reads manifests with the limits of the configuration it loaded

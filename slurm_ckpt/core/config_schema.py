@@ -163,11 +163,32 @@ class TiersConfig:
     pfs: Optional[PfsTierConfig] = None
     object: Optional[ObjectTierConfig] = None
     cold: Optional[ColdTierConfig] = None
+    #: ``[tiers] shared``: the shared tiers in flush order, the first the warm tier
+    #: (empty: the configured ones in :data:`SHARED_ORDER`, as before).
+    shared: Tuple[str, ...] = ()
+    #: ``kind`` of each configured section, as ``(name, kind)`` pairs (empty: each
+    #: section's alias kind, :data:`SECTION_KINDS`).
+    kinds: Tuple[Tuple[str, str], ...] = ()
+
+    @property
+    def shared_tiers(self) -> Tuple[str, ...]:
+        """The configured shared tiers in flush order: the first is the warm tier. A
+        section taken away since (``dataclasses.replace(tiers, pfs=None)``: a command
+        that reads the local tier alone) is left out."""
+        order = self.shared or SHARED_ORDER
+        return tuple(n for n in order if getattr(self, n) is not None)
 
     @property
     def warm(self) -> str:
-        """The tier every flush goes to: ``pfs`` when there is one, else ``object``."""
-        return PFS if self.pfs is not None else "object"
+        """The tier every flush goes to: the first shared tier (``pfs`` when there is
+        one, else ``object``)."""
+        shared = self.shared_tiers
+        return shared[0] if shared else SHARED_ORDER[0]
+
+    def kind_of(self, name: str) -> str:
+        """The kind of tier ``name`` (``posix``, ``s3``): what builds it
+        (:mod:`slurm_ckpt.tiers.registry`)."""
+        return dict(self.kinds).get(name, SECTION_KINDS[name])
 
 
 @dataclass(frozen=True)
@@ -335,6 +356,20 @@ TIER_CLASSES = {
     "object": ObjectTierConfig,
     "cold": ColdTierConfig,
 }
+#: The config's alias table: today's section names and the kind each one's keys
+#: describe. ``[tiers.pfs]`` without ``kind`` reads as ``kind = "posix"``, and so on
+#: (one release, with a deprecation warning naming the new form). A section may name
+#: another kind that reads the same keys (``[tiers.cold] kind = "archive"``); the kinds
+#: themselves, what builds a tier of each and which keys it reads, live in
+#: :mod:`slurm_ckpt.tiers.registry`.
+SECTION_KINDS = {"local": "posix", PFS: "posix", "object": "s3", "cold": "posix"}
+#: The object store's section (the warm tier of a site without a PFS).
+OBJECT_SECTION = "object"
+#: The shared tiers in the one order the flush and aging engines support: a flush goes
+#: to the first configured, aging goes down the list.
+SHARED_ORDER = (PFS, "object", "cold")
+#: The ``[tiers]`` key that lists the shared tiers (the rest of ``[tiers]`` are tables).
+SHARED_KEY = "shared"
 SECTION_CLASSES = {
     "retention": RetentionConfig,
     "copy": CopyConfig,
@@ -378,9 +413,15 @@ def section_to_dict(obj: Any, human: bool = False) -> Dict[str, Any]:
 
 
 def tiers_to_dict(tiers: TiersConfig, human: bool = False) -> Dict[str, Any]:
-    return {
-        name: (
-            None if getattr(tiers, name) is None else section_to_dict(getattr(tiers, name), human)
+    """``[tiers]`` in the current form: each configured section with its ``kind``, and
+    ``shared`` (the shared tiers in flush order)."""
+    out: Dict[str, Any] = {}
+    for name in TIER_CLASSES:
+        section = getattr(tiers, name)
+        out[name] = (
+            None
+            if section is None
+            else {"kind": tiers.kind_of(name), **section_to_dict(section, human)}
         )
-        for name in TIER_CLASSES
-    }
+    out[SHARED_KEY] = list(tiers.shared_tiers)
+    return out

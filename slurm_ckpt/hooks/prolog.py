@@ -50,15 +50,15 @@ from slurm_ckpt.node.flush_engine import FlushOutcome
 from slurm_ckpt.node.guard import (
     NodeCheckFailed,
     check_local_tier,
-    check_user_dir,
     required_free,
 )
 from slurm_ckpt.node.reclaim import reclaim_departed
-from slurm_ckpt.node.warm import guard_step_files, guard_user_dir, owner_tiers, warm_of
+from slurm_ckpt.node.warm import owner_tiers
 from slurm_ckpt.node.work import NodeWork
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.slurm.env import HookEnv
 from slurm_ckpt.tiers.copy import SourceCorrupt, copy_checkpoint
+from slurm_ckpt.tiers.registry import warm_tier
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ def _stage_candidates(
     The key is whichever series holds checkpoints whose manifest names this job id (a
     requeued job keeps its id), else the series named like the job.
     """
-    pfs = warm_of(cfg, owner_tiers(cfg))  # the PFS, or the object store without one
+    pfs = warm_tier(cfg, owner_tiers(cfg))  # the PFS, or the object store without one
     found = []
     for key in pfs.keys(user):
         try:
@@ -227,10 +227,10 @@ def _stage_candidates(
 
 def _stage_as_user(cfg: Config, user: str, key: str, step: int, uid: int) -> dict:
     tiers = owner_tiers(cfg)
-    warm = warm_of(cfg, tiers)
-    guard_user_dir(warm, user, uid)
-    check_user_dir(tiers["local"], user, uid)
-    guard_step_files(warm, user, key, step, uid)
+    warm = warm_tier(cfg, tiers)
+    warm.guard_user(user, uid)
+    tiers["local"].guard_user(user, uid)
+    warm.guard_step(user, key, step, uid)
     res = copy_checkpoint(warm, tiers["local"], user, key, step, progress=lambda _n: alive())
     return {"nbytes": res.nbytes, "seconds": res.seconds, "already": res.already_present}
 

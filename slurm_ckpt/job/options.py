@@ -256,7 +256,8 @@ def build_config(
     if opts.ledger_dir is not None:
         base["ledger"]["dir"] = os.path.abspath(os.fspath(opts.ledger_dir))
     if opts.warm_bandwidth is not None:
-        section = next((n for n in (PFS, "object") if base["tiers"].get(n)), None)
+        shared = base["tiers"].get("shared") or []  # the warm tier first (to_dict says)
+        section = shared[0] if shared else None
         if section is None:
             raise CkptError("Checkpointer: warm_bandwidth= needs a warm tier (warm=)")
         base["tiers"][section]["bandwidth_limit"] = opts.warm_bandwidth

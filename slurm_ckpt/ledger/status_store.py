@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Protocol
 
 from slurm_ckpt.core.config import LEDGER_SUBDIR, Config
+from slurm_ckpt.core.config_schema import OBJECT_SECTION
 from slurm_ckpt.core.names import validate_node
 from slurm_ckpt.errors import CkptError, TierError
 from slurm_ckpt.ledger.ledger import Ledger
@@ -238,5 +239,5 @@ def status_store(cfg: Config) -> StatusStore:
         return PosixStatusStore(Path(cfg.tiers.pfs.root))
     from slurm_ckpt.tiers.registry import tiers_from_config
 
-    tier = tiers_from_config(cfg)["object"]
+    tier = tiers_from_config(cfg)[OBJECT_SECTION]
     return ObjectStatusStore(tier)

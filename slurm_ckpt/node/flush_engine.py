@@ -54,12 +54,13 @@ except ImportError:  # pragma: no cover
 
 from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.core.units import format_bytes
-from slurm_ckpt.errors import CkptError, NotFound, TierError, TimedOut
+from slurm_ckpt.errors import CkptError, NotFound, TimedOut
 from slurm_ckpt.ledger import WARM_SLOT, Ident, Ledger, Record, State
 from slurm_ckpt.node.marks import MarkBuffer, set_state
 from slurm_ckpt.node.retry import RetryPolicy, clear_failures
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.copy import CopyResult, copy_checkpoint
+from slurm_ckpt.tiers.unsafe import Unflushable
 
 log = logging.getLogger(__name__)
 
@@ -123,18 +124,6 @@ class FlushStatus(str, Enum):
 
 #: The statuses of a checkpoint that is on the destination now.
 _DONE = (FlushStatus.FLUSHED, FlushStatus.ALREADY)
-
-
-class Unflushable(TierError):
-    """The checkpoint can never be flushed as it is (it holds something root-run code must
-    not touch, or belongs to no one it claims to). Marked ``BAD`` on its tier; it must
-    not keep a node drained. ``hold_code`` names the reason in the ledger; a subclass
-    whose fault is where the checkpoint goes says ``bad_source = False`` (its
-    destination ``FAILED``, held, retried after the backoff)."""
-
-    user_caused = True
-    hold_code = "unsafe"
-    bad_source = True
 
 
 @dataclass

@@ -1,30 +1,27 @@
-"""Guards that keep root-run code safe over user data, and the node checks a job needs.
+"""The node checks a job needs, and the guard over root's own ledger directory.
 
-Root runs the hooks over directories users write. Before it touches anything there it
-asks these guards: is ``<tier>/<user>`` really that user's own directory, is every file
-of a checkpoint a regular file with one link owned by its user, is the ledger directory
-root's alone, is the local tier mounted with room for a job. A checkpoint that fails a
-guard is the owner's doing: it is marked and left alone (never a reason to keep a node
-drained), see :class:`UnsafeCheckpoint`.
+Root runs the hooks over directories users write. The guards over a user's checkpoints
+belong to each tier kind (:meth:`~slurm_ckpt.tiers.base.Tier.guard_user`,
+:meth:`~slurm_ckpt.tiers.base.Tier.guard_step`; the POSIX ones in
+:mod:`slurm_ckpt.tiers.posix_guard`, their errors in :mod:`slurm_ckpt.tiers.unsafe`,
+named here too for the hooks). What stays here is the node's: is the ledger directory
+root's alone, is the local tier mounted with room for a job, and a permission the owner
+denied on their own tree (:class:`OwnPermissionDenied`).
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import resource
 import stat
 from pathlib import Path
 
 from slurm_ckpt.core import fsio, trust
 from slurm_ckpt.core.config import Config
-from slurm_ckpt.core.manifest import MANIFEST_NAME, Manifest
 from slurm_ckpt.core.units import format_bytes
-from slurm_ckpt.errors import EXIT_FAILED, CkptError, NotFound, VerifyError
-from slurm_ckpt.node.flush_engine import Unflushable
-from slurm_ckpt.tiers.copy import SourceCorrupt
-from slurm_ckpt.tiers.posix import PosixTier
+from slurm_ckpt.errors import EXIT_FAILED, CkptError
+from slurm_ckpt.tiers.posix_guard import MAX_DEPTH, MAX_ENTRIES
+from slurm_ckpt.tiers.unsafe import SquattedUserDir, Unflushable, UnsafeCheckpoint, UnsafeUserDir
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +34,6 @@ __all__ = [
     "UnsafeCheckpoint",
     "UnsafeUserDir",
     "check_local_tier",
-    "check_step_files",
-    "check_user_dir",
     "ensure_ledger_dir",
     "required_free",
 ]
@@ -50,22 +45,6 @@ class NodeCheckFailed(CkptError):
     exit_code = EXIT_FAILED
 
 
-class UnsafeCheckpoint(Unflushable):
-    """A checkpoint holds something root-run code must not touch (a symlink, a special
-    file, a hard link, a file of another owner, more files than it may have, a manifest
-    that lies about its files). It is the owner's own doing, so it is marked ``BAD`` on
-    its tier and left alone - it must not keep a node drained."""
-
-
-class UnsafeUserDir(Unflushable):
-    """``<tier root>/<user>`` cannot be used: a symlink, not a directory, writable by
-    others (the owner's doing), or owned by someone else (``squatted``: reported to the
-    admin). Nothing of that user is flushed there until it is fixed."""
-
-    hold_code = "unsafe_dir"
-    bad_source = False
-
-
 class OwnPermissionDenied(Unflushable):
     """Permission denied below the owner's own directories (``chmod 000`` on their
     payload file, ``chmod 500`` on their PFS user or key directory): only the owner can
@@ -73,107 +52,6 @@ class OwnPermissionDenied(Unflushable):
 
     hold_code = "permission"
     bad_source = False
-
-
-class SquattedUserDir(UnsafeUserDir):
-    """Another user owns ``<tier root>/<user>`` (they created it first)."""
-
-    hold_code = "squatted"
-
-
-#: A checkpoint with more files and directories than this is refused as unsafe (root's
-#: children walk and open them; a million empty files is an attack, not a model).
-MAX_ENTRIES = 200_000
-#: ... and so is one nested deeper than this.
-MAX_DEPTH = 32
-
-
-def max_dirs() -> int:
-    """Directories a checkpoint may have: a copy keeps one descriptor open per directory
-    it writes, so no more than a quarter of the open-file limit (at least 64)."""
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return MAX_ENTRIES
-    return max(64, soft // 4)
-
-
-def check_step_files(tier: PosixTier, user: str, key: str, step: int, uid: int) -> None:
-    """Refuse a checkpoint that root-run code must not touch: anything but regular files,
-    a file with more than one hard link (it may be someone else's file linked in), a
-    file not owned by ``uid``, more than :data:`MAX_ENTRIES` entries or
-    :data:`MAX_DEPTH` levels, or a manifest whose files are not the files there (a
-    manifest that claims petabytes would have the copy reserve them). Directories are
-    walked with O_NOFOLLOW."""
-    where = tier.where(user, key, step)
-    with tier.step_fd(user, key, step) as sfd:
-        try:
-            files, problems = fsio.walk_files(sfd, max_entries=MAX_ENTRIES, max_depth=MAX_DEPTH)
-            data = fsio.read_small(sfd, MANIFEST_NAME)
-        except FileNotFoundError:
-            raise NotFound(f"{where}: not committed") from None
-        except OSError as exc:
-            err = fsio.tier_error(exc, where)
-            if isinstance(err, fsio.RefusedPath) or exc.errno in (errno.EMFILE, errno.ENFILE):
-                raise UnsafeCheckpoint(f"{err}; refusing to touch it") from None
-            raise err from None
-    if problems:
-        raise UnsafeCheckpoint(f"{where}: {problems[0]}; refusing to touch it")
-    for rel, st in files:
-        if st.st_nlink != 1:
-            raise UnsafeCheckpoint(
-                f"{where}/{rel}: has {st.st_nlink} hard links; refusing to touch it"
-            )
-        if st.st_uid != uid:
-            raise UnsafeCheckpoint(
-                f"{where}/{rel}: owned by uid {st.st_uid}, not by {user} ({uid}); "
-                "refusing to touch it"
-            )
-    dirs = {rel[:i] for rel, _st in files for i, c in enumerate(rel) if c == "/"}
-    limit = max_dirs()
-    if len(dirs) > limit:
-        raise UnsafeCheckpoint(
-            f"{where}: {len(dirs)} directories, more than {limit} (a quarter of this "
-            "process's open-file limit); refusing to copy it"
-        )
-    try:
-        manifest = Manifest.from_bytes(data, where)
-    except VerifyError as exc:
-        raise SourceCorrupt(str(exc)) from None
-    sizes = {rel: st.st_size for rel, st in files}
-    for entry in manifest.files:
-        have = sizes.get(entry.path)
-        if have != entry.size:
-            what = "missing" if have is None else f"{have} bytes"
-            raise UnsafeCheckpoint(
-                f"{where}: the manifest says {entry.path} has {entry.size} bytes, it is "
-                f"{what}; refusing to copy it"
-            )
-
-
-def check_user_dir(tier: PosixTier, user: str, uid: int) -> None:
-    """``<tier root>/<user>`` must be the user's own: a real directory owned by ``uid`` that
-    no one else can write. On a shared root that every user may write (mode 1777, as a
-    PFS checkpoint root often is) another user could have created it first; writing a
-    checkpoint into their directory would let them replace it (and a restore would load
-    their bytes). A missing directory is fine: it is created by the user, mode 0700.
-    Raises :class:`UnsafeUserDir` (:class:`SquattedUserDir` for another owner)."""
-    try:
-        st = os.lstat(os.path.join(tier.root, user))
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise fsio.tier_error(exc, f"{tier.name}:{tier.root}/{user}") from None
-    where = f"{tier.name}:{tier.root}/{user}"
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise UnsafeUserDir(f"{where}: not a directory (symlink?); refusing to use it")
-    if st.st_uid != uid:
-        raise SquattedUserDir(trust.squat_message(where, user, st.st_uid))
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        mode = stat.S_IMODE(st.st_mode)
-        raise UnsafeUserDir(
-            f"{where}: writable by others (mode {mode:o}); refusing to use it "
-            f"(fix: chmod 700 {tier.root}/{user})"
-        )
 
 
 def ensure_ledger_dir(path: Path) -> None:

@@ -26,16 +26,11 @@ from slurm_ckpt.core.manifest import MANIFEST_NAME, manifest_facts
 from slurm_ckpt.core.names import validate_key
 from slurm_ckpt.errors import CkptError, InvalidName, NotFound, StepConflict, TierError
 from slurm_ckpt.node.asuser import ChildResult, alive
-from slurm_ckpt.node.guard import (
-    OwnPermissionDenied,
-    UnsafeCheckpoint,
-    check_step_files,
-    check_user_dir,
-)
-from slurm_ckpt.node.warm import committed_manifest, guard_user_dir, owner_tiers, warm_of
+from slurm_ckpt.node.guard import OwnPermissionDenied, UnsafeCheckpoint
+from slurm_ckpt.node.warm import owner_tiers
+from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.copy import CopyResult, copy_checkpoint
-from slurm_ckpt.tiers.posix import PosixTier
-from slurm_ckpt.tiers.registry import tiers_from_config
+from slurm_ckpt.tiers.registry import directory_tier, tiers_from_config, warm_tier
 
 __all__ = [
     "delete_as_user",
@@ -54,15 +49,18 @@ def scan_local(root: str, user: str, budget_s: float) -> Dict[str, Any]:
     not read is not known to be gone). Manifests are read with the fast fact reader
     (checksum checked; the flush validates each one fully before any byte moves)."""
     end = time.monotonic() + budget_s
-    tier = PosixTier("local", root)
+    tier = directory_tier("local", root)
+    dirs = tier.directory()
     out: List[List[Any]] = []
+    if dirs is None:
+        return {"rows": out, "partial": False}
     for key in tier.keys(user):
         try:
             validate_key(key)
         except InvalidName:
             continue
         try:
-            ctx = tier.key_fd(user, key)
+            ctx = dirs.key_fd(user, key)
             kfd = ctx.__enter__()
         except (NotFound, TierError):
             continue
@@ -103,8 +101,7 @@ _CONFLICT = "a different checkpoint with this step is already committed"
 def _bounded_locks(cfg: Config, tiers: Dict[str, Any]) -> Dict[str, Any]:
     """The owner's tiers with a bounded wait for step locks (:data:`LOCK_WAIT_SHARE`)."""
     for tier in tiers.values():
-        if isinstance(tier, PosixTier):
-            tier.lock_wait = cfg.hooks.child_timeout * LOCK_WAIT_SHARE
+        tier.lock_wait = cfg.hooks.child_timeout * LOCK_WAIT_SHARE
     return tiers
 
 
@@ -124,11 +121,11 @@ def flush_as_user(cfg: Config, user: str, key: str, step: int, uid: int) -> Copy
 
 def _flush_as_user(cfg: Config, user: str, key: str, step: int, uid: int) -> CopyResult:
     tiers = _bounded_locks(cfg, owner_tiers(cfg))  # object: root's lent keys (node.warm)
-    warm = warm_of(cfg, tiers)  # the PFS, or the object store on a site without one
+    warm = warm_tier(cfg, tiers)  # the PFS, or the object store on a site without one
     alive()
-    check_user_dir(tiers["local"], user, uid)
-    guard_user_dir(warm, user, uid)  # POSIX: the user's own dir; object: we are the user
-    check_step_files(tiers["local"], user, key, step, uid)
+    tiers["local"].guard_user(user, uid)
+    warm.guard_user(user, uid)  # POSIX: the user's own dir; object: we are the user
+    tiers["local"].guard_step(user, key, step, uid)
     alive()
     try:
         return copy_checkpoint(
@@ -214,10 +211,10 @@ def scrub_as_user(
     again. ``ok`` after a full check, ``present`` after the manifest alone, ``gone``
     when the local copy is gone itself."""
     tiers = owner_tiers(cfg)
-    local, warm = tiers["local"], warm_of(cfg, tiers)
+    local, warm = tiers["local"], warm_tier(cfg, tiers)
     alive()
-    check_user_dir(local, user, uid)
-    guard_user_dir(warm, user, uid)
+    local.guard_user(user, uid)
+    warm.guard_user(user, uid)
     end = time.monotonic() + budget_s
     out: List[List[Any]] = []
     for key, step, full in items:
@@ -225,11 +222,11 @@ def scrub_as_user(
         if out and time.monotonic() >= end:
             break
         alive()
-        mine = committed_manifest(local, user, key, step)
+        mine = local.committed_manifest(user, key, step)
         if mine is None:
             out.append([key, step, "gone", ""])
             continue
-        theirs = committed_manifest(warm, user, key, step)
+        theirs = warm.committed_manifest(user, key, step)
         if theirs is None and warm.uncommitted(user, key, step):  # type: ignore[attr-defined]
             why = "warm copy found damaged and uncommitted there (by another node's check)"
             out.append([key, step, "missing", why])
@@ -257,12 +254,12 @@ def delete_as_user(cfg: Config, user: str, key: str, step: int, uid: int, need_w
     committed checkpoint (identical manifest bytes) - the ledger is a cache, this is the
     last word before bytes disappear."""
     tiers = _bounded_locks(cfg, owner_tiers(cfg))
-    local, warm = tiers["local"], warm_of(cfg, tiers)  # warm: the PFS or the object store
+    local, warm = tiers["local"], warm_tier(cfg, tiers)  # warm: the PFS or the object store
     alive()
-    check_step_files(local, user, key, step, uid)
+    local.guard_step(user, key, step, uid)
     if need_warm:
-        mine = committed_manifest(local, user, key, step)
-        theirs = committed_manifest(warm, user, key, step)
+        mine = local.committed_manifest(user, key, step)
+        theirs = warm.committed_manifest(user, key, step)
         if mine is None or mine != theirs:
             raise CkptError(
                 f"{local.where(user, key, step)}: no identical committed copy on the "
@@ -370,7 +367,7 @@ def reclaim_as_user(
     return out
 
 
-def _committed(tier: PosixTier, user: str, key: str, step: int) -> bool:
+def _committed(tier: Tier, user: str, key: str, step: int) -> bool:
     try:
         tier.manifest(user, key, step)
         return True

@@ -2,18 +2,19 @@
 site without one (``cfg.tiers.warm``).
 
 The flushers (epilog, prolog rescue and staging, stager, root and user ``ckpt-slurm
-flush``, ckpt-srun) name the warm tier through :func:`warm_of`, never ``tiers["pfs"]``,
-and guard it through :func:`guard_user_dir` and :func:`guard_step_files`: the POSIX
-guards of :mod:`slurm_ckpt.node.guard` for a POSIX tier (they look at owners, modes and
-links, which an object store does not have), the object store's own rule for an object
-tier.
+flush``, ckpt-srun) name the warm tier through
+:func:`~slurm_ckpt.tiers.registry.warm_tier`, never ``tiers["pfs"]``, and guard it
+through the tier's own guards (:meth:`~slurm_ckpt.tiers.base.Tier.guard_user`,
+:meth:`~slurm_ckpt.tiers.base.Tier.guard_step`): on a POSIX tier they look at owners,
+modes and links (:mod:`slurm_ckpt.tiers.posix_guard`); an object store has none of
+those and keeps the rule below (:meth:`slurm_ckpt.tiers.s3.S3Tier.guard_user`).
 
 The object store's rule
 -----------------------
 Its keys hold the owner (``<prefix>/<user>/<key>/step-N/...``) and the store itself has
 no owners: whoever holds the credentials may write any key. So root never writes user
 data there itself. A copy runs in a child that has become the checkpoint's owner
-(:func:`~slurm_ckpt.node.asuser.run_as`), and :func:`guard_user_dir` refuses unless that
+(:func:`~slurm_ckpt.node.asuser.run_as`), and the tier's ``guard_user`` refuses unless that
 process *is* the user whose prefix it is about to write (its uid is the owner's, and the
 owner's name maps to that uid): data read with one user's permissions lands under that
 user's prefix only.
@@ -39,22 +40,14 @@ import os
 import pwd
 from typing import Any, Dict, Optional
 
-from slurm_ckpt.core import fsio
 from slurm_ckpt.core.config import Config
-from slurm_ckpt.core.manifest import MANIFEST_NAME
-from slurm_ckpt.errors import CkptError, TierError
-from slurm_ckpt.node.guard import check_step_files, check_user_dir
+from slurm_ckpt.errors import TierError
 from slurm_ckpt.tiers.base import Tier
-from slurm_ckpt.tiers.posix import PosixTier
-from slurm_ckpt.tiers.registry import object_tier_class, tiers_from_config, warm_tier
+from slurm_ckpt.tiers.registry import object_tier_class, tiers_from_config
 
 __all__ = [
-    "committed_manifest",
-    "guard_step_files",
-    "guard_user_dir",
     "lend_credentials",
     "owner_tiers",
-    "warm_of",
 ]
 
 #: Root's object-store credentials, resolved before forking owner children (see the
@@ -63,12 +56,6 @@ _LENT: Optional[Dict[str, str]] = None
 _LENT_SET = False
 #: Root's sealed botocore session for those children (see the module docstring).
 _SEALED: Any = None
-
-
-def warm_of(cfg: Config, tiers: Dict[str, Tier]) -> Tier:
-    """The tier every flush goes to: ``tiers["pfs"]``, or ``tiers["object"]`` on a site
-    without a PFS."""
-    return warm_tier(cfg, tiers)
 
 
 def lend_credentials(cfg: Config) -> None:
@@ -108,43 +95,3 @@ def owner_tiers(cfg: Config) -> Dict[str, Tier]:
     except KeyError:
         raise TierError(f"uid {os.geteuid()} has no name: no object-store access") from None
     return tiers_from_config(cfg, credentials=_LENT or None, sealed_for=(_SEALED, owner))
-
-
-def guard_user_dir(tier: Tier, user: str, uid: int) -> None:
-    """Before writing ``user``'s checkpoint to ``tier``: on a POSIX tier ``<root>/<user>``
-    must be the user's own (:func:`~slurm_ckpt.node.guard.check_user_dir`); on an object
-    tier this process must be that user (see the module docstring). TierError if not."""
-    if isinstance(tier, PosixTier):
-        check_user_dir(tier, user, uid)
-        return
-    try:
-        known = pwd.getpwnam(user).pw_uid
-    except KeyError:
-        known = None
-    if known != uid or os.geteuid() != uid:
-        raise TierError(
-            f"{tier.where(user, '*')}: this process (uid {os.geteuid()}) is not {user} "
-            f"(uid {known if known is not None else '?'}); refusing to write under "
-            "that user's prefix"
-        )
-
-
-def guard_step_files(tier: Tier, user: str, key: str, step: int, uid: int) -> None:
-    """Before root's child reads a checkpoint of ``tier``: on a POSIX tier every file must
-    be a regular file of the user with one link
-    (:func:`~slurm_ckpt.node.guard.check_step_files`). An object store has no links nor
-    owners, and every byte read from it is hashed against the manifest: nothing to check."""
-    if isinstance(tier, PosixTier):
-        check_step_files(tier, user, key, step, uid)
-
-
-def committed_manifest(tier: Tier, user: str, key: str, step: int) -> Optional[bytes]:
-    """The committed manifest's exact bytes, or None when there is none (or it cannot be
-    read): on a POSIX tier read without following a link, else through the tier."""
-    try:
-        if isinstance(tier, PosixTier):
-            with tier.step_fd(user, key, step) as sfd:
-                return fsio.read_small(sfd, MANIFEST_NAME)
-        return tier.manifest_bytes(user, key, step)
-    except (CkptError, OSError):
-        return None

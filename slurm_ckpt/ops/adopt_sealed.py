@@ -43,7 +43,6 @@ from slurm_ckpt.job.restore import shard_prefix
 from slurm_ckpt.ops.seal import SEALED_META
 from slurm_ckpt.ops.verify_path import PathProblem, manifest_at
 from slurm_ckpt.tiers.base import Tier
-from slurm_ckpt.tiers.posix import PosixTier
 
 __all__ = ["Adopted", "adopt_sealed"]
 
@@ -72,7 +71,7 @@ def adopt_sealed(
     the caller's series ``key`` on ``tier`` (a directory tier). See the module docstring."""
     t0 = time.monotonic()
     validate_key(key)
-    if not isinstance(tier, PosixTier):
+    if tier.directory() is None:
         raise CkptError(
             f"adopt: the {tier.name} tier is not a directory tier (adopt into local or a "
             "PFS; flush and gc take it on from there)"

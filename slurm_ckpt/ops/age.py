@@ -30,14 +30,13 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from slurm_ckpt.core.aging import plan_aging, plan_cold_deletions
 from slurm_ckpt.core.config import Config
-from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.retention import CkptInfo
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.node.asuser import run_as_user
 from slurm_ckpt.node.warm import lend_credentials, owner_tiers
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.copy import copy_checkpoint
-from slurm_ckpt.tiers.registry import tiers_from_config
+from slurm_ckpt.tiers.registry import shared_tiers, tiers_from_config
 
 __all__ = [
     "AgeResult",
@@ -77,10 +76,11 @@ class AgeResult:
 
 def chain(cfg: Config, tiers: Dict[str, Tier]) -> List[Tuple[Tier, Tier, float]]:
     """``(from, to, every_s)`` for each link of the configured chain."""
-    names = [n for n in (PFS, "object", "cold") if n in tiers]
+    names = [n for n in shared_tiers(cfg) if n in tiers]
     links = []
     for a, b in zip(names, names[1:]):
-        every = cfg.tiers.object.every if b == "object" else cfg.tiers.cold.every  # type: ignore[union-attr]
+        # A tier after the warm one says how often it takes a copy (its ``every``).
+        every = getattr(cfg.tiers, b).every
         links.append((tiers[a], tiers[b], float(every)))
     return links
 

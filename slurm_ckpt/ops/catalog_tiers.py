@@ -23,7 +23,7 @@ from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ops.catalog import Series, SeriesHead, scan_catalog
 from slurm_ckpt.ops.damage import COMMIT_GRACE_S
-from slurm_ckpt.tiers.registry import ORDER, tiers_from_config
+from slurm_ckpt.tiers.registry import shared_tiers, tiers_from_config
 
 __all__ = ["scan_object_catalog", "shared_heads"]
 
@@ -126,13 +126,11 @@ def shared_heads(
     to cold; user directories another user owns on a POSIX tier go to ``squatted``."""
     out: Dict[str, Heads] = {}
     tiers = tiers_from_config(cfg)
-    for name in ORDER[1:]:
-        t = tiers.get(name)
-        if t is None:
-            continue
-        if t.kind == "posix":
-            root = str(t.root)  # type: ignore[attr-defined]
-            out[name] = scan_catalog(root, user=user, key=key, squatted=squatted)
+    for name in shared_tiers(cfg):
+        t = tiers[name]
+        dirs = t.directory()
+        if dirs is not None:  # a tree of directories: read without following a link
+            out[name] = scan_catalog(str(dirs.root), user=user, key=key, squatted=squatted)
         else:
             out[name] = scan_object_catalog(t, user=user, key=key)
     return out

@@ -34,10 +34,10 @@ from typing import List, Optional
 
 from slurm_ckpt.core import trust
 from slurm_ckpt.core.config import Config
-from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ops.object_check import object_findings
+from slurm_ckpt.ops.tier_roots import directory_roots
 
 __all__ = ["ERROR", "WARNING", "Finding", "check_roots", "check_trust", "own_config"]
 
@@ -143,13 +143,11 @@ def check_roots(cfg: Config, owner: Optional[int] = None) -> List[Finding]:
                     ),
                 )
             )
-    if cfg.tiers.pfs is not None:
-        _root(PFS, "tiers.pfs.root", str(cfg.tiers.pfs.root), False, out, owner)
+    for name, root in directory_roots(cfg)[1:]:  # the shared directory tiers
+        _root(name, f"tiers.{name}.root", root, False, out, owner)
     for sev, msg, _fix in object_findings(cfg):  # the object tier answers (warm or not)
         if sev != "ok":
             out.append(Finding(ERROR if sev == "error" else WARNING, msg))
-    if cfg.tiers.cold is not None:
-        _root("cold", "tiers.cold.root", str(cfg.tiers.cold.root), False, out, owner)
     ledger_parent = os.path.dirname(str(cfg.ledger.dir).rstrip("/")) or "/"
     if st is not None and not os.path.isdir(ledger_parent):
         out.append(Finding(ERROR, f"ledger.dir {cfg.ledger.dir}: {ledger_parent} does not exist"))

@@ -1,6 +1,6 @@
 """Every step directory of a series, good or damaged, with the reason (issue 11, item 1).
 
-:meth:`PosixTier.steps` lists what a restart may use and skips the rest without a word;
+:meth:`Tier.steps` lists what a restart may use and skips the rest without a word;
 an operator asking "are my checkpoints safe?" must hear about the rest. :func:`scan_series`
 looks at every ``step-N`` entry of a series on a tier and sorts it into:
 
@@ -42,8 +42,7 @@ from slurm_ckpt.core.layout import parse_step_dirname, step_dirname
 from slurm_ckpt.core.manifest import DAMAGED_MANIFEST_NAME, MANIFEST_NAME, Manifest
 from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.errors import NotFound, TierError, VerifyError
-from slurm_ckpt.tiers.base import StepInfo
-from slurm_ckpt.tiers.posix import PosixTier
+from slurm_ckpt.tiers.base import KeyDirs, StepInfo, Tier
 
 __all__ = [
     "COMMIT_GRACE_S",
@@ -112,7 +111,7 @@ def _why(exc: OSError) -> str:
 
 
 def _classify(
-    tier: PosixTier, kfd: int, user: str, key: str, name: str, step: int, now: float
+    tier: KeyDirs, kfd: int, user: str, key: str, name: str, step: int, now: float
 ) -> Tuple[Optional[StepInfo], Optional[Damaged]]:
     path = os.path.join(tier.root, user, key, name)
 
@@ -168,7 +167,7 @@ def _classify(
 
 
 def scan_series(
-    tier: PosixTier, user: str, key: str, now: Optional[float] = None
+    tier: Tier, user: str, key: str, now: Optional[float] = None
 ) -> Tuple[List[StepInfo], List[Damaged]]:
     """``(committed steps, damaged entries)`` of ``user/key`` on ``tier``, by step.
 
@@ -178,9 +177,10 @@ def scan_series(
     validate_user(user)
     validate_key(key)
     now = time.time() if now is None else now
-    if not hasattr(tier, "key_fd"):  # an object store: its listing shows committed steps only
+    dirs = tier.directory()
+    if dirs is None:  # an object store: its listing shows committed steps only
         return tier.steps(user, key), []
-    series_path = os.path.join(tier.root, user, key)
+    series_path = os.path.join(dirs.root, user, key)
     try:
         os.lstat(series_path)
     except (FileNotFoundError, NotADirectoryError):
@@ -191,7 +191,7 @@ def scan_series(
     except OSError:
         pass  # key_fd says what it is
     try:
-        ctx = tier.key_fd(user, key)
+        ctx = dirs.key_fd(user, key)
         kfd = ctx.__enter__()
     except NotFound:
         return [], []
@@ -208,7 +208,7 @@ def scan_series(
             step = parse_step_dirname(name)
             if step is None or name != step_dirname(step):
                 continue
-            info, bad = _classify(tier, kfd, user, key, name, step, now)
+            info, bad = _classify(dirs, kfd, user, key, name, step, now)
             if info is not None:
                 good.append(info)
             if bad is not None:

@@ -29,12 +29,13 @@ from slurm_ckpt import __version__
 from slurm_ckpt.admission.policy import AdmissionError
 from slurm_ckpt.admission.store import check_store_dir, slots_dir
 from slurm_ckpt.core.config import LEDGER_SUBDIR, Config
-from slurm_ckpt.core.config_schema import PFS
+from slurm_ckpt.core.config_schema import OBJECT_SECTION
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import SlurmError
 from slurm_ckpt.ledger.events import events_path, read_events
 from slurm_ckpt.ops.object_check import object_findings
 from slurm_ckpt.ops.security_checks import check_security
+from slurm_ckpt.ops.tier_roots import directory_roots
 from slurm_ckpt.slurm.env import this_node
 from slurm_ckpt.slurm.records import parse_duration
 
@@ -444,12 +445,10 @@ def _check_root(name: str, path: Path, shared: bool) -> Finding:
 
 def check_tiers(cfg: Config) -> List[Finding]:
     out = [_check_root("local", Path(cfg.tiers.local.root), False)]
-    if cfg.tiers.pfs is not None:
-        out.append(_check_root(PFS, Path(cfg.tiers.pfs.root), True))
-    if cfg.tiers.cold is not None:
-        out.append(_check_root("cold", Path(cfg.tiers.cold.root), True))
+    for name, root in directory_roots(cfg)[1:]:  # the shared directory tiers
+        out.append(_check_root(name, Path(root), True))
     # The object tier (the warm tier on a site without a PFS): reachable with root's keys.
-    out += [Finding("object", sev, msg, fix) for sev, msg, fix in object_findings(cfg)]
+    out += [Finding(OBJECT_SECTION, sev, msg, fix) for sev, msg, fix in object_findings(cfg)]
     # On a site without a PFS, no "<pfs>/.slurm_ckpt" to check: lstat("/dev/null/...")
     # fails (NotADirectoryError, an OSError) and the check is skipped.
     meta = Path(cfg.tiers.pfs.root if cfg.tiers.pfs else "/dev/null") / LEDGER_SUBDIR

@@ -117,8 +117,7 @@ def run_drill(
     from slurm_ckpt.job.restore import Restorer, shard_key
     from slurm_ckpt.job.state import INDEX_NAME
     from slurm_ckpt.tiers.copy import copy_checkpoint
-    from slurm_ckpt.tiers.posix import PosixTier
-    from slurm_ckpt.tiers.registry import tiers_from_config
+    from slurm_ckpt.tiers.registry import directory_tier, tiers_from_config
 
     user = validate_user(user) if user else current_user()
     validate_key(key)
@@ -138,7 +137,7 @@ def run_drill(
         for tier, manifest in own.get(step, []):
             parent = _scratch_dir(scratch, _scratch_root(cfg, tier), user)
             try:
-                dst = PosixTier(
+                dst = directory_tier(
                     "scratch", parent, chunk_size=tier.chunk_size, streams=cfg.copy.streams
                 )
                 t0 = time.monotonic()

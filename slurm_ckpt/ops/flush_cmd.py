@@ -36,10 +36,9 @@ from slurm_ckpt.node.flush_engine import (
     FlushStatus,
     copy_in_process,
 )
-from slurm_ckpt.node.warm import guard_user_dir, warm_of
 from slurm_ckpt.node.work import NodeWork
 from slurm_ckpt.slurm.env import job_env
-from slurm_ckpt.tiers.registry import tiers_from_config
+from slurm_ckpt.tiers.registry import tiers_from_config, warm_tier
 
 __all__ = ["FlushSummary", "flush_node", "flush_own", "flush_series"]
 
@@ -206,7 +205,7 @@ def flush_own(
     """A user's own checkpoints on this node's local tier -> the PFS, in this process;
     ``progress(nbytes)`` hears of every byte copied."""
     tiers = tiers_from_config(cfg)
-    local, pfs = tiers["local"], warm_of(cfg, tiers)  # the warm tier: PFS or object store
+    local, pfs = tiers["local"], warm_tier(cfg, tiers)  # the warm tier: PFS or object store
     ledger, writable = _own_ledger(cfg, node)
     if ledger is None:  # no node ledger (a laptop): the user's own, as a Checkpointer keeps
         ledger, writable = _own_ledger(cfg, node, user)
@@ -248,8 +247,8 @@ def flush_series(cfg: Config, user: str, key: str, timeout: Optional[float] = No
     checkpoints of another node of this job (their manifest names it) are left to it:
     two nodes flushing one step at once would only copy it twice."""
     tiers = tiers_from_config(cfg)
-    local, pfs = tiers["local"], warm_of(cfg, tiers)  # the warm tier: PFS or object store
-    guard_user_dir(pfs, user, os.getuid())
+    local, pfs = tiers["local"], warm_tier(cfg, tiers)  # the warm tier: PFS or object store
+    pfs.guard_user(user, os.getuid())
     flusher = Flusher(copy_in_process(local, pfs), hand_off_note=LEFT_TO_EPILOG)
     deadline = None if timeout is None else time.monotonic() + timeout
     lines = []

@@ -36,7 +36,7 @@ and is deleted here only once that copy verifies now (``verify_next``): a manife
 merely listed there - on an object store anyone with bucket keys can PUT one under any
 prefix - is never a reason to delete.
 
-Deletion goes through :meth:`PosixTier.delete` (manifest first, under the step lock), the
+Deletion goes through :meth:`Tier.delete` (manifest first, under the step lock), the
 oldest first, so an interrupted run leaves the newer checkpoints in place. Verification
 reads every byte of the checkpoints it checks: on an HSM-backed cold tier that recalls
 them. A checkpoint that cannot be read (permissions included) counts as not verified,
@@ -53,7 +53,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from slurm_ckpt.core.config import Config
-from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.layout import parse_partial_dirname, step_dirname
 from slurm_ckpt.core.lineage import SeriesView, lineage_of
 from slurm_ckpt.core.names import validate_key, validate_user
@@ -62,8 +61,8 @@ from slurm_ckpt.core.retention import CkptInfo, RetentionPolicy, plan_warm_delet
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ops.age import AgeResult, aged_steps, aging_plan, chain, gc_cold_series, run_aging
 from slurm_ckpt.ops.damage import reclaimable, scan_series
-from slurm_ckpt.tiers.posix import PosixTier, StepInfo
-from slurm_ckpt.tiers.registry import tiers_from_config
+from slurm_ckpt.tiers.base import StepInfo, Tier
+from slurm_ckpt.tiers.registry import tiers_from_config, warm_tiers
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +79,6 @@ __all__ = [
 
 #: ``<key>/.pin-step-NNNNNNNNNN`` pins that step on a shared tier.
 PIN_PREFIX = ".pin-"
-#: Shared tiers gc works on, in this order.
-GC_TIERS = (PFS, "object")
 
 
 def pin_name(step: int) -> str:
@@ -242,25 +239,26 @@ class GcReport:
         }
 
 
-def _names(tier: Any, user: str, key: str) -> Set[str]:
-    if not hasattr(tier, "key_fd"):
+def _names(tier: Tier, user: str, key: str) -> Set[str]:
+    dirs = tier.directory()
+    if dirs is None:
         return set()  # an object store: pins are in the manifest's meta only
     try:
-        with tier.key_fd(user, key) as kfd:
+        with dirs.key_fd(user, key) as kfd:
             return set(os.listdir(kfd))
     except (CkptError, OSError):
         return set()
 
 
 def gc_series(
-    tier: PosixTier,
+    tier: Tier,
     user: str,
     key: str,
     policy: RetentionPolicy,
     now: float,
     *,
     dry_run: bool = False,
-    next_tier: Optional[PosixTier] = None,
+    next_tier: Optional[Tier] = None,
     progress: Optional[ProgressFn] = None,
     owed: Optional[Set[int]] = None,
     aged: Optional[Set[int]] = None,
@@ -272,7 +270,7 @@ def gc_series(
     bytes; one of them is deleted here only once ``verify_next(step)`` says its copy
     there verifies (else it is kept as owed)."""
     res = SeriesResult(tier.name, user, key)
-    good, damaged = scan_series(tier, user, key, now)  # type: ignore[arg-type]
+    good, damaged = scan_series(tier, user, key, now)
     res.damaged = [d.to_dict() for d in damaged]
     steps: Dict[int, StepInfo] = {s.step: s for s in good}
     res.steps = sorted(steps)
@@ -356,7 +354,7 @@ def gc_series(
     return res
 
 
-def _series(tier: PosixTier, user: Optional[str], key: Optional[str]) -> List[Tuple[str, str]]:
+def _series(tier: Tier, user: Optional[str], key: Optional[str]) -> List[Tuple[str, str]]:
     out = []
     try:
         users = [user] if user is not None else tier.users()
@@ -401,10 +399,8 @@ def run_gc(
     # retention below sees what has arrived; what is still owed is kept.
     report.aged = run_aging(cfg, user=user, key=key, dry_run=dry_run, as_owner=as_owner)
     links = {src.name: (dst, every) for src, dst, every in chain(cfg, tiers)}
-    for name in GC_TIERS:
-        tier = tiers.get(name)
-        if tier is None:
-            continue
+    for name in warm_tiers(cfg):  # the shared tiers that take flushes, in flush order
+        tier = tiers[name]
         following = links.get(name)
         for u, k in _series(tier, user, key):
             try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import List, Tuple
 
 from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.config_schema import OBJECT_SECTION
 from slurm_ckpt.errors import CkptError
 
 __all__ = ["object_findings"]
@@ -20,7 +21,7 @@ def object_findings(cfg: Config) -> List[Tuple[str, str, str]]:
         return []
     from slurm_ckpt.tiers.registry import tiers_from_config
 
-    tier = tiers_from_config(cfg)["object"]
+    tier = tiers_from_config(cfg)[OBJECT_SECTION]
     url = f"s3://{o.bucket}/{o.prefix}".rstrip("/")
     out: List[Tuple[str, str, str]] = []
     try:

@@ -23,8 +23,7 @@ from slurm_ckpt.core.names import current_user, validate_key, validate_user
 from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.errors import NotFound, TierError, UsageError, VerifyError
 from slurm_ckpt.tiers.copy import copy_checkpoint
-from slurm_ckpt.tiers.posix import PosixTier
-from slurm_ckpt.tiers.registry import ORDER, tiers_from_config
+from slurm_ckpt.tiers.registry import ORDER, directory_tier, tiers_from_config
 
 __all__ = ["restore_to"]
 
@@ -84,7 +83,7 @@ def restore_to(
     skipped: List[str] = []
     for s in sorted(holders, reverse=True):
         for t, meta in sorted(holders[s], key=lambda x: ORDER.index(x[0].name)):
-            dst = PosixTier("restore", to, chunk_size=t.chunk_size, streams=cfg.copy.streams)
+            dst = directory_tier("restore", to, chunk_size=t.chunk_size, streams=cfg.copy.streams)
             try:
                 res = copy_checkpoint(t, dst, user, key, s, progress=progress)
             except (VerifyError, TierError, NotFound) as exc:

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, List
+from typing import Any, List, Tuple
 
 from slurm_ckpt.core import trust
 from slurm_ckpt.core.config import Config
-from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.names import validate_user
 from slurm_ckpt.errors import InvalidName
 from slurm_ckpt.ledger.status_store import status_store
+from slurm_ckpt.ops.tier_roots import directory_roots
 
 __all__ = ["PARTNER_DIR", "check_security", "squatted_dirs"]
 
@@ -61,11 +61,8 @@ def squatted_dirs(root: Path) -> List[Any]:
 def check_security(cfg: Config, finding: Any) -> List[Any]:
     """The findings (built with ``finding(check, severity, message, fix)``)."""
     out: List[Any] = []
-    roots = [("local", cfg.tiers.local.root)]
-    if cfg.tiers.pfs is not None:  # (a site without one: the object store has no owners)
-        roots.append((PFS, cfg.tiers.pfs.root))
-    if cfg.tiers.cold is not None:
-        roots.append(("cold", cfg.tiers.cold.root))
+    # Every directory tier (an object store has no owners), whatever its kind.
+    roots: List[Tuple[str, Any]] = list(directory_roots(cfg))
     if cfg.partner.dir is not None:
         roots.append((PARTNER_DIR, cfg.partner.dir))
     bad = 0

@@ -19,16 +19,19 @@ from typing import List, Optional, Tuple
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.errors import ConfigError
+from slurm_ckpt.tiers.registry import shared_tiers
 
-__all__ = ["missing_roots", "require_roots"]
+__all__ = ["directory_roots", "missing_roots", "require_roots"]
 
 
-def _posix_roots(cfg: Config) -> List[Tuple[str, str]]:
-    out = [("local", str(cfg.tiers.local.root))]
-    if cfg.tiers.pfs is not None:
-        out.append((PFS, str(cfg.tiers.pfs.root)))
-    if cfg.tiers.cold is not None:
-        out.append(("cold", str(cfg.tiers.cold.root)))
+def directory_roots(cfg: Config) -> List[Tuple[str, str]]:
+    """``(tier, root)`` of every configured tier kept under a root directory, local
+    first, then the shared ones in flush order (an object store has no root)."""
+    out = []
+    for name in ("local", *shared_tiers(cfg)):
+        root = getattr(getattr(cfg.tiers, name), "root", None)
+        if root is not None:
+            out.append((name, str(root)))
     return out
 
 
@@ -37,7 +40,7 @@ def missing_roots(cfg: Config, tier: Optional[str] = None) -> List[Tuple[str, st
     does not exist (a dangling symlink counts as existing: opening it gives the reason)."""
     return [
         (name, root)
-        for name, root in _posix_roots(cfg)
+        for name, root in directory_roots(cfg)
         if (tier is None or tier == name) and not os.path.lexists(root)
     ]
 
@@ -50,9 +53,7 @@ def require_roots(cfg: Config, tier: Optional[str] = None) -> List[str]:
     if not missing:
         return []
     fatal = [(n, r) for n, r in missing if n == PFS]
-    readable = [n for n, _ in _posix_roots(cfg) if tier in (None, n)]
-    if cfg.tiers.object is not None and tier in (None, "object"):
-        readable.append("object")
+    readable = [n for n in ("local", *shared_tiers(cfg)) if tier in (None, n)]
     left = [n for n in readable if n not in {m for m, _ in missing}]
     if not fatal and left:
         return [

@@ -32,6 +32,17 @@ Reading
 the parsed manifest, its exact bytes, and :meth:`~TierReader.open` for each payload file
 (a :class:`RangeSource`: ranged reads; ``fileno()`` for a POSIX fast path such as the
 direct-I/O restore).
+
+Root's questions
+----------------
+Root asks a tier before it touches a user's checkpoint there: :meth:`Tier.guard_user`
+(may this process write ``user``'s checkpoints here?), :meth:`Tier.guard_step` (may root's
+child read this checkpoint's files?), and :meth:`Tier.committed_manifest` (the exact bytes
+committed, read the safe way). Each kind answers for its own dangers: a POSIX tree
+refuses links and foreign owners (:mod:`slurm_ckpt.tiers.posix_guard`), an object store
+refuses a process that is not the owner. A tier kept as directories also offers them
+(:meth:`Tier.directory`: :class:`KeyDirs`), for the few callers that walk a series'
+directory themselves (gc's debris, damage reports); the others never ask which kind.
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.core.verify import VerifyReport
 
 __all__ = [
+    "KeyDirs",
     "RangeSink",
     "RangeSource",
     "StepInfo",
@@ -169,6 +181,24 @@ class TierWriter(Protocol):
     def __exit__(self, et: object, ev: object, tb: object) -> None: ...
 
 
+class KeyDirs(Protocol):
+    """A tier kept as a tree of directories (``<root>/<user>/<key>/step-N``), opened
+    without following a link: the optional capability :meth:`Tier.directory` returns."""
+
+    name: str
+    root: str
+
+    def where(self, user: str, key: str, step: Optional[int] = None) -> str: ...
+
+    def key_fd(self, user: str, key: str, create: bool = False) -> ContextManager[int]:
+        """The series' directory, open (NotFound when there is none)."""
+        ...
+
+    def step_fd(self, user: str, key: str, step: int) -> ContextManager[int]:
+        """One step's directory, open (NotFound when there is none)."""
+        ...
+
+
 @runtime_checkable
 class Tier(Protocol):
     """One storage tier (see the module docstring).
@@ -184,6 +214,9 @@ class Tier(Protocol):
     chunk_size: int
     buffer_size: int
     limiter: Optional[BandwidthLimiter]
+    #: How long :meth:`lock` waits for a step another process holds (None: as long as
+    #: it takes); root's children bound it below their own deadline.
+    lock_wait: Optional[float]
 
     def where(self, user: str, key: str, step: Optional[int] = None) -> str:
         """A one-line location for messages (``pfs:/pfs/ckpt/alice/run/step-...``)."""
@@ -262,4 +295,34 @@ class Tier(Protocol):
         self, user: str, key: str, max_age_s: float = 3600.0, partials: bool = False
     ) -> List[str]:
         """Remove debris of crashed writers; returns what was removed."""
+        ...
+
+    def read_lease(self, user: str, key: str) -> Optional[bytes]:
+        """The series' lease record (:mod:`slurm_ckpt.job.lease`), or None."""
+        ...
+
+    def write_lease(self, user: str, key: str, data: bytes) -> None:
+        """Replace the series' lease record whole (never listed as a step)."""
+        ...
+
+    # -- root's questions (see the module docstring) ------------------------------------
+    def guard_user(self, user: str, uid: int) -> None:
+        """Before writing ``user``'s (uid ``uid``) checkpoints here: raise a one-line
+        TierError (:class:`~slurm_ckpt.tiers.unsafe.UnsafeUserDir` and kin) unless it is
+        safe for this process to write them."""
+        ...
+
+    def guard_step(self, user: str, key: str, step: int, uid: int) -> None:
+        """Before root's child reads this checkpoint: raise
+        (:class:`~slurm_ckpt.tiers.unsafe.UnsafeCheckpoint`) if any of it is something
+        root-run code must not touch."""
+        ...
+
+    def committed_manifest(self, user: str, key: str, step: int) -> Optional[bytes]:
+        """The committed manifest's exact bytes, or None when there is none (or it cannot
+        be read), read the way root may read the user's data."""
+        ...
+
+    def directory(self) -> Optional[KeyDirs]:
+        """This tier's directories when it is kept as a tree (POSIX), else None."""
         ...

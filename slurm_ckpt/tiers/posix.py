@@ -37,6 +37,11 @@ from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.core.verify import VerifyReport, open_payload, verify_files
 from slurm_ckpt.errors import InvalidName, NotFound, StepLocked, TierError, VerifyError
 from slurm_ckpt.tiers.base import StepInfo
+from slurm_ckpt.tiers.posix_guard import (
+    check_step_files,
+    check_user_dir,
+    read_committed_manifest,
+)
 
 
 class PosixTier:
@@ -117,6 +122,23 @@ class PosixTier:
                 yield fd
             finally:
                 os.close(fd)
+
+    # -- root's questions (tiers/base.py): the POSIX guards -----------------------------
+    def directory(self) -> PosixTier:
+        """A POSIX tier is its directories (:class:`~slurm_ckpt.tiers.base.KeyDirs`)."""
+        return self
+
+    def guard_user(self, user: str, uid: int) -> None:
+        """``<root>/<user>`` must be the user's own (:func:`.posix_guard.check_user_dir`)."""
+        check_user_dir(self, user, uid)
+
+    def guard_step(self, user: str, key: str, step: int, uid: int) -> None:
+        """Regular files of the user with one link each (:func:`.posix_guard.check_step_files`)."""
+        check_step_files(self, user, key, step, uid)
+
+    def committed_manifest(self, user: str, key: str, step: int) -> Optional[bytes]:
+        """Read below the step's directory without following a link."""
+        return read_committed_manifest(self, user, key, step)
 
     @contextmanager
     def lock(self, user: str, key: str, step: int, wait: bool = True) -> Iterator[bool]:

@@ -17,6 +17,8 @@ unreachable endpoint, a full store answering HTTP 500), never a traceback.
 
 from __future__ import annotations
 
+import os
+import pwd
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -77,6 +79,9 @@ class S3Tier:
         self.chunk_size = chunk_size
         self.buffer_size = buffer_size
         self.limiter = BandwidthLimiter(bandwidth) if bandwidth else None
+        #: The step lock is node-local and short (:func:`.s3_client.step_lock`): it waits
+        #: without a bound, whatever a caller sets here.
+        self.lock_wait: Optional[float] = None
         # sealed_for: (root's sealed botocore session, owner): root's owner child, whose
         # every request must stay below <prefix>/<owner>/ (tiers.s3_seal).
         sealed = None
@@ -208,6 +213,36 @@ class S3Tier:
     def check_user(self, user: str) -> None:
         validate_user(user)
         self.check()
+
+    # -- root's questions (tiers/base.py) ----------------------------------------------
+    def directory(self) -> None:
+        """An object store has no directories to walk: its listing shows committed steps."""
+        return None
+
+    def guard_user(self, user: str, uid: int) -> None:
+        """The store has no owners: only a process that *is* ``user`` (uid ``uid``) may
+        write under that user's prefix (root's children become the owner first, with
+        root's sealed session: :mod:`slurm_ckpt.tiers.s3_seal`). TierError if not."""
+        try:
+            known: Optional[int] = pwd.getpwnam(user).pw_uid
+        except KeyError:
+            known = None
+        if known != uid or os.geteuid() != uid:
+            raise TierError(
+                f"{self.where(user, '*')}: this process (uid {os.geteuid()}) is not {user} "
+                f"(uid {known if known is not None else '?'}); refusing to write under "
+                "that user's prefix"
+            )
+
+    def guard_step(self, user: str, key: str, step: int, uid: int) -> None:
+        """Nothing to check: an object store has no links nor owners, and every byte read
+        from it is hashed against the manifest."""
+
+    def committed_manifest(self, user: str, key: str, step: int) -> Optional[bytes]:
+        try:
+            return self.manifest_bytes(user, key, step)
+        except CkptError:
+            return None
 
     def free_bytes(self) -> Optional[int]:
         return None  # an object store does not say

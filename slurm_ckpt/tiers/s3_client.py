@@ -21,13 +21,21 @@ import stat
 import tempfile
 import threading
 from contextlib import contextmanager, suppress
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
 
 import botocore.exceptions as bexc
 
 from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
+from slurm_ckpt.tiers.base import RangeSource
 
-__all__ = ["ClientFactory", "FULL_HINT", "resolve_credentials", "s3_error", "step_lock"]
+__all__ = [
+    "FULL_HINT",
+    "ClientFactory",
+    "ObjectStore",
+    "resolve_credentials",
+    "s3_error",
+    "step_lock",
+]
 
 #: What SeaweedFS (and other stores) answer a write with when their disks are full: a
 #: plain HTTP 500 ("failed to find writable volumes" is only in the server's log).
@@ -344,3 +352,36 @@ def step_lock(ident: str, wait: bool = True) -> Iterator[bool]:
         yield True
     finally:
         os.close(fd)
+
+
+class ObjectStore(Protocol):
+    """What the object tier's writer (:mod:`.s3_write`) asks of its tier
+    (:class:`~slurm_ckpt.tiers.s3.S3Tier`): named here, below both, so that the writer's
+    module does not import the tier's and the tier's imports the writer's (no circle)."""
+
+    name: str
+    bucket: str
+    endpoint: str
+    client: ClientFactory
+    streams: int
+    chunk_size: int
+
+    def where(self, user: str, key: str, step: Optional[int] = None) -> str: ...
+
+    def part_len(self, chunk_size: int, split: bool = False) -> int: ...
+
+    def object_key(self, user: str, key: str, step: int, relpath: str) -> str: ...
+
+    def step_prefix(self, user: str, key: str, step: int) -> str: ...
+
+    def list_objects(
+        self, prefix: str, delimiter: Optional[str] = None
+    ) -> Iterator[Dict[str, Any]]: ...
+
+    def delete_keys(self, keys: List[str]) -> None: ...
+
+    def abort_uploads(self, prefix: str, older_than: Optional[float] = None) -> List[str]: ...
+
+    def source(self, user: str, key: str, step: int, relpath: str) -> RangeSource: ...
+
+    def manifest_bytes(self, user: str, key: str, step: int) -> bytes: ...

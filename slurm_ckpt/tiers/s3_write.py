@@ -29,7 +29,7 @@ import io
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Set
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Set
 
 import botocore.exceptions as bexc
 
@@ -41,10 +41,7 @@ from slurm_ckpt.core.manifest_limits import check_bytes
 from slurm_ckpt.core.names import validate_key, validate_relpath, validate_user
 from slurm_ckpt.core.verify import VerifyReport, verify_sources
 from slurm_ckpt.errors import CkptError, NotFound, TierError
-from slurm_ckpt.tiers.s3_client import s3_error
-
-if TYPE_CHECKING:  # pragma: no cover
-    from slurm_ckpt.tiers.s3 import S3Tier
+from slurm_ckpt.tiers.s3_client import ObjectStore, s3_error
 
 __all__ = ["META_HASH", "META_SIZE", "S3Writer", "crc32_b64"]
 
@@ -322,7 +319,7 @@ class S3Writer:
 
     def __init__(
         self,
-        tier: S3Tier,
+        tier: ObjectStore,
         user: str,
         key: str,
         step: int,

@@ -128,9 +128,11 @@ def test_a_copy_found_damaged_is_uncommitted_and_flushed_again(make_tier) -> Non
 
 
 def corrupt_one_byte(tier: Tier, step: int, relpath: str, offset: int) -> None:
-    """Damage a committed payload file the way a disk would (kind-specific access)."""
-    if tier.kind == "posix":
-        path = os.path.join(tier.root, USER, KEY, f"step-{step:010d}", relpath)  # type: ignore[attr-defined]
+    """Damage a committed payload file the way a disk would (kind-specific access: a tier
+    of directories through its root, any other through its test door)."""
+    dirs = tier.directory()
+    if dirs is not None:
+        path = os.path.join(dirs.root, USER, KEY, f"step-{step:010d}", relpath)
         with open(path, "r+b") as fh:
             fh.seek(offset)
             b = fh.read(1)

@@ -545,6 +545,20 @@ def test_every_old_tiers_form_still_loads_with_a_warning_naming_the_new_form(tmp
     assert load_config(EXAMPLE).tiers.warm == "pfs"
 
 
+def test_config_check_tells_the_admin_the_new_form(tmp_path):
+    """Python hides DeprecationWarnings from a command line: ``config check`` is where an
+    admin runs into them, so it prints each as one warning line (and still says ok)."""
+    from helpers.cli import ckpt_slurm
+
+    r = ckpt_slurm("config", "check", "--offline", config=write(tmp_path, MINIMAL))
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "deprecated" in ln]
+    assert len(lines) == 1 and lines[0].startswith("warning: deprecated: "), r.stderr
+    assert 'shared = ["pfs"] and kind = "posix"' in lines[0]
+    r = ckpt_slurm("config", "check", "--offline", config=write(tmp_path, NEW_FORM))
+    assert r.returncode == 0 and "deprecated" not in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

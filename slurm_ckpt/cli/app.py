@@ -185,11 +185,20 @@ def config_check(state: CliState, offline: bool) -> None:
     warnings (stderr); anything else exits 2 with one line. A user's own config (their
     file, or tier flags; not as root) may have roots owned by that user.
     """
+    import warnings
+
     from slurm_ckpt.cli.table import warn
     from slurm_ckpt.errors import ConfigError
     from slurm_ckpt.ops.config_check import ERROR, check_roots, own_config
 
-    cfg = state.config
+    # A deprecated form still loads; this is the command that says what to write instead
+    # (Python hides DeprecationWarnings from a command line by default).
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", DeprecationWarning)
+        cfg = state.config
+    for w in seen:
+        if issubclass(w.category, DeprecationWarning):
+            warn(f"deprecated: {w.message}")
     if not offline:
         findings = check_roots(cfg, owner=own_config(cfg))
         errors = [f.text for f in findings if f.level == ERROR]

@@ -230,11 +230,7 @@ class Recovery:
         # What Checkpointer.from_env() reads for the rank (a spare's SLURM_PROCID is its
         # own task number, not the rank it takes).
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(ep.world_size)
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as exc:  # noqa: BLE001 - a broken group is what we leave
-                log.debug("[ckpt] old process group not destroyed cleanly: %s", exc)
+        _destroy_group()
         self.epoch, self.rank, self.world_size = ep, rank, ep.world_size
         store = dist.TCPStore(
             ep.host,
@@ -368,6 +364,9 @@ class Recovery:
             reform = _Reform(time.monotonic(), self.last_step, error)
             if self._timeline is not None:
                 self._timeline.event("in_job_failure", step=self.last_step, error=error)
+        # Leave the broken group at once: its connections close, so every other rank's
+        # pending collective fails now too, instead of at its timeout.
+        _destroy_group()
         cur = self.epoch.epoch if self.epoch is not None else -1
         log.warning(
             "[ckpt] rank %d: a collective failed (%s): waiting up to %.0fs for a new membership",
@@ -436,3 +435,14 @@ class Recovery:
             h.flush()
         sys.stderr.flush()
         os._exit(EXIT_FENCED)
+
+
+def _destroy_group() -> None:
+    """Destroy the default process group, if any (a broken one may complain: ignored)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - a broken group is what we leave
+        log.debug("[ckpt] old process group not destroyed cleanly: %s", exc)

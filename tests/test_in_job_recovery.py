@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -23,7 +25,12 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 
-from slurm_ckpt.core.membership import Coordinator, Member, RecoveryDir
+from slurm_ckpt import Checkpointer
+from slurm_ckpt.core.lease import StaleGeneration
+from slurm_ckpt.core.membership import Coordinator, Member, RecoveryDir, Spare
+from slurm_ckpt.job.partner_net import EPOCH_ENV, launch_tag
+from slurm_ckpt.job.partner_wire import Identity, WireError, client_handshake, server_handshake
+from slurm_ckpt.job.recovery import EXIT_FENCED, Recovery, RecoveryFailed
 
 WORKER = str(Path(__file__).with_name("recovery_worker.py"))
 RANKS = 3
@@ -246,3 +253,134 @@ def test_a_lost_rank_is_replaced_by_the_hot_spare_inside_the_job(jobs: Any, mode
     got = finals(job.work)
     for r in range(RANKS):
         assert bitwise_equal(got[r], want[r]), f"rank {r} differs from the uninterrupted run"
+
+
+def stopped(pid: int) -> None:
+    """Until the kernel says ``pid`` is stopped (state T)."""
+    for _ in range(100_000):
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        os.sched_yield()
+    raise AssertionError(f"process {pid} did not stop")
+
+
+def committed(work: Path, node: str) -> List[str]:
+    """Every step directory committed on a node's local tier (every series)."""
+    return sorted(str(p.relative_to(work)) for p in (work / node / "local").rglob("manifest.json"))
+
+
+def test_a_stopped_rank_that_was_replaced_is_fenced_when_it_wakes(jobs: Any) -> None:
+    """A rank SIGSTOPped past the collective timeout (a partitioned node) is declared
+    lost and replaced by the spare; SIGCONTed once the spare trains, it learns it is
+    out, commits nothing, serves nothing, and exits; the run ends bitwise exact."""
+    job = jobs("fence", timeout_s=4.0)
+    job.spares_ready(1)
+    victim, spare = job.ranks[1], job.procs[RANKS]
+    victim.wait_for(lambda: len(victim.steps()) >= 8, "step 8")
+    victim.p.send_signal(signal.SIGSTOP)
+    stopped(victim.p.pid)
+    before = committed(job.work, victim.node)
+    ep = job.declare(1)  # ckpt-srun's verdict on its missed heartbeats
+    assert ep is not None and ep.members[1].task == spare.task
+    spare.wait_for(lambda: len(spare.steps()) >= 3, "the spare's steps")
+    steps_stopped = victim.steps()
+    victim.p.send_signal(signal.SIGCONT)
+    assert victim.p.wait(WAIT_S) == EXIT_FENCED
+    err = victim.err.read_text()
+    assert "is not in membership epoch 1 (replaced): fenced" in err, err[-3000:]
+    assert committed(job.work, victim.node) == before
+    assert len(victim.steps()) <= len(steps_stopped) + 1  # at most the step it was in
+    job.watch()
+    for p in (job.procs[0], job.procs[2]):
+        assert len(pids(p)) == 1 and p.done()["history"][0]["tier"] == "ram"
+    assert spare.done()["started"]["tier"] == "partner-ram"
+    want = reference(jobs, "ddp")
+    got = finals(job.work)
+    for r in range(RANKS):
+        assert bitwise_equal(got[r], want[r]), f"rank {r} differs from the uninterrupted run"
+
+
+def test_without_a_ready_spare_the_survivors_fail_clearly(jobs: Any) -> None:
+    """No spare: the coordinator writes no new epoch (declare_lost gives None: the caller
+    relaunches), and each survivor ends with one line saying so, not a traceback."""
+    job = jobs("nospare", spares=0, deadline_s=3.0)
+    victim = job.ranks[1]
+    victim.wait_for(lambda: len(victim.steps()) >= 5, "step 5")
+    victim.p.send_signal(signal.SIGKILL)
+    victim.p.wait()
+    assert job.declare(1) is None
+    assert job.dir.newest_epoch() is not None and job.dir.newest_epoch().epoch == 0
+    for r in (0, 2):
+        p = job.ranks[r]
+        assert p.p.wait(WAIT_S) == RecoveryFailed.exit_code
+        failed = p.lines("FAILED")
+        assert len(failed) == 1 and "no new membership within 3s" in failed[0], p.err.read_text()[
+            -2000:
+        ]
+        assert "falling back to a relaunch" in failed[0]
+        assert "Traceback" not in p.err.read_text()
+    assert job.dir.done_ranks() == []
+
+
+def test_sessions_of_another_epoch_never_authenticate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The partner link's handshake binds the launch tag, and the tag binds the epoch:
+    a process of an older epoch can neither serve a newer one nor reach it."""
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    monkeypatch.delenv(EPOCH_ENV, raising=False)
+    assert launch_tag() == "0/0"
+    monkeypatch.setenv(EPOCH_ENV, "2")
+    assert launch_tag() == "0/0/e2"
+    secret = os.urandom(32)
+
+    def handshake(client: str, server: str) -> bool:
+        a, b = socket.socketpair()
+        errors: List[BaseException] = []
+
+        def serve() -> None:
+            try:
+                server_handshake(b, Identity(secret, 0, 3, server, "run"), time.monotonic() + 5)
+            except (WireError, OSError) as exc:
+                errors.append(exc)
+            finally:
+                b.close()
+
+        t = threading.Thread(target=serve)
+        t.start()
+        try:
+            client_handshake(a, Identity(secret, 1, 3, client, "run"), 0, timeout=5)
+            ok = True
+        except (WireError, OSError):
+            ok = False
+        finally:
+            a.close()
+            t.join()
+        return ok and not errors
+
+    assert handshake("0/0/e1", "0/0/e1")
+    assert not handshake("0/0/e1", "0/0/e2")  # a stale client
+    assert not handshake("0/0/e2", "0/0/e1")  # a stale server
+
+
+def test_a_replaced_process_commits_nothing(tmp_path: Path) -> None:
+    """The membership fences commits: once an epoch names another process for this
+    rank, a save of this one is refused before its commit."""
+    rd = RecoveryDir(str(tmp_path / "recovery"), create=True)
+    co = Coordinator(rd)
+    e0 = co.launch({0: Member("127.0.0.1", 0), 1: Member("127.0.0.1", 1)})
+    rec = Recovery(rd.path, environ={"SLURM_CKPT_TASK": "1"})
+    rec.epoch, rec.rank = e0, 1
+    rec.check_member()  # in the newest epoch: fine
+    local = tmp_path / "local"
+    local.mkdir()
+    with Checkpointer(local=local, key="run", rank=1, world_size=2, install_signals=False) as ck:
+        ck.guard_commits(rec.check_member)
+        ck.save({"x": torch.ones(3)}, step=1)
+        ck.wait()
+        rd.write_spare(Spare(7, "127.0.0.1", os.getpid()))
+        assert co.declare_lost([1]) is not None
+        with pytest.raises(StaleGeneration, match="replaced in membership epoch 1"):
+            rec.check_member()
+        ck.save({"x": torch.ones(3)}, step=2)
+        ck.wait()
+    assert [p.parent.name for p in local.rglob("manifest.json")] == ["step-0000000001"]

@@ -278,7 +278,7 @@ class Recovery:
         self._ckpt = inner
         guard = getattr(inner, "guard_commits", None)
         if guard is not None:
-            guard(self._check_member)
+            guard(self.check_member)
         reform: Optional[_Reform] = None
         step = 0
         need_restore = True
@@ -406,7 +406,7 @@ class Recovery:
         if link is not None:
             link.rebind(launch_tag())
 
-    def _check_member(self) -> None:
+    def check_member(self) -> None:
         """Before every commit: refuse it when the newest epoch replaced this process."""
         ep = self.dir.newest_epoch()
         cur = self.epoch

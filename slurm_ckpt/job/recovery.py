@@ -246,7 +246,9 @@ class Recovery:
             store=dist.PrefixStore(f"epoch-{ep.epoch}/", store),
             rank=rank,
             world_size=ep.world_size,
-            timeout=timedelta(seconds=self.timeout_s),
+            # Until every rank restored (a spare builds its Checkpointer and fetches its
+            # state meanwhile): the deadline; then the step's timeout (_step_timeout).
+            timeout=timedelta(seconds=self.deadline_s),
         )
         self.group = dist.group.WORLD
         self._timeline = RankTimeline.from_env(rank)
@@ -287,6 +289,7 @@ class Recovery:
                 if need_restore:
                     step = self._restore(ckpt, on_reform, reform)
                     need_restore, reform = False, None
+                    self._step_timeout()
                 if step > total:
                     break
                 step_fn(step)
@@ -343,6 +346,22 @@ class Recovery:
                 restore_s=round(time.monotonic() - t0, 3),
             )
         return int(got.step) + 1
+
+    def _step_timeout(self) -> None:
+        """The collective timeout of training steps, once the group's re-form is over.
+        (torch has no public setter for a formed group's timeout; without this one the
+        deadline stays the timeout: detection of a stalled rank is only slower.)"""
+        from datetime import timedelta
+
+        from torch.distributed import distributed_c10d as c10d
+
+        setter = getattr(c10d, "_set_pg_timeout", None)
+        if setter is None:
+            log.warning(
+                "[ckpt] this torch cannot set a group's timeout: %.0fs stays", self.deadline_s
+            )
+            return
+        setter(timedelta(seconds=self.timeout_s), self.group)
 
     def _wait_copy(self, inner: Any, step: int) -> None:
         ram = getattr(inner, "ram", None)

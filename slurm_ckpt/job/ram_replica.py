@@ -437,6 +437,15 @@ class RamCopies:
         self._conn_launch = self.link.ident.launch
         return ch
 
+    def drop_session(self) -> None:
+        """End the kept replication session now, waking a copy blocked on it: in-job
+        recovery re-formed the job (its holder may be gone or stopped; the next snapshot
+        goes to the partner of the new membership)."""
+        conn = self._conn
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+
     def _launch(self) -> str:
         link = self.partner_link
         return link.ident.launch if link is not None else ""

@@ -424,6 +424,9 @@ class Recovery:
         link = getattr(self._ckpt, "partner", None)
         if link is not None:
             link.rebind(launch_tag())
+        ram = getattr(self._ckpt, "ram", None)
+        if ram is not None:
+            ram.drop_session()
 
     def check_member(self) -> None:
         """Before every commit: refuse it when the newest epoch replaced this process."""

@@ -53,6 +53,7 @@ class Proc:
             SLURM_CKPT_RECOVERY_DIR=str(work / "recovery"),
             SLURM_CKPT_TASK=str(task),
             SLURM_CKPT_HOST="127.0.0.1",
+            SLURM_CKPT_TIMELINE=str(work),  # rank 0's records: work/rank0.jsonl
         )
         if spare:
             env["SLURM_CKPT_SPARE"] = "1"
@@ -254,6 +255,15 @@ def test_a_lost_rank_is_replaced_by_the_hot_spare_inside_the_job(jobs: Any, mode
     assert d["started"] == {"step": restored, "tier": "partner-ram"}
     assert min(spare.steps()) == restored + 1
     assert job.dir.done_ranks() == [0, 1, 2]
+    # rank 0's timeline tells goodput what the failure cost
+    events = [json.loads(ln) for ln in (job.work / "rank0.jsonl").read_text().splitlines()]
+    mine = [e for e in events if e["event"] in ("in_job_failure", "reform_start", "reform_end")]
+    assert [e["event"] for e in mine] == ["in_job_failure", "reform_start", "reform_end"]
+    assert mine[1]["epoch"] == 1 and mine[1]["lost"] == [1]
+    end = mine[2]
+    redone = job.procs[0].done()["history"][0]["recomputed"]
+    assert (end["step"], end["tier"], end["recomputed"]) == (restored, "ram", redone)
+    assert end["seconds"] > 0
     want = reference(jobs, mode)
     got = finals(job.work)
     for r in range(RANKS):

@@ -170,7 +170,6 @@ class Recovery:
         #: What the first restore read (``step``, ``tier``; None: a fresh start). For a
         #: spare that took a lost rank's place: the state it took over.
         self.started: Optional[Dict[str, Any]] = None
-        self._stores: List[Any] = []
         self._timeline: Optional[RankTimeline] = None
         self._ckpt: Any = None
 
@@ -240,7 +239,6 @@ class Recovery:
             timeout=timedelta(seconds=self.deadline_s),
             wait_for_workers=False,
         )
-        self._stores = [store]  # the older epochs' stores go
         dist.init_process_group(
             "gloo",
             store=dist.PrefixStore(f"epoch-{ep.epoch}/", store),

@@ -381,8 +381,9 @@ class Recovery:
             reform = _Reform(time.monotonic(), self.last_step, error)
             if self._timeline is not None:
                 self._timeline.event("in_job_failure", step=self.last_step, error=error)
-        # Leave the broken group at once: its connections close, so every other rank's
-        # pending collective fails now too, instead of at its timeout.
+        # Leave the broken group now. (gloo keeps its connections open while anything
+        # holds the group - DDP does - so a survivor waiting on this one still fails only
+        # at its timeout: documented in docs/in-job-recovery.md.)
         _destroy_group()
         cur = self.epoch.epoch if self.epoch is not None else -1
         log.warning(

@@ -50,7 +50,8 @@ from slurm_ckpt.job.partner import MAX_CONNECTIONS
 from slurm_ckpt.job.partner_net import Peer
 from slurm_ckpt.job.partner_tier import PartnerTier
 from slurm_ckpt.job.partner_wire import Channel, Identity, WireError, client_handshake
-from slurm_ckpt.job.ram_replica import RAMPUT, Interval
+from slurm_ckpt.job.ram_interval import Interval
+from slurm_ckpt.job.ram_replica import RAMPUT
 from slurm_ckpt.job.ram_tier import manifest_of
 
 WORKER = str(Path(__file__).with_name("ram_worker.py"))

@@ -17,12 +17,9 @@ memory over the partner link (the RAM tier's moving part; the store is
   is not a rank series of this job, receives straight into one of its slots for that
   series, hashes every chunk on arrival against the manifest and commits only a copy
   whose every chunk matched. At most ``keep`` listed per series, ``keep + 1`` slots.
-* **The interval** (:class:`Interval`): every N calls, or ``"auto"``: the cost of a
-  snapshot (the caller's stall, the background thread's CPU time, and the CPU time a
-  received copy costs the holder) and the wall time of its copy are measured, and the
-  interval set to the smallest N that keeps the cost within ``budget`` of N steps and
-  lets each copy end before the next is due (in ``"auto"`` a snapshot due while the
-  previous one's copy still runs waits for it).
+* **The interval** (:class:`.ram_interval.Interval`): every N calls, or ``"auto"``: as
+  often as ``budget`` of step time allows, measured (in ``"auto"`` a snapshot due while
+  the previous one's copy still runs waits for it).
 * **Cannot keep up**: a snapshot is never dropped silently. When a newer snapshot
   arrives while the previous one still waits for its copy, the older one is superseded:
   counted (``behind``), an event (``ram_behind``) and a warning in the log (at most one
@@ -34,18 +31,15 @@ Nothing here fails training: errors are logged, counted and reported in the stat
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import json
 import logging
-import math
 import socket
-import statistics
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import psutil
 
@@ -58,13 +52,14 @@ from slurm_ckpt.job.options import RamOptions
 from slurm_ckpt.job.partner import COPY_PIECE, HANDSHAKE_TIMEOUT_S, PartnerLink
 from slurm_ckpt.job.partner_net import no_delay
 from slurm_ckpt.job.partner_wire import Channel, WireError, client_handshake
+from slurm_ckpt.job.ram_interval import Interval
 from slurm_ckpt.job.ram_tier import RamStore, RamTier, Slot, manifest_of
 from slurm_ckpt.job.staging import StagingArea
 from slurm_ckpt.job.state import STATE_FORMAT, flatten, index_bytes, layout
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RAMPUT", "Interval", "RamCopies", "RamStats"]
+__all__ = ["RAMPUT", "RamCopies", "RamStats"]
 
 #: First bytes of the frame that opens a RAM replication session (a disk copy's first
 #: frame is a manifest, a fetch's ``FETCH1``).
@@ -76,8 +71,6 @@ IDLE_S = 300.0
 IO_TIMEOUT_S = 60.0
 #: At most one "cannot keep up" warning line per this many seconds (each one counted).
 WARN_EVERY_S = 30.0
-#: Step times the interval's median is taken over.
-STEP_WINDOW = 32
 
 _GO, _NO, _OK, _FAIL = b"G", b"N", b"K", b"F"
 
@@ -111,51 +104,6 @@ class RamStats:
     last_replicated_step: Optional[int] = None
     last_received_step: Optional[int] = None
     last_error: Optional[str] = None
-
-
-class Interval:
-    """Every ``every`` calls, or (``"auto"``) as often as ``budget`` of step time allows."""
-
-    def __init__(self, every: Any, budget: float) -> None:
-        self.fixed: Optional[int] = None if every == "auto" else int(every)
-        self.budget = float(budget)
-        self.k = self.fixed or 1
-        self.since: Optional[int] = None  # calls since the last snapshot (None: none yet)
-        self._last: Optional[float] = None
-        self._steps: Deque[float] = collections.deque(maxlen=STEP_WINDOW)
-        self.cost_s: Optional[float] = None
-        self.copy_s: Optional[float] = None
-
-    @property
-    def step_s(self) -> Optional[float]:
-        return statistics.median(self._steps) if self._steps else None
-
-    def tick(self, now: float) -> bool:
-        """One call at a step boundary: whether a snapshot is due now."""
-        if self._last is not None:
-            self._steps.append(now - self._last)
-        self._last = now
-        if self.since is None:
-            return True
-        self.since += 1
-        return self.since >= self.k
-
-    def taken(self) -> None:
-        self.since = 0
-
-    def measured(self, cost_s: float, copy_s: float) -> int:
-        """One snapshot's cost (stall + background CPU) and its copy's wall time; returns
-        the interval from now on."""
-        a = 0.3
-        self.cost_s = cost_s if self.cost_s is None else (1 - a) * self.cost_s + a * cost_s
-        self.copy_s = copy_s if self.copy_s is None else (1 - a) * self.copy_s + a * copy_s
-        step = self.step_s
-        if self.fixed is None and step:
-            # (less a hair: 0.01 / (0.02 * 0.1) is 5.000000000000001 in floats)
-            by_budget = math.ceil(self.cost_s / (self.budget * step) - 1e-9)
-            by_copy = math.ceil(self.copy_s / step - 1e-9)
-            self.k = max(1, by_budget, by_copy)
-        return self.k
 
 
 @dataclass

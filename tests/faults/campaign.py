@@ -127,6 +127,12 @@ class Run:
             return w
         m = w.wait_for(r"^(START fresh|RESUMED step=(\d+) tier=(\S+) digest=(\S+))$", 60)
         if m is None:
+            if kw.get("crash_at") is not None and w.finish() == -signal.SIGKILL:
+                # Killed at its own crash point before it could start (a copy or write of
+                # its restore, its lease): the fault injected, which the scenario counts;
+                # the next start is checked as after any other kill.
+                self.result.notes.append(f"trainer on {node} killed at a crash point at start")
+                return w
             self.check(False, f"trainer on {node} exited before starting:\n{w.tail()}")
             return w
         got = None if m.group(2) is None else int(m.group(2))

@@ -62,6 +62,13 @@ def _recheck(tier: Tier, user: str, key: str, step: int) -> List[Any]:
     return ["uncommitted", rep.problems[0] if rep.problems else "verify failed"]
 
 
+def _me() -> Optional[str]:
+    try:
+        return current_user()
+    except CkptError:
+        return None  # a uid without a passwd entry owns no one's checkpoints
+
+
 def uncommit_damaged(
     cfg: Config, tier: Tier, user: str, key: str, step: int, nbytes: int
 ) -> Optional[Uncommitted]:
@@ -71,9 +78,9 @@ def uncommit_damaged(
     if tier.name != cfg.tiers.warm:
         return None
     if os.geteuid() == 0:
-        ids = user_ids(user)
         h = cfg.hooks
         try:
+            ids = user_ids(user)
             got = run_as(
                 ids.uid,
                 ids.gid,
@@ -89,7 +96,7 @@ def uncommit_damaged(
             )
         except CkptError as exc:
             return Uncommitted(False, f"not uncommitted: {exc}")
-    elif current_user() == user:
+    elif _me() == user:
         try:
             got = _recheck(tier, user, key, step)
         except CkptError as exc:

@@ -5,16 +5,24 @@ as root over real users' checkpoints (tmpfs local tier, a mode-1777 PFS director
 epilog reads back the PFS copies of what the node holds, uncommits a damaged one there
 (its manifest moved aside: nothing lists or restores it any more), and flushes the good
 local copy again; a node whose copy was uncommitted by someone else learns it from the
-warm tier at its next pass and flushes its own.
+warm tier at its next pass and flushes its own; ``ckpt-slurm verify``, run by the
+copy's owner or root, uncommits a damaged warm copy the same way (anyone else gets the
+report only).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any, Tuple
 
+import pytest
 import test_hooks
-from test_hooks import Area, local_steps, pfs_steps, save
+from test_hooks import REPO, Area, ids, local_steps, pfs_steps, save
 
 from slurm_ckpt.core.manifest import DAMAGED_MANIFEST_NAME, MANIFEST_NAME
 from slurm_ckpt.hooks.epilog import run_epilog
@@ -99,3 +107,135 @@ def test_a_copy_the_warm_tiers_retention_deleted_is_not_flushed_again(area: Area
     assert srep.flush.results == [] and srep.backlog == 0, srep.line()
     assert pfs_steps(cfg, USER, KEY) == [] and local_steps(cfg, USER, KEY) == [1]
     assert NodeWork(cfg, "n1").ledger.get(USER, KEY, 1).state("pfs") is State.DELETED
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def _config_file(area: Area) -> Path:
+    path = area.base / "site.toml"
+    path.write_text(
+        f'[tiers.local]\nroot = "{area.local}"\nmin_free = 0\n'
+        f'[tiers.pfs]\nroot = "{area.pfs}"\n[copy]\nchunk_size = "1MiB"\n'
+    )
+    os.chmod(path, 0o644)
+    return path
+
+
+def _cli(area: Area, user: str, *args: str) -> subprocess.CompletedProcess:
+    """``ckpt-slurm ARGS`` as ``user`` (root: as is), with the area's config."""
+    env = {
+        "HOME": str(area.base),
+        "PATH": os.path.dirname(sys.executable) + ":/usr/bin:/bin",
+        "PYTHONPATH": str(REPO),
+        "LANG": "C.UTF-8",
+        "COLUMNS": "200",
+        "SLURM_CKPT_CONFIG": str(_config_file(area)),
+    }
+    argv = [sys.executable, "-m", "slurm_ckpt.cli.main", *args]
+    if user != "root":
+        argv = (
+            ["runuser", "-u", user, "--", "env", "-i"] + [f"{k}={v}" for k, v in env.items()] + argv
+        )
+    return subprocess.run(
+        argv,
+        env=env if user == "root" else None,  # a user's: only what `env -i` sets
+        cwd=str(area.base),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _flushed_then_damaged(area: Area) -> Tuple[Any, bytes, bytes]:
+    """Steps 1 and 2 flushed by the epilog, then a bit of step 2's warm copy flips: the
+    config, step 2's good manifest and its payload's good bytes."""
+    cfg = area.cfg(retention={"keep_local": 2})
+    for step in (1, 2):
+        save(cfg, USER, KEY, step)
+    rep = run_epilog(cfg, area.env(USER))
+    assert len(rep.flush.flushed) == 2 and pfs_steps(cfg, USER, KEY) == [1, 2]
+    pfs = tiers_from_config(cfg)["pfs"]
+    good = pfs.manifest_bytes(USER, KEY, 2)
+    payload = (_step_dir(area, 2) / "model.bin").read_bytes()
+    _flip(_step_dir(area, 2) / "model.bin")
+    return cfg, good, payload
+
+
+def _restored(area: Area, tag: str) -> Tuple[int, bytes]:
+    """``ckpt-slurm restore`` from the warm tier as the owner: (step, its model.bin)."""
+    to = area.base / f"restored-{tag}"
+    to.mkdir()
+    shutil.chown(to, USER, USER)
+    r = _cli(area, USER, "restore", KEY, "--tier", "warm", "--to", str(to), "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    step = json.loads(r.stdout)["step"]
+    return step, (to / USER / KEY / f"step-{step:010d}" / "model.bin").read_bytes()
+
+
+@pytest.mark.parametrize("who", [USER, "root"])
+def test_verify_by_the_owner_or_root_uncommits_a_damaged_warm_copy(area: Area, who: str) -> None:
+    """Issue 28: ``verify`` that finds a damaged warm copy takes it out of use, as the
+    scrub does; the node holding the good copy flushes it again at its next pass, and a
+    restore takes a good copy all along (step 1 until then, the good step 2 after)."""
+    cfg, good, payload = _flushed_then_damaged(area)
+    r = _cli(area, who, "verify", KEY, "-u", USER, "--tier", "warm", "--json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    rows = {row["step"]: row for row in json.loads(r.stdout)["checkpoints"]}
+    assert rows[1]["ok"] and "uncommitted" not in rows[1]
+    assert rows[2]["state"] == "CORRUPT" and rows[2]["uncommitted"] is True, rows[2]
+    assert "nodes still holding the checkpoint flush it again" in rows[2]["problems"][-1]
+    step_dir = _step_dir(area, 2)
+    assert (step_dir / DAMAGED_MANIFEST_NAME).read_bytes() == good
+    assert not (step_dir / MANIFEST_NAME).exists()
+    assert pfs_steps(cfg, USER, KEY) == [1]
+    assert _restored(area, "before")[0] == 1  # the damaged copy is never restored
+    # The node's ledger still believes step 2 is safe; its next pass learns otherwise.
+    assert NodeWork(cfg, "n1").ledger.get(USER, KEY, 2).state("pfs") is State.VERIFIED
+    srep = stager_pass(cfg, "n1")
+    assert [r.ident for r in srep.flush.results if r.status == "flushed"] == [(USER, KEY, 2)]
+    assert srep.backlog == 0
+    pfs = tiers_from_config(cfg)["pfs"]
+    assert pfs.manifest_bytes(USER, KEY, 2) == good and pfs.verify(USER, KEY, 2).ok
+    assert NodeWork(cfg, "n1").ledger.get(USER, KEY, 2).state("pfs") is State.VERIFIED
+    assert _restored(area, "after") == (2, payload)
+    # Verified again: nothing left to do.
+    r = _cli(area, who, "verify", KEY, "-u", USER, "--tier", "warm")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_verify_by_another_user_only_reports_the_damage(area: Area) -> None:
+    """Someone who may read a warm copy but does not own it hears it is damaged; nothing
+    of it changes (and a human reader is told why)."""
+    cfg, good, _payload = _flushed_then_damaged(area)
+    for d in (area.pfs / USER, area.pfs / USER / KEY, _step_dir(area, 1), _step_dir(area, 2)):
+        os.chmod(d, 0o755)  # readable by others: their choice
+    for p in (*_step_dir(area, 1).rglob("*"), *_step_dir(area, 2).rglob("*")):
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    r = _cli(area, "ckptuser2", "verify", KEY, "-u", USER, "--tier", "warm")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"not uncommitted: only {USER} or root may take it out of use" in r.stdout
+    assert (_step_dir(area, 2) / MANIFEST_NAME).read_bytes() == good
+    assert pfs_steps(cfg, USER, KEY) == [1, 2]
+
+
+def test_roots_verify_never_follows_a_link_planted_in_a_warm_copy(area: Area) -> None:
+    """A payload file of the warm copy replaced by a symlink to a file only root may read:
+    root's verify reads nothing through it, the check as the owner finds the copy damaged
+    and uncommits it; the link's target is untouched."""
+    cfg, good, _payload = _flushed_then_damaged(area)
+    secret = area.base / "root-secret"
+    secret.write_bytes(b"TOP-SECRET-ROOT-DATA")
+    os.chmod(secret, 0o600)
+    victim = _step_dir(area, 1) / "model.bin"
+    victim.unlink()
+    os.symlink(secret, victim)
+    os.lchown(victim, ids(USER).uid, ids(USER).gid)
+    r = _cli(area, "root", "verify", KEY, "-u", USER, "--tier", "warm", "-s", "1", "--json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "TOP-SECRET" not in r.stdout + r.stderr
+    (row,) = json.loads(r.stdout)["checkpoints"]
+    assert row["state"] == "CORRUPT" and row["uncommitted"] is True, row
+    assert (_step_dir(area, 1) / DAMAGED_MANIFEST_NAME).exists()
+    assert secret.read_bytes() == b"TOP-SECRET-ROOT-DATA" and os.stat(secret).st_uid == 0
+    assert victim.is_symlink()

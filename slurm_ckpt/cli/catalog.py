@@ -33,6 +33,7 @@ from slurm_ckpt.errors import NotFound, UsageError
 from slurm_ckpt.ops.catalog import series_rows, step_rows, verify_targets
 from slurm_ckpt.ops.damage import COMMITTED, CORRUPT, UNREADABLE
 from slurm_ckpt.ops.tier_roots import require_roots
+from slurm_ckpt.ops.uncommit import uncommit_damaged
 from slurm_ckpt.ops.verify_path import (
     UNLISTED_NOTE,
     note_unlisted,
@@ -247,6 +248,9 @@ def verify_cmd(
     INCOMPLETE, UNREADABLE, FOREIGN, with the reason). A directory: wherever it is (a
     copy that was moved says so); a missing path, a symlink and a permission problem
     each get their own message. Exit status 0 when everything verifies, 1 otherwise.
+
+    A damaged copy on the warm tier, checked by its owner or root, is uncommitted there
+    (manifest.json.damaged): nodes still holding the checkpoint flush it again.
     """
     if _is_path(target):
         given = [
@@ -264,13 +268,15 @@ def verify_cmd(
     checks, broken = verify_targets(_selected(state, tier), target, _user(user), step)
     reports = []
     with ByteProgress("verify", total=sum(c[4] for c in checks)) as bar:
-        for t, u, k, s, _size in checks:
+        for t, u, k, s, size in checks:
             bar.set_description(f"verify {t.name} {u}/{k} step {s}")
             rep = t.verify(u, k, s, progress=bar.advance)
             note_unlisted(rep, unlisted_on_tier(t, u, k, s))
-            reports.append((t, u, k, rep))
-    rows = [
-        {
+            reports.append((t, u, k, rep, size))
+    rows: List[Dict[str, Any]] = []
+    notes: List[str] = []
+    for t, u, k, r, size in reports:
+        row = {
             "tier": t.name,
             "user": u,
             "key": k,
@@ -280,10 +286,20 @@ def verify_cmd(
             "ok": r.ok,
             "bytes": r.nbytes,
             "seconds": round(r.seconds, 3),
-            "problems": r.problems,
+            "problems": list(r.problems),
         }
-        for t, u, k, r in reports
-    ]
+        # A damaged warm copy is taken out of use, so that the nodes holding the
+        # checkpoint flush it again (ops.uncommit): by its owner or root only.
+        done = (
+            uncommit_damaged(state.config, t, u, k, r.step, size)
+            if row["state"] == CORRUPT
+            else None
+        )
+        if done is not None:
+            row["uncommitted"] = done.done
+            row["problems"].append(done.note)
+            notes.append(f"{t.name} {u}/{k} step {r.step}: {done.note}")
+        rows.append(row)
     rows += [
         dict(d.to_dict(), tier=name, ok=False, bytes=0, seconds=0.0, problems=[d.reason])
         for name, d in broken
@@ -296,4 +312,7 @@ def verify_cmd(
         print_json({"ok": ok, "checkpoints": rows})
     else:
         Listing(VERIFY_COLUMNS, rows, "verify").print(out)
+        if out.human:
+            for note in notes:
+                click.echo(safe_text(note, 4096))
     return 0 if ok else 1

@@ -8,10 +8,25 @@ imported it, there is no process group to talk to.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Callable, List, Optional, Sequence
 
-__all__ = ["all_reduce_ints", "dist_agree", "process_group"]
+__all__ = ["all_reduce_ints", "dist_agree", "process_group", "run_launch"]
+
+
+def run_launch() -> Optional[str]:
+    """This launch of the job's ranks, the same for every rank of it: the SLURM job, its
+    requeue count, the job step and ckpt-srun's relaunch count; None outside SLURM. A
+    multi-rank save records it in its manifest (``meta["launch"]``), so that a restore
+    without an agreement function can tell a step another rank of this very launch has
+    already saved (it started first) from one of an earlier launch."""
+    env = os.environ.get
+    job = env("SLURM_JOB_ID", "")
+    if not job:
+        return None
+    restart, step = env("SLURM_RESTART_COUNT", "0"), env("SLURM_STEP_ID", "")
+    return f"{job}.{restart}.{step}.{env('SLURM_CKPT_RELAUNCH', '0')}"
 
 
 def process_group() -> Optional[Any]:

@@ -42,6 +42,7 @@ from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, TierError
 from slurm_ckpt.job.background import yielding
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord, reason_of
+from slurm_ckpt.job.dist import run_launch
 from slurm_ckpt.job.lease import SeriesLease
 from slurm_ckpt.job.series import SeriesPlace
 from slurm_ckpt.job.signals import Deadline
@@ -295,6 +296,9 @@ class Pipeline:
             generation=self.series.generation,
             **lineage.meta(),
         )
+        launch = run_launch() if sh.world_size > 1 else None
+        if launch is not None:  # which launch saved it (a restore of another rank asks)
+            meta["launch"] = launch
         kw = dict(tokens=rec.tokens, job=sh.job, node=sh.node, meta=meta)
         try:
             return self.local.writer(sh.user, sh.key, rec.step, **kw)

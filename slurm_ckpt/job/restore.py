@@ -25,7 +25,9 @@ A step is **complete** only when every one of the ``world_size`` shards is commi
 * without one (plain processes): a rank only considers steps whose shards of *all*
   ranks it can see committed - all on the PFS, or all on the local tier it sees (one
   node). Every rank evaluates the same rule on the same shared PFS, so they pick the
-  same step. A rank whose own shard then fails verification on every tier falls back
+  same step - save for steps that another rank of this same launch has saved already
+  (it started first; ``meta["launch"]``, :func:`~slurm_ckpt.job.dist.run_launch`): those
+  are left out. A rank whose own shard then fails verification on every tier falls back
   alone: that is logged as an error (ranks would diverge; use ``agree`` to avoid it).
 
 Tiers
@@ -202,6 +204,7 @@ class Restorer:
         expect_data_version: Optional[str] = None,
         on_data_change: str = "warn",
         lineage: Optional[str] = None,
+        launch: Optional[str] = None,
     ) -> None:
         if on_data_change not in DATA_CHANGE_ACTIONS:
             raise CkptError(
@@ -223,6 +226,8 @@ class Restorer:
         self.on_corrupt = on_corrupt
         self.streams = streams
         self.agree = agree
+        #: This launch of the ranks (:func:`~slurm_ckpt.job.dist.run_launch`).
+        self.launch = launch
         self._bad: Set[Tuple[str, int]] = set()
         self._rest: Optional[_RestLoad] = None
         self._steps: List[int] = []
@@ -279,16 +284,23 @@ class Restorer:
             )
         return out
 
+    def _this_launch(self, m: Manifest) -> bool:
+        return self.launch is not None and m.meta.get("launch") == self.launch
+
     def complete_steps(self) -> List[int]:
         """Steps whose every shard this rank can see committed (newest first)."""
         own = self.own_steps()
         if self.world_size == 1 or self.agree is not None:
             return sorted(own, reverse=True)
         complete: Set[int] = set()
+        # A rank of this very launch that started first may have saved a newer step
+        # already: not one to resume at, unless this rank saved it in this launch too.
+        mine = {s for s, copies in own.items() if any(self._this_launch(m) for _, m in copies)}
         for tier in self.tiers:
             steps: Optional[Set[int]] = None
             for r in range(self.world_size):
-                s = set(self._shard_steps(tier, r))
+                shard = self._shard_steps(tier, r)
+                s = {st for st, m in shard.items() if st in mine or not self._this_launch(m)}
                 steps = s if steps is None else steps & s
                 if not steps:
                     break

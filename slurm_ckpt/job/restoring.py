@@ -19,7 +19,7 @@ from typing import Any, Callable, List, Optional, Sequence
 from slurm_ckpt.core.lineage import SeriesView, lineage_of
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, NotFound
-from slurm_ckpt.job.dist import dist_agree
+from slurm_ckpt.job.dist import dist_agree, run_launch
 from slurm_ckpt.job.partner_fetch import relaunched
 from slurm_ckpt.job.partner_tier import PARTNER, PARTNER_RAM, PartnerTier
 from slurm_ckpt.job.ram_tier import RAM
@@ -125,6 +125,7 @@ class RestoreMethods:
             mark_bad=self._mark_bad,
             on_corrupt=self._uncommit_corrupt,
             agree=self._agree or dist_agree(),
+            launch=run_launch(),
             step=step,
             expect_data_version=expect_data_version,
             on_data_change=on_data_change,

@@ -382,10 +382,12 @@ def same_key(run: Run) -> None:
     killed, and a restart loads an intact state."""
     a, b = list(run.site.local)
     run.fault("two jobs, one key")
-    wa = run.start(a)
+    # Slow steps (10 s in all): the first is still training when the second, started
+    # after its first save, gets to construction, even on a loaded machine.
+    wa = run.start(a, sleep=0.25)
     job_a = run.job
     if run.wait_step(wa, 1):  # the first has saved: its lease is on the warm tier
-        run.start(b, new_job=True, refused=True)
+        run.start(b, new_job=True, refused=True, holder=wa)
     run.job = job_a
     if run.rng.random() < 0.5 and run.wait_step(wa, random_step(run)):
         wa.kill(signal.SIGKILL)

@@ -10,7 +10,8 @@ Setup: two ranks, two processes, gloo over 127.0.0.1, ``DistributedDataParallel`
 small network plus ``--size`` bytes of never-stepped bulk parameters. Each rank holds two
 Checkpointers, identical but for ``replicas=`` (one with the check, one without; their
 own keys, local tiers and staging memory), and saves the model's state dict through the
-one of the window's side every ``--save-every`` steps.
+one of the window's side every ``--save-every`` seconds (5 saves in a 10 s window: a job
+that checkpoints far more often than any real one).
 
 Method, as benchmarks/partner_loop.py: windows of ``--window`` seconds come in pairs,
 one with the check and one without, in A/B/B/A order, so a drift of the shared machine's
@@ -20,7 +21,7 @@ wait for their local writes, then train ``--settle`` seconds. Both ranks take ev
 decision together (one tiny all-reduce per step), so they save the same steps - which
 the check needs anyway.
 
-    python benchmarks/replicas_loop.py               # 32 MiB per rank, 10 s windows, 8 pairs
+    python benchmarks/replicas_loop.py               # 32 MiB/rank, save every 2 s, 8 pairs
     python benchmarks/replicas_loop.py --quick       # smoke run
     python benchmarks/replicas_loop.py --json out.json
 """
@@ -74,11 +75,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def agree(flag: bool) -> bool:
-    """Any rank's flag: both ranks end the window at the same step."""
-    t = torch.tensor([int(flag)], dtype=torch.int32)
+def agree(*flags: bool) -> List[bool]:
+    """Every rank's flags OR-ed: both ranks save and end the window at the same step."""
+    t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return [bool(v) for v in t.tolist()]
 
 
 def worker(rank: int, cfg: Dict[str, Any]) -> None:
@@ -120,13 +121,19 @@ def worker(rank: int, cfg: Dict[str, Any]) -> None:
         ck = ckpts[side]
         dist.barrier()
         t0 = time.perf_counter()
+        due = t0 + cfg["save_every"]
         steps = saves = 0
-        while not agree(time.perf_counter() - t0 >= seconds):
+        while True:
+            now = time.perf_counter()
+            end, save = agree(now - t0 >= seconds, now >= due)
+            if end:
+                break
             step()
             steps += 1
-            if steps % cfg["save_every"] == 0:
+            if save:
                 ck.save({"model": net.state_dict()}, step=counter[0])
                 saves += 1
+                due += cfg["save_every"]
         took = time.perf_counter() - t0
         ck.wait(flush=False)
         st = ck.stats
@@ -154,9 +161,7 @@ def worker(rank: int, cfg: Dict[str, Any]) -> None:
             print(
                 f"pair {i + 1}/{cfg['rounds']}: on {got['on']['steps_per_s']:.1f} steps/s "
                 f"({got['on']['saves']} saves), off {got['off']['steps_per_s']:.1f} "
-                f"-> {got['ratio']:.4f}; save stall so far on {got['on']['stall_s_total']:.3f}s "
-                f"off {got['off']['stall_s_total']:.3f}s, last local write on "
-                f"{got['on']['last_local_s']:.3f}s off {got['off']['last_local_s']:.3f}s",
+                f"-> {got['ratio']:.4f}",
                 flush=True,
             )
     stats = {side: ck.close() for side, ck in ckpts.items()}
@@ -175,7 +180,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--size", default=None, help="bulk state per rank (32MiB; --quick 4MiB)")
     ap.add_argument("--window", type=float, default=None, help="timed window, s (10)")
     ap.add_argument("--rounds", type=int, default=None, help="pairs of windows (8)")
-    ap.add_argument("--save-every", type=int, default=20, help="steps between saves (20)")
+    ap.add_argument(
+        "--save-every", type=float, default=None, help="s between saves (2; --quick 0.5)"
+    )
     ap.add_argument("--settle", type=float, default=1.0, help="untimed training between windows")
     ap.add_argument("--quick", action="store_true", help="smoke run: small and short")
     ap.add_argument("--dir", help="work directory (default: a temp dir under /var/tmp)")
@@ -186,12 +193,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         "size": parse_size(args.size or ("4MiB" if q else "32MiB")),
         "window": args.window or (2.0 if q else 10.0),
         "rounds": args.rounds or (2 if q else 8),
-        "save_every": args.save_every,
+        "save_every": args.save_every or (0.5 if q else 2.0),
         "settle": args.settle,
         "port": free_port(),
     }
-    if cfg["window"] <= 0 or cfg["rounds"] < 1 or cfg["save_every"] < 1 or cfg["settle"] < 0:
-        print("replicas_loop: --window > 0, --rounds >= 1, --save-every >= 1, --settle >= 0")
+    if cfg["window"] <= 0 or cfg["rounds"] < 1 or cfg["save_every"] <= 0 or cfg["settle"] < 0:
+        print("replicas_loop: --window > 0, --rounds >= 1, --save-every > 0, --settle >= 0")
         return 2
     work = Path(tempfile.mkdtemp(prefix="ckpt-replicasloop-", dir=args.dir or "/var/tmp"))
     os.chmod(work, 0o700)
@@ -199,7 +206,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     load_start = os.getloadavg()
     print(
         f"replica digest check on vs off: {WORLD} ranks (DDP, gloo, 127.0.0.1), "
-        f"{format_bytes(cfg['size'])} per rank, a save every {cfg['save_every']} steps, "
+        f"{format_bytes(cfg['size'])} per rank, a save every {cfg['save_every']:g}s, "
         f"{cfg['rounds']} pairs of {cfg['window']:.0f}s windows (A/B/B/A); "
         f"{os.cpu_count()} CPUs, load average {load_start[0]:.1f}",
         flush=True,
@@ -226,8 +233,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 ratios,
                 what=(
                     f"training steps/s, replicas compare digests at every save ({WORLD} "
-                    f"ranks, {format_bytes(cfg['size'])}, a save every {cfg['save_every']} "
-                    "steps)"
+                    f"ranks, {format_bytes(cfg['size'])}, a save every {cfg['save_every']:g}s)"
                 ),
                 baseline="the same loop, no replica check",
                 target=TARGET,

@@ -34,13 +34,14 @@ def main() -> int:
     p.add_argument("--restore-only", action="store_true")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--keep-local", type=int, default=1000)
+    p.add_argument("--raise", dest="raise_", action="store_true", help='on_suspect="raise"')
     args = p.parse_args()
 
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from slurm_ckpt import Checkpointer, rank_and_world_size
+    from slurm_ckpt import Checkpointer, SuspectStep, rank_and_world_size
 
     rank, world = rank_and_world_size()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -63,7 +64,7 @@ def main() -> int:
 
     opts = dict(
         replicas=True,
-        on_suspect=on_suspect,
+        on_suspect="raise" if args.raise_ else on_suspect,
         interval_steps=1,
         install_signals=False,
         keep_local=args.keep_local,
@@ -97,15 +98,24 @@ def main() -> int:
                 w = model[0].weight.view(-1).view(torch.int32)
                 w[3] ^= 1 << 20  # one bit of one float, in memory
             print(f"FLIPPED step={step}", flush=True)
-        if ckpt.should_save(step=step):
-            ckpt.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, step=step)
-            print(f"SAVED step={step}", flush=True)
+        try:
+            if ckpt.should_save(step=step):
+                state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+                ckpt.save(state, step=step)
+                print(f"SAVED step={step}", flush=True)
+        except SuspectStep as exc:  # on_suspect="raise": the exception the job chose
+            told.append(exc.verdict)
+            print(f"RAISED step={exc.verdict.step} ranks={exc.verdict.ranks}", flush=True)
         stop = torch.tensor([1 if told and args.stop_on_suspect else 0])
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # every rank stops at the same step
         if stop.item():
             print(f"STOPPED step={step}", flush=True)
             break
-    stats = ckpt.close()
+    try:
+        ckpt.close()
+    except SuspectStep as exc:  # the last saves' verdicts, after the close's work is done
+        told.append(exc.verdict)
+    stats = ckpt.stats
     dist.barrier()
     dist.destroy_process_group()
     print(

@@ -176,6 +176,19 @@ def test_a_flipped_bit_makes_the_step_suspect_and_the_restore_takes_the_previous
     assert "suspect: replicas differ, rank(s) 1 on node1" in r.stdout + r.stderr, r.stdout
 
 
+def test_two_replicas_that_differ_are_both_named_and_the_job_can_choose_an_exception(
+    tmp_path: Path,
+) -> None:
+    outs = _job(tmp_path, 2, "--key", "pair", "--steps", "30", "--flip-at", "3", "--flip-rank",
+                "0", "--stop-on-suspect", "--raise")  # fmt: skip
+    for out in outs:
+        # no majority between two: nobody can tell which is right, both are named
+        assert _lines(out, "RAISED ")[0] == "RAISED step=3 ranks=[0, 1]", out
+        assert _lines(out, "STOPPED "), out
+    got = _job(tmp_path, 2, "--key", "pair", "--restore-only")
+    assert all(_lines(o, "RESUMED ")[0].startswith("RESUMED step=2 ") for o in got), got
+
+
 def test_200_saves_without_a_flip_are_never_suspect(tmp_path: Path) -> None:
     outs = _job(tmp_path, 2, "--key", "calm", "--steps", "201", "--hidden", "16")
     for out in outs:

@@ -193,7 +193,8 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
         (True: every rank, DDP; a list of rank lists; a process group; (mesh, dim)).
       replicated: "weights" (the model's blobs) or "all" (every file) must be identical.
       on_suspect: ``fn(verdict)`` called on the training thread, or "raise" (raises
-        :class:`~slurm_ckpt.job.replicas.SuspectStep` there) when a step is suspect.
+        :class:`~slurm_ckpt.job.replicas.SuspectStep` there) when a step is suspect: in
+        the next save() (every rank in the same one), wait() or close().
     Deprecated aliases (one release, a DeprecationWarning):
       pfs: the old name of ``warm``.
       pfs_bandwidth: the old name of ``warm_bandwidth``.
@@ -495,8 +496,6 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
     def _raise_if_failed(self) -> None:
         if self._pipeline.fatal is not None:
             raise self._pipeline.fatal
-        if self._pipeline.suspects:
-            tell_suspects(self._pipeline.suspects, self._on_suspect)
 
     # ------------------------------------------------------------------ when to save
     def should_save(self, step: Optional[int] = None, tokens: Optional[int] = None) -> bool:
@@ -594,6 +593,10 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
         if pipe.local_job is not None:
             books.emit("backpressure_wait", step=step)
         pipe.wait_local_free()
+        if pipe.suspects:
+            # The previous save's verdict is in now (its exchange ends before its local
+            # write does), on every rank alike: every rank hears it in this same call.
+            tell_suspects(pipe.suspects, self._on_suspect)
         if self.flush_policy == "wait" and not preempt and pipe.flushes_busy():
             books.emit("flush_wait", step=step)
             pipe.wait_flushes()

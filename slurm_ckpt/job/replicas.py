@@ -60,8 +60,9 @@ DEFAULT_TIMEOUT_S = 300.0
 
 class SuspectStep(CkptError):
     """The replicas of a saved step did not agree (``on_suspect="raise"``): raised on the
-    training thread at the next ``should_save()``/``save()``/``wait()``. ``verdict``
-    names the step, the ranks and nodes that differ, and the files."""
+    training thread by the next ``save()`` - on every rank the same one, before it saves
+    anything - or ``wait()``/``close()``. ``verdict`` names the step, the ranks and nodes
+    that differ, and the files."""
 
     def __init__(self, verdict: Verdict) -> None:
         super().__init__(verdict.describe())

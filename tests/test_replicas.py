@@ -262,3 +262,19 @@ def test_a_later_run_honours_the_pin_a_manifest_recorded(tmp_path: Path) -> None
     got = ck2.restore()
     ck2.close()
     assert got is not None and got.step == 2
+
+
+def test_replica_sets_from_rank_lists() -> None:
+    from slurm_ckpt.job.replicas import replica_set_of
+
+    hsdp = [[0, 2], [1, 3]]  # two shards, each replicated on two ranks
+    assert [replica_set_of(hsdp, r, 4) for r in range(4)] == [0, 1, 0, 1]
+    assert replica_set_of(True, 3, 4) == 0
+    for spec, match in (
+        ([[0, 1], [1, 2]], "two replica sets"),
+        ([[0, 1]], "rank 3 is in no replica set"),
+        ([[0, 9]], "not a list of ranks"),
+        ("all", "must be True"),
+    ):
+        with pytest.raises(CkptError, match=match):
+            replica_set_of(spec, 3, 4)

@@ -115,6 +115,12 @@ BENCHES = [
         lambda out, q: ["partner_loop.py", "--json", out] + (["--quick"] if q else []),
         1800,
     ),
+    (
+        "replicas_loop",
+        "Replicas agree: training throughput with the digest check on vs off",
+        lambda out, q: ["replicas_loop.py", "--json", out] + (["--quick"] if q else []),
+        1800,
+    ),
 ]
 
 

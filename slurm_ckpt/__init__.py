@@ -8,7 +8,7 @@ Layers, each importing only those below it (README: "Layout of the code"):
 ``import slurm_ckpt`` - done by the CLI and the SLURM hooks - does not pull in numpy and
 the job layer. The exceptions a user may catch are all importable from here: the ones of
 :mod:`slurm_ckpt.errors` at once, the job layer's (``CheckpointFailed``,
-``DataVersionMismatch``) and the torch codec's (``UnsupportedState``) lazily.
+``DataVersionMismatch``, ``SuspectStep``) and the torch codec's (``UnsupportedState``) lazily.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from slurm_ckpt.job.checkpointer import Checkpointer
     from slurm_ckpt.job.options import RamOptions
     from slurm_ckpt.job.pipeline import CheckpointFailed
+    from slurm_ckpt.job.replicas import SuspectStep
     from slurm_ckpt.job.restore import DataVersionMismatch, Restored
     from slurm_ckpt.job.saved import Saved
 
@@ -45,6 +46,8 @@ _LAZY = {
     "CheckpointFailed": "slurm_ckpt.job.pipeline",
     # raised by restore(expect_data_version=..., on_data_change="refuse")
     "DataVersionMismatch": "slurm_ckpt.job.restore",
+    # raised on the training thread when replicas disagree (on_suspect="raise")
+    "SuspectStep": "slurm_ckpt.job.replicas",
 }
 
 __all__ = [
@@ -58,6 +61,7 @@ __all__ = [
     "RamOptions",
     "Restored",
     "Saved",
+    "SuspectStep",
     "TierError",
     "UnsupportedState",
     "VerifyError",

@@ -133,12 +133,15 @@ def test_list_at_80_columns_splits_no_token(site: Site, monkeypatch) -> None:
     words = _words(out)
     doc = json.loads(run_here(["list", KEY, "-u", USER, "--json"])[1])
     for row in doc["checkpoints"]:
-        for token in (row["tier"], str(row["step"]), format_bytes(row["bytes"]), JOB, NODE):
+        # the table names the tier in the vocabulary (warm, not pfs); JSON keeps both
+        for token in (row["role"], str(row["step"]), format_bytes(row["bytes"]), JOB, NODE):
             assert token in words, (token, out)
+        assert row["role"] == ("warm" if row["tier"] == "pfs" else row["tier"])
+    assert "pfs" not in words
     code, out, err = run_here(["list", "-u", USER])  # the series listing
     assert code == 0, err
     _assert_fits(out)
-    assert {KEY, USER, "local", "pfs", "3000", "2000"} <= _words(out)
+    assert {KEY, USER, "local", "warm", "3000", "2000"} <= _words(out)  # warm, not pfs
 
 
 def test_verify_at_80_columns_splits_no_token(site: Site, monkeypatch) -> None:

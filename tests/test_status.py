@@ -131,6 +131,7 @@ def test_job_figures(site: Site) -> None:
         "checkpoints": 3,  # 100, 200, 300; the uncommitted 400 does not count
         "damaged": 0,  # 400 has no manifest, but it is young: a commit in progress
         "data_version": None,  # not recorded by these saves
+        "suspect": None,  # replicas were not compared (tests/test_replicas.py)
     }
     assert j["tiers"]["cold"]["step"] == 100 and j["tiers"]["cold"]["checkpoints"] == 1
     assert j["steps_at_risk"] == 200  # 500 locally, 300 safe on the PFS
@@ -276,6 +277,8 @@ def test_cli_json_and_table(site: Site) -> None:
         "job",
         "user",
         "keys",
+        "key_groups",
+        "suspect",
         "slurm_state",
         "nodes",
         "tiers",

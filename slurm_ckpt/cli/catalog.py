@@ -74,6 +74,14 @@ def _selected(state: CliState, tier: str) -> Dict[str, Tier]:
     return {tier: tiers[tier]}
 
 
+def tier_role(name: str, config: Any) -> str:
+    """A tier's name in the vocabulary users see: ``local``, ``warm`` (the tier flushes go
+    to: the PFS, or the object store on a site without one), ``cold`` (the rest)."""
+    if name in ("local", "warm", "partner", "ram"):
+        return name
+    return "warm" if name == config.tiers.warm else "cold"
+
+
 def _tokens(value: Any) -> str:
     return "-" if value is None else f"{value:,}".replace(",", "_")
 
@@ -132,9 +140,14 @@ def list_cmd(
         users = [validate_user(user)] if user else (None if os.geteuid() == 0 else [current_user()])
         rows = series_rows(tiers, users)
         bad = sum(r["damaged"] for r in rows)
+        for r in rows:
+            r["role"] = tier_role(r["tier"], state.config)
         if out.json:
             print_json({"series": rows})
             return 1 if bad else 0
+        for r in rows:
+            if out.human:
+                r["tier"] = r["role"]
         title = "checkpoint series" + (f" of {users[0]}" if users else "")
         if not rows and out.decorated:
             click.echo(f"no committed checkpoints{' of ' + users[0] if users else ''}")
@@ -148,8 +161,15 @@ def list_cmd(
     rows = step_rows(tiers, user, key)
     bad_rows = [r for r in rows if r["state"] != COMMITTED]
     for r in rows:  # a retired step (a rollback abandoned it) says so where people look
-        if r.get("retired") and not out.json:
+        r["role"] = tier_role(r["tier"], state.config)
+        if out.json:
+            continue
+        if r.get("retired"):
             r["lineage"] = f"{r['lineage']} (retired)"
+        if r.get("suspect") and not r.get("reason"):  # replicas did not agree on it
+            r["reason"] = r["suspect"]
+        if out.human:  # the vocabulary: local, warm, cold (scripts keep the tier's name)
+            r["tier"] = r["role"]
     if out.json:
         print_json({"user": user, "key": key, "checkpoints": rows})
         return 1 if bad_rows else 0

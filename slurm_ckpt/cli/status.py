@@ -103,8 +103,17 @@ def _partner_text(entry: Any) -> str:
 
 
 def _series_text(value: Any) -> str:
-    user, keys = value
-    return f"{user}/{','.join(keys)}" if keys else f"{user}/-"
+    """``user/KEY``; a multi-rank job's series grouped under its key with a rank count
+    (``user/run (4 ranks)``), or each one (``status --ranks``)."""
+    user, keys, groups, detail = value
+    if not keys:
+        return f"{user}/-"
+    if detail or not groups:
+        return f"{user}/{','.join(keys)}"
+    parts = [
+        f"{g['key']} ({plural(g['ranks'], 'rank')})" if g["ranks"] else g["key"] for g in groups
+    ]
+    return f"{user}/{', '.join(parts)}"
 
 
 def _count(value: Any) -> str:
@@ -184,7 +193,7 @@ def _shared_names(doc: Dict[str, Any]) -> List[str]:
     return names
 
 
-def _job_rows(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
+def _job_rows(doc: Dict[str, Any], ranks: bool = False) -> List[Dict[str, Any]]:
     rows = []
     names = _shared_names(doc)
     for j in doc["jobs"]:
@@ -200,7 +209,7 @@ def _job_rows(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
             {
                 **per_tier,
                 "job": j["job"],
-                "series": (j["user"], j["keys"]),
+                "series": (j["user"], j["keys"], j.get("key_groups"), ranks),
                 "user": j["user"],
                 "key": j["keys"],
                 "state": j["slurm_state"],
@@ -230,12 +239,15 @@ def _node_rows(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
 
 
 def print_status(
-    doc: Dict[str, Any], out: Optional[OutputFormat] = None, nodes_only: bool = False
+    doc: Dict[str, Any],
+    out: Optional[OutputFormat] = None,
+    nodes_only: bool = False,
+    ranks: bool = False,
 ) -> None:
     """The status document for people (jobs and nodes tables, totals) or scripts (one
-    listing: jobs, or nodes with ``nodes_only``)."""
+    listing: jobs, or nodes with ``nodes_only``); ``ranks``: each rank's series named."""
     out = out or OutputFormat()
-    jobs = Listing(job_columns(_shared_names(doc)), _job_rows(doc), "jobs")
+    jobs = Listing(job_columns(_shared_names(doc)), _job_rows(doc, ranks), "jobs")
     nodes = Listing(NODE_COLUMNS, _node_rows(doc), "nodes")
     if not out.decorated:
         (nodes if nodes_only else jobs).print(out)
@@ -276,6 +288,9 @@ def print_status(
     for text in doc.get("notes") or []:
         warn(text)
     for j in doc["jobs"]:
+        if j.get("suspect"):
+            keys = ", ".join(g["key"] for g in j.get("key_groups") or []) or "-"
+            warn(f"job {j['job'] or '-'} ({j['user']}) {keys}: newest step {j['suspect']}")
         for p in j.get("problems") or []:
             if p.get("hold"):
                 warn(
@@ -297,6 +312,9 @@ def print_status(
 )
 @click.option("--nodes", "nodes_only", is_flag=True, help="Show the nodes listing only.")
 @click.option(
+    "--ranks", is_flag=True, help="Name each rank's series (KEY.rankNNNNN), not only KEY."
+)
+@click.option(
     "--no-slurm", "skip_slurm", is_flag=True, help="Do not ask SLURM (states show 'unknown')."
 )
 @output_options
@@ -308,6 +326,7 @@ def status_cmd(
     key: Optional[str],
     nodelist: Optional[List[str]],
     nodes_only: bool,
+    ranks: bool,
     skip_slurm: bool,
     out: OutputFormat,
 ) -> None:
@@ -336,7 +355,7 @@ def status_cmd(
     if out.json:
         write_json(doc)
     else:
-        print_status(doc, out, nodes_only)
+        print_status(doc, out, nodes_only, ranks)
 
 
 def _no_slurm() -> SlurmSnapshot:

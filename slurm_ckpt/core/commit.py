@@ -300,6 +300,12 @@ class CheckpointWriter:
         and recorded with :meth:`add_entry`)."""
         return self._tmp_fd
 
+    def written(self) -> List[FileEntry]:
+        """The files written and hashed so far (what the manifest will list), e.g. for
+        replicas to compare their digests before the commit."""
+        with self._lock:
+            return list(self._entries.values())
+
     def add_entry(self, entry: FileEntry) -> None:
         """Fresh mode: record a file that is already in the work directory (hashed and
         made durable by the caller)."""

@@ -32,6 +32,7 @@ import xxhash
 from slurm_ckpt.core.hashing import DEFAULT_CHUNK_SIZE, HASH_ALGO, chunk_count
 from slurm_ckpt.core.manifest_limits import check_bytes, check_entries
 from slurm_ckpt.core.names import validate_key, validate_relpath, validate_user
+from slurm_ckpt.core.replicas import suspect_text
 from slurm_ckpt.errors import InvalidName, VerifyError
 
 FORMAT_VERSION = 1
@@ -277,6 +278,8 @@ class ManifestFacts:
     node: Optional[str]
     #: ``meta["data_version"]`` (what the checkpoint was trained on), one line, or None.
     data_version: Optional[str] = None
+    #: Why the replicas did not agree on this step (:mod:`slurm_ckpt.core.replicas`).
+    suspect: Optional[str] = None
 
 
 def data_version_of(meta: Any) -> Optional[str]:
@@ -333,6 +336,7 @@ def _facts(data: bytes) -> ManifestFacts:
                     _label(doc["job"], "job"),
                     _label(doc["node"], "node"),
                     data_version_of(doc.get("meta")),
+                    suspect_text(doc.get("meta")),
                 )
         except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError):
             pass
@@ -346,4 +350,5 @@ def _facts(data: bytes) -> ManifestFacts:
         full.job,
         full.node,
         data_version_of(full.meta),
+        suspect_text(full.meta),
     )

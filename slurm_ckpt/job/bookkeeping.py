@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.units import format_bytes
@@ -36,7 +36,9 @@ __all__ = ["Bookkeeper", "SaveRecord"]
 
 #: Progress events after which the node's metrics textfile is rebuilt (never on the
 #: caller's thread: these all fire on the background writer and flusher threads).
-_METRIC_EVENTS = frozenset({"local_done", "local_failed", "flush_done", "flush_failed"})
+_METRIC_EVENTS = frozenset(
+    {"local_done", "local_failed", "flush_done", "flush_failed", "replicas_suspect"}
+)
 
 
 @dataclass
@@ -71,6 +73,10 @@ class SaveRecord:
     prepared: Any = field(default=None, repr=False)
     meta: Dict[str, Any] = field(default_factory=dict, repr=False)
     logged: bool = field(default=False, repr=False)
+    #: The payload files replicas compare (``replicas=``, :mod:`slurm_ckpt.job.replicas`),
+    #: None when they do not; ``agreed``: this save took its part in the exchange.
+    replicated: Optional[Tuple[str, ...]] = field(default=None, repr=False)
+    agreed: bool = field(default=False, repr=False)
 
 
 def ledger_dir(cfg: Config, user: str) -> str:

@@ -66,6 +66,7 @@ from slurm_ckpt.job.pipeline import (
     Shard,
 )
 from slurm_ckpt.job.ram_methods import RamMethods, RamSetting, open_ram, with_ram_stats
+from slurm_ckpt.job.replicas import ReplicaCheck, replicated_files, tell_suspects
 from slurm_ckpt.job.restore import (
     Restored,
     Restorer,
@@ -187,6 +188,13 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
       agree: ``fn(value) -> min over ranks`` for restore (default torch.distributed).
       on_event: ``fn(name, info)``, called from background threads too: keep it quick,
         never call the Checkpointer from it.
+    Replicas agree (docs/user-guide.md, "Replicas agree"):
+      replicas: the ranks holding the same state compare their digests at each save
+        (True: every rank, DDP; a list of rank lists; a process group; (mesh, dim)).
+      replicated: "weights" (the model's blobs) or "all" (every file) must be identical.
+      on_suspect: ``fn(verdict)`` called on the training thread, or "raise" (raises
+        :class:`~slurm_ckpt.job.replicas.SuspectStep` there) when a step is suspect: in
+        the next save() (every rank in the same one), wait() or close().
     Deprecated aliases (one release, a DeprecationWarning):
       pfs: the old name of ``warm``.
       pfs_bandwidth: the old name of ``warm_bandwidth``.
@@ -233,6 +241,9 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
         signal_lead_s: Optional[float] = None,
         agree: Optional[Callable[[int], int]] = None,
         on_event: Optional[Callable[[str, Dict[str, Any]], None]] = None,
+        replicas: Any = None,
+        replicated: str = "weights",
+        on_suspect: Any = None,
         pfs: Optional[PathLike] = None,
         pfs_bandwidth: Optional[Union[float, str]] = None,
     ) -> None:
@@ -364,6 +375,12 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
             # earlier run of this series left (slurm_ckpt.job.owed).
             without_epilog(self._pipeline)
             queue_owed(self._pipeline)
+        self._on_suspect = opts.on_suspect
+        if opts.replicas is not None and opts.replicas is not False:
+            # collective (a gloo group of its own): every rank builds its Checkpointer
+            self._pipeline.replicas = ReplicaCheck(
+                opts.replicas, self.rank, self.node, scope=opts.replicated
+            )
         #: The RAM tier (None: off): snapshots in memory, copies in the partner's.
         self.ram = open_ram(opts.ram, self)
         self._requeue = opts.requeue
@@ -566,6 +583,9 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
         blobs = layout(index)
         data = index_bytes(index)
         nbytes = sum(b["nbytes"] for b in blobs) + len(data)
+        replicated = None
+        if self._pipeline.replicas is not None:
+            replicated = replicated_files(blobs, self._pipeline.replicas.scope)
         books, pipe = self._books, self._pipeline
         books.emit("save_start", step=step, reason=reason)
         pipe.start()
@@ -573,6 +593,10 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
         if pipe.local_job is not None:
             books.emit("backpressure_wait", step=step)
         pipe.wait_local_free()
+        if pipe.suspects:
+            # The previous save's verdict is in now (its exchange ends before its local
+            # write does), on every rank alike: every rank hears it in this same call.
+            tell_suspects(pipe.suspects, self._on_suspect)
         if self.flush_policy == "wait" and not preempt and pipe.flushes_busy():
             books.emit("flush_wait", step=step)
             pipe.wait_flushes()
@@ -590,6 +614,7 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
             selected=self.warm is not None and (preempt or selected_for_flush(seq, self.policy)),
             index_data=data,
             meta=meta,
+            replicated=replicated,
         )
         if data_version is not None:
             rec.meta["data_version"] = data_version

@@ -13,21 +13,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 from slurm_ckpt.errors import EXIT_INTERRUPTED
+from slurm_ckpt.job.close_progress import WAIT_NOTE_S, CloseProgress
 from slurm_ckpt.job.pipeline import DEADLINE_MARGIN_S
+from slurm_ckpt.job.replicas import tell_suspects
 from slurm_ckpt.job.stats import CheckpointStats
 from slurm_ckpt.slurm.requeue import requeue_reason
 
 log = logging.getLogger(__name__)
 
-#: close() says it is waiting once it waited this long (seconds).
-WAIT_NOTE_S = 1.0
-
-__all__ = ["ClosingMethods"]
+__all__ = ["WAIT_NOTE_S", "ClosingMethods"]
 
 
 class ClosingMethods:
@@ -40,6 +38,7 @@ class ClosingMethods:
     _drain: Any
     _flag: Any
     _job_state_fn: Optional[Callable[[], Optional[str]]]
+    _on_suspect: Any
     _pipeline: Any
     _requeue: bool
     _requeue_fn: Callable[[str], Any]
@@ -72,6 +71,8 @@ class ClosingMethods:
         until = None if timeout is None else time.time() + timeout
         done = self._pipeline.wait_for(lambda: self._pipeline.idle(flush), until)
         self._pipeline.log_deferred()
+        if self._pipeline.suspects:
+            tell_suspects(self._pipeline.suspects, self._on_suspect)
         return done
 
     def close(self) -> CheckpointStats:
@@ -95,6 +96,8 @@ class ClosingMethods:
             self._close()
         except KeyboardInterrupt:
             self._interrupted()
+        if self._pipeline.suspects:  # the last saves' verdicts came while closing
+            tell_suspects(self._pipeline.suspects, self._on_suspect)
         return self.stats
 
     def _close(self) -> None:
@@ -104,22 +107,13 @@ class ClosingMethods:
         if self._flag.received is not None or self._schedule.preempt_saved:
             d = self._deadline.deadline()
             until = None if d is None else d - DEADLINE_MARGIN_S
-        # A wait longer than a second says so (a log line), and says when it ended: a
-        # silent close() of 10 s reads as a hang.
-        t0 = time.monotonic()
-        note = threading.Timer(
-            WAIT_NOTE_S,
-            lambda: log.info("[ckpt] close(): waiting for the local write and the flushes"),
-        )
-        note.daemon = True
-        note.start()
-        dcp = self.__dict__.get("_dcp")  # DCP parts (dcp_writer): picked up and flushed too
-        if dcp is not None:
-            dcp.finish(until)
-        self._pipeline.finish(until)
-        note.cancel()
-        if time.monotonic() - t0 > WAIT_NOTE_S:
-            log.info("[ckpt] close(): done waiting after %.1fs", time.monotonic() - t0)
+        # A wait longer than a second says so - a bar on a terminal, a log line
+        # otherwise - and says when it ended: a silent close() of 10 s reads as a hang.
+        with CloseProgress(self._close_owed()):
+            dcp = self.__dict__.get("_dcp")  # DCP parts (dcp_writer): picked up and flushed
+            if dcp is not None:
+                dcp.finish(until)
+            self._pipeline.finish(until)
         if self.ram is not None:
             self.ram.close(30.0 if until is None else max(0.0, until - time.time()))
         if self.partner is not None:
@@ -130,6 +124,16 @@ class ClosingMethods:
         self._staging.close()
         if self.config.tiers.pfs is not None:  # node status lives on the PFS (none: skipped)
             self._books.publish(self.config.tiers.pfs.root)
+
+    def _close_owed(self) -> Callable[[], Tuple[int, int]]:
+        """``() -> (done, total)`` bytes of close()'s wait, for its progress bar."""
+        start, _ = self._pipeline.progress_counts()
+
+        def owed() -> Tuple[int, int]:
+            moved, left = self._pipeline.progress_counts()
+            return moved - start, moved - start + left
+
+        return owed
 
     def _interrupted(self) -> None:
         """Ctrl-C inside close(): say what is kept, and end without a traceback."""

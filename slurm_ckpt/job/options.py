@@ -110,6 +110,11 @@ class Options:
     (default ``SLURM_JOB_END_TIME``), ``kill_wait_s``, ``signal_lead_s``,
     ``agree(value) -> min over ranks``, ``on_event(name, info)``.
 
+    Replicas agree (:mod:`slurm_ckpt.job.replicas`): ``replicas`` (which ranks hold the
+    same state), ``replicated`` (``"weights"`` or ``"all"``: which files must be
+    identical), ``on_suspect`` (``fn(verdict)`` or ``"raise"``: how the job hears of a
+    suspect step).
+
     Deprecated aliases, kept one release (a :class:`DeprecationWarning` each): ``pfs``
     for ``warm`` (the warm tier's directory) and ``pfs_bandwidth`` for
     ``warm_bandwidth``; :func:`resolve_aliases` folds them in.
@@ -149,12 +154,25 @@ class Options:
     signal_lead_s: Optional[float] = None
     agree: Optional[Callable[[int], int]] = None
     on_event: Optional[Callable[[str, Dict[str, Any]], None]] = None
+    replicas: Any = None
+    replicated: str = "weights"
+    on_suspect: Any = None
     pfs: Optional[PathLike] = None
     pfs_bandwidth: Optional[Union[float, str]] = None
 
     def validate(self) -> Options:
         """One-line errors for values no config check sees (the identity, the policy)."""
         ram_options(self.ram)
+        if self.replicated not in ("weights", "all"):
+            raise CkptError(f'replicated must be "weights" or "all", got {self.replicated!r}')
+        if (
+            self.on_suspect is not None
+            and self.on_suspect != "raise"
+            and not callable(self.on_suspect)
+        ):
+            raise CkptError(
+                f'on_suspect must be a function or "raise", got {type(self.on_suspect).__name__}'
+            )
         if self.flush_policy not in FLUSH_POLICIES:
             raise CkptError(
                 f"flush_policy must be one of {FLUSH_POLICIES}, got {self.flush_policy!r}"

@@ -37,6 +37,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 from slurm_ckpt.core.commit import AlreadyCommitted
 from slurm_ckpt.core.lease import StaleGeneration
 from slurm_ckpt.core.lineage import SeriesView
+from slurm_ckpt.core.replicas import Verdict
 from slurm_ckpt.core.retention import CkptInfo, RetentionPolicy, plan_local_deletions
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, TierError
@@ -44,6 +45,7 @@ from slurm_ckpt.job.background import yielding
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord, reason_of
 from slurm_ckpt.job.dist import run_launch
 from slurm_ckpt.job.lease import SeriesLease
+from slurm_ckpt.job.replicas import ReplicaCheck, agree_before_commit
 from slurm_ckpt.job.series import SeriesPlace
 from slurm_ckpt.job.signals import Deadline
 from slurm_ckpt.job.staging import write_direct
@@ -103,6 +105,10 @@ class Pipeline:
         lease: Optional[SeriesLease] = None,
     ) -> None:
         self.local, self.warm = local, warm
+        # Bytes written and copied so far, and of the flush running now (close()'s bar).
+        self._moved = 0
+        self._copying = 0
+        self._moved_lock = threading.Lock()
         #: This writer's place in its series: the generation of its lease and the lineage
         #: its saves belong to (every manifest records both); the fence before commits.
         self.series = SeriesPlace(local, warm, shard.user, shard.key, lease)
@@ -117,7 +123,7 @@ class Pipeline:
         self.flusher: Optional[Flusher] = None
         if warm is not None:
             self.flusher = Flusher(
-                copy_in_process(local, warm),
+                copy_in_process(local, warm, progress=self._copied),
                 books.ledger,
                 src=local.name,
                 # The ledger's warm-tier slot, whatever the warm tier is (an object store
@@ -149,6 +155,13 @@ class Pipeline:
         #: Called with each step committed on the local tier (the partner copy's sender,
         #: :mod:`slurm_ckpt.job.partner`); must return at once.
         self.after_commit: Optional[Callable[[int], None]] = None
+        #: Replicas compare their digests before each commit (``replicas=``,
+        #: :mod:`slurm_ckpt.job.replicas`; None: they do not), and the verdicts of
+        #: suspect steps wait here for the caller's thread (``on_suspect``).
+        self.replicas: Optional[ReplicaCheck] = None
+        self.suspects: Deque[Verdict] = collections.deque()
+        #: The ``last_healthy`` pin, ``(step, when)``, recorded in every later manifest.
+        self.last_healthy: Optional[Tuple[int, float]] = None
 
     # -- state -------------------------------------------------------------------------
     @property
@@ -299,6 +312,8 @@ class Pipeline:
         launch = run_launch() if sh.world_size > 1 else None
         if launch is not None:  # which launch saved it (a restore of another rank asks)
             meta["launch"] = launch
+        if self.last_healthy is not None:
+            meta["last_healthy"] = {"step": self.last_healthy[0], "at": self.last_healthy[1]}
         kw = dict(tokens=rec.tokens, job=sh.job, node=sh.node, meta=meta)
         try:
             return self.local.writer(sh.user, sh.key, rec.step, **kw)
@@ -333,6 +348,11 @@ class Pipeline:
                 items = {f"{sh.prefix}/{n}": v for n, v in rec.buffers.items()}
                 items[f"{sh.prefix}/index.json"] = rec.index_data
                 w.write_buffers(items)
+            if self.replicas is not None and rec.replicated is not None:
+                rec.agreed = True
+                self._verdict(
+                    agree_before_commit(self.replicas, rec.step, rec.replicated, w, sh.prefix)
+                )
             self.series.fence("local")  # raising here aborts the writer: nothing is committed
             w.commit()
 
@@ -352,6 +372,8 @@ class Pipeline:
         except Exception as exc:  # noqa: BLE001 - a failed save must never kill training
             if not isinstance(exc, (CkptError, OSError)):
                 log.exception("[ckpt] step=%d: unexpected error in the local write", rec.step)
+            if self.replicas is not None and rec.replicated is not None and not rec.agreed:
+                self.replicas.exchange(rec.step, None)  # the replicas wait for this rank
             self._local_failed(rec, exc, time.monotonic() - t0)
             return
         finally:
@@ -361,6 +383,8 @@ class Pipeline:
             rec.prepared = None
         rec.local_s = time.monotonic() - t0
         rec.local_status = "committed"
+        with self._moved_lock:
+            self._moved += rec.nbytes
         with self.cv:
             self._own_steps.add(rec.step)
             s = self._stats
@@ -380,6 +404,26 @@ class Pipeline:
         else:
             rec.flush_status = "not selected"
             self._log(rec)
+
+    def _verdict(self, v: Verdict) -> None:
+        """What the replicas' verdict on a save means here: a suspect step is logged,
+        counted, an event (and so a metric), and handed to the caller's thread."""
+        if v.skipped:
+            log.warning("[ckpt] %s", v.describe())
+            self.books.emit("replicas_unchecked", step=v.step, why=v.skipped)
+            return
+        with self.cv:
+            self._stats.replica_checks += 1
+        if not v.suspect:
+            return
+        log.error("[ckpt] %s", v.describe())
+        with self.cv:
+            self._stats.suspect_steps += 1
+            self.suspects.append(v)
+        self.books.emit(
+            "replicas_suspect", step=v.step, ranks=v.ranks[:64], nodes=v.nodes[:64],
+            files=v.files[:64],
+        )  # fmt: skip
 
     def _local_failed(self, rec: SaveRecord, exc: BaseException, seconds: float) -> None:
         self.log_deferred()
@@ -452,7 +496,30 @@ class Pipeline:
             return nbytes / self.warm.limiter.rate
         return 0.0
 
+    def _copied(self, nbytes: int) -> None:
+        """The flusher's progress: ``nbytes`` more copied (from the copy's threads)."""
+        with self._moved_lock:
+            self._moved += nbytes
+            self._copying += nbytes
+
+    def progress_counts(self) -> Tuple[int, int]:
+        """``(moved, owed)``: bytes written and copied since the start (a counter), and
+        bytes still to write or copy now: the pending local write, the rest of the flush
+        running, the queued ones (what close()'s progress shows)."""
+        with self.cv:
+            owed = sum(r.nbytes for r in self.flush_queue)
+            if self.local_job is not None and self.local_job.local_status == "pending":
+                owed += self.local_job.nbytes
+            current = self.flush_current
+        with self._moved_lock:
+            moved = self._moved
+            if current is not None:
+                owed += max(0, current.nbytes - self._copying)
+        return moved, owed
+
     def _run_flush(self, rec: SaveRecord) -> None:
+        with self._moved_lock:
+            self._copying = 0
         left = self.deadline.time_left()
         if left is not None and left - DEADLINE_MARGIN_S < self.estimate_flush_s(rec.nbytes):
             self.leave_to_epilog(rec, left)

@@ -65,6 +65,7 @@ from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.fastread import READ_STREAMS
 from slurm_ckpt.core.lineage import SeriesView, lineage_of
 from slurm_ckpt.core.manifest import Manifest
+from slurm_ckpt.core.replicas import newest_pin, not_automatic, pin_of
 from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
 from slurm_ckpt.job.state import GROUP_REST, GROUP_WEIGHTS, INDEX_NAME, STATE_FORMAT
 from slurm_ckpt.job.state_reader import StateReader
@@ -205,6 +206,7 @@ class Restorer:
         on_data_change: str = "warn",
         lineage: Optional[str] = None,
         launch: Optional[str] = None,
+        pin: Optional[Tuple[int, float]] = None,
     ) -> None:
         if on_data_change not in DATA_CHANGE_ACTIONS:
             raise CkptError(
@@ -228,7 +230,11 @@ class Restorer:
         self.agree = agree
         #: This launch of the ranks (:func:`~slurm_ckpt.job.dist.run_launch`).
         self.launch = launch
+        #: The ``last_healthy`` pin this process set (one recorded in a manifest counts
+        #: too: the newest wins).
+        self.pin = pin
         self._bad: Set[Tuple[str, int]] = set()
+        self._passed: Set[int] = set()  # steps said to be passed over (suspect, pinned)
         self._rest: Optional[_RestLoad] = None
         self._steps: List[int] = []
         self._own: Dict[int, List[Tuple[Tier, Manifest]]] = {}
@@ -262,8 +268,10 @@ class Restorer:
             for step, m in self._shard_steps(tier, self.rank, any_step=True).items()
         ]
         self.view = SeriesView.of((step, m.meta, m.wall_time) for _, step, m in found)
+        pin = newest_pin([self.pin] + [pin_of(m.meta) for _, _, m in found])
         out: Dict[int, List[Tuple[Tier, Manifest]]] = {}
         retired: Set[str] = set()
+        passed: Dict[int, str] = {}
         for tier, step, m in found:
             if self.only_step is not None and step != self.only_step:
                 continue
@@ -273,8 +281,19 @@ class Restorer:
                 keep = self.view.active(step, m.meta)
                 if not keep:
                     retired.add(lineage_of(m.meta).name)
+            why = not_automatic(step, m.meta, m.wall_time, pin)
+            if keep and why is not None:
+                if self.only_step is None:  # a step asked for by number is read anyway
+                    passed[step] = why
+                    keep = False
+                else:
+                    log.warning("[ckpt] restore(step=%d): %s", step, why)
             if keep:
                 out.setdefault(step, []).append((tier, m))
+        for step, why in sorted(passed.items(), reverse=True):
+            if step not in out and step not in self._passed:
+                self._passed.add(step)
+                log.warning("[ckpt] restore: passing over step %d: %s", step, why)
         if self.only_step is not None and not out and retired:
             names = ", ".join(sorted(retired))
             raise CkptError(

@@ -14,6 +14,7 @@ saving and restoring are two concepts, and the facade stays a facade.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, List, Optional, Sequence
 
 from slurm_ckpt.core.lineage import SeriesView, lineage_of
@@ -129,6 +130,7 @@ class RestoreMethods:
             step=step,
             expect_data_version=expect_data_version,
             on_data_change=on_data_change,
+            pin=self._pipeline.last_healthy,
             **extra,
         )
 
@@ -201,6 +203,26 @@ class RestoreMethods:
             " weights only" if weights_only else "",
         )
         return got
+
+    def pin_last_healthy(self, step: int) -> None:
+        """Mark ``step`` as the newest healthy one: a NaN or loss-spike detector calls it
+        (on every rank) when it finds the training went bad after that step. From now on
+        an automatic :meth:`restore` passes over the steps after it that were saved until
+        now (they stay, listed; ``restore(step=N)`` still reads one); a later save (after
+        the rollback this usually leads to) counts again. The pin is recorded in every
+        manifest saved from now on, so a restarted job honours it too once one of them
+        is committed."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CkptError(f"pin_last_healthy(): step must be a whole number >= 0, got {step!r}")
+        self._pipeline.last_healthy = (step, time.time())
+        log.warning("[ckpt] last healthy step pinned at %d: newer steps are passed over", step)
+        self._books.emit("last_healthy", step=step)
+
+    @property
+    def last_healthy(self) -> Optional[int]:
+        """The step :meth:`pin_last_healthy` pinned in this process, or None."""
+        pin = self._pipeline.last_healthy
+        return None if pin is None else pin[0]
 
     def restore_weights(self) -> Optional[Restored]:
         """``restore(weights_only=True)``."""

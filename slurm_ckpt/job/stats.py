@@ -53,3 +53,7 @@ class CheckpointStats:
     ram_not_taken: int = 0
     ram_replica_failures: int = 0
     ram_every: Optional[int] = None
+    #: Saves whose digests the replicas compared (``replicas=``), and those they did not
+    #: agree on (recorded ``suspect``).
+    replica_checks: int = 0
+    suspect_steps: int = 0

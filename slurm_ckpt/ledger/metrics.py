@@ -51,6 +51,7 @@ Metrics (all gauges unless noted; every series has a ``node`` label)
                                                   the node and the stager has not finished
 ``slurm_ckpt_failures_total{reason}``             counter: ledger failure counters
 ``slurm_ckpt_events_total{type}``                 counter: events by type
+``slurm_ckpt_suspect_steps_total``                counter: steps whose replicas did not agree
 ``slurm_ckpt_hook_seconds{hook}``                 duration of the last run of each hook
 ``slurm_ckpt_hook_success{hook}``                 1 if that run succeeded, else 0
 ``slurm_ckpt_hook_last_run_timestamp_seconds{hook}``  when it ran (epoch seconds)
@@ -152,6 +153,11 @@ METRICS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
     ),
     _P + "failures": ("counter", "Failures by reason (ledger counters).", ("reason",)),
     _P + "events": ("counter", "Events by type (event log).", ("type",)),
+    _P + "suspect_steps": (
+        "counter",
+        "Saved steps whose data-parallel replicas did not agree (event log).",
+        (),
+    ),
     _P + "hook_seconds": ("gauge", "Duration of the last run of a hook.", ("hook",)),
     _P + "hook_success": ("gauge", "1 if the last run of a hook succeeded, else 0.", ("hook",)),
     _P + "hook_last_run_timestamp_seconds": (
@@ -414,6 +420,11 @@ class _Collector:
             for label, value in sorted(counts.items()):
                 f.add_metric([node, label], value)
             yield f
+        # replicas that did not agree (slurm_ckpt.core.replicas): a step may hold
+        # silently corrupted state; an alert on any increase is the point
+        f = family(_P + "suspect_steps")
+        f.add_metric([node], m.events.get("replicas_suspect", 0))
+        yield f
         for name, field_name in (
             (_P + "hook_seconds", "seconds"),
             (_P + "hook_success", "ok"),

@@ -27,6 +27,7 @@ from slurm_ckpt.core.layout import step_dirname, step_numbers
 from slurm_ckpt.core.lineage import SeriesView, lineage_of
 from slurm_ckpt.core.manifest import MANIFEST_NAME, manifest_facts
 from slurm_ckpt.core.names import validate_key, validate_user
+from slurm_ckpt.core.replicas import suspect_text
 from slurm_ckpt.errors import CkptError, NotFound, TierError
 from slurm_ckpt.ops.damage import COMMIT_GRACE_S, COMMITTED, Damaged, scan_series
 from slurm_ckpt.tiers.base import Tier
@@ -44,6 +45,23 @@ __all__ = [
 ]
 
 Series = Tuple[str, str]
+
+#: A rank's series of a multi-rank job (``KEY.rank00003``) or its DCP part
+#: (``KEY.dcp.rank00003``): shown grouped under ``KEY``.
+_RANK_SERIES = re.compile(r"^(.+?)(?:\.dcp)?\.rank[0-9]{5}$")
+
+
+def base_key(key: str) -> str:
+    """The user's key of a series: ``KEY`` for ``KEY.rankNNNNN`` and
+    ``KEY.dcp.rankNNNNN``, the key itself otherwise."""
+    m = _RANK_SERIES.match(key)
+    return m.group(1) if m else key
+
+
+def under_key(series_key: str, key: str) -> bool:
+    """Whether a series belongs to the user's ``key``: the key itself, or one of its
+    rank series or DCP parts."""
+    return series_key == key or base_key(series_key) == key
 
 
 @dataclass(frozen=True)
@@ -67,6 +85,8 @@ class SeriesHead:
     damaged: int = 0
     #: What the newest checkpoint was trained on (``save(..., data_version=...)``).
     data_version: Optional[str] = None
+    #: The newest checkpoint is suspect: its replicas did not agree (why), else None.
+    suspect: Optional[str] = None
 
 
 def _read_head(kfd: int, user: str, key: str, names: Iterable[str]) -> Optional[SeriesHead]:
@@ -108,6 +128,7 @@ def _read_head(kfd: int, user: str, key: str, names: Iterable[str]) -> Optional[
             len(steps) - i,
             damaged,
             data_version=f.data_version,
+            suspect=f.suspect,
         )
     return None
 
@@ -144,13 +165,12 @@ def _scan_user_dir(
                     }
                 )
             return out
-        if key is not None:
-            keys = [key]
-        else:
-            try:
-                keys = sorted(n for n in os.listdir(ufd) if not n.startswith("."))
-            except OSError:
-                return out
+        try:
+            keys = sorted(n for n in os.listdir(ufd) if not n.startswith("."))
+        except OSError:
+            return out
+        if key is not None:  # the key and its ranks' series
+            keys = [k for k in keys if under_key(k, key)]
         for k in keys:
             try:
                 validate_key(k)
@@ -319,6 +339,7 @@ def _series_rows(tiers: Dict[str, Tier], user: str, key: str, now: float) -> Lis
                     "data_version": m.meta.get("data_version"),
                     "lineage": lineage_of(m.meta).name,
                     "retired": not view.active(s.step, m.meta),
+                    "suspect": suspect_text(m.meta),
                     "state": COMMITTED,
                     "reason": None,
                     "path": t.location(user, key, s.step),

@@ -21,7 +21,7 @@ from slurm_ckpt.core.layout import parse_step_dirname
 from slurm_ckpt.core.manifest import MANIFEST_NAME, manifest_facts
 from slurm_ckpt.core.names import validate_key, validate_user
 from slurm_ckpt.errors import CkptError
-from slurm_ckpt.ops.catalog import Series, SeriesHead, scan_catalog
+from slurm_ckpt.ops.catalog import Series, SeriesHead, scan_catalog, under_key
 from slurm_ckpt.ops.damage import COMMIT_GRACE_S
 from slurm_ckpt.tiers.registry import shared_tiers, tiers_from_config
 
@@ -55,13 +55,15 @@ def scan_object_catalog(
     elif key is None:
         prefix = f"{tier.base}{validate_user(user)}/"
     else:
-        prefix = tier.series_prefix(user, key)
+        prefix = tier.series_prefix(user, key)[:-1]  # the key and its ranks' series
     # series -> step -> [manifest committed at, newest object at]
     seen: Dict[Series, Dict[int, List[Optional[float]]]] = {}
     try:
         for obj in tier.list_objects(prefix):
             parts = obj["Key"][len(tier.base) :].split("/", 3)
             if len(parts) < 4 or not _valid(parts[0], parts[1]):
+                continue
+            if key is not None and not under_key(parts[1], key):
                 continue
             step = parse_step_dirname(parts[2])
             if step is None:
@@ -105,6 +107,7 @@ def scan_object_catalog(
                 len(order) - i,
                 damaged,
                 data_version=f.data_version,
+                suspect=f.suspect,
             )
         return None
 

@@ -43,6 +43,11 @@ to the job recorded in its newest PFS manifest; a series with neither has ``job:
     job                  SLURM job id (string) or null
     user                 owner
     keys                 series (key names) of this job
+    key_groups           the same grouped by the user's key: [{"key", "ranks", "series"}]
+                         (``KEY.rankNNNNN`` and ``KEY.dcp.rankNNNNN`` under ``KEY``;
+                         ``ranks`` counts them, 0 for a one-rank series)
+    suspect              why the newest step on a shared tier is suspect (its replicas
+                         did not agree, ``Checkpointer(replicas=...)``), else null
     slurm_state          "RUNNING", "PENDING", ... as SLURM says; "gone" when SLURM
                          answered but no longer lists the job; "unknown" without SLURM
     nodes                nodes that report the job (status files) or that SLURM lists
@@ -103,7 +108,7 @@ from slurm_ckpt.core.names import validate_key, validate_node, validate_user
 from slurm_ckpt.ledger.record import shown_tier
 from slurm_ckpt.ledger.status_store import status_store
 from slurm_ckpt.ledger.user_status import read_user_statuses
-from slurm_ckpt.ops.catalog import Series, SeriesHead, scan_catalog
+from slurm_ckpt.ops.catalog import Series, SeriesHead, base_key, scan_catalog
 from slurm_ckpt.ops.catalog_tiers import shared_heads
 from slurm_ckpt.ops.partner_status import PartnerSeen
 from slurm_ckpt.ops.security_checks import squatted_dirs
@@ -187,6 +192,18 @@ def _max(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return max(a, b)
 
 
+def key_groups(keys: List[str]) -> List[Dict[str, Any]]:
+    """A job's series grouped by the user's key: ``[{"key", "ranks", "series"}]``
+    (``ranks``: how many rank series; 0 for a plain one-rank series)."""
+    groups: Dict[str, List[str]] = {}
+    for k in keys:
+        groups.setdefault(base_key(k), []).append(k)
+    return [
+        {"key": base, "ranks": sum(1 for k in ks if k != base), "series": sorted(ks)}
+        for base, ks in sorted(groups.items())
+    ]
+
+
 def _series_of(text: Any) -> Optional[Series]:
     user, sep, key = str(text).partition("/")
     return (user, key) if sep and user and key else None
@@ -203,6 +220,7 @@ def _tier_entry(heads: List[SeriesHead], now: float) -> Optional[Dict[str, Any]]
         "checkpoints": sum(h.checkpoints for h in heads),
         "damaged": sum(h.damaged for h in heads),
         "data_version": newest.data_version,
+        "suspect": newest.suspect,
     }
 
 
@@ -338,7 +356,8 @@ def build_status(
         into = by_tier[name]
         for series, head in heads.items():
             seen = owner.get(series)
-            gid = seen[1] if seen is not None else group(_job_id(head.job), series, series[0])
+            mine = (series[0], base_key(series[1]))  # a job's ranks: one group
+            gid = seen[1] if seen is not None else group(_job_id(head.job), mine, series[0])
             if seen is None:
                 owner[series] = (0.0, gid)
             j = jobs.setdefault(gid, _Job(gid[0] or None))
@@ -350,7 +369,8 @@ def build_status(
     # 2b. the local tier read directly (no node status on a laptop).
     for series, head in (local or {}).items():
         seen = owner.get(series)
-        gid = seen[1] if seen is not None else group(_job_id(head.job), series, series[0])
+        mine = (series[0], base_key(series[1]))
+        gid = seen[1] if seen is not None else group(_job_id(head.job), mine, series[0])
         if seen is None:
             owner[series] = (0.0, gid)
         j = jobs.setdefault(gid, _Job(gid[0] or None))
@@ -391,7 +411,7 @@ def build_status(
             continue
         if job is not None and j.job != job:
             continue
-        if key is not None and key not in keys:
+        if key is not None and key not in keys and key not in {base_key(k) for k in keys}:
             continue
         if wanted_nodes is not None and not wanted_nodes & j.nodes:
             continue
@@ -454,6 +474,15 @@ def build_status(
                     for p in found[:5]
                 ],
                 "keys": keys,
+                "key_groups": key_groups(keys),
+                "suspect": next(
+                    (
+                        t.get("suspect")
+                        for n, t in tiers.items()
+                        if n != "local" and t and t.get("suspect")
+                    ),
+                    None,
+                ),
                 "slurm_state": state,
                 "nodes": sorted(j.nodes),
                 "tiers": tiers,

@@ -5,9 +5,10 @@ and a sha256 of every leaf (the test compares them with the state that was saved
 
     python replica_worker.py WORK RANK WORLD PORT MODE
 
-MODE: ``ok``; ``kill:R:K`` (rank R SIGKILLs itself just before it sends its K-th chunk,
-mid-restore); ``corrupt:R`` (rank R sends every chunk of its stripe with one bit
-flipped, its own copy stays sound).
+MODE: ``ok``; ``ckpt`` (through ``Checkpointer.restore(replicas=True)``: the
+agreement over the process group too, each rank's own local tier); ``kill:R:K`` (rank R
+SIGKILLs itself just before it sends its K-th chunk, mid-restore); ``corrupt:R`` (rank R
+sends every chunk of its stripe with one bit flipped, its own copy stays sound).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from slurm_ckpt import Checkpointer
 from slurm_ckpt.core.names import current_user
 from slurm_ckpt.job.replica_read import ReplicaGroup
 from slurm_ckpt.job.restore import Restorer
@@ -89,11 +91,25 @@ def main() -> None:
         timeout=timedelta(seconds=30),
     )
     patch(mode, rank)
-    tier = PosixTier("pfs", str(work / "pfs"), chunk_size=CHUNK, streams=2)
-    restorer = Restorer(
-        [tier], current_user(), KEY, rank, world, replicas=ReplicaGroup(None, timeout=20)
-    )
-    got = restorer.restore()
+    if mode == "ckpt":
+        local = work / f"node{rank}"
+        local.mkdir(exist_ok=True)
+        ckpt = Checkpointer(
+            local=local,
+            warm=work / "pfs",
+            key=KEY,
+            rank=rank,
+            world_size=world,
+            install_signals=False,
+            end_time_fn=None,
+        )
+        got = ckpt.restore(tiers=["warm"], replicas=True)
+    else:
+        tier = PosixTier("pfs", str(work / "pfs"), chunk_size=CHUNK, streams=2)
+        restorer = Restorer(
+            [tier], current_user(), KEY, rank, world, replicas=ReplicaGroup(None, timeout=20)
+        )
+        got = restorer.restore()
     doc: Dict[str, Any] = {"rank": rank}
     if got is not None:
         doc.update(

@@ -119,6 +119,16 @@ def test_group_reads_one_copy_and_every_rank_is_bitwise_exact(saved: tuple) -> N
     assert read <= 1.05 * total, f"the group read {read} bytes of a {total}-byte checkpoint"
 
 
+def test_checkpointer_restore_with_replicas_shares_the_read(saved: tuple) -> None:
+    work, total, want = saved
+    got = run_group(work, "ckpt")  # agreement over the process group, then the shared read
+    assert sorted(got) == list(range(WORLD)), [log_of(work, r)[-2000:] for r in range(WORLD)]
+    for r in range(WORLD):
+        expect_exact(got[r], want)
+        assert got[r]["peer_bytes"] > 0
+    assert sum(got[r]["read_bytes"] for r in range(WORLD)) <= 1.05 * total
+
+
 def test_a_sender_killed_mid_restore_leaves_the_others_bitwise_exact(saved: tuple) -> None:
     work, _total, want = saved
     got = run_group(work, "kill:1:2")  # rank 1 dies before sending its 2nd chunk

@@ -66,9 +66,16 @@ class ReplicaGroup:
         self.size = dist.get_world_size(group)
         if self.rank < 0:
             raise CkptError("restore(replicas=group): this rank is not in that group")
+        self.backend = str(dist.get_backend(group))
         self.ranks = [
             r if group is None else dist.get_global_rank(group, r) for r in range(self.size)
         ]
+
+    def carries_cpu(self) -> bool:
+        """Whether the group moves CPU tensors (gloo, or ``cpu:gloo,cuda:nccl``): the
+        chunks land in host memory, and an NCCL-only group would need a staging copy
+        through the GPU (not done: such a group reads alone)."""
+        return "gloo" in self.backend
 
     def digests(self, mine: bytes) -> List[bytes]:
         """Every rank's 16-byte digest (a collective; raw bytes, no pickle)."""
@@ -104,6 +111,13 @@ def replica_group(replicas: Any, timeout: float = EXCHANGE_TIMEOUT) -> Optional[
         log.info("[ckpt] restore(replicas=...): no process group: every rank reads alone")
         return None
     group = ReplicaGroup(None if replicas is True else replicas, timeout)
+    if not group.carries_cpu():
+        log.warning(
+            "[ckpt] restore(replicas=...): the process group has no CPU backend (%s): every "
+            "rank reads alone; init_process_group(backend='cpu:gloo,cuda:nccl') lets it share",
+            group.backend,
+        )
+        return None
     return group if group.size > 1 else None
 
 

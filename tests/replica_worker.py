@@ -6,7 +6,8 @@ and a sha256 of every leaf (the test compares them with the state that was saved
     python replica_worker.py WORK RANK WORLD PORT MODE
 
 MODE: ``ok``; ``ckpt`` (through ``Checkpointer.restore(replicas=True)``: the
-agreement over the process group too, each rank's own local tier); ``kill:R:K`` (rank R
+agreement over the process group too, each rank's own local tier; ``ckpt-all``: every
+tier, the local one first); ``kill:R:K`` (rank R
 SIGKILLs itself just before it sends its K-th chunk, mid-restore); ``corrupt:R`` (rank R
 sends every chunk of its stripe with one bit flipped, its own copy stays sound).
 """
@@ -91,7 +92,7 @@ def main() -> None:
         timeout=timedelta(seconds=30),
     )
     patch(mode, rank)
-    if mode == "ckpt":
+    if mode in ("ckpt", "ckpt-all"):
         local = work / f"node{rank}"
         local.mkdir(exist_ok=True)
         ckpt = Checkpointer(
@@ -103,7 +104,7 @@ def main() -> None:
             install_signals=False,
             end_time_fn=None,
         )
-        got = ckpt.restore(tiers=["warm"], replicas=True)
+        got = ckpt.restore(tiers=["warm"] if mode == "ckpt" else None, replicas=True)
     else:
         tier = PosixTier("pfs", str(work / "pfs"), chunk_size=CHUNK, streams=2)
         restorer = Restorer(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -127,6 +128,19 @@ def test_checkpointer_restore_with_replicas_shares_the_read(saved: tuple) -> Non
         expect_exact(got[r], want)
         assert got[r]["peer_bytes"] > 0
     assert sum(got[r]["read_bytes"] for r in range(WORLD)) <= 1.05 * total
+
+
+def test_a_step_on_each_rank_s_own_node_is_read_there_not_shared(saved: tuple) -> None:
+    work, _total, want = saved
+    user = current_user()
+    for r in range(WORLD):  # every rank's node holds its copy on the local tier too
+        key = f"{KEY}.rank{r:05d}"
+        shutil.copytree(work / "pfs" / user / key, work / f"node{r}" / user / key)
+    got = run_group(work, "ckpt-all")
+    assert sorted(got) == list(range(WORLD)), [log_of(work, r)[-2000:] for r in range(WORLD)]
+    for r in range(WORLD):
+        assert got[r]["tier"] == "local" and got[r]["peer_bytes"] == 0
+        assert got[r]["leaves"] == want
 
 
 def test_a_sender_killed_mid_restore_leaves_the_others_bitwise_exact(saved: tuple) -> None:

@@ -209,6 +209,7 @@ class Restorer:
         on_data_change: str = "warn",
         lineage: Optional[str] = None,
         replicas: Optional[ReplicaGroup] = None,
+        node_tiers: Sequence[str] = (),
     ) -> None:
         if on_data_change not in DATA_CHANGE_ACTIONS:
             raise CkptError(
@@ -231,6 +232,8 @@ class Restorer:
         self.streams = streams
         self.agree = agree
         self.replicas = replicas
+        #: Tiers on the rank's own node (local, RAM, partner): a copy there is read alone.
+        self.node_tiers = set(node_tiers)
         self._bad: Set[Tuple[str, int]] = set()
         self._rest: Optional[RestLoad] = None
         self._steps: List[int] = []
@@ -473,6 +476,8 @@ class Restorer:
                 break
         reader: Optional[StateReader] = None
         digest: Optional[bytes] = None
+        if pick is not None and pick[0].name in self.node_tiers:
+            pick = None  # on this node: faster read here than received from the group
         if pick is not None:
             tier, m = pick
             where = tier.where(self.user, self.own_key, m.step)

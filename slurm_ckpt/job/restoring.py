@@ -113,6 +113,7 @@ class RestoreMethods:
         group = replica_group(replicas)
         if group is not None:
             extra["replicas"] = group
+            extra["node_tiers"] = [self.local.name, RAM, PARTNER, PARTNER_RAM]
         use: List[Any] = list(
             self.tiers if tiers is None else [t for t in self.tiers if t.name in tiers]
         )
@@ -184,7 +185,8 @@ class RestoreMethods:
         rank of the default process group holds the same state), or the process group
         of ranks that do (HSDP's replicate dimension). Each chunk is read by one rank
         and broadcast; every rank verifies every chunk against its own manifest and
-        reads alone whatever did not arrive verified. Collective over that group."""
+        reads alone whatever did not arrive verified. A step this rank holds on its own
+        node (local tier, RAM, partner) is read there, alone. Collective over that group."""
         if self._restorer is not None:
             self._restorer.cancel()
         partner = self._partner_tiers() if tiers is None else []

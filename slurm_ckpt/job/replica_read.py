@@ -150,7 +150,11 @@ def digest_of(jobs: Sequence[ReadJob], chunk_size: int, step: int) -> bytes:
 def agree_to_share(group: ReplicaGroup, mine: Optional[bytes]) -> bool:
     """Whether every rank of the group is about to read the very same bytes (collective:
     every rank calls it once per restore, ``mine=None`` when it will not share)."""
-    digests = group.digests(mine or _NO_DIGEST)
+    try:
+        digests = group.digests(mine or _NO_DIGEST)
+    except Exception as exc:  # noqa: BLE001 - a group already broken: read alone
+        log.warning("[ckpt] restore: not shared (the group did not answer: %s)", exc)
+        return False
     return mine is not None and all(d == mine for d in digests)
 
 

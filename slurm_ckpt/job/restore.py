@@ -37,6 +37,14 @@ verification is marked ``BAD`` in the ledger and skipped: the same step from the
 tier, or else the next newest step. (POSIX tiers are read with direct I/O through their
 file descriptors, objects with parallel ranged GETs: :mod:`slurm_ckpt.job.state_reader`.)
 
+Replica groups
+--------------
+With ``replicas`` (the ranks that hold the same bytes, e.g. the DDP world) the newest
+step is first tried as one read shared by the group (:mod:`.replica_read`): each chunk
+read by one rank and broadcast, verified by every receiver against its own manifest.
+Whatever that cannot do (other bytes, a dead peer, a copy on the rank's own node) falls
+back to the per-rank read below, which then finds the shared result already in hand.
+
 Lineages
 --------
 A rollback (a restore of an older step, then a save) starts a new lineage and retires
@@ -63,7 +71,7 @@ from slurm_ckpt.core.fastread import READ_STREAMS
 from slurm_ckpt.core.lineage import SeriesView, lineage_of
 from slurm_ckpt.core.manifest import Manifest
 from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
-from slurm_ckpt.job.replica_read import ReplicaGroup, agree_to_share, digest_of, shared_read
+from slurm_ckpt.job.replica_read import ReplicaGroup
 from slurm_ckpt.job.rest_load import RestLoad
 from slurm_ckpt.job.state import GROUP_REST, GROUP_WEIGHTS, INDEX_NAME, STATE_FORMAT
 from slurm_ckpt.job.state_reader import StateReader
@@ -462,60 +470,11 @@ class Restorer:
     def _shared(
         self, steps: List[int], own: Dict[int, List[Tuple[Tier, Manifest]]]
     ) -> Optional[Restored]:
-        """The newest step read once by the replica group (:mod:`.replica_read`), or None
-        (then each rank reads alone, below). Collective over the group: every rank takes
-        part in the one digest exchange whatever it finds; only when all of them are
-        about to read the same bytes do they share the read."""
-        assert self.replicas is not None
-        pick: Optional[Tuple[Tier, Manifest]] = None
-        for step in steps:
-            pick = next(
-                ((t, m) for t, m in own.get(step, []) if (t.name, step) not in self._bad), None
-            )
-            if pick is not None:
-                break
-        reader: Optional[StateReader] = None
-        digest: Optional[bytes] = None
-        if pick is not None and pick[0].name in self.node_tiers:
-            pick = None  # on this node: faster read here than received from the group
-        if pick is not None:
-            tier, m = pick
-            where = tier.where(self.user, self.own_key, m.step)
-            try:
-                if payload_format(m, self.prefix) != STATE_FORMAT:
-                    raise NotThisFormat(f"{where}: not a slurm_ckpt state")
-                self._check_data(m, where)
-                with tier.reader(self.user, self.own_key, m.step) as tr:
-                    reader = StateReader(
-                        tr, tr.manifest, self.prefix, streams=self.streams, where=where
-                    )
-                digest = digest_of(reader.jobs(reader.blobs(None)), m.chunk_size, m.step)
-            except DataVersionMismatch:
-                raise
-            except (CkptError, OSError) as exc:  # each rank alone, below, sorts it out
-                log.info("[ckpt] restore: not shared (%s)", exc)
-        try:
-            if not agree_to_share(self.replicas, digest) or reader is None or pick is None:
-                return None
-            tier, m = pick
-            t0 = time.monotonic()
-            try:
-                got = shared_read(
-                    self.replicas,
-                    reader.jobs(reader.blobs(None)),
-                    m.chunk_size,
-                    streams=self.streams,
-                    where=reader.where,
-                )
-            except VerifyError as exc:
-                self._note_bad(tier, m.step, exc)
-                return None
-            state = reader.build(got.bufs)
-            idx = len(reader.data)
-            return self._restored(tier, m, state, t0, False, got.read_bytes + idx, got.peer_bytes)
-        finally:
-            if reader is not None:
-                reader.close()
+        """The newest step read once by the replica group, or None (each rank then
+        reads alone): :func:`slurm_ckpt.job.replica_restore.shared_restore`."""
+        from slurm_ckpt.job.replica_restore import shared_restore  # it needs this module
+
+        return shared_restore(self, steps, own)
 
     def _agreed(
         self,

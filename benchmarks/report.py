@@ -101,6 +101,12 @@ BENCHES = [
         1800,
     ),
     (
+        "restore_scale",
+        "Restore at scale: read once per replica group vs one rank alone and dcp.load",
+        lambda out, q: ["restore_scale.py", "--json", out] + (["--quick"] if q else []),
+        1800,
+    ),
+    (
         "fleet_sim",
         "Fleet: 10,000 nodes flushing to one PFS (simulation)",
         lambda out, q: (

@@ -170,6 +170,7 @@ def restore(
     expect_data_version: Optional[str] = None,
     on_data_change: str = "warn",
     loader: Optional[Any] = None,
+    replicas: Any = None,
 ) -> Optional[Resumed]:
     """Restore the newest complete, verified checkpoint into the given objects.
 
@@ -180,11 +181,17 @@ def restore(
     still being read; if that then fails verification, an older step is loaded whole
     (weights again included) and reported. Returns None when there is no checkpoint
     (every rank then starts fresh).
+
+    ``replicas=True`` (data parallelism: every rank holds the same state) or a process
+    group of such ranks: the checkpoint is read once by the group, each rank reading a
+    stripe and receiving the rest, verified (``Checkpointer.restore``).
     """
     t0 = time.monotonic()
     kw: Dict[str, Any] = {}
     if expect_data_version is not None:  # warn, or refuse before anything is read
         kw = {"expect_data_version": expect_data_version, "on_data_change": on_data_change}
+    if replicas is not None:
+        kw["replicas"] = replicas
     got = ckpt.restore(weights_only=bool(weights_first and model is not None), **kw)
     if got is None:
         return None
@@ -384,9 +391,11 @@ class TorchCheckpointer:
         strict: bool = True,
         expect_data_version: Optional[str] = None,
         on_data_change: str = "warn",
+        replicas: Any = None,
     ) -> Optional[Resumed]:
         """The newest step every rank holds verified, put back into the bound objects
-        (None: no checkpoint, every rank starts fresh)."""
+        (None: no checkpoint, every rank starts fresh). ``replicas``: read once by the
+        ranks that hold the same state (``True`` for DDP; see :func:`restore`)."""
         return restore(
             self.ckpt,
             self.model,
@@ -399,6 +408,7 @@ class TorchCheckpointer:
             expect_data_version=expect_data_version,
             on_data_change=on_data_change,
             loader=self.loader,
+            replicas=replicas,
         )
 
     def should_save(self, step: Optional[int] = None, tokens: Optional[int] = None) -> bool:

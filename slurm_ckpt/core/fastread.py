@@ -34,8 +34,9 @@ import ctypes
 import errno
 import mmap
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import xxhash
 
@@ -43,7 +44,16 @@ from slurm_ckpt.core.hashing import combine
 from slurm_ckpt.core.manifest import FileEntry
 from slurm_ckpt.errors import VerifyError
 
-__all__ = ["DIO_ALIGN", "READ_STREAMS", "ReadJob", "alloc", "read_files"]
+__all__ = [
+    "DIO_ALIGN",
+    "READ_STREAMS",
+    "ChunkReader",
+    "ReadJob",
+    "alloc",
+    "chunk_ok",
+    "read_files",
+    "run_tasks",
+]
 
 #: Offsets, lengths and addresses of direct reads are multiples of this (covers 512-byte
 #: and 4 KiB logical blocks).
@@ -176,6 +186,116 @@ def _read_source(source: Any, view: memoryview, offset: int) -> int:
     return pos
 
 
+class ChunkReader:
+    """The files of ``jobs`` open for chunk-by-chunk reads into fresh mappings (one per
+    file, :attr:`bufs`), each chunk verified against its manifest hash by the thread
+    that read it. :func:`read_files` reads every chunk; a restore shared by a replica
+    group (:mod:`slurm_ckpt.job.replica_read`) reads only its own stripe and receives the
+    others. ``nbytes_read`` counts what came from storage (for the "read once" claim).
+    A context manager: closes the direct descriptors it opened (not the mappings)."""
+
+    def __init__(self, jobs: Sequence[ReadJob], chunk_size: int, where: str) -> None:
+        self.jobs, self.chunk_size, self.where = list(jobs), chunk_size, where
+        self.bufs: List[mmap.mmap] = []
+        self.dfds: List[Optional[int]] = []  # per job; None once direct reads are refused
+        self.nbytes_read = 0
+        self._lock = threading.Lock()
+        self._opened: List[int] = []
+        try:
+            for job in self.jobs:
+                entry = job.entry
+                size = os.fstat(job.fd).st_size if job.fd is not None else int(job.source.size)
+                if size != entry.size:
+                    raise VerifyError(f"{where}: {job.name}: size {size} != {entry.size}")
+                if combine(entry.chunks) != entry.hash:
+                    raise VerifyError(f"{where}: {job.name}: manifest hash inconsistent")
+                self.bufs.append(alloc(entry.size))
+                dfd = None
+                if job.fd is not None and entry.size >= DIO_ALIGN:
+                    dfd = _open_direct(job.fd)
+                self.dfds.append(dfd)
+                if dfd is not None:
+                    self._opened.append(dfd)
+        except BaseException:
+            self.close()
+            raise
+
+    def tasks(self) -> List[Tuple[int, int, int, str]]:
+        """Every chunk: ``(file index, start, end, expected hash)``, in file order."""
+        out = []
+        for i, job in enumerate(self.jobs):
+            for ci, want in enumerate(job.entry.chunks):
+                c0 = ci * self.chunk_size
+                out.append((i, c0, min(c0 + self.chunk_size, job.entry.size), want))
+        return out
+
+    def read(self, task: Tuple[int, int, int, str]) -> None:
+        """Read one chunk into its place and verify it (:class:`VerifyError` if not)."""
+        i, c0, c1, want = task
+        job, dfd = self.jobs[i], self.dfds[i]
+        whole = memoryview(self.bufs[i])
+        view = whole[c0:c1]
+        pos = 0
+        try:
+            if job.fd is None:
+                pos = _read_source(job.source, view, c0)
+            elif dfd is not None and not _CACHESTAT.cached(job.fd, c0, c1 - c0):
+                try:
+                    pos = _read_direct(dfd, whole[c0:], 0, c1 - c0, c0)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    self.dfds[i] = None  # alignment refused: buffered from here on
+            if pos < len(view) and job.fd is not None:
+                pos = _read_buffered(job.fd, view, pos, c0)
+        except OSError as exc:
+            raise VerifyError(
+                f"{self.where}: {job.name}: read failed ({exc.strerror or exc})"
+            ) from None
+        with self._lock:
+            self.nbytes_read += pos
+        if pos < len(view):
+            raise VerifyError(f"{self.where}: {job.name}: unexpected end of file at {c0 + pos}")
+        if not chunk_ok(view, want):
+            raise VerifyError(f"{self.where}: {job.name}: content hash mismatch (bytes {c0}-{c1})")
+
+    def close(self) -> None:
+        opened, self._opened = self._opened, []
+        for dfd in opened:
+            os.close(dfd)
+
+    def __enter__(self) -> ChunkReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def chunk_ok(view: Any, want: str) -> bool:
+    """Whether a chunk's bytes hash to ``want`` (the manifest's chunk hash)."""
+    return bool(xxhash.xxh3_128_hexdigest(view) == want)
+
+
+def run_tasks(
+    fn: Callable[[Any], None], tasks: Sequence[Any], streams: int, name: str = "ckpt-read"
+) -> None:
+    """``fn`` over ``tasks`` on up to ``streams`` threads; the first error is raised
+    (the tasks not yet started are cancelled)."""
+    if len(tasks) <= 1 or streams <= 1:
+        for t in tasks:
+            fn(t)
+        return
+    with ThreadPoolExecutor(max_workers=min(streams, len(tasks)), thread_name_prefix=name) as pool:
+        futures = [pool.submit(fn, t) for t in tasks]
+        try:
+            for fut in futures:
+                fut.result()
+        except BaseException:
+            for fut in futures:
+                fut.cancel()
+            raise
+
+
 def read_files(
     jobs: Sequence[ReadJob],
     chunk_size: int,
@@ -190,73 +310,12 @@ def read_files(
     Raises :class:`VerifyError` on a size or hash mismatch or a read error, and
     :class:`InterruptedError` when ``cancelled()`` turns true (checked between chunks).
     """
-    bufs: List[mmap.mmap] = []
-    dfds: List[Optional[int]] = []  # per job; None once direct reads are refused
-    opened: List[int] = []
-    tasks = []
-    try:
-        for i, job in enumerate(jobs):
-            entry = job.entry
-            size = os.fstat(job.fd).st_size if job.fd is not None else int(job.source.size)
-            if size != entry.size:
-                raise VerifyError(f"{where}: {job.name}: size {size} != {entry.size}")
-            if combine(entry.chunks) != entry.hash:
-                raise VerifyError(f"{where}: {job.name}: manifest hash inconsistent")
-            mm = alloc(entry.size)
-            bufs.append(mm)
-            dfd = _open_direct(job.fd) if job.fd is not None and entry.size >= DIO_ALIGN else None
-            dfds.append(dfd)
-            if dfd is not None:
-                opened.append(dfd)
-            for ci, want in enumerate(entry.chunks):
-                c0 = ci * chunk_size
-                tasks.append((i, c0, min(c0 + chunk_size, entry.size), want))
+    with ChunkReader(jobs, chunk_size, where) as cr:
 
-        def run(task: tuple) -> None:  # type: ignore[type-arg]
-            i, c0, c1, want = task
+        def run(task: Tuple[int, int, int, str]) -> None:
             if cancelled():
                 raise InterruptedError("read cancelled")
-            job, dfd = jobs[i], dfds[i]
-            whole = memoryview(bufs[i])
-            view = whole[c0:c1]
-            pos = 0
-            try:
-                if job.fd is None:
-                    pos = _read_source(job.source, view, c0)
-                elif dfd is not None and not _CACHESTAT.cached(job.fd, c0, c1 - c0):
-                    try:
-                        pos = _read_direct(dfd, whole[c0:], 0, c1 - c0, c0)
-                    except OSError as exc:
-                        if exc.errno != errno.EINVAL:
-                            raise
-                        dfds[i] = None  # alignment refused: buffered from here on
-                if pos < len(view) and job.fd is not None:
-                    pos = _read_buffered(job.fd, view, pos, c0)
-            except OSError as exc:
-                raise VerifyError(
-                    f"{where}: {job.name}: read failed ({exc.strerror or exc})"
-                ) from None
-            if pos < len(view):
-                raise VerifyError(f"{where}: {job.name}: unexpected end of file at {c0 + pos}")
-            if xxhash.xxh3_128_hexdigest(view) != want:
-                raise VerifyError(f"{where}: {job.name}: content hash mismatch (bytes {c0}-{c1})")
+            cr.read(task)
 
-        if len(tasks) <= 1 or streams <= 1:
-            for t in tasks:
-                run(t)
-        else:
-            with ThreadPoolExecutor(
-                max_workers=min(streams, len(tasks)), thread_name_prefix="ckpt-read"
-            ) as pool:
-                futures = [pool.submit(run, t) for t in tasks]
-                try:
-                    for fut in futures:
-                        fut.result()
-                except BaseException:
-                    for fut in futures:
-                        fut.cancel()
-                    raise
-    finally:
-        for dfd in opened:
-            os.close(dfd)
-    return bufs
+        run_tasks(run, cr.tasks(), streams)
+        return cr.bufs

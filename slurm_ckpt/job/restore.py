@@ -39,6 +39,14 @@ verification is marked ``BAD`` in the ledger and skipped: the same step from the
 tier, or else the next newest step. (POSIX tiers are read with direct I/O through their
 file descriptors, objects with parallel ranged GETs: :mod:`slurm_ckpt.job.state_reader`.)
 
+Replica groups
+--------------
+With ``replicas`` (the ranks that hold the same bytes, e.g. the DDP world) the newest
+step is first tried as one read shared by the group (:mod:`.replica_read`): each chunk
+read by one rank and broadcast, verified by every receiver against its own manifest.
+Whatever that cannot do (other bytes, a dead peer, a copy on the rank's own node) falls
+back to the per-rank read below, which then finds the shared result already in hand.
+
 Lineages
 --------
 A rollback (a restore of an older step, then a save) starts a new lineage and retires
@@ -55,7 +63,6 @@ any payload, and warns or refuses (``on_data_change``) when the data changed sin
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -67,6 +74,8 @@ from slurm_ckpt.core.lineage import SeriesView, lineage_of
 from slurm_ckpt.core.manifest import Manifest
 from slurm_ckpt.core.replicas import newest_pin, not_automatic, pin_of
 from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
+from slurm_ckpt.job.replica_read import ReplicaGroup
+from slurm_ckpt.job.rest_load import RestLoad
 from slurm_ckpt.job.state import GROUP_REST, GROUP_WEIGHTS, INDEX_NAME, STATE_FORMAT
 from slurm_ckpt.job.state_reader import StateReader
 from slurm_ckpt.tiers.base import Tier
@@ -184,6 +193,11 @@ class Restored:
     #: it is retired (only when asked for by ``restore(step=..., lineage=...)``).
     lineage: str = "main"
     retired: bool = False
+    #: Payload bytes this rank read from storage (its stripe when the restore was shared
+    #: by a replica group, ``restore(replicas=...)``), and verified bytes it received
+    #: from the group's other ranks instead.
+    read_bytes: int = 0
+    peer_bytes: int = 0
 
 
 class Restorer:
@@ -207,6 +221,8 @@ class Restorer:
         lineage: Optional[str] = None,
         launch: Optional[str] = None,
         pin: Optional[Tuple[int, float]] = None,
+        replicas: Optional[ReplicaGroup] = None,
+        node_tiers: Sequence[str] = (),
     ) -> None:
         if on_data_change not in DATA_CHANGE_ACTIONS:
             raise CkptError(
@@ -233,9 +249,12 @@ class Restorer:
         #: The ``last_healthy`` pin this process set (one recorded in a manifest counts
         #: too: the newest wins).
         self.pin = pin
+        self.replicas = replicas
+        #: Tiers on the rank's own node (local, RAM, partner): a copy there is read alone.
+        self.node_tiers = set(node_tiers)
         self._bad: Set[Tuple[str, int]] = set()
         self._passed: Set[int] = set()  # steps said to be passed over (suspect, pinned)
-        self._rest: Optional[_RestLoad] = None
+        self._rest: Optional[RestLoad] = None
         self._steps: List[int] = []
         self._own: Dict[int, List[Tuple[Tier, Manifest]]] = {}
 
@@ -327,7 +346,16 @@ class Restorer:
         return sorted(complete & set(own), reverse=True)
 
     # -- loading -----------------------------------------------------------------------
-    def _restored(self, tier: Tier, m: Manifest, state: Any, t0: float, partial: bool) -> Restored:
+    def _restored(
+        self,
+        tier: Tier,
+        m: Manifest,
+        state: Any,
+        t0: float,
+        partial: bool,
+        read: Optional[int] = None,
+        peer: int = 0,
+    ) -> Restored:
         return Restored(
             step=m.step,
             tokens=m.tokens,
@@ -343,12 +371,14 @@ class Restorer:
             nbytes=m.total_bytes,
             seconds=time.monotonic() - t0,
             partial=partial,
+            read_bytes=m.total_bytes if read is None else read,
+            peer_bytes=peer,
         )
 
     def _load(self, tier: Tier, m: Manifest, weights_only: bool) -> Restored:
         """Read one step from one tier. With ``weights_only`` the weight blobs are read
         first (all streams on them) and returned; the rest is then read and verified in
-        the background (:class:`_RestLoad`) while the caller uses the weights."""
+        the background (:class:`RestLoad`) while the caller uses the weights."""
         t0 = time.monotonic()
         where = tier.where(self.user, self.own_key, m.step)
         fmt = payload_format(m, self.prefix)
@@ -366,7 +396,7 @@ class Restorer:
         except BaseException:
             reader.close()
             raise
-        rest = _RestLoad(reader, tier, m, where)  # takes the reader over
+        rest = RestLoad(reader, tier, m, where)  # takes the reader over
         self._rest = rest
         return self._restored(tier, m, state, t0, True)
 
@@ -451,8 +481,11 @@ class Restorer:
         self.cancel()
         own = self._own = self.own_steps()
         steps = self._steps = self.complete_steps()
+        shared = None
+        if self.replicas is not None and not weights_only:
+            shared = self._shared(steps, own)
         if self.agree is None:
-            got = self._best_own(steps, own, None, weights_only, None)
+            got = self._best_own(steps, own, None, weights_only, shared)
             if got is not None and steps and got.step != steps[0] and self.world_size > 1:
                 log.error(
                     "[ckpt] restore: rank %d fell back to step %d while step %d is complete; "
@@ -462,8 +495,17 @@ class Restorer:
                     steps[0],
                 )
         else:
-            got = self._agreed(steps, own, weights_only)
+            got = self._agreed(steps, own, weights_only, current=shared)
         return got
+
+    def _shared(
+        self, steps: List[int], own: Dict[int, List[Tuple[Tier, Manifest]]]
+    ) -> Optional[Restored]:
+        """The newest step read once by the replica group, or None (each rank then
+        reads alone): :func:`slurm_ckpt.job.replica_restore.shared_restore`."""
+        from slurm_ckpt.job.replica_restore import shared_restore  # it needs this module
+
+        return shared_restore(self, steps, own)
 
     def _agreed(
         self,
@@ -471,9 +513,9 @@ class Restorer:
         own: Dict[int, List[Tuple[Tier, Manifest]]],
         weights_only: bool,
         bound: Optional[int] = None,
+        current: Optional[Restored] = None,
     ) -> Optional[Restored]:
         assert self.agree is not None
-        current: Optional[Restored] = None
         while True:
             current = self._best_own(steps, own, bound, weights_only, current)
             mine = -1 if current is None else current.step
@@ -550,7 +592,7 @@ class Restorer:
         full.rolled_back = True
         return full
 
-    def _rest_elsewhere(self, failed: _RestLoad) -> Optional[Restored]:
+    def _rest_elsewhere(self, failed: RestLoad) -> Optional[Restored]:
         """The rest of the same step from another tier whose weights are identical."""
         step = failed.manifest.step
         for tier, m in self._own.get(step, []):
@@ -575,51 +617,3 @@ class Restorer:
             log.warning("[ckpt] restore: the rest of step %d came from %s", step, tier.name)
             return self._restored(tier, m, state, t0, True)
         return None
-
-
-class _RestLoad:
-    """The background read of everything but the weights (weights-first restore)."""
-
-    def __init__(self, reader: StateReader, tier: Tier, manifest: Manifest, where: str):
-        self.reader, self.tier, self.manifest, self.where = reader, tier, manifest, where
-        self.t0 = time.monotonic()
-        self._stop = False
-        self._bufs: Optional[Dict[str, Any]] = None
-        self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, name="ckpt-restore-rest", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._bufs = self.reader.read(
-                self.reader.blobs([GROUP_REST]), cancelled=lambda: self._stop
-            )
-        except BaseException as exc:  # handed to the caller by result()
-            self._error = exc
-        finally:
-            self.reader.close()
-
-    def cancel(self) -> None:
-        self._stop = True
-        self._thread.join()
-        self._bufs = None
-
-    def same_weights(self, other: Manifest) -> bool:
-        """Whether ``other`` (another tier's manifest of this step) has the same index and
-        weight blobs, byte for byte (equal content hashes)."""
-        mine = {f.path: f.hash for f in self.manifest.files}
-        theirs = {f.path: f.hash for f in other.files}
-        pre = f"{self.reader.prefix}/" if self.reader.prefix else ""
-        names = [f"{pre}index.json"] + [f"{pre}{n}" for n in self.reader.blobs([GROUP_WEIGHTS])]
-        return all(n in theirs and mine.get(n) == theirs[n] for n in names)
-
-    def result(self, restorer: Restorer) -> Restored:
-        self._thread.join()
-        if self._error is not None:
-            if isinstance(self._error, (VerifyError, TierError)):
-                raise self._error
-            raise VerifyError(f"{self.where}: reading the rest failed: {self._error}")
-        assert self._bufs is not None
-        state = self.reader.build(self._bufs, [GROUP_REST])
-        self._bufs = None
-        return restorer._restored(self.tier, self.manifest, state, self.t0, True)

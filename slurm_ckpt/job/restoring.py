@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from slurm_ckpt.core.lineage import SeriesView, lineage_of
 from slurm_ckpt.core.units import format_bytes
@@ -24,6 +24,7 @@ from slurm_ckpt.job.dist import dist_agree, run_launch
 from slurm_ckpt.job.partner_fetch import relaunched
 from slurm_ckpt.job.partner_tier import PARTNER, PARTNER_RAM, PartnerTier
 from slurm_ckpt.job.ram_tier import RAM
+from slurm_ckpt.job.replica_read import replica_group
 from slurm_ckpt.job.restore import Restored, Restorer, check_tier_names
 from slurm_ckpt.ledger.record import State
 from slurm_ckpt.tiers.base import Tier
@@ -100,6 +101,7 @@ class RestoreMethods:
         factory: Callable[..., Restorer] = Restorer,
         partner: Sequence[PartnerTier] = (),
         lineage: Optional[str] = None,
+        replicas: Any = None,
     ) -> Restorer:
         """The one place a restorer of this rank is built (``restore()``, and
         ``restore_path()`` with ``factory=partial(DirRestorer, local)``): the tier list
@@ -108,7 +110,11 @@ class RestoreMethods:
         ``tiers`` are named)."""
         if tiers is not None:
             tiers = check_tier_names(tiers, [t.name for t in self.tiers], self.config.tiers.warm)
-        extra = {} if lineage is None else {"lineage": lineage}
+        extra: Dict[str, Any] = {} if lineage is None else {"lineage": lineage}
+        group = replica_group(replicas)
+        if group is not None:
+            extra["replicas"] = group
+            extra["node_tiers"] = [self.local.name, RAM, PARTNER, PARTNER_RAM]
         use: List[Any] = list(
             self.tiers if tiers is None else [t for t in self.tiers if t.name in tiers]
         )
@@ -156,6 +162,7 @@ class RestoreMethods:
         expect_data_version: Optional[str] = None,
         on_data_change: str = "warn",
         lineage: Optional[str] = None,
+        replicas: Any = None,
     ) -> Optional[Restored]:
         """The newest complete checkpoint that verifies, on any configured tier (local,
         PFS, object store, cold; the fastest that holds it); None when there is none.
@@ -174,12 +181,26 @@ class RestoreMethods:
         newest and saving on starts a new lineage; the newer steps are then retired and
         no automatic restore picks them. ``lineage`` names the lineage to read from
         (``Restored.lineage`` says which one a restore read): ``restore(step=20,
-        lineage="main")`` gets a retired step back."""
+        lineage="main")`` gets a retired step back.
+
+        ``replicas``: the ranks that restore the same bytes read them once between them
+        (docs/user-guide.md, "Restoring at scale"): ``True`` for data parallelism (every
+        rank of the default process group holds the same state), or the process group
+        of ranks that do (HSDP's replicate dimension). Each chunk is read by one rank
+        and broadcast; every rank verifies every chunk against its own manifest and
+        reads alone whatever did not arrive verified. A step this rank holds on its own
+        node (local tier, RAM, partner) is read there, alone. Collective over that group."""
         if self._restorer is not None:
             self._restorer.cancel()
         partner = self._partner_tiers() if tiers is None else []
         self._restorer = self._make_restorer(
-            tiers, step, expect_data_version, on_data_change, partner=partner, lineage=lineage
+            tiers,
+            step,
+            expect_data_version,
+            on_data_change,
+            partner=partner,
+            lineage=lineage,
+            replicas=replicas,
         )
         got = self._restorer.restore(weights_only=weights_only)
         if got is not None and got.tier == PARTNER and self.partner is not None:

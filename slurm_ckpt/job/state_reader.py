@@ -141,15 +141,19 @@ class StateReader:
             named |= set(self.files)  # stray blobs are verified too
         return sorted(named)
 
+    def jobs(self, names: Sequence[str]) -> List[ReadJob]:
+        """The read jobs of the blobs ``names`` (for a read shared by a replica group)."""
+        if not self.sources and names:
+            raise CkptError(f"{self.where}: reader already closed")
+        return [_job(n, self.files[n], self.sources[n]) for n in names]
+
     def read(
         self,
         names: Sequence[str],
         cancelled: Callable[[], bool] = lambda: False,
     ) -> Dict[str, Any]:
         """Load and verify the blobs ``names``; returns name -> memory."""
-        if not self.sources and names:
-            raise CkptError(f"{self.where}: reader already closed")
-        jobs = [_job(n, self.files[n], self.sources[n]) for n in names]
+        jobs = self.jobs(names)
         try:
             bufs = read_files(
                 jobs,

@@ -46,6 +46,8 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from slurm_ckpt.job.dist import all_reduce_ints, process_group
+from slurm_ckpt.job.recovery import Recovery as Recovery
+from slurm_ckpt.job.recovery import RecoveryFailed as RecoveryFailed
 from slurm_ckpt.torch_codec import UnsupportedState as UnsupportedState
 from slurm_ckpt.torch_codec import decode as decode
 from slurm_ckpt.torch_codec import encode as encode
@@ -63,13 +65,46 @@ from slurm_ckpt.torch_state import state_digest as state_digest
 # it is built on, and two helpers. The pieces (capture_rng, apply_model, the codec's
 # encode/decode, the module-level save/restore) stay importable for tests and tools.
 __all__ = [
+    "Recovery",
+    "RecoveryFailed",
     "Resumed",
     "TorchCheckpointer",
     "apply",
     "capture",
     "data_version",
+    "recovery",
     "state_digest",
 ]
+
+
+def recovery(
+    directory: Optional[str] = None,
+    *,
+    timeout_s: float = 30.0,
+    deadline_s: float = 300.0,
+    wait_copy: bool = True,
+) -> Recovery:
+    """In-job recovery (docs/in-job-recovery.md): join the job's membership and form the
+    gloo process group with a ``timeout_s`` collective timeout. A hot spare
+    (``SLURM_CKPT_SPARE=1``) waits here until it takes a lost rank's place (or exits 0
+    when the job ends). Then::
+
+        rec = slurm_ckpt.torch.recovery()            # rec.rank, rec.world_size, rec.group
+        tc = TorchCheckpointer(Checkpointer.from_env(ram=RamOptions(every=1, keep=2),
+                                                     partner=True), model, opt)
+        def rebuild(group):                          # the one place that wraps the model
+            global ddp
+            ddp = DistributedDataParallel(model, process_group=group)
+        rec.run(tc, train_step, total_steps, on_reform=rebuild)
+
+    ``train_step(step)`` runs one step; a collective that fails in it (a rank lost) is
+    recovered from inside the job: the survivors keep their processes, a spare takes
+    the lost rank, every rank restores the newest step all hold, and ``run`` goes on
+    from there. :class:`RecoveryFailed` when that cannot be done (fall back to a
+    relaunch)."""
+    return Recovery(
+        directory, timeout_s=timeout_s, deadline_s=deadline_s, wait_copy=wait_copy
+    ).join()
 
 
 @dataclass

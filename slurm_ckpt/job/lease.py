@@ -192,6 +192,9 @@ class SeriesLease:
         self._beat: Optional[threading.Thread] = None
         self._owner: Optional[Callable[[], object]] = None
         self._pid = os.getpid()
+        #: Asked before every commit too; raises StaleGeneration when this writer was
+        #: replaced otherwise (in-job recovery's membership, job/recovery.py).
+        self.guard: Optional[Callable[[], None]] = None
 
     # -- taking it -----------------------------------------------------------------------
     def ensure(self) -> None:
@@ -353,6 +356,12 @@ class SeriesLease:
             raise self.lost
         if self.record is None:
             raise CkptError(f"key {self.key}: no lease taken: this writer may not commit")
+        if self.guard is not None:
+            try:
+                self.guard()
+            except StaleGeneration as exc:
+                self.lost = exc
+                raise
         if tier == "warm":
             rec, where = self._read_warm(), self.warm.where(self.user, self.key)  # type: ignore[union-attr]
         else:

@@ -168,6 +168,8 @@ class PartnerLink:
         self.rendezvous_timeout = RENDEZVOUS_TIMEOUT_S
         self._sock = listening_socket(bind)
         self.port = self._sock.getsockname()[1]
+        #: The address published for this rank (published again by :meth:`rebind`).
+        self.host = host
         rendezvous.publish(node, host, self.port)
         self._conns = threading.BoundedSemaphore(MAX_CONNECTIONS)
         #: Sessions of other kinds, by the first bytes of their first frame (the RAM
@@ -177,6 +179,10 @@ class PartnerLink:
         self.ram_held: Optional[Any] = None
         self._retention_lock = threading.Lock()
         self._threads: List[threading.Thread] = []
+        #: The accept loop's gate; its identity is the link's (:meth:`rebind` swaps both).
+        self.gate = Gate(
+            self._sock, self.ident, self._session, self._refused, io_timeout=IO_TIMEOUT_S
+        )
         loops = (("ckpt-partner-send", self._send_loop), ("ckpt-partner-recv", self._accept_loop))
         for name, target in loops:
             # background work like the local writer's: it yields the CPU to training
@@ -301,9 +307,19 @@ class PartnerLink:
 
     # -- receiver ---------------------------------------------------------------------
     def _accept_loop(self) -> None:
-        Gate(self._sock, self.ident, self._session, self._refused, io_timeout=IO_TIMEOUT_S).run(
-            lambda: self._stop
-        )
+        self.gate.run(lambda: self._stop)
+
+    def rebind(self, launch: str) -> None:
+        """Bind every later session to ``launch`` (in-job recovery: a new membership
+        epoch, :mod:`slurm_ckpt.job.recovery`): this rank's address is published again
+        under it, handshakes of any other launch are refused both ways (a process of an
+        older epoch can neither serve this rank nor reach it), and the partner's address
+        is looked up again (a spare took a rank's place)."""
+        self.rdv.launch = launch
+        self.ident = dataclasses.replace(self.ident, launch=launch)
+        self.gate.ident = self.ident
+        self.rdv.publish(self.node, self.host, self.port)
+        self.forget_target()
 
     def _refused(self, reason: str) -> None:
         self._count(refused=1)

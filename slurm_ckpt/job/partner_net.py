@@ -45,6 +45,8 @@ __all__ = [
 SECRET_BYTES = 32
 #: How often a rank looks for the others' rendezvous files while it waits for them.
 POLL_S = 0.2
+#: The in-job recovery's membership epoch of this process (set by job/recovery.py).
+EPOCH_ENV = "SLURM_CKPT_EPOCH"
 
 
 @dataclass(frozen=True)
@@ -229,7 +231,11 @@ def launch_tag() -> str:
     """This launch of the ranks: the SLURM step and ckpt-srun's relaunch count (every
     rank of one launch sees the same; a relaunch after a node loss differs)."""
     step = os.environ.get("SLURM_STEP_ID", "")
-    return f"{step}/{os.environ.get('SLURM_CKPT_RELAUNCH', '0')}"
+    tag = f"{step}/{os.environ.get('SLURM_CKPT_RELAUNCH', '0')}"
+    epoch = os.environ.get(EPOCH_ENV, "")
+    # In-job recovery (job/recovery.py): the membership epoch too, so that sessions of
+    # processes of different epochs never authenticate.
+    return f"{tag}/e{epoch}" if epoch.isdigit() else tag
 
 
 def local_host() -> str:

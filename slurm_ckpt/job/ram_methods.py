@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Dict, Optional, Union
+from typing import Any, Callable, Dict, Optional, Union
 
 from slurm_ckpt.errors import CkptError
+from slurm_ckpt.job.lease import SeriesLease
 from slurm_ckpt.job.options import RamOptions, ram_options
 from slurm_ckpt.job.ram_replica import RamCopies
 from slurm_ckpt.job.saved import check_save_args
@@ -76,6 +77,13 @@ class RamMethods:
 
     ram: Optional[RamCopies]
     _closed: bool
+    _lease: SeriesLease
+
+    def guard_commits(self, guard: Callable[[], None]) -> None:
+        """``guard()`` is asked before every commit of this series and raises
+        :class:`~slurm_ckpt.core.lease.StaleGeneration` when this process was replaced
+        (in-job recovery's membership fence, :mod:`slurm_ckpt.job.recovery`)."""
+        self._lease.guard = guard
 
     def ram_save(
         self,

@@ -213,6 +213,8 @@ class RamCopies:
         self._busy = False
         self._stop = False
         self._conn: Optional[Channel] = None
+        #: The launch tag (membership epoch included) the kept session was opened under.
+        self._conn_launch = ""
         #: CPU seconds the last received copy cost this rank (its holder's side).
         self._recv_cpu = 0.0
         self._warned = 0.0
@@ -432,7 +434,21 @@ class RamCopies:
         except BaseException:
             s.close()
             raise
+        self._conn_launch = self.link.ident.launch
         return ch
+
+    def drop_session(self) -> None:
+        """End the kept replication session now, waking a copy blocked on it: in-job
+        recovery re-formed the job (its holder may be gone or stopped; the next snapshot
+        goes to the partner of the new membership)."""
+        conn = self._conn
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+
+    def _launch(self) -> str:
+        link = self.partner_link
+        return link.ident.launch if link is not None else ""
 
     def _drop_conn(self) -> None:
         conn, self._conn = self._conn, None
@@ -441,6 +457,8 @@ class RamCopies:
 
     def _replicate(self, slot: Slot, m: Manifest, mbytes: bytes) -> None:
         assert self.link is not None
+        if self._conn is not None and self._conn_launch != self.link.ident.launch:
+            self._drop_conn()  # opened under an older membership epoch: its holder is gone
         for attempt in (0, 1):
             fresh = self._conn is None
             if fresh:
@@ -499,12 +517,15 @@ class RamCopies:
 
     def _put_session(self, conn: Channel) -> None:
         conn.settimeout(IDLE_S)
+        bound = self._launch()
         while True:
             try:
                 mbytes = conn.recv_frame()
             except (WireError, OSError):
                 return  # the sender went away or stayed idle: it reconnects when it sends
-            if not mbytes:
+            if not mbytes or self._launch() != bound:
+                # A session of an older membership epoch (in-job recovery): its sender may
+                # be a fenced process, whose copies this rank must never take.
                 return
             conn.settimeout(IO_TIMEOUT_S)
             m = Manifest.from_bytes(mbytes, "RAM copy manifest")

@@ -43,6 +43,11 @@ class RankTimeline:
             self._broken = True
             log.warning("[ckpt] job timeline %s not written: %s", self.path, exc)
 
+    def event(self, name: str, **fields: object) -> None:
+        """Any other record of rank 0 (in-job recovery's ``in_job_failure``,
+        ``reform_start``, ``reform_end``: :mod:`slurm_ckpt.job.recovery`)."""
+        self._write(name, **fields)
+
     def restored(self, step: int, tier: str, seconds: float) -> None:
         self._write("restored", step=step, tier=tier, seconds=round(seconds, 3))
 

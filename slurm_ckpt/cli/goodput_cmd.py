@@ -45,10 +45,15 @@ def goodput_cmd(
     ]
     for i, f in enumerate(g.failures, 1):
         redo = "-" if f.steps_recomputed is None else str(f.steps_recomputed)
+        how = (
+            f"spare named {_s(f.recovery_s)} later (in the job), re-form {_s(f.reform_s)}"
+            if f.mode == "in_job"
+            else f"relaunched {_s(f.recovery_s)} later"
+        )
         rows.append(
             (
                 f"loss {i}: {','.join(f.nodes)}",
-                f"detected {_s(f.detection_s)}, relaunched {_s(f.recovery_s)} later, "
+                f"detected {_s(f.detection_s)}, {how}, "
                 f"restore {_s(f.restore_s)}, training again {_s(f.training_again_s)} after "
                 f"the last heartbeat, {redo} steps recomputed",
             )

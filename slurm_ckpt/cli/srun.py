@@ -119,6 +119,13 @@ def _say(msg: str) -> None:
     help="With --spares: a node whose heartbeats stop for this long is lost; the step is "
     "stopped and relaunched without it (no wait for SLURM's SlurmdTimeout).",
 )
+@click.option(
+    "--in-job",
+    is_flag=True,
+    help="With --spares: recover inside the job. The spares run the same command as hot "
+    "spares (SLURM_CKPT_SPARE=1); on a lost node the survivors keep their processes and a "
+    "spare takes the lost rank (docs/spares.md). Falls back to the relaunch.",
+)
 @click.option("--srun", "srun_path", default="srun", show_default=True, help="The srun to run.")
 @click.option("--flush-local", is_flag=True, hidden=True)
 @click.argument("srun_args", nargs=-1, type=click.UNPROCESSED)
@@ -134,6 +141,7 @@ def cli(
     spares: int,
     node_wait_s: float,
     node_timeout_s: float,
+    in_job: bool,
     srun_path: str,
     flush_local: bool,
     srun_args: Sequence[str],
@@ -148,6 +156,7 @@ def cli(
       exec ckpt-srun --key my-run -- python train.py
       exec ckpt-srun --key my-run --warn 5min -- -n 8 python train.py --big
       exec ckpt-srun --key my-run --spares 1 -- python train.py   # sbatch -N5 --no-kill
+      exec ckpt-srun --key my-run --spares 1 --in-job -- python train.py
     """
     opts = SrunOptions(
         config_path=config_path,
@@ -163,6 +172,7 @@ def cli(
         spares=spares,
         node_wait_s=node_wait_s,
         node_timeout_s=node_timeout_s,
+        in_job=in_job,
     )
     return run_wrapper(opts, srun_args, _say)
 

@@ -12,6 +12,14 @@ and names in ``$SLURM_CKPT_TIMELINE``):
   ``progress`` (the step, at most every :data:`PROGRESS_S` seconds, from
   ``should_save``).
 
+In-job recovery (``ckpt-srun --in-job``) adds ``in_job_reform`` to ckpt-srun's records
+(the new epoch written: the spare named in the lost rank's place) and, from rank 0's
+recovery layer, ``reform_end`` (epoch, the step all ranks agreed on, the tier it came
+from, ``recomputed`` steps, ``seconds`` since the failure, ``restore_s``). A loss repaired
+in the job is reported with ``mode = "in_job"``: **recovery** is the verdict to the new
+epoch, **re-form** the new epoch to the ranks' agreement minus the restore, **restore**
+and **steps recomputed** as the ranks measured them.
+
 From them, per failure: **detection** (last heartbeat to the verdict), **recovery** (the
 verdict to the relaunched step's start), **restore** (the restored rank 0's read),
 **training again** (the node's last heartbeat to the first progress after the restore)
@@ -87,6 +95,10 @@ class Failure:
     restored_step: Optional[int] = None
     steps_recomputed: Optional[int] = None
     found_by: str = "?"
+    #: ``relaunch`` (the step relaunched) or ``in_job`` (a spare took the rank in the job).
+    mode: str = "relaunch"
+    #: In-job: the new epoch to the ranks' agreement on a step, without the restore.
+    reform_s: Optional[float] = None
 
 
 @dataclass
@@ -132,6 +144,8 @@ def analyze(job: str, srun: List[Dict[str, Any]], rank0: List[Dict[str, Any]]) -
     progress = [(t, s) for t, s in progress if s is not None]
     restores = [r for r in rank0 if r["event"] == "restored"]
     starts = [r["t"] for r in srun if r["event"] == "step_start"]
+    reforms = [r for r in srun if r["event"] == "in_job_reform"]
+    reform_ends = [r for r in rank0 if r["event"] == "reform_end"]
     first_progress = progress[0][0] if progress else end
     startup = max(0.0, first_progress - start)
     mean_step = _mean_step(progress)
@@ -146,7 +160,10 @@ def analyze(job: str, srun: List[Dict[str, Any]], rank0: List[Dict[str, Any]]) -
         nodes = [n for n in r.get("nodes", []) if isinstance(n, str)][:64]
         f = Failure(nodes, heard, detected, detected - heard, found_by=str(r.get("by", "?"))[:32])
         relaunch = next((t for t in starts if t >= detected), None)
-        if relaunch is not None:
+        reform = next((x for x in reforms if x["t"] >= r["t"]), None)
+        if reform is not None and (relaunch is None or reform["t"] <= relaunch):
+            _in_job(f, reform, reform_ends, progress, heard)
+        elif relaunch is not None:
             f.recovery_s = relaunch - detected
             rest = next((x for x in restores if x["t"] >= relaunch), None)
             if rest is not None:
@@ -155,7 +172,7 @@ def analyze(job: str, srun: List[Dict[str, Any]], rank0: List[Dict[str, Any]]) -
                 again = next((t for t, _ in progress if t >= rest["t"]), rest["t"])
                 f.training_again_s = again - heard
         before = [s for t, s in progress if t <= heard]
-        if before and f.restored_step is not None:
+        if f.mode == "relaunch" and before and f.restored_step is not None:
             f.steps_recomputed = max(0, max(before) - f.restored_step)
         failures.append(f)
     down = sum(f.training_again_s or (end - f.last_heard) for f in failures)
@@ -163,6 +180,29 @@ def analyze(job: str, srun: List[Dict[str, Any]], rank0: List[Dict[str, Any]]) -
     wall = max(0.0, end - start)
     productive = max(0.0, wall - startup - down - redo)
     return Goodput(job, wall, productive, startup, mean_step, failures)
+
+
+def _in_job(
+    f: Failure,
+    reform: Dict[str, Any],
+    ends: List[Dict[str, Any]],
+    progress: List[Any],
+    heard: float,
+) -> None:
+    """Fill ``f`` for a loss repaired inside the job: the coordinator's new epoch, then
+    rank 0's ``reform_end`` of that epoch (its step, restore time, steps recomputed)."""
+    f.mode = "in_job"
+    f.recovery_s = reform["t"] - f.detected
+    epoch = _int(reform.get("epoch"))
+    done = next((x for x in ends if x["t"] >= reform["t"] and _int(x.get("epoch")) == epoch), None)
+    if done is None:
+        return
+    f.restore_s = _num(done.get("restore_s"))
+    f.restored_step = _int(done.get("step"))
+    f.steps_recomputed = _int(done.get("recomputed"))
+    f.reform_s = max(0.0, done["t"] - reform["t"] - (f.restore_s or 0.0))
+    again = next((t for t, _ in progress if t >= done["t"]), done["t"])
+    f.training_again_s = again - heard
 
 
 def _mean_step(progress: List[Any]) -> Optional[float]:

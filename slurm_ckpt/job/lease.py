@@ -21,7 +21,9 @@ requeued or relaunched job); or on another node with a heartbeat older than
 :data:`STALE_AFTER_S`. Each acquisition takes the next **generation**: one more than any
 recorded on the local or warm tier. Before each commit the pipeline asks :meth:`check`
 with the tier it commits to; a newer generation there means this writer was taken over
-(:class:`~slurm_ckpt.core.lease.StaleGeneration`), and it stops committing.
+(:class:`~slurm_ckpt.core.lease.StaleGeneration`), and it stops committing. A local
+commit checks the warm tier's record too: a node that was partitioned and replaced by a
+spare still holds its own, older record on its own disk.
 """
 
 from __future__ import annotations
@@ -366,6 +368,13 @@ class SeriesLease:
             rec, where = self._read_local(), self.local.where(self.user, self.key)
         try:
             check_generation(rec, self.generation, where)
+            if tier != "warm" and self.warm is not None:
+                # A node that was partitioned and replaced (a spare's rank took the series
+                # over) still finds its own record on its own disk: the newer generation is
+                # on the warm tier, which every node shares. Unreadable: the local check
+                # stands (the flush is fenced on the warm tier itself).
+                warm = self._read_warm(quiet=True)
+                check_generation(warm, self.generation, self.warm.where(self.user, self.key))
         except StaleGeneration as exc:
             self.lost = exc
             raise

@@ -47,6 +47,8 @@ SECRET_BYTES = 32
 POLL_S = 0.2
 #: The in-job recovery's membership epoch of this process (set by job/recovery.py).
 EPOCH_ENV = "SLURM_CKPT_EPOCH"
+#: The launch every rank of a ckpt-srun --in-job run shares (its ranks run one step each).
+LAUNCH_ENV = "SLURM_CKPT_LAUNCH"
 
 
 @dataclass(frozen=True)
@@ -230,7 +232,9 @@ class Rendezvous:
 def launch_tag() -> str:
     """This launch of the ranks: the SLURM step and ckpt-srun's relaunch count (every
     rank of one launch sees the same; a relaunch after a node loss differs)."""
-    step = os.environ.get("SLURM_STEP_ID", "")
+    # ckpt-srun --in-job runs one step per node (slurm_ckpt.ops.in_job): the ranks' step
+    # ids differ, so it names their common launch in SLURM_CKPT_LAUNCH instead.
+    step = os.environ.get(LAUNCH_ENV) or os.environ.get("SLURM_STEP_ID", "")
     tag = f"{step}/{os.environ.get('SLURM_CKPT_RELAUNCH', '0')}"
     epoch = os.environ.get(EPOCH_ENV, "")
     # In-job recovery (job/recovery.py): the membership epoch too, so that sessions of

@@ -62,11 +62,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from slurm_ckpt.core.config import load_config, resolve_config_path
+from slurm_ckpt.core.membership import RecoveryDir
 from slurm_ckpt.core.names import validate_key
 from slurm_ckpt.core.timeline import TIMELINE_ENV
 from slurm_ckpt.errors import CkptError, InvalidName, SlurmError, UsageError
 from slurm_ckpt.ops.flush_cmd import flush_series
-from slurm_ckpt.ops.heartbeat import BEAT_S, Heartbeats
+from slurm_ckpt.ops.heartbeat import BEAT_S, Heartbeats, batch_host_address
+from slurm_ckpt.ops.in_job import prepare_recovery_dir, run_in_job
 from slurm_ckpt.ops.job_timeline import SrunTimeline, timeline_dir
 from slurm_ckpt.ops.spares import NodeSet, check_srun_args, dead_nodes, layout_args, wait_for_dead
 from slurm_ckpt.slurm.client import SlurmClient
@@ -103,6 +105,9 @@ class SrunOptions:
     node_wait_s: float = 60.0
     #: With spares: a node whose heartbeats stop for this long is lost (ops/heartbeat).
     node_timeout_s: float = 10.0
+    #: With spares: recover inside the job (hot spares, survivors keep their processes;
+    #: slurm_ckpt.ops.in_job), falling back to the relaunch.
+    in_job: bool = False
 
 
 def warning_signal(name: str) -> signal.Signals:
@@ -357,10 +362,8 @@ def run_wrapper(opts: SrunOptions, srun_args: Sequence[str], say: Say) -> int:
         assert client is not None and jenv is not None
         return list(client.job(jenv.job_id).nodes)
 
-    lost_now: List[str] = []
-    failed_at: Optional[float] = None
-    relaunches = 0
-    while True:
+    def run_step() -> StepOutcome:
+        """Today's step: all ranks in one srun (relaunched on a loss)."""
         step_env = dict(child_env)
         layout: List[str] = []
         if ns is not None:
@@ -388,8 +391,48 @@ def run_wrapper(opts: SrunOptions, srun_args: Sequence[str], say: Say) -> int:
             + (f" after a warning ({outcome.warned_by})" if outcome.warned else "")
             + (" after SIGTERM" if outcome.terminated else "")
         )
-        if ns is None or client is None or (outcome.rc == 0 and not outcome.lost):
-            break
+        return outcome
+
+    lost_now: List[str] = []
+    failed_at: Optional[float] = None
+    relaunches = 0
+    in_job = _in_job_setup(opts, ns, beats, timeline, say)
+    while True:
+        if in_job is not None and ns is not None and beats is not None and client is not None:
+            res = run_in_job(
+                srun=srun,
+                args=args,
+                env=child_env,
+                ns=ns,
+                monitor=beats.monitor,
+                recovery=in_job,
+                address=functools.partial(batch_host_address, client),
+                note=timeline.note,
+                say=say,
+                warn_sig=warn_sig,
+            )
+            in_job.close()
+            in_job = None  # once: after a fallback, steps are relaunched as without it
+            ns = res.ns or ns
+            outcome = StepOutcome(
+                rc=res.rc,
+                warned=res.warned,
+                warned_by="SLURM signal" if res.warned else None,
+                terminated=res.terminated,
+                lost=res.lost or None,
+                lost_at=res.lost_at,
+            )
+            if res.finished or (outcome.rc == 0 and not outcome.lost):
+                break
+            if res.relaunch:  # a re-form failed: relaunch on the node set as it is now
+                relaunches += 1
+                failed_at = time.monotonic()
+                continue
+            # A loss with no spare ready, or a failed rank: decided as for a failed step.
+        else:
+            outcome = run_step()
+            if ns is None or client is None or (outcome.rc == 0 and not outcome.lost):
+                break
         if outcome.warned or outcome.terminated:
             break  # the time limit or SLURM ends the job: not a node loss to repair
         failed_at = time.monotonic()
@@ -503,3 +546,29 @@ def _requeue_after(
             say(f"not requeued (state {info.state}, restarts {info.restarts})")
     except CkptError as exc:
         say(f"requeue failed: {exc}")
+
+
+def _in_job_setup(
+    opts: SrunOptions,
+    ns: Optional[NodeSet],
+    beats: Optional[Heartbeats],
+    timeline: SrunTimeline,
+    say: Say,
+) -> Optional[RecoveryDir]:
+    """The recovery directory for ``--in-job`` (timeline dir + ``/recovery``), or None
+    (said why) when in-job recovery cannot run: the relaunch path is used instead."""
+    if not opts.in_job:
+        return None
+    if ns is None or not ns.spares:
+        raise UsageError("--in-job needs --spares 1 or more (the hot spares' nodes)")
+    if beats is None:
+        say("in-job recovery needs the heartbeats: a lost node is relaunched instead")
+        return None
+    if timeline.directory is None:
+        say("in-job recovery needs a PFS tier (its recovery directory): relaunching instead")
+        return None
+    try:
+        return prepare_recovery_dir(os.path.join(timeline.directory, "recovery"))
+    except (CkptError, OSError) as exc:
+        say(f"in-job recovery unavailable ({exc}): relaunching instead")
+        return None

@@ -1,0 +1,109 @@
+"""One rank (or hot spare) of the DDP run of tests/test_cluster_in_job.py, launched by
+``ckpt-srun --spares 1 --in-job`` on the dev cluster: a tiny model trained with
+``DistributedDataParallel`` over gloo through ``slurm_ckpt.torch.recovery`` (the job
+side of in-job recovery), with the site's tiers (``Checkpointer.from_env``), partner
+copies and the RAM tier every step.
+
+    python in_job_ddp_worker.py TOTAL SLEEP_S OUT_DIR
+
+Lines: ``PID pid=P node=N`` first (before the model is built: a spare prints it too),
+``RANK r``, ``STEP s`` after each step, and at the end ``DONE {json}`` with the rank,
+the last step, the recovery history and a sha256 of the final parameters (the same
+digest on every rank of a data-parallel run). The final parameters also go to
+``OUT_DIR/<job>.final.rank<r>.pt``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Dict
+
+import torch
+from torch import nn
+
+import slurm_ckpt.torch as sct
+from slurm_ckpt import Checkpointer
+from slurm_ckpt.job.options import RamOptions
+
+
+def out(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)
+    )
+
+
+def batch(rank: int, step: int) -> Any:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
+    total, sleep_s, out_dir = int(sys.argv[1]), float(sys.argv[2]), Path(sys.argv[3])
+    torch.set_num_threads(1)
+    node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
+    out(f"PID pid={os.getpid()} node={node}")
+    model = build()
+    try:
+        rec = sct.recovery(timeout_s=20, deadline_s=120)
+    except sct.RecoveryFailed as exc:
+        out(f"FAILED {exc}")
+        sys.exit(exc.exit_code)
+    rank = rec.rank
+    out(f"RANK {rank}")
+    ckpt = Checkpointer.from_env(partner=True, ram=RamOptions(every=1, keep=2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    door = sct.TorchCheckpointer(ckpt, model, opt, lazy=False)
+    state: Dict[str, Any] = {}
+
+    def rebuild(group: Any) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        # find_unused_parameters: DDP keeps its first bucket layout (bitwise re-runs)
+        state["net"] = DistributedDataParallel(
+            model, process_group=group, find_unused_parameters=True
+        )
+
+    def step_fn(step: int) -> None:
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        loss = ((state["net"](x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        out(f"STEP {step}")
+        time.sleep(sleep_s)
+
+    try:
+        last = rec.run(door, step_fn, total, on_reform=rebuild)
+    except sct.RecoveryFailed as exc:
+        out(f"FAILED {exc}")
+        sys.exit(exc.exit_code)
+    final = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    h = hashlib.sha256()
+    for k in sorted(final):
+        h.update(k.encode())
+        h.update(final[k].numpy().tobytes())
+    job = os.environ.get("SLURM_JOB_ID", "0")
+    torch.save(final, out_dir / f"{job}.final.rank{rank}.pt")
+    doc = {"rank": rank, "last": last, "history": rec.history, "digest": h.hexdigest()}
+    out("DONE " + json.dumps(doc))
+    ckpt.close()
+
+
+if __name__ == "__main__":
+    main()

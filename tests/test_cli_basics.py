@@ -24,9 +24,12 @@ REPO = Path(__file__).resolve().parents[1]
 NOBODY = 65534
 
 GOOD = """
+[tiers]
+shared = ["pfs"]
 [tiers.local]
 root = "/local/ckpt"
 [tiers.pfs]
+kind = "posix"
 root = "/pfs/ckpt"
 bandwidth_limit = "1GB/s"
 [copy]

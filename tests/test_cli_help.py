@@ -57,7 +57,10 @@ def test_every_command_has_an_example_and_takes_config(path: str, cmd: click.Com
 
 def test_config_after_the_subcommand_wins(tmp_path: Path) -> None:
     good = tmp_path / "good.toml"
-    good.write_text('[tiers.local]\nroot = "/l"\n[tiers.pfs]\nroot = "/p"\n')
+    good.write_text(
+        '[tiers]\nshared = ["pfs"]\n[tiers.local]\nroot = "/l"\n'
+        '[tiers.pfs]\nkind = "posix"\nroot = "/p"\n'
+    )
     code, out, err = run_here(
         entry=main_mod.main, argv=["config", "check", "--offline", "--config", str(good)]
     )

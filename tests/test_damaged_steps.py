@@ -356,8 +356,8 @@ def test_permission_problems_read_as_such(site: Site) -> None:
 def _cfg(tmp: Path, local: str, pfs: str, extra: str = "") -> Path:
     p = tmp / "check.toml"
     p.write_text(
-        f'[tiers.local]\nroot = "{local}"\nrequire_mount = false\nmin_free = 0\n{extra}'
-        f'[tiers.pfs]\nroot = "{pfs}"\n'
+        f'[tiers]\nshared = ["pfs"]\n[tiers.local]\nroot = "{local}"\nrequire_mount = false\n'
+        f'min_free = 0\n{extra}[tiers.pfs]\nkind = "posix"\nroot = "{pfs}"\n'
     )
     return p
 
@@ -400,7 +400,10 @@ def test_config_check_looks_at_the_roots(tmp_path: Path) -> None:
     assert code == 0 and "warning:" in err and "does not exist on this node" in err
     # require_mount: a plain directory on the root filesystem is refused (as by the prolog).
     cfg = tmp_path / "mount.toml"
-    cfg.write_text(f'[tiers.local]\nroot = "{local}"\nmin_free = 0\n[tiers.pfs]\nroot = "{pfs}"\n')
+    cfg.write_text(
+        f'[tiers]\nshared = ["pfs"]\n[tiers.local]\nroot = "{local}"\nmin_free = 0\n'
+        f'[tiers.pfs]\nkind = "posix"\nroot = "{pfs}"\n'
+    )
     code, out, err = run_here(["config", "check", "--config", str(cfg)])
     if os.stat(local).st_dev == os.stat("/").st_dev:
         assert code == 2 and "not a mount of its own" in err

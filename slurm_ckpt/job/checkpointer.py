@@ -54,7 +54,8 @@ from slurm_ckpt.job.lazy import Drain
 from slurm_ckpt.job.lease import SeriesLease
 from slurm_ckpt.job.options import OPTION_NAMES, UNSET, Options, build_config, resolve_aliases
 from slurm_ckpt.job.owed import load_job_config, no_epilog, queue_owed, without_epilog
-from slurm_ckpt.job.partner import PartnerLink, open_partner
+from slurm_ckpt.job.partner import PartnerLink
+from slurm_ckpt.job.partner_open import open_partner
 from slurm_ckpt.job.pipeline import CheckpointFailed, Pipeline, Shard
 from slurm_ckpt.job.ram_methods import RamMethods, RamSetting, open_ram, with_ram_stats
 from slurm_ckpt.job.replicas import ReplicaCheck, replicated_files, tell_suspects

@@ -609,7 +609,7 @@ def test_a_forked_child_leaves_the_exit_hook_to_its_parent(tmp_path: Path) -> No
     p.join()
     assert p.exitcode == 0
     assert not marker.exists()
-    from slurm_ckpt.job.checkpointer import _finish_at_exit
+    from slurm_ckpt.job.closing import _finish_at_exit
 
     _finish_at_exit(lambda: ckpt, os.getpid())  # what the parent's exit runs
     assert marker.read_text() == f"{os.getpid()}\n"

@@ -35,7 +35,6 @@ from __future__ import annotations
 import errno
 import os
 import secrets
-import socket
 import stat
 import threading
 import time
@@ -44,6 +43,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
 from slurm_ckpt.core import fsio, trust
 from slurm_ckpt.core.chunks import hash_range, run_chunks
+from slurm_ckpt.core.copy_owner import dead_here, hold_partial, release_partial, writer_id
 from slurm_ckpt.core.faults import crashpoint
 from slurm_ckpt.core.hashing import DEFAULT_CHUNK_SIZE, ChunkedHasher, chunk_digest, combine
 from slurm_ckpt.core.layout import (
@@ -61,43 +61,6 @@ from slurm_ckpt.errors import CkptError, VerifyError
 
 class AlreadyCommitted(CkptError):
     """The step is already committed on this tier; a checkpoint is never overwritten."""
-
-
-#: Work directories of copies this process is writing now (by path): a writer of this
-#: process never claims another's (two threads copying one step from two sources).
-_LIVE_PARTIALS: Set[str] = set()
-_LIVE_LOCK = threading.Lock()
-
-
-def host_tag() -> str:
-    """This node's name as it goes into a work directory's name: the short host name,
-    letters, digits, ``-`` and ``_`` only (a copy's writer id is ``<host>.<pid>.<rand>``)."""
-    name = socket.gethostname().split(".")[0]
-    tag = "".join(c for c in name if c.isascii() and (c.isalnum() or c in "-_"))[:64]
-    return tag or "host"
-
-
-def writer_id() -> str:
-    """A copy's writer id, unique among all writers of all nodes: ``<host>.<pid>.<rand>``."""
-    return f"{host_tag()}.{os.getpid()}.{secrets.token_hex(4)}"
-
-
-def _dead_here(writer: str) -> bool:
-    """Is the writer ``<host>.<pid>.<rand>`` one of this node's that is gone (so its work
-    directory may be resumed)? Never for another node's (its liveness is unknowable here)."""
-    parts = writer.split(".")
-    if len(parts) != 3 or parts[0] != host_tag() or not parts[1].isdigit():
-        return False
-    pid = int(parts[1])
-    if pid == os.getpid():
-        return True  # ours: an earlier writer of this process (live ones are excluded)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
-    return False
 
 
 def read_manifest(step_fd: int, where: str) -> Manifest:
@@ -240,14 +203,12 @@ class CheckpointWriter:
         claimed. Another node's work directories are never touched (their writers may be
         alive); :meth:`PosixTier.sweep` with ``partials`` removes them."""
         mine = os.path.join(self._root, self.user, self.key, self.tmp_name)
-        with _LIVE_LOCK:
-            _LIVE_PARTIALS.add(mine)
-            live = set(_LIVE_PARTIALS)
+        live = hold_partial(mine)
         for name in sorted(os.listdir(self._key_fd)):
             parsed = parse_partial_dirname(name)
             if parsed is None or parsed[0] != self.step or parsed[1] is None:
                 continue
-            if name == self.tmp_name or not _dead_here(parsed[1]):
+            if name == self.tmp_name or not dead_here(parsed[1]):
                 continue
             if os.path.join(self._root, self.user, self.key, name) in live:
                 continue
@@ -264,8 +225,7 @@ class CheckpointWriter:
 
     def _unregister(self) -> None:
         if self.copy_of is not None:
-            with _LIVE_LOCK:
-                _LIVE_PARTIALS.discard(os.path.join(self._root, self.user, self.key, self.tmp_name))
+            release_partial(os.path.join(self._root, self.user, self.key, self.tmp_name))
 
     def _parent_fd(self, relpath: str) -> Tuple[int, str]:
         """fd of the directory that will hold ``relpath`` (created, symlink-safe)."""

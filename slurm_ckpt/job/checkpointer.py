@@ -34,60 +34,44 @@ the RAM tier in :mod:`.ram_methods`; the counters are
 
 from __future__ import annotations
 
-import atexit
 import functools
 import logging
 import os
 import socket
-import threading
 import time
 import warnings
-import weakref
 from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import current_user, node_name, validate_key, validate_user
 from slurm_ckpt.core.platform import require_supported_os
 from slurm_ckpt.core.retention import RetentionPolicy, selected_for_flush
-from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, TierError
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord
-from slurm_ckpt.job.closing import ClosingMethods
+from slurm_ckpt.job.closing import ClosingMethods, finish_at_exit
 from slurm_ckpt.job.dcp_series import part_key as dcp_part_key
-from slurm_ckpt.job.lazy import Drain, defer_mask
+from slurm_ckpt.job.lazy import Drain
 from slurm_ckpt.job.lease import SeriesLease
 from slurm_ckpt.job.options import OPTION_NAMES, UNSET, Options, build_config, resolve_aliases
 from slurm_ckpt.job.owed import load_job_config, no_epilog, queue_owed, without_epilog
-from slurm_ckpt.job.partner import PartnerLink, open_partner
-from slurm_ckpt.job.pipeline import (
-    DEADLINE_MARGIN_S,
-    CheckpointFailed,
-    Pipeline,
-    Shard,
-)
+from slurm_ckpt.job.partner import PartnerLink
+from slurm_ckpt.job.partner_open import open_partner
+from slurm_ckpt.job.pipeline import CheckpointFailed, Pipeline, Shard
 from slurm_ckpt.job.ram_methods import RamMethods, RamSetting, open_ram, with_ram_stats
 from slurm_ckpt.job.replicas import ReplicaCheck, replicated_files, tell_suspects
-from slurm_ckpt.job.restore import (
-    Restored,
-    Restorer,
-    shard_key,
-    shard_prefix,
-)
+from slurm_ckpt.job.restore import Restored, Restorer, shard_key, shard_prefix
 from slurm_ckpt.job.restoring import RestoreMethods
 from slurm_ckpt.job.saved import Saved, check_save_args
-from slurm_ckpt.job.schedule import (
-    BOOTSTRAP_COST_S,
-    DEFAULT_INTERVAL_TOKENS,
-    Schedule,
-    unreachable_message,
-)
+from slurm_ckpt.job.schedule import DEFAULT_INTERVAL_TOKENS, Schedule, unreachable_message
 from slurm_ckpt.job.seams import FrameworkSeams
 from slurm_ckpt.job.signals import Deadline, SignalFlag, relayed_signal, signal_number
+from slurm_ckpt.job.snapshot import hand_over
 from slurm_ckpt.job.staging import StagingArea
 from slurm_ckpt.job.standalone import make_roots, sweep_debris
 from slurm_ckpt.job.state import flatten, index_bytes, layout
 from slurm_ckpt.job.stats import CheckpointStats
 from slurm_ckpt.job.timeline import RankTimeline
+from slurm_ckpt.job.timing import near_end
 from slurm_ckpt.slurm.client import job_end_time_provider
 from slurm_ckpt.slurm.env import job_env, replica_rank, resolve_rank
 from slurm_ckpt.slurm.requeue import requeue_job
@@ -113,21 +97,6 @@ def _under_slurm() -> bool:
     """Inside a SLURM job (a batch job, an allocation, a step): SIGINT is SLURM's and
     srun's (a status report, a kill), not a Ctrl-C to save on."""
     return bool(os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID"))
-
-
-def _accept_all(_tensor: Any) -> bool:
-    return True
-
-
-def _finish_at_exit(ref: Callable[[], Optional[Checkpointer]], pid: int) -> None:
-    """At interpreter exit without close(): the pipeline finishes the local write. A
-    no-op after close(), and in a forked child (a DataLoader worker inherits the hook but
-    not the pipeline's threads: it would wait for a write that no thread of its own does,
-    until its parent kills it, and hand the parent's flushes off a second time)."""
-    ckpt = ref()
-    if ckpt is not None and not ckpt._closed and os.getpid() == pid:
-        ckpt._pipeline.finish_at_exit()
-        ckpt._lease.release()
 
 
 class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
@@ -394,17 +363,7 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
         self._drain: Optional[Drain] = None
         self.restored: Optional[Restored] = None
         # A script that ends without close() must not lose the checkpoint being written.
-        # threading's own exit hooks run (in reverse order) *before* concurrent.futures
-        # refuses new work at shutdown, which the tier writer needs; plain atexit is too
-        # late. The private hook exists since Python 3.9; fall back to atexit otherwise.
-        hook = functools.partial(_finish_at_exit, weakref.ref(self), os.getpid())
-        register = getattr(threading, "_register_atexit", None)
-        try:
-            if register is None:
-                raise RuntimeError("no threading._register_atexit")
-            register(hook)
-        except RuntimeError:  # pragma: no cover - other interpreters
-            atexit.register(hook)
+        finish_at_exit(self)
 
     @classmethod
     def from_env(
@@ -511,29 +470,13 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
         return self._schedule.due(step, tokens)
 
     def _near_end(self) -> bool:
-        """True once the job's end time (SLURM's: ``SLURM_JOB_END_TIME``, else squeue) is
-        closer than one save plus its flush (as measured so far, x1.5, plus a margin):
-        the save taken now is treated like one answering a warning signal (always
-        flushed; :attr:`preempted` set afterwards), so no one has to guess ``--signal``.
-        """
+        """True once the job's end time is closer than one save plus its flush
+        (:func:`slurm_ckpt.job.timing.near_end`); the save taken now answers it."""
         if self._schedule.deadline_due:
             return True
-        end = self._deadline.end_time()
-        if end is None:
-            return False
-        s = self._pipeline.stats
-        need = (s.last_stall_s or BOOTSTRAP_COST_S) + (s.last_local_s or 0.0)
-        newest = self._pipeline.newest
-        if newest is not None:
-            need += self._pipeline.estimate_flush_s(newest.nbytes)
-        if end - time.time() > 1.5 * need + DEADLINE_MARGIN_S:
+        if not near_end(self._deadline.end_time(), self._pipeline):
             return False
         self._schedule.deadline_due = True
-        log.warning(
-            "[ckpt] the job ends in %.0fs; a save and its flush take ~%.0fs: saving now",
-            end - time.time(),
-            need,
-        )
         return True
 
     # ------------------------------------------------------------------ save
@@ -619,35 +562,9 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
         if data_version is not None:
             rec.meta["data_version"] = data_version
         books.emit("snapshot_start", step=step)
-        t1 = time.monotonic()
-        deferred = 0
-        if self._staging.ensure([b["nbytes"] for b in blobs], tensors):
-            mask = defer_mask(tensors, _accept_all if lazy is True else lazy) if lazy else None
-            if mask is not None and any(mask):
-                self._staging.snapshot(index, tensors, select=[not m for m in mask])
-                rec.drain = self._drain = Drain(
-                    functools.partial(self._staging.snapshot, index, tensors, mask),
-                    tensors,
-                    mask,
-                ).start()
-                deferred = self._drain.deferred_bytes
-            else:
-                rec.buffers = self._staging.snapshot(index, tensors)
-            rec.snapshot_s = time.monotonic() - t1
-            rec.stall_s = time.monotonic() - t0
-            books.emit("snapshot_done", step=step)
-            pipe.submit(rec)
-        else:
-            log.warning(
-                "[ckpt] step=%d: %s does not fit the staging memory limit (%s): writing "
-                "synchronously",
-                step,
-                format_bytes(nbytes),
-                format_bytes(self._staging.budget(nbytes)),
-            )
-            rec.synchronous = True
-            rec.direct = (index, tensors)
-            pipe.write_now(rec)
+        drain = hand_over(self._staging, pipe, books, rec, index, tensors, blobs, lazy, t0)
+        if drain is not None:
+            self._drain = drain
         stall = time.monotonic() - t0
         rec.stall_s = stall
         self._schedule.saved(step, tokens, stall, preemption=preempt)
@@ -673,5 +590,5 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
             stall_s=stall,
             preemption=preempt,
             synchronous=rec.synchronous,
-            deferred_bytes=deferred,
+            deferred_bytes=0 if drain is None else drain.deferred_bytes,
         )

@@ -29,7 +29,42 @@ from slurm_ckpt.core.units import format_bytes
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CloseProgress", "bar_enabled", "render"]
+__all__ = ["CloseProgress", "MovedBytes", "bar_enabled", "render"]
+
+
+class MovedBytes:
+    """The bar's counter: bytes written and copied since the start, and how much of the
+    flush running now is copied. Kept here, beside the bar that reads it, because the
+    pipeline only reports bytes; what is owed is the pipeline's to say (:meth:`counts`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._moved = 0
+        self._copying = 0
+
+    def wrote(self, nbytes: int) -> None:
+        """A local write of ``nbytes`` committed."""
+        with self._lock:
+            self._moved += nbytes
+
+    def copied(self, nbytes: int) -> None:
+        """The flusher's progress: ``nbytes`` more copied (from the copy's threads)."""
+        with self._lock:
+            self._moved += nbytes
+            self._copying += nbytes
+
+    def flush_starts(self) -> None:
+        with self._lock:
+            self._copying = 0
+
+    def counts(self, owed: int, current: Optional[int]) -> Tuple[int, int]:
+        """``(moved, owed)``, with what is left of the running flush of ``current`` bytes
+        (None: none runs) added to ``owed``."""
+        with self._lock:
+            if current is not None:
+                owed += max(0, current - self._copying)
+            return self._moved, owed
+
 
 #: close() shows anything only once it waited this long (seconds).
 WAIT_NOTE_S = 1.0

@@ -11,9 +11,14 @@ Checkpointer).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import logging
+import os
+import threading
 import time
+import weakref
 from typing import Any, Callable, Optional, Tuple
 
 from slurm_ckpt.errors import EXIT_INTERRUPTED
@@ -25,7 +30,7 @@ from slurm_ckpt.slurm.requeue import requeue_reason
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WAIT_NOTE_S", "ClosingMethods"]
+__all__ = ["WAIT_NOTE_S", "ClosingMethods", "finish_at_exit"]
 
 
 class ClosingMethods:
@@ -175,3 +180,31 @@ class ClosingMethods:
         except Exception as exc:  # noqa: BLE001
             log.error("[ckpt] requeue failed: %s", exc)
         self._books.emit("requeue", reason=why)
+
+
+def finish_at_exit(ckpt: Any) -> None:
+    """Register the end of ``ckpt`` at interpreter exit: a script that ends without
+    close() must not lose the checkpoint being written.
+
+    threading's own exit hooks run (in reverse order) *before* concurrent.futures
+    refuses new work at shutdown, which the tier writer needs; plain atexit is too late.
+    The private hook exists since Python 3.9; fall back to atexit otherwise."""
+    hook = functools.partial(_finish_at_exit, weakref.ref(ckpt), os.getpid())
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise RuntimeError("no threading._register_atexit")
+        register(hook)
+    except RuntimeError:  # pragma: no cover - other interpreters
+        atexit.register(hook)
+
+
+def _finish_at_exit(ref: Callable[[], Any], pid: int) -> None:
+    """At interpreter exit without close(): the pipeline finishes the local write. A
+    no-op after close(), and in a forked child (a DataLoader worker inherits the hook but
+    not the pipeline's threads: it would wait for a write that no thread of its own does,
+    until its parent kills it, and hand the parent's flushes off a second time)."""
+    ckpt = ref()
+    if ckpt is not None and not ckpt._closed and os.getpid() == pid:
+        ckpt._pipeline.finish_at_exit()
+        ckpt._lease.release()

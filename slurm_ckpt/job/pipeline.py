@@ -31,22 +31,23 @@ import dataclasses
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 from slurm_ckpt.core.commit import AlreadyCommitted
 from slurm_ckpt.core.lease import StaleGeneration
-from slurm_ckpt.core.lineage import SeriesView
 from slurm_ckpt.core.replicas import Verdict
-from slurm_ckpt.core.retention import CkptInfo, RetentionPolicy, plan_local_deletions
+from slurm_ckpt.core.retention import RetentionPolicy
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, TierError
 from slurm_ckpt.job.background import yielding
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord, reason_of
-from slurm_ckpt.job.dist import run_launch
+from slurm_ckpt.job.close_progress import MovedBytes
+from slurm_ckpt.job.flushing import DEADLINE_MARGIN_S, FlushMethods
 from slurm_ckpt.job.lease import SeriesLease
+from slurm_ckpt.job.local_prune import prune_local
 from slurm_ckpt.job.replicas import ReplicaCheck, agree_before_commit
 from slurm_ckpt.job.series import SeriesPlace
+from slurm_ckpt.job.shard import Shard, save_meta
 from slurm_ckpt.job.signals import Deadline
 from slurm_ckpt.job.staging import write_direct
 from slurm_ckpt.job.state import STATE_FORMAT
@@ -64,30 +65,13 @@ __all__ = [
     "Shard",
 ]
 
-#: Work planned to end this long before the deadline (clock skew, process teardown).
-DEADLINE_MARGIN_S = 5.0
-
 
 class CheckpointFailed(CkptError):
     """``max_consecutive_failures`` saves in a row failed: stop rather than train on
     with nothing saved."""
 
 
-@dataclass(frozen=True)
-class Shard:
-    """Who writes: one rank's series (``key`` is the shard key) and its manifest fields."""
-
-    user: str
-    key: str
-    base_key: str
-    prefix: str
-    rank: int
-    world_size: int
-    job: Optional[str]
-    node: str
-
-
-class Pipeline:
+class Pipeline(FlushMethods):
     """The local writer and the flusher of one Checkpointer (see the module docstring)."""
 
     def __init__(
@@ -105,10 +89,8 @@ class Pipeline:
         lease: Optional[SeriesLease] = None,
     ) -> None:
         self.local, self.warm = local, warm
-        # Bytes written and copied so far, and of the flush running now (close()'s bar).
-        self._moved = 0
-        self._copying = 0
-        self._moved_lock = threading.Lock()
+        #: Bytes written and copied so far, and of the flush running now (close()'s bar).
+        self.moved = MovedBytes()
         #: This writer's place in its series: the generation of its lease and the lineage
         #: its saves belong to (every manifest records both); the fence before commits.
         self.series = SeriesPlace(local, warm, shard.user, shard.key, lease)
@@ -123,7 +105,7 @@ class Pipeline:
         self.flusher: Optional[Flusher] = None
         if warm is not None:
             self.flusher = Flusher(
-                copy_in_process(local, warm, progress=self._copied),
+                copy_in_process(local, warm, progress=self.moved.copied),
                 books.ledger,
                 src=local.name,
                 # The ledger's warm-tier slot, whatever the warm tier is (an object store
@@ -299,21 +281,11 @@ class Pipeline:
         an older writer of this one, is replaced; a newer writer's is never."""
         sh = self.shard
         lineage = self.series.save_lineage()
-        meta = dict(rec.meta)
-        meta.update(
-            rank=sh.rank,
-            world_size=sh.world_size,
-            base_key=sh.base_key,
-            reason=rec.reason,
-            state_format=state_format,
-            generation=self.series.generation,
-            **lineage.meta(),
-        )
-        launch = run_launch() if sh.world_size > 1 else None
-        if launch is not None:  # which launch saved it (a restore of another rank asks)
-            meta["launch"] = launch
-        if self.last_healthy is not None:
-            meta["last_healthy"] = {"step": self.last_healthy[0], "at": self.last_healthy[1]}
+        meta = save_meta(
+            sh, rec.meta, reason=rec.reason, state_format=state_format,
+            generation=self.series.generation, lineage_meta=lineage.meta(),
+            last_healthy=self.last_healthy,
+        )  # fmt: skip
         kw = dict(tokens=rec.tokens, job=sh.job, node=sh.node, meta=meta)
         try:
             return self.local.writer(sh.user, sh.key, rec.step, **kw)
@@ -383,8 +355,7 @@ class Pipeline:
             rec.prepared = None
         rec.local_s = time.monotonic() - t0
         rec.local_status = "committed"
-        with self._moved_lock:
-            self._moved += rec.nbytes
+        self.moved.wrote(rec.nbytes)
         with self.cv:
             self._own_steps.add(rec.step)
             s = self._stats
@@ -448,179 +419,30 @@ class Pipeline:
         self.books.emit("local_failed", step=rec.step, error=reason)
         self._log(rec)
 
-    # -- flush ---------------------------------------------------------------------------
-    def queue_flush(self, rec: SaveRecord) -> None:
-        skipped: List[SaveRecord] = []
-        with self.cv:
-            if self.flush_policy == "skip" and (self.flush_current or self.flush_queue):
-                keep: Deque[SaveRecord] = collections.deque()
-                for old in self.flush_queue:
-                    (keep if old.forced else skipped).append(old)
-                self.flush_queue = keep
-            rec.flush_status = "queued"
-            self.flush_queue.append(rec)
-            for old in skipped:
-                old.flush_status = "skipped"
-                self._stats.flush_skipped += 1
-            self.cv.notify_all()
-        for old in skipped:
-            self.books.deselect(old.step, f"flush skipped: step {rec.step} is newer")
-            self.books.emit("flush_skipped", step=old.step, newer=rec.step)
-            self._log(old)
-        self.books.emit("flush_queued", step=rec.step)
-
-    def _flush_loop(self) -> None:
-        while True:
-            with self.cv:
-                while not self.flush_queue and not self._stop:
-                    self.cv.wait()
-                if not self.flush_queue:
-                    return
-                rec = self.flush_queue.popleft()
-                self.flush_current = rec
-                rec.flush_status = "flushing"
-            try:
-                self._run_flush(rec)
-            except Exception:  # noqa: BLE001 - keep the flusher alive whatever happens
-                log.exception("[ckpt] step=%d: unexpected error in the flush", rec.step)
-            finally:
-                with self.cv:
-                    self.flush_current = None
-                    self.cv.notify_all()
-            self.apply_retention()
-
-    def estimate_flush_s(self, nbytes: int) -> float:
-        if self._flush_rate:
-            return nbytes / self._flush_rate
-        if self.warm is not None and self.warm.limiter is not None:
-            return nbytes / self.warm.limiter.rate
-        return 0.0
-
-    def _copied(self, nbytes: int) -> None:
-        """The flusher's progress: ``nbytes`` more copied (from the copy's threads)."""
-        with self._moved_lock:
-            self._moved += nbytes
-            self._copying += nbytes
-
-    def progress_counts(self) -> Tuple[int, int]:
-        """``(moved, owed)``: bytes written and copied since the start (a counter), and
-        bytes still to write or copy now: the pending local write, the rest of the flush
-        running, the queued ones (what close()'s progress shows)."""
-        with self.cv:
-            owed = sum(r.nbytes for r in self.flush_queue)
-            if self.local_job is not None and self.local_job.local_status == "pending":
-                owed += self.local_job.nbytes
-            current = self.flush_current
-        with self._moved_lock:
-            moved = self._moved
-            if current is not None:
-                owed += max(0, current.nbytes - self._copying)
-        return moved, owed
-
-    def _run_flush(self, rec: SaveRecord) -> None:
-        with self._moved_lock:
-            self._copying = 0
-        left = self.deadline.time_left()
-        if left is not None and left - DEADLINE_MARGIN_S < self.estimate_flush_s(rec.nbytes):
-            self.leave_to_epilog(rec, left)
-            return
-        assert self.flusher is not None  # only selected saves get here (a warm tier exists)
-        try:
-            self.series.fence("warm")
-        except StaleGeneration as exc:
-            with self.cv:
-                self.fatal = exc
-            self._flush_failed(rec, str(exc))
-            return
-        except (CkptError, OSError) as exc:
-            log.warning("[ckpt] step=%d: warm-tier lease not readable: %s", rec.step, exc)
-        self.books.emit("flush_start", step=rec.step)
-        res = self.flusher.flush_one((self.shard.user, self.shard.key, rec.step), nbytes=rec.nbytes)
-        rec.flush_s = res.seconds
-        if not res.ok:
-            self._flush_failed(rec, res.error or res.status)
-            return
-        if res.copied and res.seconds > 0:
-            self._flush_rate = res.copied / res.seconds
-        with self.cv:
-            rec.flush_status = "done"
-            s = self._stats
-            s.flushes += 1
-            s.bytes_flushed += res.copied
-            s.last_flush_s = rec.flush_s
-            s.last_flushed_step = rec.step
-        # Bytes and tier: the operator's throughput panel sums them (flushed_bytes_total).
-        self.books.emit(
-            "flush_done",
-            step=rec.step,
-            flush_s=rec.flush_s,
-            nbytes=res.copied,
-            tier=self.warm.name if self.warm is not None else "",
-        )
-        self._log(rec)
-
-    def _flush_failed(self, rec: SaveRecord, reason: str) -> None:
-        rec.error = reason
-        with self.cv:
-            rec.flush_status = "failed"
-            self._stats.flush_failures += 1
-            self._stats.last_error = reason
-        self.books.emit("flush_failed", step=rec.step, error=reason)
-        self._log(rec)
-
-    def leave_to_epilog(self, rec: SaveRecord, left: Optional[float]) -> None:
-        with self.cv:
-            rec.flush_status = self.left_status
-            self._stats.left_to_epilog += 1
-        if self.flusher is not None:
-            self.flusher.hand_off([(self.shard.user, self.shard.key, rec.step)])
-        log.warning(
-            "[ckpt] step=%d: %s left before the job ends, flush needs ~%.1fs: left to %s",
-            rec.step,
-            "unknown time" if left is None else f"{left:.1f}s",
-            self.estimate_flush_s(rec.nbytes),
-            self.left_to,
-        )
-        self.books.emit("flush_left_to_epilog", step=rec.step)
-        self._log(rec)
-
     # -- retention -----------------------------------------------------------------------
     def apply_retention(self) -> None:
         """Delete local checkpoints the retention policy no longer needs; never one that
         still waits for (or is in) its flush."""
         if self.books.ledger is None:
             return
-        sh = self.shard
         with self._retention_lock:
             try:
-                records = self.books.records()
-                with self.cv:
-                    busy = {r.step for r in self.flush_queue}
-                    if self.flush_current is not None:
-                        busy.add(self.flush_current.step)
-                    if self.local_job is not None:
-                        busy.add(self.local_job.step)
-                infos = []
-                listed = self.local.steps(sh.user, sh.key)
-                view = SeriesView.of(
-                    (i.step, i.manifest.meta, i.manifest.wall_time) for i in listed
-                )
-                for info in listed:
-                    r = records.get(info.step)
-                    if r is not None:
-                        ci = r.to_local_info()
-                    else:
-                        ci = CkptInfo(info.step, wall_time=info.manifest.wall_time, seq=-1)
-                    ci.pinned = ci.pinned or info.step in busy
-                    ci.retired = not view.active(info.step, info.manifest.meta)
-                    infos.append(ci)
-                for step in plan_local_deletions(infos, self.policy):
-                    self.local.delete(sh.user, sh.key, step)
-                    if step in records:
-                        self.books.set_state(step, "local", State.DELETED)
-                    self.books.emit("local_deleted", step=step)
+                prune_local(
+                    self.local, self.shard.user, self.shard.key, self.books, self.policy,
+                    self._busy_steps,
+                )  # fmt: skip
             except (CkptError, OSError) as exc:
                 log.warning("[ckpt] local retention failed: %s", exc)
+
+    def _busy_steps(self) -> Set[int]:
+        """Steps retention must keep: queued, flushing or being written."""
+        with self.cv:
+            busy = {r.step for r in self.flush_queue}
+            if self.flush_current is not None:
+                busy.add(self.flush_current.step)
+            if self.local_job is not None:
+                busy.add(self.local_job.step)
+        return busy
 
     # -- the end -----------------------------------------------------------------------
     def finish(self, until: Optional[float]) -> bool:

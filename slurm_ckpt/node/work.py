@@ -35,6 +35,7 @@ from slurm_ckpt.node.asuser import (
     decode_value,
     run_as,
 )
+from slurm_ckpt.node.flush_batches import BATCH_MAX, batch_from, fair_order
 from slurm_ckpt.node.flush_engine import (
     HANDED_TO_STAGER,
     Flusher,
@@ -63,12 +64,14 @@ log = logging.getLogger(__name__)
 OWNER_QUERY_TIMEOUT_S = 10.0
 
 __all__ = [
+    "BATCH_MAX",
     "HANDED_TO_STAGER",
     "RESERVE_FRACTION",
     "RESERVE_MAX_S",
     "SCAN_TIMEOUT_S",
     "NodeWork",
     "drain_reason",
+    "fair_order",
 ]
 
 #: Part of a hook's budget kept back for hand-off, drain, retention and the status file.
@@ -76,13 +79,8 @@ RESERVE_FRACTION = 0.2
 RESERVE_MAX_S = 15.0
 #: A scan (listing and reading manifests) of one user's local directory.
 SCAN_TIMEOUT_S = 60.0
-#: Small checkpoints of one owner queued together are copied by one child (forking a
-#: root process that holds a large ledger costs tens of milliseconds): at most this
-#: many, and this many bytes, per child.
-BATCH_MAX = 256
 #: A child's total time limit, in ``child_timeout``s (plus its bytes at min_flush_rate).
 CHILD_LIMIT_FACTOR = 10
-BATCH_BYTES = 64 * 2**20
 _NO_GATE = object()
 
 
@@ -106,33 +104,6 @@ def drain_reason(count: int, nbytes: int, failed: int = 0) -> str:
     if failed:
         text += f"; {failed} failing"
     return text + "; see ckpt-slurm status"
-
-
-def fair_order(records: List[Record]) -> List[Record]:
-    """``records`` taken in turns by owner: one batch of each owner's (as many as one
-    child copies: :data:`BATCH_MAX`, :data:`BATCH_BYTES`), then the next owner's, round
-    after round, each owner's own in their order. Owners take their turns in the order
-    of their first record (the ending job's owner first). However many checkpoints one
-    user has owed, another's wait for one turn each round, never for all of them."""
-    queues: Dict[str, List[List[Record]]] = {}
-    filled: Dict[str, int] = {}  # bytes in each owner's last batch
-    for rec in records:
-        chunks = queues.setdefault(rec.user, [])
-        nbytes = filled.get(rec.user, 0) + rec.nbytes
-        if not chunks or len(chunks[-1]) >= BATCH_MAX or nbytes > BATCH_BYTES:
-            chunks.append([rec])
-            nbytes = rec.nbytes
-        else:
-            chunks[-1].append(rec)
-        filled[rec.user] = nbytes
-    out: List[Record] = []
-    turn = 0
-    while len(out) < len(records):
-        for chunks in queues.values():
-            if turn < len(chunks):
-                out.extend(chunks[turn])
-        turn += 1
-    return out
 
 
 class NodeWork:
@@ -464,21 +435,7 @@ class NodeWork:
         return self._copy_as_owner(ident, left)
 
     def _batch_from(self, ident: Ident) -> List[Ident]:
-        """``ident`` and the checkpoints of the same owner queued right behind it, while
-        they are small (:data:`BATCH_BYTES`, :data:`BATCH_MAX`): copied by one child."""
-        pos = self._queue_pos.get(ident)
-        out = [ident]
-        if pos is None:
-            return out
-        nbytes = self._sizes.get(ident, 0)
-        for nxt in self._queue[pos + 1 :]:
-            if nxt[0] != ident[0]:
-                break
-            nbytes += self._sizes.get(nxt, 0)
-            if len(out) >= BATCH_MAX or nbytes > BATCH_BYTES:
-                break
-            out.append(nxt)
-        return out
+        return batch_from(self._queue, self._queue_pos, self._sizes, ident)
 
     def flush(
         self,

@@ -34,6 +34,22 @@ def test_the_kind_of_a_tier_is_decided_in_tiers_only() -> None:
     assert facts.object_literals == []
 
 
+#: The import circles left (issue 32: each is a module cut out of a class with the object
+#: passed back in). None may be added; remove an entry when its circle is gone.
+KNOWN_CIRCLES = [
+    ["slurm_ckpt.job.checkpointer", "slurm_ckpt.job.output", "slurm_ckpt.job.seams"],
+    ["slurm_ckpt.job.partner", "slurm_ckpt.job.partner_fetch"],
+    ["slurm_ckpt.node.local_retention", "slurm_ckpt.node.scrub", "slurm_ckpt.node.work"],
+]
+
+
+def test_no_new_import_circles() -> None:
+    circles = [sorted(c) for c in import_graph.scan().circles]
+    new = [c for c in circles if c not in KNOWN_CIRCLES]
+    assert new == [], f"new import circles: {new}"
+    assert len(circles) <= len(KNOWN_CIRCLES)
+
+
 def test_a_new_tier_kind_is_one_module_and_the_registry() -> None:
     """The archive kind (added as the demonstration of issue 32) is named by its own
     module and the registry only: a new kind touches at most 3 product files."""

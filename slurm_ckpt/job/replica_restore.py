@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from slurm_ckpt.core.manifest import Manifest
 from slurm_ckpt.errors import CkptError, VerifyError
 from slurm_ckpt.job.replica_read import agree_to_share, digest_of, shared_read
-from slurm_ckpt.job.restore import (
+from slurm_ckpt.job.restored import (
     DataVersionMismatch,
     NotThisFormat,
     Restored,
-    Restorer,
     payload_format,
 )
 from slurm_ckpt.job.state import STATE_FORMAT
@@ -33,10 +32,12 @@ __all__ = ["shared_restore"]
 
 
 def shared_restore(
-    r: Restorer, steps: List[int], own: Dict[int, List[Tuple[Tier, Manifest]]]
+    r: Any, steps: List[int], own: Dict[int, List[Tuple[Tier, Manifest]]]
 ) -> Optional[Restored]:
     """The newest step read once by the replica group (:mod:`.replica_read`), or None
-    (then each rank reads alone). Collective over the group: every rank takes
+    (then each rank reads alone). ``r`` is the calling
+    :class:`~slurm_ckpt.job.restore.Restorer` (typed ``Any``: importing its module here
+    would make a circle, since it imports this one). Collective over the group: every rank takes
     part in the one digest exchange whatever it finds; only when all of them are
     about to read the same bytes do they share the read."""
     assert r.replicas is not None

@@ -41,11 +41,15 @@ CHUNK = 64 * 2**10
 def config(path: Path, local: Path, tiers: Dict[str, Any], ledger: Path) -> Path:
     """A config file: ``local`` (made here) and ``tiers``, with 64 KiB hash chunks."""
     local.mkdir(parents=True, exist_ok=True)
-    for t in tiers.values():
+    shared: Dict[str, Any] = {}
+    for name, t in tiers.items():
         if "root" in t:
             Path(t["root"]).mkdir(parents=True, exist_ok=True)
+        shared[name] = {**t, "kind": "s3"} if "endpoint" in t else t
+    if "object" in shared:
+        shared["shared"] = list(tiers)
     cfg = {
-        "tiers": {"local": {"root": str(local), "require_mount": False, "min_free": 0}, **tiers},
+        "tiers": {"local": {"root": str(local), "require_mount": False, "min_free": 0}, **shared},
         "ledger": {"dir": str(ledger)},
         "copy": {"chunk_size": "64KiB"},
     }

@@ -26,6 +26,7 @@ from slurm_ckpt.core.fastread import ReadJob, read_files
 from slurm_ckpt.core.manifest import Manifest
 from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
 from slurm_ckpt.job.dcp_meta import Decoded, ItemInfo, decode, misfit, parse_dtype
+from slurm_ckpt.job.dcp_ranged import RangedRead, plan_ranges, read_ranges
 from slurm_ckpt.job.dcp_series import part_key
 from slurm_ckpt.job.dcp_values import decode_value
 from slurm_ckpt.job.dist import all_reduce_ints
@@ -156,12 +157,14 @@ def _item_view(buf: memoryview, info: ItemInfo) -> torch.Tensor:
 class SlurmDcpReader(StorageReader):
     """DCP ``StorageReader`` for the one step :func:`select_step` agreed on."""
 
-    def __init__(self, chosen: _Step, parts: _Parts) -> None:
+    def __init__(self, chosen: _Step, parts: _Parts, ranged: bool = False) -> None:
         super().__init__()
-        self.chosen, self._parts = chosen, parts
+        self.chosen, self._parts, self.ranged = chosen, parts, ranged
         self.step, self.tokens = chosen.step, chosen.tokens
         #: Part rank -> tier name each part was read from (for logs and tests).
         self.read_from: Dict[int, str] = {}
+        #: Ranged loads: bytes the plan needed and bytes read from storage.
+        self.ranged_read = RangedRead()
         self.storage: Dict[MetadataIndex, ItemInfo] = chosen.decoded.metadata.storage_data
 
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -206,12 +209,32 @@ class SlurmDcpReader(StorageReader):
         self.read_from[rank] = tier
         return buf
 
+    def _ranged_part(self, rank: int, reqs: List[Any]) -> memoryview:
+        """Only the chunks of part ``rank`` that ``reqs`` need, each verified."""
+        ch = self.chosen
+        info = ch.decoded.parts[rank]
+        ranges, needed = plan_ranges(self.storage, reqs)
+        self.ranged_read.nbytes_needed += needed
+        tier, buf = read_ranges(
+            ch.holders[rank],
+            self._parts.user,
+            part_key(self._parts.key, rank),
+            ch.step,
+            f"part {rank}",
+            info["file"],
+            info["hash"],
+            ranges,
+            self.ranged_read,
+        )
+        self.read_from[rank] = tier
+        return buf
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[Any]:
         by_part: Dict[int, List[Any]] = {}
         for req in plan.items:
             by_part.setdefault(self.storage[req.storage_index].rank, []).append(req)
         for rank in sorted(by_part):
-            buf = self._part(rank)
+            buf = self._ranged_part(rank, by_part[rank]) if self.ranged else self._part(rank)
             for req in by_part[rank]:
                 info = self.storage[req.storage_index]
                 if req.type == LoadItemType.BYTE_IO:
@@ -263,10 +286,16 @@ class Group:
 
 
 def _qualify(
-    parts: _Parts, step: int, holders0: List[Tuple[Tier, Manifest]], group: Group
+    parts: _Parts,
+    step: int,
+    holders0: List[Tuple[Tier, Manifest]],
+    group: Group,
+    ranged: bool = False,
 ) -> Optional[_Step]:
     """``step`` as this rank sees it, or None when it is not whole and sound here;
-    :class:`Refused` when a verified item of it will not load."""
+    :class:`Refused` when a verified item of it will not load. A ranged load checks the
+    metadata and that every part is committed somewhere, but reads no part here: it
+    verifies the chunks it needs as they land (:mod:`slurm_ckpt.job.dcp_ranged`)."""
     key0 = part_key(parts.key, 0)
     decoded: Optional[Decoded] = None
     tokens = None
@@ -306,6 +335,8 @@ def _qualify(
     if why is not None:  # verified, but it does not fit its parts: skipped as corrupt
         log.error("[ckpt] dcp restore: step %d: metadata does not fit: %s", step, why)
         return None
+    if ranged:
+        return chosen
     me, world = group.rank, group.world
     for r in sorted(decoded.parts):
         info = decoded.parts[r]
@@ -334,11 +365,13 @@ def select_step(
     step: Optional[int] = None,
     mark_bad: Any = None,
     group: Optional[Group] = None,
+    ranged: bool = False,
 ) -> Optional[SlurmDcpReader]:
     """Agree with every rank of ``group`` (default: the process group) on the newest
     step all of them find whole and sound (see the module docstring); a reader for it,
     or None when there is none. Collective over ``group``; raises :class:`Refused` on
-    every rank when a rank finds a verified item of that step that will not load."""
+    every rank when a rank finds a verified item of that step that will not load.
+    ``ranged``: read only what the plan needs, later (see :mod:`~slurm_ckpt.job.dcp_ranged`)."""
     group = group if group is not None else Group()
     parts = _Parts(tiers, user, key, mark_bad)
     key0 = part_key(key, 0)
@@ -362,7 +395,7 @@ def select_step(
                 continue
             if s not in seen:
                 try:
-                    seen[s] = _qualify(parts, s, cands[s], group)
+                    seen[s] = _qualify(parts, s, cands[s], group, ranged)
                 except Refused as exc:  # not damage: an error, never a quiet fallback
                     refused.append(exc)
                     return s, None
@@ -392,5 +425,5 @@ def select_step(
             for s, other in seen.items():  # keep only the chosen step's verified bytes
                 if other is not None and s != agreed:
                     other.cache.clear()
-            return SlurmDcpReader(mine, parts)
+            return SlurmDcpReader(mine, parts, ranged)
         bound = agreed

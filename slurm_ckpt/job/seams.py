@@ -161,6 +161,7 @@ class FrameworkSeams:
         step: Optional[int] = None,
         process_group: Any = None,
         no_dist: bool = False,
+        ranged: bool = False,
     ) -> Any:
         """A ``torch.distributed.checkpoint`` StorageReader for the newest DCP step that
         every rank finds whole and verified, on any tier (or exactly ``step``); None when
@@ -172,12 +173,23 @@ class FrameworkSeams:
         process reading the whole checkpoint, offline or beside a running job). Pass
         ``dcp.load`` the same ``process_group``/``no_dist``. Raises
         :class:`~slurm_ckpt.errors.CkptError` when a verified item of the newest step
-        will not load (never a quiet fall-back to an older step)."""
+        will not load (never a quiet fall-back to an older step).
+
+        ``ranged=True``: the load reads only the byte ranges its plan needs (whole hash
+        chunks, each verified as it lands) instead of every part whole up front; damage
+        in a range it needs then fails the load with a one-line error instead of
+        falling back to a sound copy or an older step (docs/dcp.md, Ranged loads)."""
         from slurm_ckpt.job.dcp_storage import Group, select_step
 
         group = Group(process_group, no_dist)
         reader = select_step(
-            self.tiers, self.user, self.key, step=step, mark_bad=self._mark_bad, group=group
+            self.tiers,
+            self.user,
+            self.key,
+            step=step,
+            mark_bad=self._mark_bad,
+            group=group,
+            ranged=ranged,
         )
         if reader is None:
             log.info("[ckpt] dcp_reader: no DCP checkpoint of %s found", self.key)

@@ -55,7 +55,7 @@ from tests.test_in_job_recovery import (  # noqa: E402
 #: The collective timeout (a stopped rank counts as lost after it) and the longest wait
 #: for a new membership: short, so that the relaunch outcomes end quickly.
 TIMEOUT_S = 8.0
-DEADLINE_S = 40.0
+DEADLINE_S = 25.0
 #: The uninterrupted run's final parameters, once per campaign process.
 _REFERENCE: List[Any] = []
 

@@ -189,8 +189,44 @@ class Recovery:
                     f"in-job recovery: task {self.task} is in no membership of "
                     f"{self.dir.path} after {self.deadline_s:.0f}s"
                 )
-        self._enter(ep)
+        self._enter_first(ep)
         return self
+
+    def _enter_first(self, ep: Epoch) -> None:
+        """Form the first group of this process. Another member may die while it forms
+        (a spare taking a rank while a survivor is lost): then wait, as a survivor does,
+        for a newer membership and enter that one if it still names this process (fenced
+        if it does not); none in time: :class:`RecoveryFailed`, never a traceback."""
+        while True:
+            try:
+                self._enter(ep)
+                return
+            except Exception as exc:
+                if not collective_failure(exc):
+                    raise
+                error = " ".join(str(exc).split())[:300] or type(exc).__name__
+                _destroy_group()
+                log.warning(
+                    "[ckpt] task %d: forming membership epoch %d failed (%s): waiting up to "
+                    "%.0fs for a new membership",
+                    self.task,
+                    ep.epoch,
+                    error,
+                    self.deadline_s,
+                )
+                until = time.monotonic() + self.deadline_s
+                nxt = self._wait_for(lambda e, n=ep.epoch: e.epoch > n, until)
+                if nxt is None:
+                    raise RecoveryFailed(
+                        f"task {self.task}: forming membership epoch {ep.epoch} failed "
+                        f"({error}) and no newer one came within {self.deadline_s:.0f}s: "
+                        "falling back to a relaunch"
+                    ) from exc
+                if nxt.rank_of(self.task) is None:
+                    was = ep.rank_of(self.task)
+                    self.epoch, self.rank = ep, -1 if was is None else was
+                    self._fenced(nxt)
+                ep = nxt
 
     def _wait_named(self) -> Epoch:
         self.dir.write_spare(Spare(self.task, self.host, os.getpid()))

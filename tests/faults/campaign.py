@@ -350,7 +350,13 @@ def markdown(fig: Dict[str, Any]) -> str:
         "Written by `python -m tests.faults` (do not edit by hand); rerun with "
         f"`python -m tests.faults --runs {fig['runs_per_scenario']} --seed {fig['seed']}`.",
         "",
-        f"* scenarios x runs: {fig['scenarios']} x {fig['runs_per_scenario']} = {fig['runs']} runs",
+        (
+            f"* scenarios x runs: {fig['scenarios']} x {fig['runs_per_scenario']} = "
+            f"{fig['runs']} runs"
+            if fig["scenarios"] * fig["runs_per_scenario"] == fig["runs"]
+            else f"* {fig['runs']} runs of {fig['scenarios']} scenarios (up to "
+            f"{fig['runs_per_scenario']} each: see the table)"
+        ),
         f"* faults injected: {fig['faults_injected']}",
         f"* invariant violations: {fig['violations']}",
         f"* runs that broke down (harness errors): {fig['errors']}",

@@ -566,5 +566,5 @@ def node_loss(run: Run) -> None:
     run.finish(b)
 
 
-# The partner-copy scenarios (node losses with partner copies on) register themselves.
-from tests.faults import partner_scenarios  # noqa: E402, F401
+# The partner-copy and in-job recovery scenarios register themselves.
+from tests.faults import partner_scenarios, recovery_scenarios  # noqa: E402, F401

@@ -7,7 +7,7 @@ import math
 
 import pytest
 from click.testing import CliRunner
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from slurm_ckpt.cli.plan import plan as plan_cmd
@@ -149,6 +149,9 @@ def test_partner_copies_matter_when_the_pfs_falls_behind():
     extra_gbps=st.floats(0, 50),
     share=st.floats(0, 1),
 )
+@example(  # CI found it: equal resumes on a slow network with no node lost
+    nodes=1, mtbf_days=5.0, size_gb=72.0, pfs_gbps=0.5, local_gbps=18.0, extra_gbps=0.0, share=0.0
+)
 def test_each_strategy_is_at_least_as_good_as_the_one_before(
     nodes, mtbf_days, size_gb, pfs_gbps, local_gbps, extra_gbps, share
 ):
@@ -169,9 +172,14 @@ def test_each_strategy_is_at_least_as_good_as_the_one_before(
     assert g[2] >= g[1] - 1e-12
     assert g[3] >= g[2] - 1e-12
     # in_job trades a steady RAM cost for a small waste per failure, so its goodput has no
-    # fixed order against the others; its resume never takes longer than a relaunch's.
+    # fixed order against the others. Its resume skips the relaunch and the start-up but the
+    # spare reads its whole part over the network, which can be slower than a relaunched
+    # rank's read of its own NVMe (a slow network, no node lost: 184 s against 184 s at
+    # 72 GB, 0.5 GB/s). Without that read it is always shorter.
     rs = compare_strategies(inp)
-    assert rs[4].resume_s < rs[3].resume_s
+    spare_read = inp.bytes_per_node / inp.partner_bw
+    assert rs[4].resume_s - spare_read < rs[3].resume_s
+    assert rs[4].resume_s == pytest.approx(inp.detect_s + inp.reform_s + spare_read)
 
 
 def test_bad_inputs_are_refused():

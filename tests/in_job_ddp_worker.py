@@ -1,16 +1,19 @@
-"""One rank (or hot spare) of the DDP run of tests/test_cluster_in_job.py, launched by
-``ckpt-srun --spares 1 --in-job`` on the dev cluster: a tiny model trained with
-``DistributedDataParallel`` over gloo through ``slurm_ckpt.torch.recovery`` (the job
-side of in-job recovery), with the site's tiers (``Checkpointer.from_env``), partner
-copies and the RAM tier every step.
+"""One rank (or hot spare) of the DDP and FSDP2 runs of tests/test_cluster_in_job.py,
+launched by ``ckpt-srun --spares 1 --in-job`` on the dev cluster: a tiny model trained
+with ``DistributedDataParallel`` (or, with ``--fsdp``, FSDP2's ``fully_shard``) over gloo
+through ``slurm_ckpt.torch.recovery`` (the job side of in-job recovery), with the site's
+tiers (``Checkpointer.from_env``), partner copies and the RAM tier every step.
 
-    python in_job_ddp_worker.py TOTAL SLEEP_S OUT_DIR
+    python in_job_ddp_worker.py TOTAL SLEEP_S OUT_DIR [--fsdp]
 
 Lines: ``PID pid=P node=N`` first (before the model is built: a spare prints it too),
 ``RANK r``, ``STEP s`` after each step, and at the end ``DONE {json}`` with the rank,
-the last step, the recovery history and a sha256 of the final parameters (the same
-digest on every rank of a data-parallel run). The final parameters also go to
-``OUT_DIR/<job>.final.rank<r>.pt``.
+the last step, the recovery history, what the first restore read (``started``: for a
+spare that took a lost rank, where its state came from) and a sha256 of the final
+parameters: the same digest on every rank of a DDP run; with ``--fsdp``, of this rank's
+own shards (each rank its own). The final parameters (or shards) also go to
+``OUT_DIR/<job>.final.rank<r>.pt``. FSDP2's door (each rank's shards as the state tree)
+is ``ShardState`` of tests/recovery_worker.py, which must sit next to this file.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
     total, sleep_s, out_dir = int(sys.argv[1]), float(sys.argv[2]), Path(sys.argv[3])
+    fsdp = sys.argv[4:] == ["--fsdp"]
     torch.set_num_threads(1)
     node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
     out(f"PID pid={os.getpid()} node={node}")
@@ -67,20 +71,45 @@ def main() -> None:
     rank = rec.rank
     out(f"RANK {rank}")
     ckpt = Checkpointer.from_env(partner=True, ram=RamOptions(every=1, keep=2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    door = sct.TorchCheckpointer(ckpt, model, opt, lazy=False)
     state: Dict[str, Any] = {}
+    if fsdp:
+        from recovery_worker import ShardState
 
-    def rebuild(group: Any) -> None:
-        from torch.nn.parallel import DistributedDataParallel
+        door: Any = ShardState(ckpt)
 
-        # find_unused_parameters: DDP keeps its first bucket layout (bitwise re-runs)
-        state["net"] = DistributedDataParallel(
-            model, process_group=group, find_unused_parameters=True
-        )
+        def rebuild(group: Any) -> None:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            net = build()  # the same initial values; the restore puts the state back
+            mesh = init_device_mesh("cpu", (rec.world_size,))
+            for layer in net:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(net, mesh=mesh)
+            state["net"] = net
+            state["opt"] = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+            door.model, door.opt = net, state["opt"]
+            # momentum buffers exist from the first step on: make them now (zero), so
+            # that a restore has somewhere to put them
+            for p in net.parameters():
+                state["opt"].state[p]["momentum_buffer"] = torch.zeros_like(p)
+
+    else:
+        state["opt"] = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        door = sct.TorchCheckpointer(ckpt, model, state["opt"], lazy=False)
+
+        def rebuild(group: Any) -> None:
+            from torch.nn.parallel import DistributedDataParallel
+
+            # find_unused_parameters: DDP keeps its first bucket layout (bitwise re-runs)
+            state["net"] = DistributedDataParallel(
+                model, process_group=group, find_unused_parameters=True
+            )
 
     def step_fn(step: int) -> None:
         x, y = batch(rank, step)
+        opt = state["opt"]
         opt.zero_grad()
         loss = ((state["net"](x) - y) ** 2).mean()
         loss.backward()
@@ -93,14 +122,23 @@ def main() -> None:
     except sct.RecoveryFailed as exc:
         out(f"FAILED {exc}")
         sys.exit(exc.exit_code)
-    final = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if fsdp:
+        final = {k: p.to_local().detach().clone() for k, p in state["net"].named_parameters()}
+    else:
+        final = {k: v.detach().clone() for k, v in model.state_dict().items()}
     h = hashlib.sha256()
     for k in sorted(final):
         h.update(k.encode())
         h.update(final[k].numpy().tobytes())
     job = os.environ.get("SLURM_JOB_ID", "0")
     torch.save(final, out_dir / f"{job}.final.rank{rank}.pt")
-    doc = {"rank": rank, "last": last, "history": rec.history, "digest": h.hexdigest()}
+    doc = {
+        "rank": rank,
+        "last": last,
+        "history": rec.history,
+        "started": rec.started,
+        "digest": h.hexdigest(),
+    }
     out("DONE " + json.dumps(doc))
     ckpt.close()
 

@@ -31,7 +31,7 @@ import shutil
 import stat
 import sys
 from pathlib import Path
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Tuple
 
 import pytest
 from helpers.cluster import DevCluster, at_least_nodes
@@ -48,6 +48,11 @@ SPARE = "n4"
 WORKER = Path(__file__).parent / "in_job_worker.py"
 DDP_WORKER = Path(__file__).parent / "in_job_ddp_worker.py"
 DDP_STEPS = 60
+#: FSDP2's run: few short steps (CI's budget); the node dies at step 5.
+FSDP_STEPS = 30
+FSDP_STEP_S = 0.2
+#: FSDP2's door (ShardState) lives in the local tests' worker; the cluster worker imports it.
+SHARD_WORKER = Path(__file__).parent / "recovery_worker.py"
 
 
 class InJobSite(MultiSite):
@@ -55,7 +60,12 @@ class InJobSite(MultiSite):
         super().__init__(cluster)
         self.worker = self.dir / "in_job_worker.py"
         self.ddp_worker = self.dir / "in_job_ddp_worker.py"
-        for src, dst in ((WORKER, self.worker), (DDP_WORKER, self.ddp_worker)):
+        shard = self.dir / "recovery_worker.py"
+        for src, dst in (
+            (WORKER, self.worker),
+            (DDP_WORKER, self.ddp_worker),
+            (SHARD_WORKER, shard),
+        ):
             shutil.copyfile(src, dst)
             os.chmod(dst, 0o644)
 
@@ -71,8 +81,12 @@ class InJobSite(MultiSite):
             args=["-N", str(NEED_NODES), "-w", nodes, "--no-kill", "-p", "low", *extra_sbatch],
         )
 
-    def ddp_job(self, key: str) -> str:
-        return self.in_job(key, cmd=f"{PY} {self.ddp_worker} {DDP_STEPS} 0.3 {self.out}")
+    def ddp_job(self, key: str, mode: str = "ddp") -> str:
+        if mode == "fsdp":
+            args = f"{FSDP_STEPS} {FSDP_STEP_S} {self.out} --fsdp"
+        else:
+            args = f"{DDP_STEPS} 0.3 {self.out}"
+        return self.in_job(key, cmd=f"{PY} {self.ddp_worker} {args}")
 
     def done(self, job: str) -> Dict[int, dict]:
         run = MultiRun(self.c.job_output(job))
@@ -152,32 +166,34 @@ def test_node_lost_spare_takes_its_rank_survivors_keep_their_processes(t: InJobS
         _bring_back(t, LOST)
 
 
-def test_ddp_node_killed_mid_step_survivors_keep_training(t: InJobSite) -> None:
-    """DDP over gloo through slurm_ckpt.torch.recovery under ckpt-srun --in-job: n2 dies
-    mid-run (nobody marks it DOWN); the survivors keep their processes, the spare takes
-    rank 1 from its partner's RAM copy, at most one step is redone, same job,
-    Restarts=0, and the result is bitwise that of an uninterrupted run."""
+def killed_mid_step(t: InJobSite, mode: str, kill_after: int) -> Tuple[str, Dict[int, dict]]:
+    """A reference job (no failure), then the same job with n2 powered off once every
+    rank is past step ``kill_after`` (nobody marks it DOWN); what both runs must show
+    whatever the parallelism: the same job ends 0 with Restarts=0, the survivors keep
+    their one process and restore from their own RAM snapshot with at most one step
+    redone, the spare takes rank 1 on n4, and every rank's final digest is the
+    reference's. Gives the job's output and its DONE records."""
     t.configure(
         hooks={"stage_on_requeue": False},
         retention={"keep_local": 4},
         partner={"enabled": True, "keep_partner": 2},
     )
-    ref = t.ddp_job(f"ddpref-{t.tok}")
+    ref = t.ddp_job(f"{mode}ref-{t.tok}", mode)
     job = ""
     try:
         info = t.c.wait_job_state(ref, ("COMPLETING", "COMPLETED"), timeout=300)
         want = t.done(ref)
         assert info["ExitCode"] == "0:0" and sorted(want) == [0, 1, 2], t.c.job_output(ref)
-        [digest] = {d["digest"] for d in want.values()}
         assert all(d["history"] == [] for d in want.values()), want
-        job = t.ddp_job(f"ddp-{t.tok}")
+        job = t.ddp_job(f"{mode}-{t.tok}", mode)
         t.c.wait_until(
             lambda: all(
-                "STEP 10" in MultiRun(t.c.job_output(job)).lines(r, "STEP ") for r in range(WORLD)
+                f"STEP {kill_after}" in MultiRun(t.c.job_output(job)).lines(r, "STEP ")
+                for r in range(WORLD)
             ),
             timeout=240,
             interval=0.2,
-            what=f"every rank of job {job} past step 10",
+            what=f"every rank of job {job} past step {kill_after}",
         )
         before = {r: MultiRun(t.c.job_output(job)).lines(r, "PID ") for r in (0, 2)}
         t.c.power_off(LOST, wipe_local=True)  # mid-step; nobody marks it DOWN
@@ -193,7 +209,9 @@ def test_ddp_node_killed_mid_step_survivors_keep_training(t: InJobSite) -> None:
             [h] = got[r]["history"]
             assert h["epoch"] == 1 and h["tier"] == "ram" and h["recomputed"] <= 1, got
         assert f"node={SPARE}" in "".join(ln for ln in out.splitlines() if "spare3: PID" in ln)
-        assert {d["digest"] for d in got.values()} == {digest}, (got, want)
+        assert got[0]["history"][0]["step"] == got[2]["history"][0]["step"], got
+        for r in range(WORLD):  # bitwise the uninterrupted run, rank by rank
+            assert got[r]["digest"] == want[r]["digest"], (r, got, want)
         assert f"in-job: node {LOST} lost" in out and "relaunching" not in out, out
         g = json.loads(
             t.c.run(
@@ -204,15 +222,42 @@ def test_ddp_node_killed_mid_step_survivors_keep_training(t: InJobSite) -> None:
         [f] = g["failures"]
         assert f["mode"] == "in_job" and f["nodes"] == [LOST], g
         print(
-            f"\n[in-job ddp] {LOST} killed: detection {f['detection_s']:.1f}s, epoch 1 "
+            f"\n[in-job {mode}] {LOST} killed: detection {f['detection_s']:.1f}s, epoch 1 "
             f"{f['recovery_s']:.1f}s later, re-form {f['reform_s']}, restore {f['restore_s']}, "
             f"training again {f['training_again_s']}s after the last heartbeat, "
             f"{f['steps_recomputed']} step(s) recomputed; survivors' history {got[0]['history']}"
+            f"; the spare's start {got[1]['started']}"
         )
+        return out, got
     finally:
         t.c.run(["scancel", ref, *([job] if job else [])], check=False)
         _bring_back(t, LOST)
         t.configure(hooks={"stage_on_requeue": False})
+
+
+def test_ddp_node_killed_mid_step_survivors_keep_training(t: InJobSite) -> None:
+    """DDP over gloo through slurm_ckpt.torch.recovery under ckpt-srun --in-job: n2 dies
+    mid-run (nobody marks it DOWN); the survivors keep their processes, the spare takes
+    rank 1 from its partner's RAM copy, at most one step is redone, same job,
+    Restarts=0, and the result is bitwise that of an uninterrupted run."""
+    _, got = killed_mid_step(t, "ddp", 10)
+    assert len({d["digest"] for d in got.values()}) == 1, got  # data-parallel: one model
+
+
+def test_fsdp2_node_killed_mid_step_spare_takes_its_shard_from_partner_ram(
+    t: InJobSite,
+) -> None:
+    """The same with FSDP2 (``fully_shard`` over gloo, each rank holding a third of every
+    parameter and of its momentum): no other rank holds the lost rank's shard, so the
+    spare must take it from the partner's RAM copy (tier ``partner-ram``: not the NVMe
+    partner copy, not the warm tier) at the step the survivors restored from their own
+    RAM; each rank's final shard is bitwise the uninterrupted run's. Few short steps:
+    the kill lands at step 5 of 30 (0.2 s each)."""
+    _, got = killed_mid_step(t, "fsdp", 5)
+    restored = got[0]["history"][0]["step"]
+    assert got[1]["started"] == {"step": restored, "tier": "partner-ram"}, got
+    assert got[1]["history"] == [] and got[1]["last"] == FSDP_STEPS, got
+    assert len({d["digest"] for d in got.values()}) == WORLD, got  # three different shards
 
 
 def test_hot_spare_lost_falls_back_to_requeue(t: InJobSite) -> None:

@@ -34,8 +34,8 @@ process. The last lines::
     RANK 1 pid=Q started={"step": S, "tier": "partner-ram"}
     RESULT ok digest=<sha256 of the final weights, the same on every rank>
 
-(exit status 0; ``--kill-at 0``: no failure, the digest of an uninterrupted run, which
-is the same.)
+(exit status 0; ``--kill-at 0``: no failure and no spare, the digest of an
+uninterrupted run, which is the same.)
 """
 
 from __future__ import annotations
@@ -198,7 +198,8 @@ def laptop(args: argparse.Namespace) -> int:
     co.launch({r: Member("127.0.0.1", r) for r in range(args.ranks)})
     child = ["--child", str(work), "--steps", str(args.steps), "--sleep", str(args.sleep)]
     ranks = {r: _Proc(work, r, False, child) for r in range(args.ranks)}
-    procs = list(ranks.values()) + [_Proc(work, args.ranks, True, child)]
+    spares = [_Proc(work, args.ranks, True, child)] if args.kill_at else []
+    procs = list(ranks.values()) + spares
     until = time.monotonic() + LAPTOP_WAIT_S
     try:
         if args.kill_at:

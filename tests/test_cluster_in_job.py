@@ -48,8 +48,9 @@ SPARE = "n4"
 WORKER = Path(__file__).parent / "in_job_worker.py"
 DDP_WORKER = Path(__file__).parent / "in_job_ddp_worker.py"
 DDP_STEPS = 60
-#: FSDP2's run: few short steps (CI's budget); the node dies at step 5.
-FSDP_STEPS = 45  # 40 steps of margin after the kill point at step 5: a loaded CI host is slow to power off
+#: FSDP2's run: few short steps (CI's budget); the node dies at step 5, and 40 steps (8 s)
+#: remain for a loaded CI host to power it off before the run would end.
+FSDP_STEPS = 45
 FSDP_STEP_S = 0.2
 #: FSDP2's door (ShardState) lives in the local tests' worker; the cluster worker imports it.
 SHARD_WORKER = Path(__file__).parent / "recovery_worker.py"

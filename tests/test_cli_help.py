@@ -163,3 +163,22 @@ def test_listed_summaries_are_the_commands_own() -> None:
     loaded = main_mod.cli.all_commands()
     for name, _module, _attr, summary in main_mod.COMMANDS:
         assert summary == short_help(loaded[name]), name
+
+
+def test_every_registered_command_has_examples_and_is_registered_once() -> None:
+    """One registration per command (:data:`slurm_ckpt.cli.registry.REGISTRY`): each
+    entry, and each of its subcommands, carries at least one example, and a name is
+    registered once. A command added without examples fails here, before --help."""
+    from slurm_ckpt.cli.registry import REGISTRY
+
+    names = [c.name for c in REGISTRY]
+    assert len(names) == len(set(names)), names
+    missing = [c.name for c in REGISTRY if not c.examples]
+    missing += [f"{c.name} {s.name}" for c in REGISTRY for s in c.subcommands if not s.examples]
+    assert missing == [], f"registered without examples: {missing}"
+    # and every command the application has is a registered one (none added beside it)
+    assert sorted(main_mod.cli.all_commands()) == sorted(names)
+    for c in REGISTRY:
+        loaded = main_mod.cli.all_commands()[c.name]
+        subs = sorted(loaded.commands) if isinstance(loaded, click.Group) else []
+        assert subs == sorted(s.name for s in c.subcommands), c.name

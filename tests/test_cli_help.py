@@ -165,20 +165,31 @@ def test_listed_summaries_are_the_commands_own() -> None:
         assert summary == short_help(loaded[name]), name
 
 
-def test_every_registered_command_has_examples_and_is_registered_once() -> None:
-    """One registration per command (:data:`slurm_ckpt.cli.registry.REGISTRY`): each
-    entry, and each of its subcommands, carries at least one example, and a name is
-    registered once. A command added without examples fails here, before --help."""
-    from slurm_ckpt.cli.registry import REGISTRY
+def test_every_command_is_registered_with_examples_and_the_index_is_current() -> None:
+    """One registration per command, beside it (``@register``, slurm_ckpt/cli/registry.py):
+    every command and subcommand the application has is registered, with examples, and
+    the index ``--help`` reads (command_index.py) is what the registrations generate."""
+    from slurm_ckpt.cli import command_index, registry
 
-    names = [c.name for c in REGISTRY]
-    assert len(names) == len(set(names)), names
-    missing = [c.name for c in REGISTRY if not c.examples]
-    missing += [f"{c.name} {s.name}" for c in REGISTRY for s in c.subcommands if not s.examples]
-    assert missing == [], f"registered without examples: {missing}"
-    # and every command the application has is a registered one (none added beside it)
-    assert sorted(main_mod.cli.all_commands()) == sorted(names)
-    for c in REGISTRY:
-        loaded = main_mod.cli.all_commands()[c.name]
-        subs = sorted(loaded.commands) if isinstance(loaded, click.Group) else []
-        assert subs == sorted(s.name for s in c.subcommands), c.name
+    regs = registry.declared()
+    paths = {name for name, _c in all_commands()}
+    assert sorted(regs) == sorted(paths)
+    assert [p for p, (reg, _c) in regs.items() if not reg.examples] == []
+    text = Path(command_index.__file__).read_text()
+    assert registry.render_index() == text, "stale: python -m slurm_ckpt.cli.registry --write"
+
+
+def test_a_registration_without_examples_fails_when_its_module_loads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from slurm_ckpt.cli import registry
+    from slurm_ckpt.cli.registry import register
+
+    monkeypatch.setattr(registry, "_DECLARED", {})  # the application's stay untouched
+    for bad in ((), ("",), ("  ",)):
+        with pytest.raises(ValueError, match="at least one example"):
+            register("new-command", examples=bad)
+    cmd = click.Command("twice")
+    register("twice-test", examples=("ckpt-slurm twice-test",))(cmd)
+    with pytest.raises(ValueError, match="registered twice"):
+        register("twice-test", examples=("ckpt-slurm twice-test",))(click.Command("other"))

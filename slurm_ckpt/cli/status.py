@@ -22,6 +22,7 @@ import click
 
 from slurm_ckpt.cli.output import CliState, pass_state
 from slurm_ckpt.cli.params import JOB_ID, NODELIST, USER
+from slurm_ckpt.cli.registry import register
 from slurm_ckpt.cli.safe_text import JSON_LIMIT, safe_json
 from slurm_ckpt.cli.table import (
     Column,
@@ -297,6 +298,16 @@ def print_status(
                 )
 
 
+@register(
+    "status",
+    examples=(
+        "ckpt-slurm status",
+        "ckpt-slurm status -u alice",
+        "ckpt-slurm status -w 'gpu-[001-004]' --nodes",
+        "ckpt-slurm status --parsable --noheader | awk -F'|' '$9 > 0'",
+    ),
+    user=True,
+)
 @click.command("status")
 @click.option("-u", "--user", type=USER, help="Only this user's jobs.")
 @click.option("-j", "--job", type=JOB_ID, help="Only this SLURM job id.")

@@ -105,6 +105,11 @@ def _series_of(text: Any) -> Optional[Series]:
     return (user, key) if sep and user and key else None
 
 
+def _newest(heads: List[TierHead]) -> TierHead:
+    """The head with the highest step (the first of equals, hot to cold)."""
+    return heads[0] if len(heads) == 1 else max(heads, key=lambda h: h.step)
+
+
 def _dict(value: Any) -> Dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
@@ -342,7 +347,7 @@ class _Join:
             nodes=tuple(sorted(j.nodes)),
             local=local,
             shared=shared,
-            data_version=max(heads, key=lambda h: h.step).data_version if heads else None,
+            data_version=_newest(heads).data_version if heads else None,
             steps_at_risk=steps_at_risk,
             checkpoints_at_risk=j.pending,
             bytes_at_risk=j.pending_bytes,

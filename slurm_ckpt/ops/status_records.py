@@ -97,7 +97,7 @@ A **node entry** (:class:`NodeStatus`)::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from slurm_ckpt.ops.catalog import SeriesHead, base_key
 from slurm_ckpt.ops.partner_status import PartnerCopies
@@ -159,13 +159,19 @@ class TierHead:
         """The newest of a job's series heads on one tier, steps and damage summed."""
         if not heads:
             return None
-        top = max(heads, key=lambda h: (h.step, h.wall_time))
+        if len(heads) == 1:  # most jobs: one series on the tier (no max, no sums)
+            top = heads[0]
+            checkpoints, damaged = top.checkpoints, top.damaged
+        else:
+            top = max(heads, key=lambda h: (h.step, h.wall_time))
+            checkpoints = sum(h.checkpoints for h in heads)
+            damaged = sum(h.damaged for h in heads)
         return cls(
             top.step,
             round(now - top.wall_time, 3),
             top.nbytes,
-            sum(h.checkpoints for h in heads),
-            sum(h.damaged for h in heads),
+            checkpoints,
+            damaged,
             top.data_version,
             top.suspect,
         )
@@ -194,9 +200,13 @@ class KeyGroup:
         return {"key": self.key, "ranks": self.ranks, "series": list(self.series)}
 
 
-def key_groups(keys: Iterable[str]) -> Tuple[KeyGroup, ...]:
+def key_groups(keys: Sequence[str]) -> Tuple[KeyGroup, ...]:
     """A job's series grouped by the user's key (``ranks``: how many rank series; 0 for
     a plain one-rank series)."""
+    if len(keys) == 1:  # most jobs: one series
+        k = keys[0]
+        base = base_key(k)
+        return (KeyGroup(base, 0 if k == base else 1, (k,)),)
     groups: Dict[str, List[str]] = {}
     for k in keys:
         groups.setdefault(base_key(k), []).append(k)

@@ -231,7 +231,7 @@ def main() -> int:
             cfg = Config.load(cfg_path)
 
             def in_process(cfg: Config = cfg) -> object:
-                return collect_status(cfg, query=lambda: no_slurm("benchmark"))
+                return collect_status(cfg, query=lambda: no_slurm("benchmark")).to_json()
 
             # Untimed warm-up, and a check that the output is what it should be.
             for tag in repos:

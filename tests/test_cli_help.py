@@ -163,3 +163,33 @@ def test_listed_summaries_are_the_commands_own() -> None:
     loaded = main_mod.cli.all_commands()
     for name, _module, _attr, summary in main_mod.COMMANDS:
         assert summary == short_help(loaded[name]), name
+
+
+def test_every_command_is_registered_with_examples_and_the_index_is_current() -> None:
+    """One registration per command, beside it (``@register``, slurm_ckpt/cli/registry.py):
+    every command and subcommand the application has is registered, with examples, and
+    the index ``--help`` reads (command_index.py) is what the registrations generate."""
+    from slurm_ckpt.cli import command_index, registry
+
+    regs = registry.declared()
+    paths = {name for name, _c in all_commands()}
+    assert sorted(regs) == sorted(paths)
+    assert [p for p, (reg, _c) in regs.items() if not reg.examples] == []
+    text = Path(command_index.__file__).read_text()
+    assert registry.render_index() == text, "stale: python -m slurm_ckpt.cli.registry --write"
+
+
+def test_a_registration_without_examples_fails_when_its_module_loads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from slurm_ckpt.cli import registry
+    from slurm_ckpt.cli.registry import register
+
+    monkeypatch.setattr(registry, "_DECLARED", {})  # the application's stay untouched
+    for bad in ((), ("",), ("  ",)):
+        with pytest.raises(ValueError, match="at least one example"):
+            register("new-command", examples=bad)
+    cmd = click.Command("twice")
+    register("twice-test", examples=("ckpt-slurm twice-test",))(cmd)
+    with pytest.raises(ValueError, match="registered twice"):
+        register("twice-test", examples=("ckpt-slurm twice-test",))(click.Command("other"))

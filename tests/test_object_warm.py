@@ -328,7 +328,7 @@ def test_status_list_verify_and_drill_know_the_object_tier(site: Site) -> None:
     save(cfg, "ckptuser1", "run", 2, job="400", dv="imagenet@2024-06")
     run_epilog(cfg, site.env("ckptuser1", job="400"))
 
-    doc = collect_status(cfg, query=lambda: no_slurm("test"))
+    doc = collect_status(cfg, query=lambda: no_slurm("test")).to_json()
     assert doc["warm_tier"] == "object" and doc["pfs_root"] is None
     assert doc["node_statuses"].startswith("s3://")
     (job,) = [j for j in doc["jobs"] if j["user"] == "ckptuser1"]

@@ -310,7 +310,7 @@ def test_squatted_rendezvous_is_refused_and_reported(tmp_path: Path) -> None:
             "partner": {"dir": str(base)},
         }
     )
-    doc = collect_status(cfg, query=lambda: no_slurm("test"))
+    doc = collect_status(cfg, query=lambda: no_slurm("test")).to_json()
     assert {(s["path"], s["user"], s["owner_uid"]) for s in doc["squatted"]} == {
         (str(squat), "root", uid)
     }

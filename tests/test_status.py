@@ -104,7 +104,7 @@ class Site(helper_site.Site):
 
     def status(self, **kw: Any) -> Dict[str, Any]:
         query = kw.pop("query", self.slurm)
-        return collect_status(self.cfg, query=query, now=self.now, **kw)
+        return collect_status(self.cfg, query=query, now=self.now, **kw).to_json()
 
 
 @pytest.fixture

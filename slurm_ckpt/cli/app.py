@@ -17,8 +17,9 @@ is a :class:`LazyGroup` and ``ckpt-slurm --help`` lists each command by the summ
 :data:`COMMANDS` (a test checks that it is the command's own first sentence), so neither
 ``--help`` nor one command pays for every other command's imports (torch, boto3, rich).
 
-Adding a command: one entry in :data:`slurm_ckpt.cli.registry.REGISTRY` (where it lives,
-its summary and examples, admin or user command).
+Adding a command: define it with its ``@register`` (examples, admin or user command;
+:mod:`slurm_ckpt.cli.registry`) beside it, then regenerate the index
+(``python -m slurm_ckpt.cli.registry --write``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from slurm_ckpt.cli.output import (
     print_error,
     print_json,
 )
-from slurm_ckpt.cli.registry import REGISTRY
+from slurm_ckpt.cli.registry import register, summaries
 from slurm_ckpt.core.platform import require_supported_os
 from slurm_ckpt.errors import (
     EXIT_FAILED,
@@ -52,9 +53,12 @@ from slurm_ckpt.errors import (
 )
 
 #: Commands attached to :data:`cli` besides ``config`` (defined here), as ``(name, module,
-#: attribute, summary)``, from the one table :data:`slurm_ckpt.cli.registry.REGISTRY`.
+#: attribute, summary)``, from the index of their registrations
+#: (:mod:`slurm_ckpt.cli.registry`): listed without importing them.
 COMMANDS: List[Tuple[str, str, str, str]] = [
-    (c.name, c.module, c.attr, c.summary) for c in REGISTRY if c.attr != "config_group"
+    (name, module, attr, summary)
+    for name, (module, attr, summary) in summaries().items()
+    if module != __name__
 ]
 
 #: OSError numbers that a user or the site causes (permissions, full or read-only disks,
@@ -154,11 +158,26 @@ def cli(ctx: click.Context, config_path: Optional[str]) -> None:
 # --------------------------------------------------------------------------- config
 
 
+@register(
+    "config",
+    examples=(
+        "ckpt-slurm config check",
+        "ckpt-slurm config show --json",
+    ),
+)
 @click.group("config", cls=ExamplesGroup)
 def config_group() -> None:
     """Show or check the site configuration."""
 
 
+@register(
+    "config show",
+    examples=(
+        "ckpt-slurm config show",
+        "ckpt-slurm --config ./site.toml config show --json",
+    ),
+    user=True,
+)
 @config_group.command("show")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON (bytes, seconds).")
 @pass_state
@@ -171,6 +190,14 @@ def config_show(state: CliState, as_json: bool) -> None:
         print_config(cfg)
 
 
+@register(
+    "config check",
+    examples=(
+        "ckpt-slurm config check",
+        "ckpt-slurm config check --offline --config ./site.toml",
+    ),
+    user=True,
+)
 @config_group.command("check")
 @click.option(
     "--offline", is_flag=True, help="Check the file alone (syntax, values), not this node."

@@ -18,6 +18,7 @@ import click
 from slurm_ckpt.cli.output import CliState, pass_state, print_json
 from slurm_ckpt.cli.params import USER
 from slurm_ckpt.cli.progress import ByteProgress
+from slurm_ckpt.cli.registry import register
 from slurm_ckpt.cli.safe_text import safe_text
 from slurm_ckpt.cli.table import (
     Column,
@@ -117,6 +118,16 @@ SERIES_COLUMNS = [
 ]
 
 
+@register(
+    "list",
+    examples=(
+        "ckpt-slurm list",
+        "ckpt-slurm list my-run",
+        "ckpt-slurm list my-run -u alice --tier warm --parsable",
+        "ckpt-slurm list my-run --local ./ckpt/local --warm ./ckpt/pfs   (no site config)",
+    ),
+    user=True,
+)
 @click.command("list")
 @click.argument("key", required=False)
 @user_option
@@ -246,6 +257,16 @@ def _verify_path(target: str, streams: int, out: OutputFormat) -> int:
     return 0 if rep.ok else 1
 
 
+@register(
+    "verify",
+    examples=(
+        "ckpt-slurm verify my-run",
+        "ckpt-slurm verify my-run --step 4000 --tier warm",
+        "ckpt-slurm verify /lustre/checkpoints/alice/my-run/step-0000004000",
+        "ckpt-slurm verify my-run --local ./ckpt/local   (no site config)",
+    ),
+    user=True,
+)
 @click.command("verify")
 @click.argument("target")
 @user_option

@@ -10,6 +10,7 @@ from typing import Optional
 import click
 
 from slurm_ckpt.cli.output import CliState, pass_state, print_json
+from slurm_ckpt.cli.registry import register
 from slurm_ckpt.cli.safe_text import LINE_LIMIT, safe_text
 from slurm_ckpt.core.units import parse_duration
 from slurm_ckpt.errors import CkptError, ConfigError, SlurmError
@@ -19,6 +20,14 @@ __all__ = ["doctor_cmd"]
 _STYLE = {"ok": "green", "warn": "yellow", "error": "red"}
 
 
+@register(
+    "doctor",
+    examples=(
+        "ckpt-slurm doctor",
+        "ckpt-slurm doctor --signal-lead 300s --json",
+    ),
+    admin=True,
+)
 @click.command("doctor")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable findings.")
 @click.option("--node", default=None, metavar="NAME", help="Whose measurements to read.")

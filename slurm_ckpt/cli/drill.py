@@ -12,6 +12,7 @@ import click
 from slurm_ckpt.cli.output import CliState, pass_state, print_json, print_table
 from slurm_ckpt.cli.params import USER
 from slurm_ckpt.cli.progress import ByteProgress
+from slurm_ckpt.cli.registry import register
 from slurm_ckpt.cli.table import warn
 from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import NotFound, UsageError
@@ -21,6 +22,14 @@ from slurm_ckpt.ops.drill import (
 from slurm_ckpt.ops.tier_roots import require_roots
 
 
+@register(
+    "drill",
+    examples=(
+        "ckpt-slurm drill my-run",
+        "ckpt-slurm drill my-run -u alice --json",
+    ),
+    user=True,
+)
 @click.command("drill")
 @click.argument("key")
 @click.option("-u", "--user", type=USER, help="Owner of the checkpoints (default: you).")

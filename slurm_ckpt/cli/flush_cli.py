@@ -12,6 +12,7 @@ import click
 from slurm_ckpt.cli.output import CliState, pass_state, print_json
 from slurm_ckpt.cli.params import JOB_ID, NODE
 from slurm_ckpt.cli.progress import ByteProgress
+from slurm_ckpt.cli.registry import register
 from slurm_ckpt.cli.table import (
     Column,
     Listing,
@@ -76,6 +77,14 @@ def _print(summary: FlushSummary, out: OutputFormat) -> None:
     echo_wrapped(line)
 
 
+@register(
+    "flush",
+    examples=(
+        "ckpt-slurm flush",
+        "ckpt-slurm flush -j 123456 --wait",
+    ),
+    user=True,
+)
 @click.command("flush")
 @click.option("-j", "--job", type=JOB_ID, default=None, help="Only checkpoints of this job.")
 @click.option("--wait", is_flag=True, help="Wait for copies other processes are running.")

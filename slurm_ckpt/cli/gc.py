@@ -11,6 +11,7 @@ import click
 from slurm_ckpt.cli.output import CliState, pass_state, print_error, print_json
 from slurm_ckpt.cli.params import USER
 from slurm_ckpt.cli.progress import ByteProgress
+from slurm_ckpt.cli.registry import register
 from slurm_ckpt.cli.table import (
     Column,
     Listing,
@@ -72,6 +73,14 @@ def _gc_columns(dry_run: bool) -> List[Column]:
     ]
 
 
+@register(
+    "gc",
+    examples=(
+        "ckpt-slurm gc --dry-run",
+        "ckpt-slurm gc -u alice -k my-run --json",
+    ),
+    user=True,
+)
 @click.command("gc")
 @click.option("--dry-run", is_flag=True, help="Only report what would be deleted.")
 @click.option("-u", "--user", type=USER, help="Only this user's checkpoints (default: everyone's).")

@@ -8,6 +8,7 @@ import click
 
 from slurm_ckpt.cli.output import CliState, pass_state, print_json, print_table
 from slurm_ckpt.cli.params import USER
+from slurm_ckpt.cli.registry import register
 from slurm_ckpt.core.names import current_user
 from slurm_ckpt.core.units import format_duration
 from slurm_ckpt.ops.job_timeline import job_goodput
@@ -17,6 +18,14 @@ def _s(v: Optional[float]) -> str:
     return "-" if v is None else format_duration(v)
 
 
+@register(
+    "goodput",
+    examples=(
+        "ckpt-slurm goodput 123456",
+        "ckpt-slurm goodput 123456 --json",
+    ),
+    user=True,
+)
 @click.command("goodput")
 @click.argument("job")
 @click.option("-u", "--user", type=USER, help="Owner of the job (default: you).")

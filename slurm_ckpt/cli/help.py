@@ -4,9 +4,9 @@
 sections: commands for everyone, and the admin commands (root, usually run by SLURM or
 systemd on compute nodes: :data:`ADMIN_COMMANDS`). Summaries are the first sentence of a
 command's help, never cut with "...". :func:`attach_examples` gives every command an
-"Examples" epilog from :data:`EXAMPLES` (kept beside each command in
-:mod:`slurm_ckpt.cli.registry`, so README and ``--help`` agree and a test can check that
-none is missing).
+"Examples" epilog from :data:`EXAMPLES` (declared beside each command with its
+``@register``, :mod:`slurm_ckpt.cli.registry`, and read from the generated index, so
+README and ``--help`` agree and a test can check that none is missing).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import click
 
-from slurm_ckpt.cli.registry import admin_names, examples
+from slurm_ckpt.cli.registry import admin_names, examples, short_help
 
 __all__ = ["ADMIN_COMMANDS", "EXAMPLES", "GroupedHelp", "attach_examples", "short_help"]
 
@@ -23,20 +23,8 @@ __all__ = ["ADMIN_COMMANDS", "EXAMPLES", "GroupedHelp", "attach_examples", "shor
 ADMIN_COMMANDS = admin_names()
 
 #: Examples per command path (as ``ckpt-slurm`` shows them), the first one the simplest;
-#: kept beside each command in :mod:`slurm_ckpt.cli.registry`.
+#: declared beside each command (:func:`slurm_ckpt.cli.registry.register`).
 EXAMPLES: Dict[str, Tuple[str, ...]] = examples()
-
-
-def short_help(cmd: click.Command) -> str:
-    """The command's first sentence, whole (click would cut it at 45 characters)."""
-    if cmd.short_help:
-        return " ".join(cmd.short_help.split())
-    text = (cmd.help or "").partition("\n\n")[0]
-    words = [w for w in text.split() if w != "\b"]
-    for i, word in enumerate(words):
-        if word.endswith(".") and (i == len(words) - 1 or not words[i + 1][0].islower()):
-            return " ".join(words[: i + 1])
-    return " ".join(words)
 
 
 class GroupedHelp(click.Group):

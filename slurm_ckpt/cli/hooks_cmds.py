@@ -24,6 +24,7 @@ import click
 
 from slurm_ckpt.cli.output import CliState, pass_state
 from slurm_ckpt.cli.params import NODE, SECONDS_COMPAT, Duration
+from slurm_ckpt.cli.registry import register
 from slurm_ckpt.cli.safe_text import LINE_LIMIT, safe_text
 from slurm_ckpt.core import trust
 from slurm_ckpt.core.config import load_config
@@ -149,6 +150,14 @@ def _hook_env(kind: str, client: Any) -> Any:
         raise UsageError(msg) from None
 
 
+@register(
+    "prolog",
+    examples=(
+        "Prolog=/etc/slurm/ckpt-hooks/prolog   (slurm.conf; the script runs: ckpt-slurm prolog "
+        "--budget 100s)",
+    ),
+    admin=True,
+)
 @click.command("prolog")
 @budget_option
 @pass_state
@@ -177,6 +186,14 @@ def prolog_cmd(state: CliState, budget: Optional[float]) -> None:
     click.echo(safe_text(report.line(), LINE_LIMIT))
 
 
+@register(
+    "epilog",
+    examples=(
+        "Epilog=/etc/slurm/ckpt-hooks/epilog   (slurm.conf; the script runs: ckpt-slurm epilog "
+        "--budget 100s)",
+    ),
+    admin=True,
+)
 @click.command("epilog")
 @budget_option
 @pass_state
@@ -202,6 +219,14 @@ def epilog_cmd(state: CliState, budget: Optional[float]) -> None:
     click.echo(safe_text(report.line(), LINE_LIMIT))
 
 
+@register(
+    "stager",
+    examples=(
+        "systemctl enable --now slurm-ckpt-stager",
+        "ckpt-slurm stager --once",
+    ),
+    admin=True,
+)
 @click.command("stager")
 @click.option("--once", is_flag=True, help="One pass, then exit (1 if work remains).")
 @click.option(
@@ -247,6 +272,14 @@ def stager_cmd(
     )
 
 
+@register(
+    "install-hooks",
+    examples=(
+        "ckpt-slurm install-hooks --dest /etc/slurm/ckpt-hooks --config "
+        "/etc/slurm-ckpt/config.toml",
+    ),
+    admin=True,
+)
 @click.command("install-hooks")
 @click.option(
     "--dest",

@@ -12,6 +12,7 @@ import click
 from slurm_ckpt.cli.output import CliState, console, pass_state
 from slurm_ckpt.cli.params import DURATION, NODE, NODELIST, Duration
 from slurm_ckpt.cli.progress import progress_enabled
+from slurm_ckpt.cli.registry import register
 from slurm_ckpt.cli.safe_text import LINE_LIMIT, safe_text
 from slurm_ckpt.ops.maint import NodeWait, action_argv, guard, run_maint
 from slurm_ckpt.slurm.env import this_node
@@ -19,6 +20,14 @@ from slurm_ckpt.slurm.env import this_node
 __all__ = ["guard_cmd", "maint_cmd"]
 
 
+@register(
+    "maint",
+    examples=(
+        "ckpt-slurm maint 'gpu-[001-004]' --reason 'firmware' --signal-jobs --reboot",
+        "ckpt-slurm maint gpu-007 --reason 'disk swap' --timeout 2h -- /usr/local/sbin/swap",
+    ),
+    admin=True,
+)
 @click.command("maint")
 @click.argument("nodelist", type=NODELIST)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
@@ -116,6 +125,14 @@ class _NodeProgress:
             )
 
 
+@register(
+    "guard",
+    examples=(
+        "ckpt-slurm guard",
+        "ckpt-slurm guard --wait 5min && /sbin/reboot",
+    ),
+    admin=True,
+)
 @click.command("guard")
 @click.option(
     "-w",

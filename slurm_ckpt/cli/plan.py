@@ -17,6 +17,7 @@ import click
 from slurm_ckpt.cli.output import print_error, print_json
 from slurm_ckpt.cli.plan_cluster import run_cluster_plan
 from slurm_ckpt.cli.plan_strategies import StrategyOptions, checkpoint_bytes, run_strategy_plan
+from slurm_ckpt.cli.registry import register
 from slurm_ckpt.cli.table import Column, Listing, OutputFormat, output_options, warn
 from slurm_ckpt.core.planner import (
     Plan,
@@ -262,6 +263,14 @@ def _nodes(value: str) -> int:
     return n
 
 
+@register(
+    "plan",
+    examples=(
+        "ckpt-slurm plan --params 70e9 --local-bw 3GB/s --pfs-bw 500MB/s --mtbi 6h --max-loss "
+        "30min",
+        "ckpt-slurm plan --size 350GB --pfs-bw 2GB/s --mtbi 1-00:00:00 --parsable",
+    ),
+)
 @click.command("plan")
 @click.option("--params", metavar="COUNT", help="Model parameters: 70e9 or 70B.")
 @click.option("--size", metavar="SIZE", help="Checkpoint size instead of --params: 350GB, 1.2TB.")

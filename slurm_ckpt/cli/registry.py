@@ -1,339 +1,182 @@
-"""Every ``ckpt-slurm`` command in one table: where it lives, its summary, its examples,
-and whether it is an admin command or a user command.
+"""Every ``ckpt-slurm`` command registers itself beside its definition, once: its
+examples and its audience in one :func:`register` decorator; its summary is its own
+docstring's first sentence::
 
-Why one table: ``--help`` lists the commands without importing them (each command's
-module may import torch, boto3 or rich), the help groups admin commands apart, the user
-commands take tier flags and the per-user config (:mod:`.sources`), and every command has
-examples that README and ``--help`` share. Kept in four registries, a new command had to
-be added four times and a missed one failed only in a test; here it is one entry.
+    @register("status", examples=("ckpt-slurm status", ...), user=True)
+    @click.command("status")
+    def status_cmd(...):
+        \"\"\"Checkpoints per job and flush backlog per node, ...\"\"\"
 
-Adding a command: write a module that defines a click command or group (take global
-state with ``@pass_state`` from :mod:`slurm_ckpt.cli.output`, never import
-:mod:`.app`), then add one :class:`CommandSpec` to :data:`REGISTRY`. Its ``summary`` must
-be the command's own first sentence (tests/test_cli_help.py checks it).
+``admin``: listed apart in ``--help`` (root, SLURM hooks, node maintenance); ``user``: it
+acts on the caller's own checkpoints, so it takes tier flags and the per-user config. A
+subcommand registers by its path (``register("config show", ...)``).
+
+Why an index beside the registrations: ``ckpt-slurm --help`` lists every command, and the
+group finds a command's module, without importing any command module (each may import
+torch, boto3 or rich; tests/test_cli_basics.py checks). :mod:`.command_index` is that
+index, generated from the registrations by ``python -m slurm_ckpt.cli.registry --write``;
+tests/test_cli_help.py fails when it is stale, and a registration without examples fails
+when its module is imported. So adding a command is: write it with its ``@register``,
+then regenerate the index.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, Tuple
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, List, Sequence, Tuple, TypeVar
 
-__all__ = ["REGISTRY", "CommandSpec", "SubSpec", "admin_names", "examples", "user_paths"]
+from slurm_ckpt.cli import command_index
+
+if TYPE_CHECKING:  # click is imported by the command modules, not by the index's readers
+    import click
+
+__all__ = [
+    "Registration",
+    "admin_names",
+    "declared",
+    "examples",
+    "register",
+    "render_index",
+    "short_help",
+    "summaries",
+    "user_paths",
+]
+
+C = TypeVar("C", bound="click.Command")
 
 
 @dataclass(frozen=True)
-class SubSpec:
-    """A subcommand of a group command (``config show``)."""
+class Registration:
+    """One command path's declaration (module docstring)."""
 
-    name: str
-    examples: Tuple[str, ...] = ()
-    user: bool = False
-
-
-@dataclass(frozen=True)
-class CommandSpec:
-    """One top-level command.
-
-    ``module``/``attr`` name the click command, imported when it runs; ``summary`` is what
-    ``ckpt-slurm --help`` lists; ``examples`` (the first the simplest) become its "Examples"
-    epilog; ``admin`` lists it apart (root, SLURM hooks, node maintenance); ``user``: it
-    acts on the caller's own checkpoints, so it takes tier flags and the per-user config.
-    """
-
-    name: str
-    module: str
-    attr: str
-    summary: str
-    examples: Tuple[str, ...] = ()
+    path: str
+    examples: Tuple[str, ...]
     admin: bool = False
     user: bool = False
-    subcommands: Tuple[SubSpec, ...] = ()
 
 
-REGISTRY: Tuple[CommandSpec, ...] = (
-    CommandSpec(
-        "config",
-        "slurm_ckpt.cli.app",
-        "config_group",
-        "Show or check the site configuration.",
-        examples=(
-            "ckpt-slurm config check",
-            "ckpt-slurm config show --json",
-        ),
-        subcommands=(
-            SubSpec(
-                "show",
-                examples=(
-                    "ckpt-slurm config show",
-                    "ckpt-slurm --config ./site.toml config show --json",
-                ),
-                user=True,
-            ),
-            SubSpec(
-                "check",
-                examples=(
-                    "ckpt-slurm config check",
-                    "ckpt-slurm config check --offline --config ./site.toml",
-                ),
-                user=True,
-            ),
-        ),
-    ),
-    CommandSpec(
-        "plan",
-        "slurm_ckpt.cli.plan",
-        "plan",
-        "Size the checkpoint, time each tier and choose how often to save.",
-        examples=(
-            "ckpt-slurm plan --params 70e9 --local-bw 3GB/s --pfs-bw 500MB/s --mtbi 6h --max-loss "
-            "30min",
-            "ckpt-slurm plan --size 350GB --pfs-bw 2GB/s --mtbi 1-00:00:00 --parsable",
-        ),
-    ),
-    CommandSpec(
-        "list",
-        "slurm_ckpt.cli.catalog",
-        "list_cmd",
-        "List the committed checkpoints of KEY on each tier, or (no KEY) your series.",
-        examples=(
-            "ckpt-slurm list",
-            "ckpt-slurm list my-run",
-            "ckpt-slurm list my-run -u alice --tier warm --parsable",
-            "ckpt-slurm list my-run --local ./ckpt/local --warm ./ckpt/pfs   (no site config)",
-        ),
-        user=True,
-    ),
-    CommandSpec(
-        "verify",
-        "slurm_ckpt.cli.catalog",
-        "verify_cmd",
-        "Re-hash every byte of TARGET (a KEY, or a checkpoint directory anywhere) against its "
-        "manifest.",
-        examples=(
-            "ckpt-slurm verify my-run",
-            "ckpt-slurm verify my-run --step 4000 --tier warm",
-            "ckpt-slurm verify /lustre/checkpoints/alice/my-run/step-0000004000",
-            "ckpt-slurm verify my-run --local ./ckpt/local   (no site config)",
-        ),
-        user=True,
-    ),
-    CommandSpec(
-        "prolog",
-        "slurm_ckpt.cli.hooks_cmds",
-        "prolog_cmd",
-        "SLURM Prolog (root, every node of the job): prepare the local tier or refuse.",
-        examples=(
-            "Prolog=/etc/slurm/ckpt-hooks/prolog   (slurm.conf; the script runs: ckpt-slurm "
-            "prolog --budget 100s)",
-        ),
-        admin=True,
-    ),
-    CommandSpec(
-        "epilog",
-        "slurm_ckpt.cli.hooks_cmds",
-        "epilog_cmd",
-        "SLURM Epilog (root, every node of the job): flush the job's checkpoints.",
-        examples=(
-            "Epilog=/etc/slurm/ckpt-hooks/epilog   (slurm.conf; the script runs: ckpt-slurm "
-            "epilog --budget 100s)",
-        ),
-        admin=True,
-    ),
-    CommandSpec(
-        "stager",
-        "slurm_ckpt.cli.hooks_cmds",
-        "stager_cmd",
-        "Per-node daemon: finish flushes the epilog handed off, then resume the node (only if its "
-        "drain reason is still ours).",
-        examples=(
-            "systemctl enable --now slurm-ckpt-stager",
-            "ckpt-slurm stager --once",
-        ),
-        admin=True,
-    ),
-    CommandSpec(
-        "install-hooks",
-        "slurm_ckpt.cli.hooks_cmds",
-        "install_hooks_cmd",
-        "Write DEST/prolog and DEST/epilog calling this ckpt-slurm with that config.",
-        examples=(
-            "ckpt-slurm install-hooks --dest /etc/slurm/ckpt-hooks --config "
-            "/etc/slurm-ckpt/config.toml",
-        ),
-        admin=True,
-    ),
-    CommandSpec(
-        "status",
-        "slurm_ckpt.cli.status",
-        "status_cmd",
-        "Checkpoints per job and flush backlog per node, as seen from the shared tiers and SLURM.",
-        examples=(
-            "ckpt-slurm status",
-            "ckpt-slurm status -u alice",
-            "ckpt-slurm status -w 'gpu-[001-004]' --nodes",
-            "ckpt-slurm status --parsable --noheader | awk -F'|' '$9 > 0'",
-        ),
-        user=True,
-    ),
-    CommandSpec(
-        "gc",
-        "slurm_ckpt.cli.gc",
-        "gc_cmd",
-        "Apply retention on the PFS (and cold) tiers: keep the newest retention.keep_warm "
-        "checkpoints that verify now, one per retention.keep_warm_every, and pinned ones.",
-        examples=(
-            "ckpt-slurm gc --dry-run",
-            "ckpt-slurm gc -u alice -k my-run --json",
-        ),
-        user=True,
-    ),
-    CommandSpec(
-        "maint",
-        "slurm_ckpt.cli.maint",
-        "maint_cmd",
-        "Drain NODELIST, wait until its jobs are gone and every checkpoint is flushed to the PFS, "
-        "then reboot it, reserve it, or run COMMAND (after --, without a shell).",
-        examples=(
-            "ckpt-slurm maint 'gpu-[001-004]' --reason 'firmware' --signal-jobs --reboot",
-            "ckpt-slurm maint gpu-007 --reason 'disk swap' --timeout 2h -- /usr/local/sbin/swap",
-        ),
-        admin=True,
-    ),
-    CommandSpec(
-        "guard",
-        "slurm_ckpt.cli.maint",
-        "guard_cmd",
-        "Exit 0 when this node has no checkpoint waiting for the PFS, else exit 4.",
-        examples=(
-            "ckpt-slurm guard",
-            "ckpt-slurm guard --wait 5min && /sbin/reboot",
-        ),
-        admin=True,
-    ),
-    CommandSpec(
-        "flush",
-        "slurm_ckpt.cli.flush_cli",
-        "flush_cmd",
-        "Flush this node's checkpoints to the PFS now (root: every user's, as that user; "
-        "otherwise your own).",
-        examples=(
-            "ckpt-slurm flush",
-            "ckpt-slurm flush -j 123456 --wait",
-        ),
-        user=True,
-    ),
-    CommandSpec(
-        "seal",
-        "slurm_ckpt.cli.seal_cmd",
-        "seal_cmd",
-        "Seal a checkpoint directory another tool wrote (DCP, HF checkpoint-N, Lightning's "
-        "dirpath, Orbax): write our manifest into it, last and atomically.",
-        examples=(
-            "ckpt-slurm seal out/checkpoint-500",
-            "ckpt-slurm seal /scratch/alice/dcp/step-2000 --key my-run",
-            "ckpt-slurm seal lightning_logs/version_0/checkpoints --step 1200",
-        ),
-    ),
-    CommandSpec(
-        "adopt",
-        "slurm_ckpt.cli.seal_cmd",
-        "adopt_cmd",
-        "Adopt a sealed directory into one of your series, as a step flush, gc and restore look "
-        "after.",
-        examples=(
-            "ckpt-slurm adopt out/checkpoint-500 --key my-run",
-            "ckpt-slurm adopt /scratch/alice/dcp/step-2000 --key my-run --tier warm",
-            "ckpt-slurm adopt out/checkpoint-500 --key my-run --local ./ckpt/local   (no site "
-            "config)",
-        ),
-        user=True,
-    ),
-    CommandSpec(
-        "report",
-        "slurm_ckpt.cli.report_cmd",
-        "report_cmd",
-        "A series' life on this node: saves, flushes to the warm tier, failures, and the steps at "
-        "risk over time (what a node loss would have cost at each moment).",
-        examples=(
-            "ckpt-slurm report my-run --png my-run.png",
-            "ckpt-slurm report my-run --local ./ckpt/local --json   (no site config)",
-        ),
-        user=True,
-    ),
-    CommandSpec(
-        "goodput",
-        "slurm_ckpt.cli.goodput_cmd",
-        "goodput_cmd",
-        "Measured goodput of a job run under ckpt-srun: productive time against wall time, steps "
-        "recomputed, and per node loss the detection, recovery, restore and back-to-training "
-        "times, from the job's timeline on the warm tier.",
-        examples=(
-            "ckpt-slurm goodput 123456",
-            "ckpt-slurm goodput 123456 --json",
-        ),
-        user=True,
-    ),
-    CommandSpec(
-        "drill",
-        "slurm_ckpt.cli.drill",
-        "drill_cmd",
-        "Recovery drill: copy the checkpoint a restart would use into scratch space, verify and "
-        "load it, and report the time to the weights and to the full state.",
-        examples=(
-            "ckpt-slurm drill my-run",
-            "ckpt-slurm drill my-run -u alice --json",
-        ),
-        user=True,
-    ),
-    CommandSpec(
-        "doctor",
-        "slurm_ckpt.cli.doctor",
-        "doctor_cmd",
-        "Check SLURM and site settings against this node's measured save and flush times: signal "
-        "lead, KillWait, PrologEpilogTimeout, preemption signals and requeue, USR1, free space, "
-        "the hook scripts, the tier roots.",
-        examples=(
-            "ckpt-slurm doctor",
-            "ckpt-slurm doctor --signal-lead 300s --json",
-        ),
-        admin=True,
-    ),
-    CommandSpec(
-        "restore",
-        "slurm_ckpt.cli.restore_cmd",
-        "restore_cmd",
-        "Copy a checkpoint of KEY from the fastest tier holding it (or --tier) into DIR, every "
-        "byte checked against its manifest; a copy that does not verify is skipped for the next "
-        "tier.",
-        examples=(
-            "ckpt-slurm restore my-run --to /scratch/alice/restore",
-            "ckpt-slurm restore my-run --tier cold --step 4000 --to /scratch/alice/3-days-ago",
-            "ckpt-slurm restore my-run --local ./ckpt/local --warm ./ckpt/pfs --to ./back",
-        ),
-        user=True,
-    ),
-)
+#: What the imported command modules registered: path -> (registration, click command).
+_DECLARED: Dict[str, Tuple[Registration, click.Command]] = {}
+
+
+def register(
+    path: str, *, examples: Sequence[str], admin: bool = False, user: bool = False
+) -> Callable[[C], C]:
+    """Declare the command below as ``ckpt-slurm PATH`` (module docstring)."""
+    if not examples or not all(isinstance(e, str) and e.strip() for e in examples):
+        raise ValueError(f"ckpt-slurm {path}: register it with at least one example")
+
+    def declare(cmd: C) -> C:
+        if path in _DECLARED and _DECLARED[path][1] is not cmd:
+            raise ValueError(f"ckpt-slurm {path}: registered twice")
+        _DECLARED[path] = (Registration(path, tuple(examples), admin, user), cmd)
+        return cmd
+
+    return declare
+
+
+# --------------------------------------------------------------------------- the index
 
 
 def admin_names() -> Tuple[str, ...]:
     """The admin commands, listed apart in ``--help``."""
-    return tuple(c.name for c in REGISTRY if c.admin)
+    return command_index.ADMIN
 
 
 def examples() -> Dict[str, Tuple[str, ...]]:
     """Examples per command path, as ``ckpt-slurm`` shows it (``"config show"``)."""
-    out: Dict[str, Tuple[str, ...]] = {}
-    for c in REGISTRY:
-        if c.examples:
-            out[c.name] = c.examples
-        for s in c.subcommands:
-            if s.examples:
-                out[f"{c.name} {s.name}"] = s.examples
-    return out
+    return dict(command_index.EXAMPLES)
 
 
 def user_paths() -> FrozenSet[Tuple[str, ...]]:
     """The user commands, as their words after ``ckpt-slurm``."""
-    paths = {(c.name,) for c in REGISTRY if c.user}
-    paths |= {(c.name, s.name) for c in REGISTRY for s in c.subcommands if s.user}
-    return frozenset(paths)
+    return frozenset(tuple(p.split()) for p in command_index.USER)
+
+
+def summaries() -> Dict[str, Tuple[str, str, str]]:
+    """Top-level commands: name -> (module, attribute, summary), none imported."""
+    return dict(command_index.COMMANDS)
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def short_help(cmd: click.Command) -> str:
+    """The command's first sentence, whole (click would cut it at 45 characters)."""
+    if cmd.short_help:
+        return " ".join(cmd.short_help.split())
+    text = (cmd.help or "").partition("\n\n")[0]
+    words = [w for w in text.split() if w != "\b"]
+    for i, word in enumerate(words):
+        if word.endswith(".") and (i == len(words) - 1 or not words[i + 1][0].islower()):
+            return " ".join(words[: i + 1])
+    return " ".join(words)
+
+
+def declared() -> Dict[str, Tuple[Registration, click.Command]]:
+    """Every registration, by importing every module of :mod:`slurm_ckpt.cli` (for the
+    generator and the tests; never on a command's path)."""
+    import importlib
+    import pkgutil
+
+    import slurm_ckpt.cli as package
+
+    for info in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{package.__name__}.{info.name}")
+    return dict(_DECLARED)
+
+
+def _index_data() -> Tuple[Dict[str, Tuple[str, str, str]], List[Registration]]:
+    regs = declared()
+    commands: Dict[str, Tuple[str, str, str]] = {}
+    for path, (_reg, cmd) in sorted(regs.items()):
+        if " " in path:
+            continue
+        module = sys.modules[cmd.callback.__module__ if cmd.callback else ""]
+        attr = next(a for a, v in vars(module).items() if v is cmd)
+        commands[path] = (module.__name__, attr, short_help(cmd))
+    return commands, [reg for _p, (reg, _c) in sorted(regs.items())]
+
+
+def render_index() -> str:
+    """The text of :mod:`.command_index` for the registrations (formatted by ruff)."""
+    commands, regs = _index_data()
+    lines = [
+        '"""Generated by ``python -m slurm_ckpt.cli.registry --write`` from the commands\'',
+        "``@register`` declarations (:mod:`slurm_ckpt.cli.registry`): do not edit; regenerate.",
+        '"""',
+        "",
+        "# ruff: noqa: E501 (generated: the summaries are kept whole, one string each)",
+        "",
+        "#: Top-level commands: name -> (module, attribute, summary).",
+        f"COMMANDS = {commands!r}",
+        "#: Admin commands, listed apart in ``--help``.",
+        f"ADMIN = {tuple(r.path for r in regs if r.admin)!r}",
+        "#: User commands (tier flags, the per-user config), as command paths.",
+        f"USER = {tuple(r.path for r in regs if r.user)!r}",
+        "#: Examples per command path, the first the simplest.",
+        f"EXAMPLES = { {r.path: r.examples for r in regs}!r}",
+        "",
+    ]
+    text = "\n".join(lines)
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--stdin-filename", "command_index.py", "-"],
+        input=text,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout
+
+
+if __name__ == "__main__":  # pragma: no cover - the generator
+    if sys.argv[1:] != ["--write"]:
+        sys.exit("usage: python -m slurm_ckpt.cli.registry --write")
+    # Run as __main__: the command modules register into the imported module, not this one.
+    from slurm_ckpt.cli import registry
+
+    Path(command_index.__file__).write_text(registry.render_index())

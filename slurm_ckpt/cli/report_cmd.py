@@ -9,11 +9,20 @@ import click
 
 from slurm_ckpt.cli.output import CliState, pass_state, print_json, print_table
 from slurm_ckpt.cli.params import USER
+from slurm_ckpt.cli.registry import register
 from slurm_ckpt.core.names import current_user
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.ops.report import plot_png, series_life
 
 
+@register(
+    "report",
+    examples=(
+        "ckpt-slurm report my-run --png my-run.png",
+        "ckpt-slurm report my-run --local ./ckpt/local --json   (no site config)",
+    ),
+    user=True,
+)
 @click.command("report")
 @click.argument("key")
 @click.option("-u", "--user", type=USER, help="Owner of the series (default: you).")

@@ -18,6 +18,7 @@ import click
 from slurm_ckpt.cli.output import CliState, pass_state, print_json
 from slurm_ckpt.cli.params import USER
 from slurm_ckpt.cli.progress import ByteProgress
+from slurm_ckpt.cli.registry import register
 from slurm_ckpt.cli.table import (
     Column,
     Listing,
@@ -65,6 +66,15 @@ def check_destination(to: str) -> str:
     return path
 
 
+@register(
+    "restore",
+    examples=(
+        "ckpt-slurm restore my-run --to /scratch/alice/restore",
+        "ckpt-slurm restore my-run --tier cold --step 4000 --to /scratch/alice/3-days-ago",
+        "ckpt-slurm restore my-run --local ./ckpt/local --warm ./ckpt/pfs --to ./back",
+    ),
+    user=True,
+)
 @click.command("restore")
 @click.argument("key")
 @click.option(

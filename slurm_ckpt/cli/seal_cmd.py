@@ -16,6 +16,7 @@ import click
 from slurm_ckpt.cli.output import CliState, pass_state, print_json
 from slurm_ckpt.cli.params import SIZE
 from slurm_ckpt.cli.progress import ByteProgress
+from slurm_ckpt.cli.registry import register
 from slurm_ckpt.cli.safe_text import safe_text
 from slurm_ckpt.cli.table import warn
 from slurm_ckpt.core.hashing import DEFAULT_CHUNK_SIZE
@@ -27,6 +28,14 @@ from slurm_ckpt.ops.seal import DEFAULT_KEY, seal_dir
 MIN_CHUNK = 64 * 2**10
 
 
+@register(
+    "seal",
+    examples=(
+        "ckpt-slurm seal out/checkpoint-500",
+        "ckpt-slurm seal /scratch/alice/dcp/step-2000 --key my-run",
+        "ckpt-slurm seal lightning_logs/version_0/checkpoints --step 1200",
+    ),
+)
 @click.command("seal")
 @click.argument("directory", metavar="DIR")
 @click.option(
@@ -87,6 +96,15 @@ def seal_cmd(directory: str, key: str, step: Optional[int], chunk_size: int, as_
     return 0
 
 
+@register(
+    "adopt",
+    examples=(
+        "ckpt-slurm adopt out/checkpoint-500 --key my-run",
+        "ckpt-slurm adopt /scratch/alice/dcp/step-2000 --key my-run --tier warm",
+        "ckpt-slurm adopt out/checkpoint-500 --key my-run --local ./ckpt/local   (no site config)",
+    ),
+    user=True,
+)
 @click.command("adopt")
 @click.argument("directory", metavar="DIR")
 @click.option("-k", "--key", required=True, help="The series (key) to adopt DIR into.")

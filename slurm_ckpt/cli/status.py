@@ -22,6 +22,7 @@ import click
 
 from slurm_ckpt.cli.output import CliState, pass_state
 from slurm_ckpt.cli.params import JOB_ID, NODELIST, USER
+from slurm_ckpt.cli.registry import register
 from slurm_ckpt.cli.safe_text import JSON_LIMIT, safe_json
 from slurm_ckpt.cli.table import (
     Column,
@@ -33,13 +34,14 @@ from slurm_ckpt.cli.table import (
     warn,
 )
 from slurm_ckpt.core.config import user_config_path
-from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.core.units import format_bytes, format_duration, format_rate
 from slurm_ckpt.errors import CkptError
+from slurm_ckpt.ops.partner_status import PartnerCopies
 from slurm_ckpt.ops.status import (
     SLURM_ABSENT,
     SLURM_UNCONFIGURED,
     SlurmSnapshot,
+    StatusReport,
     collect_status,
     no_slurm,
 )
@@ -93,13 +95,13 @@ def _nodes_text(nodes: Any) -> str:
         return ",".join(nodes)
 
 
-def _partner_text(entry: Any) -> str:
+def _partner_text(entry: Optional[PartnerCopies]) -> str:
     """A job row's partner cell: ``STEP@NODES`` (a SLURM host list), ``-`` without one
     (the entry: :mod:`slurm_ckpt.ops.partner_status`)."""
-    if not entry:
+    if entry is None:
         return "-"
-    nodes = list(entry.get("nodes") or [])
-    return f"{entry['step']}@{_nodes_text(nodes)}" if nodes else str(entry["step"])
+    nodes = list(entry.nodes)
+    return f"{entry.step}@{_nodes_text(nodes)}" if nodes else str(entry.step)
 
 
 def _series_text(value: Any) -> str:
@@ -110,9 +112,7 @@ def _series_text(value: Any) -> str:
         return f"{user}/-"
     if detail or not groups:
         return f"{user}/{','.join(keys)}"
-    parts = [
-        f"{g['key']} ({plural(g['ranks'], 'rank')})" if g["ranks"] else g["key"] for g in groups
-    ]
+    parts = [f"{g.key} ({plural(g.ranks, 'rank')})" if g.ranks else g.key for g in groups]
     return f"{user}/{', '.join(parts)}"
 
 
@@ -184,71 +184,71 @@ NODE_COLUMNS = [
 ]
 
 
-def _shared_names(doc: Dict[str, Any]) -> List[str]:
-    """The shared tiers the document has, the warm tier first."""
-    warm = doc.get("warm_tier", PFS)
-    names = [warm]
-    for j in doc["jobs"]:
-        names += [n for n in j["tiers"] if n not in ("local", *names)]
-    return names
-
-
-def _job_rows(doc: Dict[str, Any], ranks: bool = False) -> List[Dict[str, Any]]:
+def _job_rows(report: StatusReport, ranks: bool = False) -> List[Dict[str, Any]]:
     rows = []
-    names = _shared_names(doc)
-    for j in doc["jobs"]:
-        local = j["tiers"]["local"]
-        partner = j.get("partner")
-        pending = j["bytes_at_risk"] > 0
+    names = report.shared_names()
+    for j in report.jobs:
+        partner = j.partner
+        pending = j.bytes_at_risk > 0
         per_tier: Dict[str, Any] = {}
         for name in names:
-            t = j["tiers"].get(name)
-            per_tier[f"{name}_step"] = None if t is None else t["step"]
-            per_tier[f"{name}_age_s"] = None if t is None else t.get("age_s")
+            t = j.tier(name)
+            per_tier[f"{name}_step"] = None if t is None else t.step
+            per_tier[f"{name}_age_s"] = None if t is None else t.age_s
         rows.append(
             {
                 **per_tier,
-                "job": j["job"],
-                "series": (j["user"], j["keys"], j.get("key_groups"), ranks),
-                "user": j["user"],
-                "key": j["keys"],
-                "state": j["slurm_state"],
-                "nodes": j["nodes"],
-                "local_step": None if local is None else local["step"],
-                "local_age_s": None if local is None else local.get("age_s"),
+                "job": j.job,
+                "series": (j.user, j.keys, j.key_groups, ranks),
+                "user": j.user,
+                "key": list(j.keys),
+                "state": j.slurm_state,
+                "nodes": list(j.nodes),
+                "local_step": None if j.local is None else j.local.step,
+                "local_age_s": None if j.local is None else j.local.age_s,
                 "partner": partner,
-                "partner_step": None if not partner else partner["step"],
-                "partner_nodes": None if not partner else partner.get("nodes"),
-                "steps_at_risk": j["steps_at_risk"],
-                "checkpoints_at_risk": j["checkpoints_at_risk"],
-                "bytes_at_risk": j["bytes_at_risk"],
+                "partner_step": None if partner is None else partner.step,
+                "partner_nodes": None if partner is None else list(partner.nodes),
+                "steps_at_risk": j.steps_at_risk,
+                "checkpoints_at_risk": j.checkpoints_at_risk,
+                "bytes_at_risk": j.bytes_at_risk,
                 # Nothing pending: no ETA to show ("0.0s" read as "flushing, done now").
-                "flush_eta_s": j["flush_eta_s"] if pending else None,
-                "flush_rate_bps": j["flush_rate_bps"],
-                "data_version": j.get("data_version"),
-                "damaged": sum(
-                    (t or {}).get("damaged", 0) for n, t in j["tiers"].items() if n != "local"
-                ),
+                "flush_eta_s": j.flush_eta_s if pending else None,
+                "flush_rate_bps": j.flush_rate_bps,
+                "data_version": j.data_version,
+                "damaged": j.damaged,
             }
         )
     return rows
 
 
-def _node_rows(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
-    return [dict(n, state=n["slurm_state"]) for n in doc["nodes"]]
+def _node_rows(report: StatusReport) -> List[Dict[str, Any]]:
+    return [
+        {
+            "node": n.node,
+            "status_age_s": n.status_age_s,
+            "pending_checkpoints": n.pending_checkpoints,
+            "pending_bytes": n.pending_bytes,
+            "in_flight": n.in_flight,
+            "failed": n.failed,
+            "state": n.slurm_state,
+            "drain_reason": n.drain_reason,
+        }
+        for n in report.nodes
+    ]
 
 
 def print_status(
-    doc: Dict[str, Any],
+    report: StatusReport,
     out: Optional[OutputFormat] = None,
     nodes_only: bool = False,
     ranks: bool = False,
 ) -> None:
-    """The status document for people (jobs and nodes tables, totals) or scripts (one
+    """The status report for people (jobs and nodes tables, totals) or scripts (one
     listing: jobs, or nodes with ``nodes_only``); ``ranks``: each rank's series named."""
     out = out or OutputFormat()
-    jobs = Listing(job_columns(_shared_names(doc)), _job_rows(doc, ranks), "jobs")
-    nodes = Listing(NODE_COLUMNS, _node_rows(doc), "nodes")
+    jobs = Listing(job_columns(report.shared_names()), _job_rows(report, ranks), "jobs")
+    nodes = Listing(NODE_COLUMNS, _node_rows(report), "nodes")
     if not out.decorated:
         (nodes if nodes_only else jobs).print(out)
         return
@@ -262,43 +262,52 @@ def print_status(
         nodes.print(out)
     elif nodes_only:
         click.echo("no node reports a status")
-    t = doc["totals"]
-    slurm = doc["slurm"]
+    t = report.totals
     # a laptop or a workstation outside any cluster: nothing to report as an error
-    quiet = slurm["available"] or slurm["note"] in (SLURM_ABSENT, SLURM_UNCONFIGURED)
-    note = "" if quiet else f"; SLURM: {slurm['note']}"
+    quiet = report.slurm_available or report.slurm_note in (SLURM_ABSENT, SLURM_UNCONFIGURED)
+    note = "" if quiet else f"; SLURM: {report.slurm_note}"
     echo_wrapped(
-        f"{plural(t['jobs'], 'job')}, {format_bytes(t['bytes_at_risk'])} at risk in "
-        f"{plural(t['checkpoints_at_risk'], 'checkpoint')}, "
-        f"{plural(t['in_flight'], 'flush', 'flushes')} in flight, "
-        f"{plural(t['drained_by_us'], 'node')} drained by slurm_ckpt{note}"
+        f"{plural(t.jobs, 'job')}, {format_bytes(t.bytes_at_risk)} at risk in "
+        f"{plural(t.checkpoints_at_risk, 'checkpoint')}, "
+        f"{plural(t.in_flight, 'flush', 'flushes')} in flight, "
+        f"{plural(t.drained_by_us, 'node')} drained by slurm_ckpt{note}"
     )
-    if t.get("damaged"):
+    if t.damaged:
         warn(
-            f"{plural(t['damaged'], 'damaged step directory', 'damaged step directories')} "
+            f"{plural(t.damaged, 'damaged step directory', 'damaged step directories')} "
             "on the shared tiers (ckpt-slurm verify KEY says which and why)"
         )
-    for sq in doc.get("squatted") or []:
+    for sq in report.squatted:
         warn(
-            f"{sq['path']} is owned by uid {sq['owner_uid']}, not by {sq['user']}: squatted, "
-            + ("partner copies off" if sq.get("partner") else "not read")
-            + f" (fix, as root: inspect it, then mv {sq['path']} "
-            f"{sq['path']}.squatted-by-{sq['owner_uid']})"
+            f"{sq.path} is owned by uid {sq.owner_uid}, not by {sq.user}: squatted, "
+            + ("partner copies off" if sq.partner else "not read")
+            + f" (fix, as root: inspect it, then mv {sq.path} "
+            f"{sq.path}.squatted-by-{sq.owner_uid})"
         )
-    for text in doc.get("notes") or []:
+    for text in report.notes:
         warn(text)
-    for j in doc["jobs"]:
-        if j.get("suspect"):
-            keys = ", ".join(g["key"] for g in j.get("key_groups") or []) or "-"
-            warn(f"job {j['job'] or '-'} ({j['user']}) {keys}: newest step {j['suspect']}")
-        for p in j.get("problems") or []:
-            if p.get("hold"):
+    for j in report.jobs:
+        if j.suspect:
+            keys = ", ".join(g.key for g in j.key_groups) or "-"
+            warn(f"job {j.job or '-'} ({j.user}) {keys}: newest step {j.suspect}")
+        for p in j.problems:
+            if p.hold:
                 warn(
-                    f"job {j['job'] or '-'} ({j['user']}) {p['key']} step {p['step']}: "
-                    f"refused ({p['hold']}): {p['reason']}"
+                    f"job {j.job or '-'} ({j.user}) {p.key} step {p.step}: "
+                    f"refused ({p.hold}): {p.reason}"
                 )
 
 
+@register(
+    "status",
+    examples=(
+        "ckpt-slurm status",
+        "ckpt-slurm status -u alice",
+        "ckpt-slurm status -w 'gpu-[001-004]' --nodes",
+        "ckpt-slurm status --parsable --noheader | awk -F'|' '$9 > 0'",
+    ),
+    user=True,
+)
 @click.command("status")
 @click.option("-u", "--user", type=USER, help="Only this user's jobs.")
 @click.option("-j", "--job", type=JOB_ID, help="Only this SLURM job id.")
@@ -349,13 +358,13 @@ def status_cmd(
     # A user's own tiers (tier flags or their own config, as on a laptop): no node
     # publishes a status there, so the local tier is read directly.
     own = bool(state.tier_roots) or state.config.source == str(user_config_path())
-    doc = collect_status(
+    report = collect_status(
         state.config, user=user, job=job, key=key, node=node, query=query, local_tier=own
     )
     if out.json:
-        write_json(doc)
+        write_json(report.to_json())  # the one place the report becomes JSON
     else:
-        print_status(doc, out, nodes_only, ranks)
+        print_status(report, out, nodes_only, ranks)
 
 
 def _no_slurm() -> SlurmSnapshot:

@@ -23,15 +23,27 @@ else::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = ["PartnerSeen"]
+__all__ = ["PartnerCopies", "PartnerSeen"]
 
 
 def _step(value: Any) -> Optional[int]:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return int(value)
+
+
+@dataclass(frozen=True, slots=True)
+class PartnerCopies:
+    """A job's partner copies as status shows them (module docstring)."""
+
+    copies: int
+    step: int
+    nodes: Tuple[str, ...]
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"copies": self.copies, "step": self.step, "nodes": list(self.nodes)}
 
 
 @dataclass
@@ -54,8 +66,8 @@ class PartnerSeen:
         elif step == self.step and node not in self.nodes:
             self.nodes.append(node)
 
-    def entry(self) -> Optional[Dict[str, Any]]:
-        """The JSON entry (module docstring), or None without partner copies."""
+    def entry(self) -> Optional[PartnerCopies]:
+        """What status shows (module docstring), or None without partner copies."""
         if not self.copies or self.step is None:
             return None
-        return {"copies": self.copies, "step": self.step, "nodes": sorted(self.nodes)}
+        return PartnerCopies(self.copies, self.step, tuple(sorted(self.nodes)))

@@ -69,7 +69,6 @@ def test_the_job_floor_loads_without_torch() -> None:
 #: passed back in). None may be added; remove an entry when its circle is gone.
 KNOWN_CIRCLES = [
     ["slurm_ckpt.job.checkpointer", "slurm_ckpt.job.output", "slurm_ckpt.job.seams"],
-    ["slurm_ckpt.node.local_retention", "slurm_ckpt.node.scrub", "slurm_ckpt.node.work"],
 ]
 
 

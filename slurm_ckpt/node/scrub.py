@@ -26,7 +26,7 @@ counts it owed.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ledger import WARM_SLOT, Ident, Record, State
@@ -36,9 +36,7 @@ from slurm_ckpt.node.flush_engine import MIN_SLICE_S
 from slurm_ckpt.node.marks import set_state
 from slurm_ckpt.node.owner_tasks import scrub_as_user
 from slurm_ckpt.node.retry import clear_failures
-
-if TYPE_CHECKING:  # pragma: no cover
-    from slurm_ckpt.node.work import NodeWork
+from slurm_ckpt.node.work_view import WorkView
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +60,7 @@ def _last_check(rec: Record) -> float:
     return float(rec.verified_at.get(WARM_SLOT, 0.0) or 0.0)
 
 
-def scrub(work: NodeWork, deadline: Optional[float], max_age_s: float) -> List[Record]:
+def scrub(work: WorkView, deadline: Optional[float], max_age_s: float) -> List[Record]:
     """Check the warm copies of what this node holds (see the module docstring): a full
     re-read of those last checked more than ``max_age_s`` ago, until ``deadline`` (a
     :attr:`NodeWork.clock` value). Returns the records owed again (their ledger marked)."""
@@ -89,7 +87,7 @@ def scrub(work: NodeWork, deadline: Optional[float], max_age_s: float) -> List[R
 
 
 def _run(
-    work: NodeWork, user: str, items: List[List[Any]], left: Optional[float], nbytes: int
+    work: WorkView, user: str, items: List[List[Any]], left: Optional[float], nbytes: int
 ) -> List[Tuple[str, int, str, str]]:
     ids = work.users[user]
     cap = work.child_limit(nbytes)
@@ -131,7 +129,7 @@ def _rows(got: Any, most: int) -> List[Tuple[str, int, str, str]]:
 
 
 def _record(
-    work: NodeWork, user: str, recs: Dict[Ident, Record], rows: List[Tuple[str, int, str, str]]
+    work: WorkView, user: str, recs: Dict[Ident, Record], rows: List[Tuple[str, int, str, str]]
 ) -> List[Record]:
     """The ledger learns what the scrub found; returns the records owed again."""
     changes = []
@@ -172,7 +170,7 @@ def _stamp(rec: Optional[Record], now: float) -> Optional[Record]:
     return rec
 
 
-def learn_present(work: NodeWork, recs: List[Record], deadline: Optional[float]) -> Set[Ident]:
+def learn_present(work: WorkView, recs: List[Record], deadline: Optional[float]) -> Set[Ident]:
     """Of ``recs`` (owed, not flushed here: partner copies left to their live owner's
     node), those the warm tier now holds identically - their owner flushed them - marked
     ``VERIFIED`` in the ledger (the owner's copy verified every byte as it went), so that

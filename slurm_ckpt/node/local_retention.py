@@ -19,11 +19,11 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from slurm_ckpt.core.retention import RetentionPolicy, plan_local_deletions
 from slurm_ckpt.errors import CkptError, NotFound, TimedOut
 from slurm_ckpt.ledger import Record, State
-from slurm_ckpt.node.asuser import ChildResult, decode_list, run_as
+from slurm_ckpt.node.asuser import ChildResult, decode_list
 from slurm_ckpt.node.flush_engine import MIN_SLICE_S
 from slurm_ckpt.node.marks import MarkBuffer, set_state
 from slurm_ckpt.node.owner_tasks import delete_many_as_user
-from slurm_ckpt.node.work_view import WorkView
+from slurm_ckpt.node.work_view import WorkView, run_owner_task
 
 log = logging.getLogger(__name__)
 
@@ -102,24 +102,10 @@ def _delete(
     """One child deletes ``batch``; its per-item results (checked: the child runs as the
     user), or None when it was stopped or hung (the owner is skipped for the rest of the
     pass)."""
-    ids = work.users[user]
-    cap = work.child_limit(sum(r.nbytes for r in batch))
-    timeout = cap if left is None else min(left, cap)
+    items = [[r.key, r.step, r.needs_flush] for r in batch]
+    nbytes = sum(r.nbytes for r in batch)
     try:
-        got = run_as(
-            ids.uid,
-            ids.gid,
-            delete_many_as_user,
-            work.cfg,
-            user,
-            ids.uid,
-            [[r.key, r.step, r.needs_flush] for r in batch],
-            max(0.05, timeout * 0.8 - 0.1),
-            user=ids.name,
-            timeout=timeout,
-            stall_timeout=work.cfg.hooks.child_timeout,
-            what="delete",
-        )
+        got = run_owner_task(work, user, delete_many_as_user, items, nbytes, left, "delete")
         return decode_list(_deleted, got, f"delete as {user}")
     except TimedOut as exc:
         log.warning("retention: %s skipped for now: %s", user, exc)

@@ -31,12 +31,11 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ledger import WARM_SLOT, Ident, Record, State
 from slurm_ckpt.ledger.record import one_line
-from slurm_ckpt.node.asuser import run_as
 from slurm_ckpt.node.flush_engine import MIN_SLICE_S
 from slurm_ckpt.node.marks import set_state
 from slurm_ckpt.node.owner_tasks import scrub_as_user
 from slurm_ckpt.node.retry import clear_failures
-from slurm_ckpt.node.work_view import WorkView
+from slurm_ckpt.node.work_view import WorkView, run_owner_task
 
 log = logging.getLogger(__name__)
 
@@ -89,24 +88,8 @@ def scrub(work: WorkView, deadline: Optional[float], max_age_s: float) -> List[R
 def _run(
     work: WorkView, user: str, items: List[List[Any]], left: Optional[float], nbytes: int
 ) -> List[Tuple[str, int, str, str]]:
-    ids = work.users[user]
-    cap = work.child_limit(nbytes)
-    timeout = cap if left is None else min(left, cap)
     try:
-        got = run_as(
-            ids.uid,
-            ids.gid,
-            scrub_as_user,
-            work.cfg,
-            user,
-            ids.uid,
-            items,
-            max(0.05, timeout * 0.8 - 0.1),
-            user=ids.name,
-            timeout=timeout,
-            stall_timeout=work.cfg.hooks.child_timeout,
-            what="scrub",
-        )
+        got = run_owner_task(work, user, scrub_as_user, items, nbytes, left, "scrub")
     except CkptError as exc:
         log.warning("scrub of %s's warm copies skipped: %s", user, exc)
         return []

@@ -58,7 +58,7 @@ LAYERS: Dict[str, int] = {
     "slurm": 5,
     "node": 6,
     "job": 7,
-    "torch_codec": 7,
+    "torch_codec": 8,
     "torch": 8,
     "torch_data": 8,
     "torch_state": 8,
@@ -71,6 +71,12 @@ LAYERS: Dict[str, int] = {
 }
 #: The lowest layer whose modules may import torch at module level: the framework doors.
 FRAMEWORK_FLOOR = 8
+#: Upward imports allowed *inside a function* only (never at module level): the
+#: Checkpointer's ``dcp_writer()``/``dcp_reader()`` (job layer) hand out the objects of
+#: the DCP backend (``slurm_ckpt/dcp/``, which imports torch). Importing them when called
+#: keeps every module of the job floor loadable without torch; at module level the same
+#: import is an upward one.
+LAZY_DOORS: Dict[str, Set[str]] = {"job": {"dcp"}}
 #: Files outside tiers/ that may spell "object": the config's table of section aliases.
 OBJECT_ALLOWED = ("slurm_ckpt/core/config_schema.py",)
 #: Calls that copy one file into another (a copy engine's job: slurm_ckpt/tiers/).
@@ -88,6 +94,7 @@ COPY_CALLS = {
 class Facts:
     modules: int = 0
     upward: List[str] = field(default_factory=list)
+    lazy_doors: List[str] = field(default_factory=list)
     private: List[str] = field(default_factory=list)
     largest: List[Tuple[str, int]] = field(default_factory=list)
     pfs_literals: List[str] = field(default_factory=list)
@@ -148,6 +155,7 @@ def scan(root: Path = REPO) -> Facts:
         facts.modules += 1
         tree = ast.parse(text, rel)
         mine = part_of(here)
+        eager = {id(s) for s in _top_level_imports(tree.body)}  # run on import
         modules: Dict[str, str] = {}  # local alias -> imported slurm_ckpt module
         for node in ast.walk(tree):
             targets: List[Tuple[str, List[str]]] = []
@@ -208,6 +216,8 @@ def scan(root: Path = REPO) -> Facts:
                     pass  # the package's lazy facade (PEP 562): names for users, no layer
                 elif lo is None or hi is None:
                     facts.upward.append(f"{rel}:{node.lineno}: {src} (layer unknown)")
+                elif hi > lo and id(node) not in eager and theirs in LAZY_DOORS.get(mine, ()):
+                    facts.lazy_doors.append(f"{rel}:{node.lineno}: {src}")
                 elif hi > lo:
                     facts.upward.append(f"{rel}:{node.lineno}: {mine} imports {src}")
                 elif mine == theirs == "hooks" and src != f"{PACKAGE}.hooks" and here != src:
@@ -220,6 +230,7 @@ def scan(root: Path = REPO) -> Facts:
         if mine == "tiers":
             kinds |= _kind_classes(tree)
     facts.upward.sort()
+    facts.lazy_doors = sorted(set(facts.lazy_doors))
     facts.private.sort()
     facts.largest = sorted(sizes, key=lambda s: -s[1])[:5]
     facts.circles = _circles(edges, known)
@@ -393,6 +404,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"{f.modules} modules of {PACKAGE}; layers: {order}")
     print(f"upward imports: {len(f.upward)}")
     for line in f.upward:
+        print(f"  {line}")
+    print(f"lazy doors (an upward import inside a function, LAZY_DOORS): {len(f.lazy_doors)}")
+    for line in f.lazy_doors:
         print(f"  {line}")
     print(f"cross-module private imports: {len(f.private)}")
     for line in f.private:

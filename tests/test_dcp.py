@@ -35,8 +35,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from slurm_ckpt import Checkpointer
+from slurm_ckpt.dcp.storage import SlurmDcpWriter
 from slurm_ckpt.errors import CkptError
-from slurm_ckpt.job.dcp_storage import SlurmDcpWriter
 from slurm_ckpt.ledger.record import State
 
 
@@ -301,7 +301,7 @@ def test_metadata_that_does_not_fit_its_part_is_skipped(
 ) -> None:
     """Step 2's metadata is the writer's own (its hash verifies) but one item does not
     fit its part: the step is skipped like a corrupt one and step 1 loads, bitwise."""
-    from slurm_ckpt.job import dcp_storage
+    from slurm_ckpt.dcp import storage as dcp_storage
 
     _save(ckpt, _state(1), 1)
     real = dcp_storage.encode

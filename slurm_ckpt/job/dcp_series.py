@@ -1,7 +1,7 @@
 """One rank's torch.distributed.checkpoint parts as a checkpoint series of its own.
 
-A DCP save (:mod:`slurm_ckpt.job.dcp_storage`) writes each rank's bytes as a *part*: one committed
-checkpoint of the series ``<key>.dcp.rank<NNNNN>`` on that rank's local tier (rank 0's
+A DCP save (:mod:`slurm_ckpt.dcp.storage`) writes each rank's bytes as a *part*: one
+committed checkpoint of the series ``<key>.dcp.rank<NNNNN>`` on that rank's local tier (rank 0's
 part also holds the step's global metadata and is committed last). This module is the
 part of a :class:`~slurm_ckpt.job.checkpointer.Checkpointer` that takes such a part from
 "committed on the local tier" to where every other checkpoint goes: the ledger, the
@@ -15,7 +15,9 @@ where nothing of this process exists, so the parent finds the commit on the loca
 when it next asks (the next ``dcp_writer()``, ``wait()``-free ``close()``). What no one
 noticed (the job ended first) the epilog and stager flush, like any checkpoint.
 
-No torch here: this is the job layer.
+No torch here: this is the job layer (the torch side is the package :mod:`slurm_ckpt.dcp`).
+It takes what it needs of the Checkpointer as a :class:`SeriesHost` (public fields only),
+the event callback and the job's deadline, not the facade itself.
 """
 
 from __future__ import annotations
@@ -26,12 +28,15 @@ import secrets
 import threading
 import time
 import weakref
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Protocol
 
-from slurm_ckpt.core.retention import selected_for_flush
+from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.retention import RetentionPolicy, selected_for_flush
 from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord
 from slurm_ckpt.job.pipeline import Pipeline, Shard
+from slurm_ckpt.job.signals import Deadline
+from slurm_ckpt.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 
@@ -60,18 +65,40 @@ def notify_committed(token: Optional[str], step: int) -> None:
         series.committed(step)
 
 
+class SeriesHost(Protocol):
+    """What a part series reads of the rank that owns it (the Checkpointer, or any
+    object with these public fields): identity, tiers, config and policies."""
+
+    config: Config
+    user: str
+    key: str
+    rank: int
+    world_size: int
+    job: Optional[str]
+    node: str
+    local: Tier
+    warm: Optional[Tier]
+    policy: RetentionPolicy
+    flush_policy: str
+
+
 class DcpSeries:
     """Ledger, flush and retention of one rank's DCP part series (see the module
-    docstring). ``ckpt`` is the owning Checkpointer."""
+    docstring). ``ckpt`` is the owning rank (:class:`SeriesHost`), ``on_event`` the
+    user's event callback (the series' events are the job's events) and ``deadline``
+    the job's end (its flushes are timed against it)."""
 
-    def __init__(self, ckpt: Any) -> None:
+    def __init__(
+        self,
+        ckpt: SeriesHost,
+        on_event: Optional[Callable[[str, Dict[str, Any]], None]],
+        deadline: Deadline,
+    ) -> None:
         self.user = ckpt.user
         self.key = part_key(ckpt.key, ckpt.rank)
         self.local = ckpt.local
         self.token = f"{os.getpid()}-{secrets.token_hex(8)}"
-        self.books = Bookkeeper(
-            ckpt.config, ckpt.user, self.key, ckpt.job, ckpt.node, ckpt._books.on_event
-        )
+        self.books = Bookkeeper(ckpt.config, ckpt.user, self.key, ckpt.job, ckpt.node, on_event)
         self.policy = ckpt.policy
         self.pipe = Pipeline(
             ckpt.local,
@@ -88,7 +115,7 @@ class DcpSeries:
             ),
             self.books,
             ckpt.policy,
-            ckpt._deadline,
+            deadline,
             flush_policy=ckpt.flush_policy,
             min_free=ckpt.config.tiers.local.min_free,
             max_consecutive_failures=ckpt.config.job.max_consecutive_failures,
@@ -141,12 +168,8 @@ class DcpSeries:
         rec.local_s = None if t0 is None else time.monotonic() - t0
         pipe = self.pipe
         pipe.start()
-        with pipe.cv:
-            s = pipe._stats
-            s.saves += 1
-            s.committed += 1
-            s.bytes_written += rec.nbytes
-            s.last_step = step
+        with pipe.cv:  # reentrant: the counts and the newest record change together
+            pipe.count(saves=1, committed=1, bytes_written=rec.nbytes, last_step=step)
             pipe.newest = rec
         self.books.commit_local(rec)
         self.books.emit("local_done", step=step, local_s=rec.local_s, backend="dcp")

@@ -191,7 +191,9 @@ class PartnerLink:
         with self.cv:
             return dataclasses.replace(self._stats)
 
-    def _count(self, **add: Any) -> None:
+    def count(self, **add: Any) -> None:
+        """Add to the link's counters (``last_*`` and ``partner``: set them), from any
+        thread; the fetch side (:mod:`.partner_fetch`) counts what it serves and takes."""
         with self.cv:
             for name, value in add.items():
                 if name.startswith("last_") or name == "partner":
@@ -200,7 +202,9 @@ class PartnerLink:
                     setattr(self._stats, name, getattr(self._stats, name) + value)
             self.cv.notify_all()
 
-    def _event(self, name: str, **info: Any) -> None:
+    def event(self, name: str, **info: Any) -> None:
+        """Emit an event to the job's event log, never raising (events never break
+        checkpointing)."""
         if self.emit is not None:
             try:
                 self.emit(name, **info)
@@ -251,8 +255,8 @@ class PartnerLink:
                     log.exception("[ckpt] step=%d: unexpected error in the partner copy", step)
                 log.warning("[ckpt] step=%d: partner copy failed: %s", step, reason)
                 self._partner = None  # look the addresses up again next time
-                self._count(send_failures=1, last_error=reason)
-                self._event("partner_failed", step=step, error=reason)
+                self.count(send_failures=1, last_error=reason)
+                self.event("partner_failed", step=step, error=reason)
             finally:
                 with self.cv:
                     self._sending = None
@@ -269,7 +273,7 @@ class PartnerLink:
             self._partner = ring_partner(peers, self.rank)
             if self._partner is not None:
                 p = self._partner
-                self._count(partner=f"rank {p.rank} on {p.node}")
+                self.count(partner=f"rank {p.rank} on {p.node}")
                 log.info("[ckpt] partner copies go to rank %d on %s", p.rank, p.node)
         return self._partner
 
@@ -295,8 +299,8 @@ class PartnerLink:
                 if answer != _OK:
                     raise WireError(f"partner did not commit step {step}: {_reason(ch)}")
         seconds = time.monotonic() - t0
-        self._count(sent=1, bytes_sent=m.total_bytes, last_sent_step=step)
-        self._event("partner_done", step=step, partner_s=seconds, node=peer.node)
+        self.count(sent=1, bytes_sent=m.total_bytes, last_sent_step=step)
+        self.event("partner_done", step=step, partner_s=seconds, node=peer.node)
         log.info("[ckpt] step=%d partner copy on %s in %.3fs", step, peer.node, seconds)
 
     # -- receiver ---------------------------------------------------------------------
@@ -316,7 +320,7 @@ class PartnerLink:
         self.forget_target()
 
     def _refused(self, reason: str) -> None:
-        self._count(refused=1)
+        self.count(refused=1)
         log.warning("[ckpt] partner connection refused: %s", reason)
 
     def _session(self, ch: Channel, peer_rank: int) -> bool:
@@ -352,7 +356,7 @@ class PartnerLink:
                 step = m.step
                 why = self._refusal(m)
                 if why is not None:
-                    self._count(refused=1)
+                    self.count(refused=1)
                     conn.sendall(_NO)
                     conn.send_frame(why.encode())
                     log.warning("[ckpt] partner copy of %s/%d refused: %s", m.key, m.step, why)
@@ -377,7 +381,7 @@ class PartnerLink:
             if not isinstance(exc, (CkptError, OSError)):
                 log.exception("[ckpt] unexpected error receiving a partner copy")
             log.warning("[ckpt] partner copy (step %s) not received: %s", step, reason)
-            self._count(receive_failures=1, last_error=reason)
+            self.count(receive_failures=1, last_error=reason)
         finally:
             self._conns.release()
 
@@ -449,13 +453,13 @@ class PartnerLink:
                 self.cv.notify_all()
 
     def _after_commit(self, m: Manifest) -> None:
-        self._count(received=1, bytes_received=m.total_bytes, last_received_step=m.step)
+        self.count(received=1, bytes_received=m.total_bytes, last_received_step=m.step)
         if self.ledger is not None:
             try:
                 self.ledger.update(m.user, m.key, m.step, _partner_record(m, self.ledger))
             except (CkptError, OSError) as exc:
                 log.warning("[ckpt] ledger: partner copy not recorded: %s", exc)
-        self._event("partner_received", step=m.step, key=m.key, source=m.node or "")
+        self.event("partner_received", step=m.step, key=m.key, source=m.node or "")
         self._retain(m.key)
 
     # -- retention --------------------------------------------------------------------
@@ -470,7 +474,7 @@ class PartnerLink:
                     if not self._is_partner_copy(key, step, info.manifest.node):
                         continue
                     self.local.delete(self.user, key, step)
-                    self._count(deleted=1)
+                    self.count(deleted=1)
                     if self.ledger is not None:
                         self.ledger.update(self.user, key, step, _deleted)
             except (CkptError, OSError) as exc:

@@ -40,20 +40,18 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 import xxhash
 
 from slurm_ckpt.core.chunks import BandwidthLimiter, io_buffer
 from slurm_ckpt.core.manifest import Manifest
 from slurm_ckpt.errors import CkptError, NotFound, VerifyError
-from slurm_ckpt.job.partner_net import Peer, no_delay
-from slurm_ckpt.job.partner_wire import Channel, WireError, client_handshake
+from slurm_ckpt.job.partner_net import Peer, Rendezvous, no_delay
+from slurm_ckpt.job.partner_wire import Channel, Identity, WireError, client_handshake
+from slurm_ckpt.ledger.ledger import Ledger
 from slurm_ckpt.ledger.record import WARM_SLOT, Record, State
 from slurm_ckpt.tiers.base import RangeSource, Tier, TierReader
-
-if TYPE_CHECKING:  # pragma: no cover - the link imports this module
-    from slurm_ckpt.job.partner import PartnerLink
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +81,39 @@ FETCH_TIMEOUT_S = 30.0
 ATTEMPTS = 4
 
 _GO, _NO, _OK = b"G", b"N", b"K"
+
+
+class FetchLink(Protocol):
+    """What fetching and serving read of the rank's partner link
+    (:class:`~slurm_ckpt.job.partner.PartnerLink`): who this rank is, its tiers and
+    ledger, the rendezvous, and where to count and log. A protocol, not the link's
+    class: the link imports this module, and this module needs no more of it."""
+
+    user: str
+    key: str
+    rank: int
+    world_size: int
+    local: Tier
+    ledger: Optional[Ledger]
+    rdv: Rendezvous
+    rendezvous_timeout: float
+    ident: Identity
+    piece: int
+    limiter: Optional[BandwidthLimiter]
+    #: The partners' RAM copies held here, read as a tier (None: RAM tier off).
+    ram_held: Optional[Any]
+
+    def refuse_series(self, key: str) -> Optional[str]:
+        """Why a request for ``key`` is refused (None: served)."""
+        ...
+
+    def count(self, **add: Any) -> None:
+        """Add to the link's counters."""
+        ...
+
+    def event(self, name: str, **info: Any) -> None:
+        """Emit an event (never raises)."""
+        ...
 
 
 @dataclass
@@ -182,7 +213,7 @@ def receive_step(sock: Channel, local: Tier, m: Manifest, piece: int) -> None:
 # ------------------------------------------------------------------------ the holder
 
 
-def serve(link: PartnerLink, conn: Channel, request: bytes) -> None:
+def serve(link: FetchLink, conn: Channel, request: bytes) -> None:
     """Answer one fetch request (the holder's side; ``conn`` is authenticated)."""
     try:
         req = json.loads(request[len(FETCH) :])
@@ -195,7 +226,7 @@ def serve(link: PartnerLink, conn: Channel, request: bytes) -> None:
     if why is None and tier is None:
         why = "no RAM tier here"
     if why is not None:
-        link._count(refused=1)
+        link.count(refused=1)
         conn.sendall(_NO)
         conn.send_frame(why.encode())
         log.warning("[ckpt] partner fetch of %s refused: %s", key, why)
@@ -232,11 +263,11 @@ def serve(link: PartnerLink, conn: Channel, request: bytes) -> None:
         # taken after a restore from here (``paced``) shares the copies' cap.
         send_step(conn, reader, link.piece, link.limiter if req.get("paced") else None)
     if conn.recv_exact(1) == _OK:
-        link._count(served=1)
+        link.count(served=1)
         log.info("[ckpt] served step %d of %s back to its owner", step, key)
 
 
-def _held_here(link: PartnerLink, tier: Any, key: str) -> List[Any]:
+def _held_here(link: FetchLink, tier: Any, key: str) -> List[Any]:
     try:
         return list(tier.steps(link.user, key))
     except NotFound:
@@ -282,7 +313,7 @@ def _serve_ranges(conn: Channel, reader: TierReader, piece: int) -> None:
 # ----------------------------------------------------------------------- the fetcher
 
 
-def connect(link: PartnerLink, peer: Peer) -> Channel:
+def connect(link: FetchLink, peer: Peer) -> Channel:
     """An authenticated, encrypted session with rank ``peer`` (refused by any other)."""
     s = no_delay(socket.create_connection((peer.host, peer.port), timeout=FETCH_TIMEOUT_S))
     try:
@@ -293,7 +324,7 @@ def connect(link: PartnerLink, peer: Peer) -> Channel:
         raise
 
 
-def ask(link: PartnerLink, s: Channel, req: Dict[str, Any]) -> None:
+def ask(link: FetchLink, s: Channel, req: Dict[str, Any]) -> None:
     s.send_frame(FETCH + json.dumps(req).encode())
     if s.recv_exact(1) != _GO:
         try:
@@ -319,14 +350,14 @@ def retried(fn: Any, *args: Any) -> Any:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _held(link: PartnerLink, peer: Peer) -> List[int]:
+def _held(link: FetchLink, peer: Peer) -> List[int]:
     with connect(link, peer) as s:
         ask(link, s, {"op": "list", "key": link.key})
         steps = json.loads(s.recv_frame())
     return [int(x) for x in steps]
 
 
-def check_own(link: PartnerLink, m: Manifest, step: int, node: str) -> None:
+def check_own(link: FetchLink, m: Manifest, step: int, node: str) -> None:
     """The manifest a holder sent must be this rank's own series, step, rank and world
     size (a holder answering with another checkpoint is refused)."""
     meta = m.meta
@@ -337,7 +368,7 @@ def check_own(link: PartnerLink, m: Manifest, step: int, node: str) -> None:
         raise VerifyError(f"{node} sent {m.key}/{m.step}, not {link.key}/{step}")
 
 
-def _get(link: PartnerLink, peer: Peer, step: int, paced: bool) -> Manifest:
+def _get(link: FetchLink, peer: Peer, step: int, paced: bool) -> Manifest:
     with connect(link, peer) as s:
         ask(link, s, {"op": "get", "key": link.key, "step": step, "paced": paced})
         m = Manifest.from_bytes(s.recv_frame(), "partner manifest")
@@ -347,7 +378,7 @@ def _get(link: PartnerLink, peer: Peer, step: int, paced: bool) -> Manifest:
     return m
 
 
-def others_nearest_first(link: PartnerLink, peers: Dict[int, Peer]) -> List[int]:
+def others_nearest_first(link: FetchLink, peers: Dict[int, Peer]) -> List[int]:
     """The other ranks of the step, nearest in rank order first (who holds a rank's
     partner copy is usually the next one)."""
     n = link.world_size
@@ -355,7 +386,7 @@ def others_nearest_first(link: PartnerLink, peers: Dict[int, Peer]) -> List[int]
 
 
 def fetch_own(
-    link: PartnerLink, step: Optional[int] = None, *, paced: bool = False
+    link: FetchLink, step: Optional[int] = None, *, paced: bool = False
 ) -> Optional[Fetched]:
     """Bring this rank's newest step (or ``step``) over from whichever rank holds it, if
     its local tier lacks it; None when no one holds one or the fetch failed (logged and
@@ -366,7 +397,7 @@ def fetch_own(
         peers = link.rdv.peers(link.rendezvous_timeout)
     except (CkptError, OSError) as exc:
         log.warning("[ckpt] partner fetch: %s", exc)
-        link._count(fetch_failures=1, last_error=str(exc))
+        link.count(fetch_failures=1, last_error=str(exc))
         return None
     others = others_nearest_first(link, peers)
     best: Optional[Tuple[int, Peer]] = None
@@ -401,11 +432,11 @@ def fetch_own(
             peer.node,
             reason,
         )
-        link._count(fetch_failures=1, last_error=reason)
+        link.count(fetch_failures=1, last_error=reason)
         return None
     seconds = time.monotonic() - t0
     _record(link, m, peer.node)
-    link._count(fetched=1)
+    link.count(fetched=1)
     log.info(
         "[ckpt] step %d of %s fetched from its partner copy on %s (%d bytes, %.3fs)",
         got_step,
@@ -414,11 +445,11 @@ def fetch_own(
         m.total_bytes,
         seconds,
     )
-    link._event("partner_fetched", step=got_step, node=peer.node, fetch_s=seconds)
+    link.event("partner_fetched", step=got_step, node=peer.node, fetch_s=seconds)
     return Fetched(got_step, peer.node, m.total_bytes, seconds)
 
 
-def _record(link: PartnerLink, m: Manifest, node: str) -> None:
+def _record(link: FetchLink, m: Manifest, node: str) -> None:
     """The fetched step is this rank's own checkpoint now: committed here, flushed when
     the warm tier lacks it (it may be the only copy left besides the holder's)."""
     if link.ledger is None:

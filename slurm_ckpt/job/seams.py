@@ -5,7 +5,7 @@ The :class:`~slurm_ckpt.job.checkpointer.Checkpointer` facade takes these method
 ``Complete_output``: :meth:`output`, :meth:`adopt`, :meth:`restore_path`, with the logic
 in :mod:`slurm_ckpt.job.output`), the step-boundary question an integration asks
 (:attr:`preemption_pending`), and a ``torch.distributed.checkpoint`` StorageWriter/Reader
-(:meth:`dcp_writer`, :meth:`dcp_reader`, :mod:`slurm_ckpt.job.dcp_storage`). Why apart
+(:meth:`dcp_writer`, :meth:`dcp_reader`, :mod:`slurm_ckpt.dcp.storage`). Why apart
 from the facade: one concept per module; the state format's save/restore is the
 facade's own, these are the doors for checkpoints in other formats. They use the
 facade's tiers, schedule and identity (a mixin: ``self`` is the Checkpointer).
@@ -112,7 +112,7 @@ class FrameworkSeams:
         if dcp is None:
             from slurm_ckpt.job.dcp_series import DcpSeries
 
-            dcp = self._dcp = DcpSeries(self)
+            dcp = self._dcp = DcpSeries(self, self._books.on_event, self._deadline)
         return dcp
 
     def dcp_writer(
@@ -126,10 +126,10 @@ class FrameworkSeams:
         """A ``torch.distributed.checkpoint`` StorageWriter for ``step``: pass it to
         ``dcp.save`` or ``dcp.async_save`` (thread or process mode). Each rank's bytes are
         committed on its local tier and flushed like any checkpoint; the step counts once
-        rank 0 has committed the global metadata. See :mod:`slurm_ckpt.job.dcp_storage` and
+        rank 0 has committed the global metadata. See :mod:`slurm_ckpt.dcp.storage` and
         docs/dcp.md. ``preemption`` as in :meth:`save`."""
         # The DCP backend needs torch; imported here so that the job layer does not.
-        from slurm_ckpt.job.dcp_storage import SlurmDcpWriter
+        from slurm_ckpt.dcp.storage import SlurmDcpWriter
 
         self._raise_if_failed()
         if self._closed:
@@ -179,7 +179,7 @@ class FrameworkSeams:
         chunks, each verified as it lands) instead of every part whole up front; damage
         in a range it needs then fails the load with a one-line error instead of
         falling back to a sound copy or an older step (docs/dcp.md, Ranged loads)."""
-        from slurm_ckpt.job.dcp_storage import Group, select_step
+        from slurm_ckpt.dcp.storage import Group, select_step
 
         group = Group(process_group, no_dist)
         reader = select_step(

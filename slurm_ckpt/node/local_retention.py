@@ -14,18 +14,16 @@ updated in batches too (:class:`~slurm_ckpt.node.marks.MarkBuffer`).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from slurm_ckpt.core.retention import RetentionPolicy, plan_local_deletions
 from slurm_ckpt.errors import CkptError, NotFound, TimedOut
 from slurm_ckpt.ledger import Record, State
-from slurm_ckpt.node.asuser import ChildResult, decode_list, run_as
+from slurm_ckpt.node.asuser import ChildResult, decode_list
 from slurm_ckpt.node.flush_engine import MIN_SLICE_S
 from slurm_ckpt.node.marks import MarkBuffer, set_state
 from slurm_ckpt.node.owner_tasks import delete_many_as_user
-
-if TYPE_CHECKING:  # pragma: no cover
-    from slurm_ckpt.node.work import NodeWork
+from slurm_ckpt.node.work_view import WorkView, run_owner_task
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +33,7 @@ __all__ = ["BATCH_MAX", "plan", "run_retention"]
 BATCH_MAX = 256
 
 
-def plan(work: NodeWork, running: Optional[Set[str]]) -> List[Record]:
+def plan(work: WorkView, running: Optional[Set[str]]) -> List[Record]:
     """The records retention deletes now, by owner and series; series of jobs still
     running here are left to those jobs."""
     r = work.cfg.retention
@@ -59,7 +57,7 @@ def plan(work: NodeWork, running: Optional[Set[str]]) -> List[Record]:
 
 
 def run_retention(
-    work: NodeWork, running: Optional[Set[str]], deadline: Optional[float] = None
+    work: WorkView, running: Optional[Set[str]], deadline: Optional[float] = None
 ) -> int:
     """Apply local retention (see the module docstring); the number deleted."""
     todo = plan(work, running)
@@ -99,29 +97,15 @@ def run_retention(
 
 
 def _delete(
-    work: NodeWork, user: str, batch: List[Record], left: Optional[float]
+    work: WorkView, user: str, batch: List[Record], left: Optional[float]
 ) -> Optional[List[ChildResult[bool]]]:
     """One child deletes ``batch``; its per-item results (checked: the child runs as the
     user), or None when it was stopped or hung (the owner is skipped for the rest of the
     pass)."""
-    ids = work.users[user]
-    cap = work.child_limit(sum(r.nbytes for r in batch))
-    timeout = cap if left is None else min(left, cap)
+    items = [[r.key, r.step, r.needs_flush] for r in batch]
+    nbytes = sum(r.nbytes for r in batch)
     try:
-        got = run_as(
-            ids.uid,
-            ids.gid,
-            delete_many_as_user,
-            work.cfg,
-            user,
-            ids.uid,
-            [[r.key, r.step, r.needs_flush] for r in batch],
-            max(0.05, timeout * 0.8 - 0.1),
-            user=ids.name,
-            timeout=timeout,
-            stall_timeout=work.cfg.hooks.child_timeout,
-            what="delete",
-        )
+        got = run_owner_task(work, user, delete_many_as_user, items, nbytes, left, "delete")
         return decode_list(_deleted, got, f"delete as {user}")
     except TimedOut as exc:
         log.warning("retention: %s skipped for now: %s", user, exc)

@@ -26,19 +26,16 @@ counts it owed.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.ledger import WARM_SLOT, Ident, Record, State
 from slurm_ckpt.ledger.record import one_line
-from slurm_ckpt.node.asuser import run_as
 from slurm_ckpt.node.flush_engine import MIN_SLICE_S
 from slurm_ckpt.node.marks import set_state
 from slurm_ckpt.node.owner_tasks import scrub_as_user
 from slurm_ckpt.node.retry import clear_failures
-
-if TYPE_CHECKING:  # pragma: no cover
-    from slurm_ckpt.node.work import NodeWork
+from slurm_ckpt.node.work_view import WorkView, run_owner_task
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +59,7 @@ def _last_check(rec: Record) -> float:
     return float(rec.verified_at.get(WARM_SLOT, 0.0) or 0.0)
 
 
-def scrub(work: NodeWork, deadline: Optional[float], max_age_s: float) -> List[Record]:
+def scrub(work: WorkView, deadline: Optional[float], max_age_s: float) -> List[Record]:
     """Check the warm copies of what this node holds (see the module docstring): a full
     re-read of those last checked more than ``max_age_s`` ago, until ``deadline`` (a
     :attr:`NodeWork.clock` value). Returns the records owed again (their ledger marked)."""
@@ -89,26 +86,10 @@ def scrub(work: NodeWork, deadline: Optional[float], max_age_s: float) -> List[R
 
 
 def _run(
-    work: NodeWork, user: str, items: List[List[Any]], left: Optional[float], nbytes: int
+    work: WorkView, user: str, items: List[List[Any]], left: Optional[float], nbytes: int
 ) -> List[Tuple[str, int, str, str]]:
-    ids = work.users[user]
-    cap = work.child_limit(nbytes)
-    timeout = cap if left is None else min(left, cap)
     try:
-        got = run_as(
-            ids.uid,
-            ids.gid,
-            scrub_as_user,
-            work.cfg,
-            user,
-            ids.uid,
-            items,
-            max(0.05, timeout * 0.8 - 0.1),
-            user=ids.name,
-            timeout=timeout,
-            stall_timeout=work.cfg.hooks.child_timeout,
-            what="scrub",
-        )
+        got = run_owner_task(work, user, scrub_as_user, items, nbytes, left, "scrub")
     except CkptError as exc:
         log.warning("scrub of %s's warm copies skipped: %s", user, exc)
         return []
@@ -131,7 +112,7 @@ def _rows(got: Any, most: int) -> List[Tuple[str, int, str, str]]:
 
 
 def _record(
-    work: NodeWork, user: str, recs: Dict[Ident, Record], rows: List[Tuple[str, int, str, str]]
+    work: WorkView, user: str, recs: Dict[Ident, Record], rows: List[Tuple[str, int, str, str]]
 ) -> List[Record]:
     """The ledger learns what the scrub found; returns the records owed again."""
     changes = []
@@ -172,7 +153,7 @@ def _stamp(rec: Optional[Record], now: float) -> Optional[Record]:
     return rec
 
 
-def learn_present(work: NodeWork, recs: List[Record], deadline: Optional[float]) -> Set[Ident]:
+def learn_present(work: WorkView, recs: List[Record], deadline: Optional[float]) -> Set[Ident]:
     """Of ``recs`` (owed, not flushed here: partner copies left to their live owner's
     node), those the warm tier now holds identically - their owner flushed them - marked
     ``VERIFIED`` in the ledger (the owner's copy verified every byte as it went), so that

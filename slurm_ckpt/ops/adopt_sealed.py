@@ -10,7 +10,8 @@ checkpoint: the layout of :meth:`~slurm_ckpt.Checkpointer.adopt`, one rank).
 Without copying where the tier allows: each file is cloned into the tier's work
 directory with ``FICLONE`` (a reflink: btrfs, XFS with reflink, bcachefs; the extents are
 shared, nothing is copied, and the clone is a file of its own), else copied in the kernel
-(``copy_file_range``: server-side on NFS, extents shared on some filesystems). Hard links
+(``copy_file_range``: server-side on NFS, extents shared on some filesystems): the POSIX
+tier's file copy (:mod:`slurm_ckpt.tiers.posix_copy`). Hard links
 are never used: ``verify`` refuses a file with more than one link (a link could pull
 someone else's file into a checkpoint), so a link would make both the sealed directory
 and the tier's copy fail verification.
@@ -25,7 +26,6 @@ was.
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import time
 from dataclasses import dataclass
@@ -38,18 +38,17 @@ from slurm_ckpt.core.manifest import FileEntry, Manifest
 from slurm_ckpt.core.names import current_user, validate_key
 from slurm_ckpt.core.verify import open_payload
 from slurm_ckpt.errors import CkptError, VerifyError
-from slurm_ckpt.job.output import DIR_FORMAT, FICLONE
+from slurm_ckpt.job.output import DIR_FORMAT
 from slurm_ckpt.job.restore import shard_prefix
 from slurm_ckpt.ops.seal import SEALED_META
 from slurm_ckpt.ops.verify_path import PathProblem, manifest_at
 from slurm_ckpt.tiers.base import Tier
+from slurm_ckpt.tiers.posix_copy import clone_or_copy
 
 __all__ = ["Adopted", "adopt_sealed"]
 
 #: A new file opened for reading too (its bytes are read back and hashed).
 _O_NEW_RW = (fsio.O_NEWFILE & ~os.O_ACCMODE) | os.O_RDWR
-#: Bytes per copy_file_range / read call when a file cannot be cloned.
-PIECE = 8 * 2**20
 
 
 @dataclass
@@ -163,7 +162,7 @@ def _place(sfd: int, wfd: int, prefix: str, sealed: Manifest, path: str, streams
                         f"{path}/{e.path}: size {os.fstat(src).st_size} != {e.size} "
                         f"(changed since it was sealed: ckpt-slurm verify {path})"
                     )
-                cloned += _clone_or_copy(src, out)
+                cloned += int(clone_or_copy(src, out))
             finally:
                 os.close(src)
         digests = run_chunks(
@@ -191,28 +190,3 @@ def _place(sfd: int, wfd: int, prefix: str, sealed: Manifest, path: str, streams
         finally:
             os.close(fd)
     return cloned
-
-
-def _clone_or_copy(src: int, dst: int) -> int:
-    """1 when ``dst`` became a reflink clone of ``src``, 0 when the bytes were copied."""
-    try:
-        fcntl.ioctl(dst, FICLONE, src)
-        return 1
-    except OSError:
-        pass
-    off = 0
-    try:
-        while True:
-            n = os.copy_file_range(src, dst, PIECE, off, off)
-            if n == 0:
-                return 0
-            off += n
-    except OSError as exc:
-        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-            raise
-    while True:
-        b = os.pread(src, PIECE, off)
-        if not b:
-            return 0
-        fsio.write_all(dst, memoryview(b), off)
-        off += len(b)

@@ -14,7 +14,7 @@ items, raw bytes, into one file of its own *part*, a checkpoint of the series
 ``<key>.dcp.rank<NNNNN>`` on its node's local tier, hashed as written (fsync, manifest
 last). Non-coordinator ranks commit their part at the end of ``write_data``; the
 coordinator (rank 0) keeps its part open until ``finish``, adds the global metadata -
-JSON (:mod:`slurm_ckpt.job.dcp_meta`), never a pickle, which names every part's content
+JSON (:mod:`slurm_ckpt.dcp.meta`), never a pickle, which names every part's content
 hash - and commits it last. So a step exists once rank 0's part is committed, and it
 binds the exact bytes of every other part. The Checkpointer then takes each part through
 the ledger, retention and the one flush engine to the warm tier
@@ -57,9 +57,8 @@ from torch.futures import Future
 from slurm_ckpt.core.commit import AlreadyCommitted
 from slurm_ckpt.core.lease import LeaseRecord, check_generation
 from slurm_ckpt.core.manifest import FileEntry
-from slurm_ckpt.errors import CkptError, VerifyError
-from slurm_ckpt.job.dcp_meta import ItemInfo, dtype_name, encode
-from slurm_ckpt.job.dcp_reading import (
+from slurm_ckpt.dcp.meta import ItemInfo, dtype_name, encode
+from slurm_ckpt.dcp.reading import (
     METADATA_FILE,
     Group,
     Refused,
@@ -67,8 +66,9 @@ from slurm_ckpt.job.dcp_reading import (
     safe_load,
     select_step,
 )
+from slurm_ckpt.dcp.values import Unstorable, encode_value
+from slurm_ckpt.errors import CkptError, VerifyError
 from slurm_ckpt.job.dcp_series import notify_committed, part_key
-from slurm_ckpt.job.dcp_values import Unstorable, encode_value
 from slurm_ckpt.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -230,7 +230,7 @@ class SlurmDcpWriter(StorageWriter):
         check_generation(rec, mine, self.tier.where(self.user, key))
 
     def _value(self, planner: SavePlanner, item: Any) -> Tuple[memoryview, str]:
-        """A non-tensor item as data (:mod:`slurm_ckpt.job.dcp_values`), else as the
+        """A non-tensor item as data (:mod:`slurm_ckpt.dcp.values`), else as the
         planner's pickle when ``weights_only=True`` loads it (classes registered with
         ``add_safe_globals``); anything else fails the save now, in one line, rather
         than leaving a step that no load will take."""
@@ -274,7 +274,7 @@ class SlurmDcpWriter(StorageWriter):
                     out.write(buf)
                     placed.append((item.index, pos, len(buf), kind, dtype, shape))
                     pos += len(buf)
-            entry: FileEntry = w._entries[relpath]
+            entry: FileEntry = next(e for e in w.written() if e.path == relpath)
             # Every item also names its part's content hash (gathered to rank 0).
             results = [
                 WriteResult(

@@ -1,8 +1,9 @@
-"""Loading a DCP checkpoint of :mod:`slurm_ckpt.job.dcp_storage`: which step every rank
+"""Loading a DCP checkpoint of :mod:`slurm_ckpt.dcp.storage`: which step every rank
 agrees on, what each rank verifies before it says yes, and the ``StorageReader`` that
-hands DCP's planner the verified bytes (the module docstring of dcp_storage tells the
-whole story). Apart from the writer because loading is its own concept: agreement over a
-group (the process group, a subgroup, or none), verification, refusal.
+hands DCP's planner the verified bytes (the module docstring of
+:mod:`slurm_ckpt.dcp.storage` tells the whole story). Apart from the writer because
+loading is its own concept: agreement over a group (the process group, a subgroup, or
+none), verification, refusal.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from slurm_ckpt.core.fastread import ReadJob, read_files
+from slurm_ckpt.core.fastread import read_files
 from slurm_ckpt.core.manifest import Manifest
+from slurm_ckpt.dcp.meta import Decoded, ItemInfo, decode, misfit, parse_dtype
+from slurm_ckpt.dcp.part_file import open_part
+from slurm_ckpt.dcp.ranged import RangedRead, plan_ranges, read_ranges
+from slurm_ckpt.dcp.values import decode_value
 from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
-from slurm_ckpt.job.dcp_meta import Decoded, ItemInfo, decode, misfit, parse_dtype
-from slurm_ckpt.job.dcp_ranged import RangedRead, plan_ranges, read_ranges
 from slurm_ckpt.job.dcp_series import part_key
-from slurm_ckpt.job.dcp_values import decode_value
 from slurm_ckpt.job.dist import all_reduce_ints
 from slurm_ckpt.tiers.base import Tier
 
@@ -96,7 +98,10 @@ class _Parts:
         self.mark_bad = mark_bad
         self.bad: set = set()
 
-    def _note_bad(self, tier: Tier, key: str, step: int, exc: BaseException) -> None:
+    def note_bad(self, tier: Tier, key: str, step: int, exc: BaseException) -> None:
+        """Skip ``key``'s ``step`` on ``tier`` from now on (it failed to verify or to
+        open) and tell the Checkpointer's ``mark_bad`` (the ledger), as the step
+        selection also does when the metadata itself will not decode."""
         self.bad.add((tier.name, key, step))
         log.warning("[ckpt] dcp restore: skipping %s", exc)
         if self.mark_bad is not None:
@@ -110,24 +115,15 @@ class _Parts:
         for tier, _m in holders:
             if (tier.name, key, step) in self.bad:
                 continue
-            where = tier.where(self.user, key, step)
             try:
-                with tier.reader(self.user, key, step) as tr:
-                    entry = tr.manifest.file(relpath)
-                    if entry.hash != want:
-                        raise VerifyError(f"{where}: {relpath} is not the part the metadata names")
-                    src = tr.open(relpath)
-                    try:
-                        fd = src.fileno()
-                        job = ReadJob(relpath, entry, fd, None if fd is not None else src)
-                        buf = read_files([job], tr.manifest.chunk_size, where=where)[0]
-                    finally:
-                        src.close()
-                return tier.name, memoryview(buf)[: entry.size]
+                with open_part(tier, self.user, key, step, relpath, want) as part:
+                    buf = read_files([part.job], part.chunk_size, where=part.where)[0]
+                return tier.name, memoryview(buf)[: part.job.entry.size]
             except KeyError:
-                self._note_bad(tier, key, step, VerifyError(f"{where}: no {relpath}"))
+                where = tier.where(self.user, key, step)
+                self.note_bad(tier, key, step, VerifyError(f"{where}: no {relpath}"))
             except (VerifyError, TierError, NotFound, OSError) as exc:
-                self._note_bad(tier, key, step, exc)
+                self.note_bad(tier, key, step, exc)
         return None
 
     def holders(self, key: str, step: int, relpath: str, want: str) -> List[Tuple[Tier, Manifest]]:
@@ -295,7 +291,7 @@ def _qualify(
     """``step`` as this rank sees it, or None when it is not whole and sound here;
     :class:`Refused` when a verified item of it will not load. A ranged load checks the
     metadata and that every part is committed somewhere, but reads no part here: it
-    verifies the chunks it needs as they land (:mod:`slurm_ckpt.job.dcp_ranged`)."""
+    verifies the chunks it needs as they land (:mod:`slurm_ckpt.dcp.ranged`)."""
     key0 = part_key(parts.key, 0)
     decoded: Optional[Decoded] = None
     tokens = None
@@ -309,7 +305,7 @@ def _qualify(
         try:
             decoded = decode(bytes(got[1]), tier.where(parts.user, key0, step))
         except VerifyError as exc:
-            parts._note_bad(tier, key0, step, exc)
+            parts.note_bad(tier, key0, step, exc)
             continue
         tokens = m.tokens
         break
@@ -371,7 +367,7 @@ def select_step(
     step all of them find whole and sound (see the module docstring); a reader for it,
     or None when there is none. Collective over ``group``; raises :class:`Refused` on
     every rank when a rank finds a verified item of that step that will not load.
-    ``ranged``: read only what the plan needs, later (see :mod:`~slurm_ckpt.job.dcp_ranged`)."""
+    ``ranged``: read only what the plan needs, later (see :mod:`~slurm_ckpt.dcp.ranged`)."""
     group = group if group is not None else Group()
     parts = _Parts(tiers, user, key, mark_bad)
     key0 = part_key(key, 0)

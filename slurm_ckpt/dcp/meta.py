@@ -44,7 +44,7 @@ class ItemInfo:
     file: str
     pos: int
     nbytes: int
-    kind: str  # "tensor", "value" (dcp_values) or "bytes" (a torch.save pickle)
+    kind: str  # "tensor", "value" (slurm_ckpt.dcp.values) or "bytes" (a torch.save pickle)
     dtype: Optional[str] = None
     shape: Optional[Tuple[int, ...]] = None
     #: The content hash of the part's data file, and the node that wrote it (the

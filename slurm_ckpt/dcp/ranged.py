@@ -9,7 +9,7 @@ damage it finds there can only fail the load (one line naming the file and the r
 never fall back. What it buys: a rank that needs a slice of a part (a load at another
 world size) reads that slice, not the part.
 
-Apart from :mod:`slurm_ckpt.job.dcp_reading` because it is its own concept: which bytes
+Apart from :mod:`slurm_ckpt.dcp.reading` because it is its own concept: which bytes
 a plan needs, and reading just those.
 """
 
@@ -20,10 +20,11 @@ from typing import Any, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from slurm_ckpt.core.fastread import ChunkReader, ReadJob, run_tasks
+from slurm_ckpt.core.fastread import ChunkReader, run_tasks
 from slurm_ckpt.core.manifest import Manifest
+from slurm_ckpt.dcp.meta import ItemInfo, parse_dtype
+from slurm_ckpt.dcp.part_file import open_part
 from slurm_ckpt.errors import NotFound, TierError, VerifyError
-from slurm_ckpt.job.dcp_meta import ItemInfo, parse_dtype
 from slurm_ckpt.tiers.base import Tier
 
 __all__ = ["RangedRead", "item_range", "plan_ranges", "read_ranges"]
@@ -95,27 +96,18 @@ def read_ranges(
     agreed before this rank knew which bytes it needs)."""
     last: Optional[BaseException] = None
     for tier, _m in holders:
-        where = tier.where(user, key, step)
         try:
-            with tier.reader(user, key, step) as tr:
-                entry = tr.manifest.file(relpath)
-                if entry.hash != want:
-                    raise VerifyError(f"{where}: {relpath} is not the part the metadata names")
-                src = tr.open(relpath)
-                try:
-                    fd = src.fileno()
-                    job = ReadJob(relpath, entry, fd, None if fd is not None else src)
-                    with ChunkReader([job], tr.manifest.chunk_size, where) as cr:
-                        every = cr.tasks()
-                        tasks = [every[i] for i in _chunks(ranges, cr.chunk_size, entry.size)]
-                        try:
-                            run_tasks(cr.read, tasks, STREAMS, name="ckpt-ranged")
-                        finally:
-                            stats.nbytes_read += cr.nbytes_read
-                        buf = cr.bufs[0]
-                finally:
-                    src.close()
-            return tier.name, memoryview(buf)[: entry.size]
+            with open_part(tier, user, key, step, relpath, want) as part:
+                size = part.job.entry.size
+                with ChunkReader([part.job], part.chunk_size, part.where) as cr:
+                    every = cr.tasks()
+                    tasks = [every[i] for i in _chunks(ranges, cr.chunk_size, size)]
+                    try:
+                        run_tasks(cr.read, tasks, STREAMS, name="ckpt-ranged")
+                    finally:
+                        stats.nbytes_read += cr.nbytes_read
+                    buf = cr.bufs[0]
+            return tier.name, memoryview(buf)[:size]
         except VerifyError as exc:
             raise VerifyError(
                 f"dcp step {step}: {what}: {exc}; a ranged load cannot fall back: load "

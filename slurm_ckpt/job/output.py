@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import functools
 import logging
 import os
 import secrets
@@ -52,7 +51,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Set, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, Union
 
 from slurm_ckpt.core import fsio
 from slurm_ckpt.core.faults import crashpoint
@@ -61,17 +60,16 @@ from slurm_ckpt.core.manifest import FileEntry, Manifest
 from slurm_ckpt.core.retention import selected_for_flush
 from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
 from slurm_ckpt.job.bookkeeping import SaveRecord
+from slurm_ckpt.job.context import JobContext
 from slurm_ckpt.job.restore import (
     NotThisFormat,
     Restored,
     Restorer,
     payload_format,
 )
+from slurm_ckpt.job.saved import Saved
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.copy import copy_checkpoint
-
-if TYPE_CHECKING:  # the facade imports this module
-    from slurm_ckpt.job.checkpointer import Checkpointer
 
 log = logging.getLogger(__name__)
 
@@ -226,20 +224,18 @@ def _hash_fd(fd: int, chunk_size: int) -> ChunkedHasher:
 
 # ---------------------------------------------------------------------- saving
 def _start(
-    ckpt: Checkpointer,
+    ctx: JobContext,
     step: int,
     tokens: Optional[int],
     meta: Optional[Dict[str, Any]],
     preemption: Optional[bool],
     what: str,
 ) -> Tuple[SaveRecord, PreparedDir, bool]:
-    ckpt._raise_if_failed()
-    if ckpt._closed:
-        raise CkptError(f"Checkpointer.{what}(): already closed")
-    ckpt._lease.ensure()  # held since construction, except by a replica rank
+    ctx.check_open(what)
+    ctx.lease.ensure()  # held since construction, except by a replica rank
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CkptError(f"{what}(): step must be a whole number >= 0, got {step!r}")
-    preempt = ckpt._schedule.preempt_pending if preemption is None else bool(preemption)
+    preempt = ctx.preempting(preemption)
     rec = SaveRecord(
         step=step,
         tokens=tokens,
@@ -249,9 +245,9 @@ def _start(
         forced=preempt,
         meta=dict(meta or {}),
     )
-    writer = ckpt._pipeline.open_local(rec, DIR_FORMAT)
+    writer = ctx.pipeline.open_local(rec, DIR_FORMAT)
     try:
-        prepared = PreparedDir(writer, ckpt.prefix)
+        prepared = PreparedDir(writer, ctx.prefix)
     except BaseException:
         writer.abort()
         raise
@@ -259,11 +255,11 @@ def _start(
 
 
 def _submit(
-    ckpt: Checkpointer, rec: SaveRecord, prepared: PreparedDir, preempt: bool, t0: float
-) -> SaveRecord:
+    ctx: JobContext, rec: SaveRecord, prepared: PreparedDir, preempt: bool, t0: float
+) -> Saved:
     """What ``save()`` does after its snapshot: hand the step to the local writer (which
     hashes and commits it, then queues its flush), and tell the schedule."""
-    books, pipe = ckpt._books, ckpt._pipeline
+    books, pipe = ctx.books, ctx.pipeline
     try:
         rec.nbytes = prepared.nbytes()
     except BaseException:
@@ -275,27 +271,33 @@ def _submit(
         books.emit("backpressure_wait", step=rec.step)
     t1 = time.monotonic()
     pipe.wait_local_free()
-    if ckpt.flush_policy == "wait" and not preempt and pipe.flushes_busy():
+    if ctx.flush_policy == "wait" and not preempt and pipe.flushes_busy():
         books.emit("flush_wait", step=rec.step)
         pipe.wait_flushes()
     waited = time.monotonic() - t1
-    rec.seq = ckpt._seq
-    ckpt._seq += 1
+    rec.seq = ctx.take_seq()
     # Laptop mode (no warm tier): nothing to flush to, so nothing is selected.
-    rec.selected = ckpt.warm is not None and (preempt or selected_for_flush(rec.seq, ckpt.policy))
+    rec.selected = ctx.warm is not None and (preempt or selected_for_flush(rec.seq, ctx.policy))
     rec.prepared = prepared
     stall = time.monotonic() - t0
     rec.stall_s = rec.snapshot_s = stall
     pipe.submit(rec)
-    ckpt._schedule.saved(rec.step, rec.tokens, stall, preemption=preempt)
+    ctx.schedule.saved(rec.step, rec.tokens, stall, preemption=preempt)
     pipe.count(saves=1, stall_s=stall, wait_s=waited, last_stall_s=stall, last_snapshot_s=stall)
     books.emit("save_returned", step=rec.step, stall_s=stall)
-    return rec
+    return Saved(
+        step=rec.step,
+        tokens=rec.tokens,
+        nbytes=rec.nbytes,
+        stall_s=stall,
+        preemption=preempt,
+        synchronous=False,
+    )
 
 
 @contextmanager
 def output(
-    ckpt: Checkpointer,
+    ctx: JobContext,
     step: int,
     tokens: Optional[int] = None,
     meta: Optional[Dict[str, Any]] = None,
@@ -303,7 +305,7 @@ def output(
 ) -> Iterator[Path]:
     """:meth:`Checkpointer.output`: see the module docstring."""
     t0 = time.monotonic()
-    rec, prepared, preempt = _start(ckpt, step, tokens, meta, preemption, "output")
+    rec, prepared, preempt = _start(ctx, step, tokens, meta, preemption, "output")
     try:
         yield prepared.path
     except BaseException:
@@ -316,7 +318,7 @@ def output(
             f"output(step={step}): the block wrote no file into {prepared.path}: nothing "
             "committed (write the checkpoint's files into the path it yields)"
         )
-    _submit(ckpt, rec, prepared, preempt, t0)
+    _submit(ctx, rec, prepared, preempt, t0)
 
 
 def _any_file(top: str) -> bool:
@@ -325,13 +327,13 @@ def _any_file(top: str) -> bool:
 
 
 def adopt(
-    ckpt: Checkpointer,
+    ctx: JobContext,
     step: int,
     src: PathLike,
     tokens: Optional[int] = None,
     meta: Optional[Dict[str, Any]] = None,
     preemption: Optional[bool] = None,
-) -> SaveRecord:
+) -> Saved:
     """:meth:`Checkpointer.adopt`: see the module docstring."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CkptError(
@@ -352,7 +354,7 @@ def adopt(
             raise CkptError(f"adopt(): {src}: {problems[0]} (only regular files are kept)")
         if not files:
             raise CkptError(f"adopt(): {src}: no files to adopt")
-        rec, prepared, preempt = _start(ckpt, step, tokens, meta, preemption, "adopt")
+        rec, prepared, preempt = _start(ctx, step, tokens, meta, preemption, "adopt")
         try:
             dfd = fsio.open_beneath(prepared.writer.work_fd, [prepared.prefix])
             try:
@@ -368,7 +370,7 @@ def adopt(
             raise
     finally:
         os.close(sfd)
-    return _submit(ckpt, rec, prepared, preempt, t0)
+    return _submit(ctx, rec, prepared, preempt, t0)
 
 
 def _snapshot(sfd: int, dfd: int, rel: str, prepared: PreparedDir) -> None:
@@ -490,28 +492,15 @@ class DirRestorer(Restorer):
         log.info("[ckpt] restore_path: step %d fetched from %s to the local tier", step, tier.name)
 
 
-def restore_path(
-    ckpt: Checkpointer,
-    step: Optional[int] = None,
-    tiers: Optional[List[str]] = None,
-    expect_data_version: Optional[str] = None,
-    on_data_change: str = "warn",
-) -> Optional[Path]:
-    """:meth:`Checkpointer.restore_path`: see the module docstring."""
-    r = ckpt._make_restorer(
-        tiers,
-        step,
-        expect_data_version,
-        on_data_change,
-        factory=functools.partial(DirRestorer, ckpt.local),
-    )
-    got = r.restore()
+def restore_path(restorer: Restorer, shard_key: str) -> Optional[Restored]:
+    """:meth:`Checkpointer.restore_path`'s choice and fetch, by ``restorer`` (a
+    :class:`DirRestorer` the facade built): the step restored (its ``state`` is the path
+    on the local tier), or None when there is none. The facade then takes it as the
+    step it restored (schedule, lineage), as after ``restore()``."""
+    got = restorer.restore()
     if got is None:
-        log.info("[ckpt] restore_path: no directory checkpoint of %s found", ckpt.shard_key)
+        log.info("[ckpt] restore_path: no directory checkpoint of %s found", shard_key)
         return None
-    ckpt.restored = got
-    ckpt._schedule.restored(got.step, got.tokens)
-    ckpt._adopt_lineage(got, r.view if tiers is None else None)  # a rollback branches here too
     log.info(
         "[ckpt] restore_path: step=%d tokens=%s from %s: %s",
         got.step,
@@ -519,4 +508,4 @@ def restore_path(
         got.tier,
         got.state,
     )
-    return got.state  # type: ignore[no-any-return]
+    return got

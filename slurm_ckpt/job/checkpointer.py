@@ -29,7 +29,8 @@ metrics) and the restorer (:mod:`.restore`) - and keeps the public API: ``save``
 saving and the schedule here, the restore side in :mod:`.restoring`, waiting and the end
 of the run in :mod:`.closing`, the doors for other checkpoint formats in :mod:`.seams`,
 the RAM tier in :mod:`.ram_methods`; the counters are
-:class:`~slurm_ckpt.job.stats.CheckpointStats`.
+:class:`~slurm_ckpt.job.stats.CheckpointStats`. What the parts acting for it need is one
+typed :class:`~slurm_ckpt.job.context.JobContext`, never the Checkpointer itself.
 """
 
 from __future__ import annotations
@@ -321,6 +322,14 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
             max_consecutive_failures=cfg.job.max_consecutive_failures,
             lease=self._lease,
         )
+        #: What the parts acting for this facade share (:mod:`slurm_ckpt.job.context`).
+        self._ctx = JobContext(
+            config=cfg, local=self.local, warm=self.warm, tiers=self.tiers, user=self.user,
+            key=self.key, shard_key=self.shard_key, prefix=self.prefix, rank=self.rank,
+            world_size=self.world_size, job=self.job, node=self.node, policy=self.policy,
+            flush_policy=self.flush_policy, lease=self._lease, schedule=self._schedule,
+            books=self._books, pipeline=self._pipeline, deadline=self._deadline,
+        )  # fmt: skip
         #: Partner copies of this rank's checkpoints on the next node (None: off).
         self.partner: Optional[PartnerLink] = None
         if cfg.partner.enabled:
@@ -351,34 +360,12 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
                 opts.replicas, self.rank, self.node, scope=opts.replicated
             )
         #: The RAM tier (None: off): snapshots in memory, copies in the partner's.
-        self.ram = open_ram(opts.ram, self)
+        self.ram = open_ram(opts.ram, self._ctx, self.partner)
         self._requeue = opts.requeue
         self._requeue_fn = opts.requeue_fn or functools.partial(requeue_job, self.job)
         self._job_state_fn = opts.job_state_fn
         self._requeued = False
         self._agree = opts.agree
-        #: What the parts acting for this facade share (:mod:`slurm_ckpt.job.context`).
-        self._ctx = JobContext(
-            config=cfg,
-            local=self.local,
-            warm=self.warm,
-            tiers=self.tiers,
-            user=self.user,
-            key=self.key,
-            shard_key=self.shard_key,
-            prefix=self.prefix,
-            rank=self.rank,
-            world_size=self.world_size,
-            job=self.job,
-            node=self.node,
-            policy=self.policy,
-            flush_policy=self.flush_policy,
-            lease=self._lease,
-            schedule=self._schedule,
-            books=self._books,
-            pipeline=self._pipeline,
-            deadline=self._deadline,
-        )
         self._restorer: Optional[Restorer] = None
         self._drain: Optional[Drain] = None
         self.restored: Optional[Restored] = None

@@ -41,8 +41,6 @@ How it works, and why:
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import os
 import secrets
@@ -61,6 +59,7 @@ from slurm_ckpt.core.retention import selected_for_flush
 from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
 from slurm_ckpt.job.bookkeeping import SaveRecord
 from slurm_ckpt.job.context import JobContext
+from slurm_ckpt.job.payload import Prepared
 from slurm_ckpt.job.restore import (
     NotThisFormat,
     Restored,
@@ -70,18 +69,17 @@ from slurm_ckpt.job.restore import (
 from slurm_ckpt.job.saved import Saved
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.copy import copy_checkpoint
+from slurm_ckpt.tiers.posix_files import FICLONE
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DIR_FORMAT", "DirRestorer", "PreparedDir", "adopt", "output", "restore_path"]
+__all__ = ["DIR_FORMAT", "FICLONE", "DirRestorer", "PreparedDir", "adopt", "output", "restore_path"]
 
 #: ``meta.state_format`` of a checkpoint that is a directory of the user's own files.
 DIR_FORMAT = "slurm_ckpt.dir/1"
 
 #: Bytes read (and written, for a copy) per system call while hashing a file.
 PIECE = 8 * 2**20
-#: Ioctl that clones a file's extents (btrfs, XFS with reflink, bcachefs): linux/fs.h.
-FICLONE = 0x40049409
 #: Files hashed in parallel by the background writer.
 HASH_STREAMS = 4
 
@@ -278,7 +276,7 @@ def _submit(
     rec.seq = ctx.take_seq()
     # Laptop mode (no warm tier): nothing to flush to, so nothing is selected.
     rec.selected = ctx.warm is not None and (preempt or selected_for_flush(rec.seq, ctx.policy))
-    rec.prepared = prepared
+    rec.payload = Prepared(prepared)
     stall = time.monotonic() - t0
     rec.stall_s = rec.snapshot_s = stall
     pipe.submit(rec)
@@ -355,11 +353,14 @@ def adopt(
         if not files:
             raise CkptError(f"adopt(): {src}: no files to adopt")
         rec, prepared, preempt = _start(ctx, step, tokens, meta, preemption, "adopt")
+        local: Any = ctx.local  # always a POSIX tier: it places whole files (tiers/)
         try:
             dfd = fsio.open_beneath(prepared.writer.work_fd, [prepared.prefix])
             try:
                 for rel, _ in files:
-                    _snapshot(sfd, dfd, rel, prepared)
+                    linked = local.adopt_file(sfd, dfd, rel)
+                    if linked is not None:
+                        prepared.linked[f"{prepared.prefix}/{rel}"] = linked
             finally:
                 os.close(dfd)
         except OSError as exc:
@@ -371,73 +372,6 @@ def adopt(
     finally:
         os.close(sfd)
     return _submit(ctx, rec, prepared, preempt, t0)
-
-
-def _snapshot(sfd: int, dfd: int, rel: str, prepared: PreparedDir) -> None:
-    """Put one file of the framework's directory into ours: a reflink clone, else a hard
-    link (copied apart later), else a copy."""
-    parts = rel.split("/")
-    spfd = fsio.open_beneath(sfd, parts[:-1])
-    dpfd = fsio.open_beneath(dfd, parts[:-1], True)
-    name = parts[-1]
-    try:
-        fd = os.open(name, fsio.O_READ | os.O_NONBLOCK, dir_fd=spfd)
-        try:
-            st = os.fstat(fd)
-            out = os.open(name, fsio.O_NEWFILE, fsio.FILE_MODE, dir_fd=dpfd)
-            try:
-                try:
-                    fcntl.ioctl(out, FICLONE, fd)
-                    return
-                except OSError:
-                    pass
-            finally:
-                os.close(out)
-            os.unlink(name, dir_fd=dpfd)
-            try:
-                os.link(name, name, src_dir_fd=spfd, dst_dir_fd=dpfd, follow_symlinks=False)
-                prepared.linked[f"{prepared.prefix}/{rel}"] = (st.st_size, st.st_mtime_ns)
-                return
-            except OSError as exc:
-                if exc.errno not in (
-                    errno.EXDEV,
-                    errno.EPERM,
-                    errno.EMLINK,
-                    errno.EACCES,
-                    errno.EOPNOTSUPP,
-                ):
-                    raise
-            out = os.open(name, fsio.O_NEWFILE, fsio.FILE_MODE, dir_fd=dpfd)
-            try:
-                _copy_fd(fd, out)
-            finally:
-                os.close(out)
-        finally:
-            os.close(fd)
-    finally:
-        os.close(spfd)
-        os.close(dpfd)
-
-
-def _copy_fd(src: int, dst: int) -> None:
-    """Copy a whole file: in the kernel where it can (``copy_file_range``: server-side on
-    NFS, extents shared on some filesystems), else through a buffer."""
-    off = 0
-    try:
-        while True:
-            n = os.copy_file_range(src, dst, PIECE, off, off)
-            if n == 0:
-                return
-            off += n
-    except OSError as exc:
-        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-            raise
-    while True:
-        b = os.pread(src, PIECE, off)
-        if not b:
-            return
-        fsio.write_all(dst, memoryview(b), off)
-        off += len(b)
 
 
 # ---------------------------------------------------------------------- restoring
@@ -456,7 +390,7 @@ class DirRestorer(Restorer):
         fmt = payload_format(m, self.prefix)
         if fmt != DIR_FORMAT:
             raise NotThisFormat(f"{where}: holds {fmt or 'files'}, not a directory checkpoint")
-        self._check_data(m, where)
+        self.check_data(m, where)
         if tier.name == self.local.name:
             rep = tier.verify(self.user, self.own_key, m.step)
             if not rep.ok:
@@ -466,7 +400,7 @@ class DirRestorer(Restorer):
         path = Path(self.local.location(self.user, self.own_key, m.step)) / self.prefix
         if not path.is_dir():
             raise VerifyError(f"{where}: no {self.prefix}/ in the checkpoint")
-        return self._restored(tier, m, path, t0, False)
+        return self.restored(tier, m, path, t0, False)
 
     def _fetch(self, tier: Tier, m: Manifest) -> None:
         """Copy the step from ``tier`` to the local tier (every chunk checked against the
@@ -480,7 +414,7 @@ class DirRestorer(Restorer):
         except NotFound:
             here = False
         if here and (
-            (self.local.name, step) in self._bad or not self.local.verify(user, key, step).ok
+            self.is_bad(self.local.name, step) or not self.local.verify(user, key, step).ok
         ):
             self.local.delete(user, key, step)
         try:

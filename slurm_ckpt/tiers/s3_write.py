@@ -96,8 +96,7 @@ class _Upload:
 
     # -- parts -----------------------------------------------------------------------
     def part_size(self, pn: int) -> int:
-        """Bytes of part ``pn`` (the last one may be shorter): the writer slices its
-        buffers by it too."""
+        """Bytes of part ``pn`` (the last one may be shorter); the writer slices by it."""
         return min(self.part_len, self.size - pn * self.part_len)
 
     def _start(self) -> str:
@@ -373,8 +372,7 @@ class S3Writer:
             raise s3_error(exc, where, self.tier.endpoint, writing=True) from None
 
     def take_buffer(self) -> bytearray:
-        """A part buffer from the writer's pool (uploads share it: memory stays bounded
-        by the streams, not the files); give it back with :meth:`release_buffer`."""
+        """A part buffer from the pool the uploads share (memory bounded by streams)."""
         with self._lock:
             if self._free:
                 return self._free.pop()

@@ -68,11 +68,12 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
-from lightning_fabric.plugins.environments import SLURMEnvironment
+from lightning_fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning_fabric.utilities.types import _PATH, _Stateful
@@ -224,17 +225,7 @@ class SlurmCheckpointCallback(Callback):
                 "SlurmCheckpointCallback: pass its SlurmCheckpointIO to the Trainer too: "
                 "Trainer(plugins=[io], callbacks=[SlurmCheckpointCallback(io)])"
             )
-        # The environment Lightning's signal connector consults (single-device
-        # strategies have none of their own).
-        env = trainer._accelerator_connector.cluster_environment
-        if isinstance(env, SLURMEnvironment) and env.auto_requeue:
-            # Lightning registers its handlers after setup: switching it off here keeps
-            # its in-handler save and its own scontrol requeue from ever running.
-            env.auto_requeue = False
-            log.warning(
-                "[ckpt] lightning: SLURMEnvironment auto-requeue switched off: slurm_ckpt "
-                "saves at the next step boundary and owns requeue"
-            )
+        _quiet_lightning_requeue(trainer)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._apply_rng()
@@ -365,3 +356,38 @@ def _refuse_dcp_strategies(trainer: Trainer) -> None:
             "dcp.save(state, storage_writer=ckpt.dcp_writer(step=...)) (slurm_ckpt.dcp; "
             "docs/lightning.md shows how)"
         )
+
+
+def _quiet_lightning_requeue(trainer: Trainer) -> None:
+    """Keep Lightning's SLURM auto-requeue (a save inside its SIGUSR1 handler, then its
+    own ``scontrol requeue``) from ever running, through Lightning's public API only.
+
+    A parallel strategy (DDP) holds the cluster environment Lightning's signal connector
+    consults (``strategy.cluster_environment``): its ``auto_requeue`` is switched off
+    here, before Lightning registers its handlers. A single-device strategy has no
+    public door to the environment Lightning detected; there Lightning installs its
+    SIGUSR1 handler only where none is installed yet, so the Checkpointer (built before
+    the Trainer) holding SIGUSR1 keeps it off, and a warning says when it does not."""
+    env = getattr(trainer.strategy, "cluster_environment", None)
+    if isinstance(env, SLURMEnvironment):
+        if env.auto_requeue:
+            env.auto_requeue = False
+            log.warning(
+                "[ckpt] lightning: SLURMEnvironment auto-requeue switched off: slurm_ckpt "
+                "saves at the next step boundary and owns requeue"
+            )
+        return
+    if env is not None or not SLURMEnvironment.detect() or TorchElasticEnvironment.detect():
+        return  # not Lightning's SLURM environment: no auto-requeue to keep off
+    if signal.getsignal(signal.SIGUSR1) not in (None, signal.SIG_DFL):
+        log.warning(
+            "[ckpt] lightning: SLURMEnvironment auto-requeue switched off: slurm_ckpt "
+            "holds SIGUSR1 (Lightning installs no handler over it), saves at the next "
+            "step boundary and owns requeue"
+        )
+        return
+    log.warning(
+        "[ckpt] lightning: SIGUSR1 is not held by the Checkpointer (install_signals=False "
+        "or signals= without it): Lightning's auto-requeue would save inside its signal "
+        "handler and requeue; pass Trainer(plugins=[..., SLURMEnvironment(auto_requeue=False)])"
+    )

@@ -611,7 +611,7 @@ def test_a_forked_child_leaves_the_exit_hook_to_its_parent(tmp_path: Path) -> No
     assert not marker.exists()
     from slurm_ckpt.job.closing import _finish_at_exit
 
-    _finish_at_exit(lambda: ckpt, os.getpid())  # what the parent's exit runs
+    _finish_at_exit(lambda: ckpt._ctx, os.getpid())  # what the parent's exit runs
     assert marker.read_text() == f"{os.getpid()}\n"
     ckpt.close()
 

@@ -251,19 +251,22 @@ class SlotState:
             raise ValueError("slot state: holders/waiters must be lists")
         if len(holders) + len(waiters) > MAX_ENTRIES:
             raise ValueError("slot state: too many entries")
-        st = cls()
+        held: Dict[str, Entry] = {}
+        rate = 0.0
         for raw in holders:
             e = Entry.from_list(raw)
-            st.holders[e.id] = e
-            st._rate += e.rate
+            held[e.id] = e
+            rate += e.rate
+        waiting: Dict[str, Entry] = {}
+        queue: List[Tuple[Tuple[int, float, str], str]] = []
         for raw in waiters:
             e = Entry.from_list(raw)
-            if e.id in st.holders or e.id in st.waiters:
+            if e.id in held or e.id in waiting:
                 raise ValueError("slot state: duplicate id")
-            st.waiters[e.id] = e
-            st._queue.append((e.order(), e.id))
-        st._queue.sort()
-        return st
+            waiting[e.id] = e
+            queue.append((e.order(), e.id))
+        queue.sort()
+        return cls(holders=held, waiters=waiting, _queue=queue, _rate=rate)
 
 
 # --------------------------------------------------------------------------- stores

@@ -245,8 +245,7 @@ def _set_config(ctx: click.Context, _param: click.Parameter, value: Optional[str
         state = ctx.find_object(CliState)
         if state is None:
             state = ctx.ensure_object(CliState)
-        state.config_path = value
-        state._config = None
+        state.set_config_path(value)
 
 
 def _add_config_option(cmd: click.Command) -> None:
@@ -282,8 +281,7 @@ def _set_tier_root(ctx: click.Context, param: click.Parameter, value: Optional[s
     """``--local/--warm/--cold DIR`` of a user command: the tiers without a config file."""
     if value is not None:
         state = ctx.find_object(CliState) or ctx.ensure_object(CliState)
-        state.tier_roots[str(param.name)] = value
-        state._config = None
+        state.set_tier_root(str(param.name), value)
 
 
 def _add_tier_flags(cmd: click.Command, words: Tuple[str, ...] = ()) -> None:

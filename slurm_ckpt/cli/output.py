@@ -52,6 +52,18 @@ class CliState:
             self._config = load_cli_config(self.config_path, self.tier_roots, words)
         return self._config
 
+    def set_config_path(self, path: str) -> None:
+        """``--config PATH`` given after the subcommand: it wins over one given before,
+        and a configuration loaded already (from the earlier one) is dropped."""
+        self.config_path = path
+        self._config = None
+
+    def set_tier_root(self, role: str, root: str) -> None:
+        """A tier flag (``--local/--warm/--cold DIR``): the tiers without a config file;
+        a configuration loaded already is dropped, so that the flag counts."""
+        self.tier_roots[role] = root
+        self._config = None
+
 
 #: Decorator for commands: ``@pass_state`` passes the :class:`CliState` as first argument.
 pass_state = click.make_pass_decorator(CliState, ensure=True)

@@ -39,7 +39,7 @@ import stat
 import threading
 import time
 from contextlib import contextmanager, suppress
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
 from slurm_ckpt.core import fsio, trust
 from slurm_ckpt.core.chunks import hash_range, run_chunks
@@ -74,13 +74,14 @@ def read_manifest(step_fd: int, where: str) -> Manifest:
     return Manifest.from_bytes(data, where)
 
 
-def manifest_to_commit(w: Any) -> Manifest:
+def manifest_to_commit(w: Any, entries: Mapping[str, FileEntry]) -> Manifest:
     """The manifest a writer (of any tier) commits: a copy's own, complete (every file of
     it written or kept), or a fresh one over what was written. ``w`` has the writer
     fields ``copy_of``, ``where``, ``user``, ``key``, ``step``, ``tokens``, ``job``,
-    ``node``, ``meta``, ``chunk_size`` and the written entries ``_entries``."""
+    ``node``, ``meta``, ``chunk_size``; ``entries`` are the files it wrote (the writer's
+    own record, handed in so that this function reads no writer's private state)."""
     if w.copy_of is not None:
-        missing = sorted({e.path for e in w.copy_of.files} - set(w._entries))
+        missing = sorted({e.path for e in w.copy_of.files} - set(entries))
         if missing:
             raise CkptError(
                 f"{w.where}: copy incomplete ({len(missing)} files missing, first {missing[0]})"
@@ -90,7 +91,7 @@ def manifest_to_commit(w: Any) -> Manifest:
         user=w.user,
         key=w.key,
         step=w.step,
-        files=sorted(w._entries.values(), key=lambda e: e.path),
+        files=sorted(entries.values(), key=lambda e: e.path),
         tokens=w.tokens,
         wall_time=time.time(),
         job=w.job,
@@ -387,7 +388,7 @@ class CheckpointWriter:
             fd = self._create(relpath)
         except OSError as exc:
             raise fsio.tier_error(exc, f"{self.where}: cannot create {relpath}") from None
-        sink = _FileSink(self, entry, fd)
+        sink = _FileSink(entry, fd, self._sink_done)
         with self._lock:
             self._sinks[relpath] = sink
         if size:
@@ -426,7 +427,7 @@ class CheckpointWriter:
         caller compares the manifests (:func:`slurm_ckpt.tiers.copy.copy_checkpoint`)."""
         if self._done:
             raise CkptError(f"{self.where}: writer already finished")
-        manifest = manifest_to_commit(self)
+        manifest = manifest_to_commit(self, self._entries)
         data = manifest.to_bytes()
         try:
             # Root reads manifests within the site's limits and would count this one as
@@ -538,8 +539,9 @@ def _remove_if_same(key_fd: int, name: str, fd: int) -> None:
 class _FileSink:
     """One payload file of a copy: positional writes, fsync and close at :meth:`finish`."""
 
-    def __init__(self, writer: CheckpointWriter, entry: FileEntry, fd: int) -> None:
-        self.writer = writer
+    def __init__(self, entry: FileEntry, fd: int, done: Callable[[_FileSink], None]) -> None:
+        #: The writer's record of a finished file (it lists the file from then on).
+        self.done = done
         self.entry = entry
         self.size = entry.size
         self.fd: Optional[int] = fd
@@ -553,7 +555,7 @@ class _FileSink:
     def finish(self) -> None:
         os.fsync(self.fd)  # type: ignore[arg-type]
         self.close()
-        self.writer._sink_done(self)
+        self.done(self)
 
     def close(self) -> None:
         if self.fd is not None:

@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError
+from slurm_ckpt.job.payload import Payload
 from slurm_ckpt.ledger import events
 from slurm_ckpt.ledger.ledger import Ledger
 from slurm_ckpt.ledger.metrics import refresh_textfile
@@ -63,14 +64,10 @@ class SaveRecord:
     #: epilog" (outside SLURM: "left for the next run", slurm_ckpt.job.owed)
     flush_status: str = "-"
     error: Optional[str] = None
-    buffers: Any = field(default=None, repr=False)
     index_data: bytes = field(default=b"", repr=False)
-    direct: Any = field(default=None, repr=False)
-    #: The background copy of a lazy snapshot (:class:`slurm_ckpt.job.lazy.Drain`).
-    drain: Any = field(default=None, repr=False)
-    #: A directory of files already written into an open local-tier writer
-    #: (:mod:`slurm_ckpt.job.output`): the local write hashes and commits it.
-    prepared: Any = field(default=None, repr=False)
+    #: What the local write writes (:mod:`slurm_ckpt.job.payload`: staged, lazy, direct
+    #: or a prepared directory); None before the snapshot and once written.
+    payload: Optional[Payload] = field(default=None, repr=False)
     meta: Dict[str, Any] = field(default_factory=dict, repr=False)
     logged: bool = field(default=False, repr=False)
     #: The payload files replicas compare (``replicas=``, :mod:`slurm_ckpt.job.replicas`),

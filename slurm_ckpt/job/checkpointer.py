@@ -29,7 +29,8 @@ metrics) and the restorer (:mod:`.restore`) - and keeps the public API: ``save``
 saving and the schedule here, the restore side in :mod:`.restoring`, waiting and the end
 of the run in :mod:`.closing`, the doors for other checkpoint formats in :mod:`.seams`,
 the RAM tier in :mod:`.ram_methods`; the counters are
-:class:`~slurm_ckpt.job.stats.CheckpointStats`.
+:class:`~slurm_ckpt.job.stats.CheckpointStats`. What the parts acting for it need is one
+typed :class:`~slurm_ckpt.job.context.JobContext`, never the Checkpointer itself.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from slurm_ckpt.core.retention import RetentionPolicy, selected_for_flush
 from slurm_ckpt.errors import CkptError, TierError
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord
 from slurm_ckpt.job.closing import ClosingMethods, finish_at_exit
+from slurm_ckpt.job.context import JobContext
 from slurm_ckpt.job.dcp_series import part_key as dcp_part_key
 from slurm_ckpt.job.lazy import Drain
 from slurm_ckpt.job.lease import SeriesLease
@@ -71,7 +73,6 @@ from slurm_ckpt.job.standalone import make_roots, sweep_debris
 from slurm_ckpt.job.state import flatten, index_bytes, layout
 from slurm_ckpt.job.stats import CheckpointStats
 from slurm_ckpt.job.timeline import RankTimeline
-from slurm_ckpt.job.timing import near_end
 from slurm_ckpt.slurm.client import job_end_time_provider
 from slurm_ckpt.slurm.env import job_env, replica_rank, resolve_rank
 from slurm_ckpt.slurm.requeue import requeue_job
@@ -321,6 +322,14 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
             max_consecutive_failures=cfg.job.max_consecutive_failures,
             lease=self._lease,
         )
+        #: What the parts acting for this facade share (:mod:`slurm_ckpt.job.context`).
+        self._ctx = JobContext(
+            config=cfg, local=self.local, warm=self.warm, tiers=self.tiers, user=self.user,
+            key=self.key, shard_key=self.shard_key, prefix=self.prefix, rank=self.rank,
+            world_size=self.world_size, job=self.job, node=self.node, policy=self.policy,
+            flush_policy=self.flush_policy, lease=self._lease, schedule=self._schedule,
+            books=self._books, pipeline=self._pipeline, deadline=self._deadline,
+        )  # fmt: skip
         #: Partner copies of this rank's checkpoints on the next node (None: off).
         self.partner: Optional[PartnerLink] = None
         if cfg.partner.enabled:
@@ -351,19 +360,17 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
                 opts.replicas, self.rank, self.node, scope=opts.replicated
             )
         #: The RAM tier (None: off): snapshots in memory, copies in the partner's.
-        self.ram = open_ram(opts.ram, self)
+        self.ram = open_ram(opts.ram, self._ctx, self.partner)
         self._requeue = opts.requeue
         self._requeue_fn = opts.requeue_fn or functools.partial(requeue_job, self.job)
         self._job_state_fn = opts.job_state_fn
         self._requeued = False
         self._agree = opts.agree
-        self._closed = False
-        self._seq = 0
         self._restorer: Optional[Restorer] = None
         self._drain: Optional[Drain] = None
         self.restored: Optional[Restored] = None
         # A script that ends without close() must not lose the checkpoint being written.
-        finish_at_exit(self)
+        finish_at_exit(self._ctx)
 
     @classmethod
     def from_env(
@@ -452,32 +459,23 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
         """Seconds until the job must be done (None when unknown)."""
         return self._deadline.time_left()
 
-    def _raise_if_failed(self) -> None:
-        if self._pipeline.fatal is not None:
-            raise self._pipeline.fatal
+    @property
+    def _closed(self) -> bool:
+        return self._ctx.closed
 
     # ------------------------------------------------------------------ when to save
     def should_save(self, step: Optional[int] = None, tokens: Optional[int] = None) -> bool:
         """True when an interval is reached or a preemption signal arrived (until the
         preemption save is taken). Raises :class:`CheckpointFailed` after too many
         failures in a row."""
-        self._raise_if_failed()
+        if self._pipeline.fatal is not None:
+            raise self._pipeline.fatal
         self._timeline.progress(step)
         if self._schedule.unreachable(step, tokens):
             warnings.warn(unreachable_message(self.key), UserWarning, stacklevel=2)
-        if not self._schedule.preempt_saved and self._near_end():
+        if not self._schedule.preempt_saved and self._ctx.near_end():
             return True
         return self._schedule.due(step, tokens)
-
-    def _near_end(self) -> bool:
-        """True once the job's end time is closer than one save plus its flush
-        (:func:`slurm_ckpt.job.timing.near_end`); the save taken now answers it."""
-        if self._schedule.deadline_due:
-            return True
-        if not near_end(self._deadline.end_time(), self._pipeline):
-            return False
-        self._schedule.deadline_due = True
-        return True
 
     # ------------------------------------------------------------------ save
     def save(
@@ -515,12 +513,10 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
         itself; see :mod:`slurm_ckpt.job.lazy`).
         """
         meta = check_save_args(step, tokens, meta, preemption, data_version)
-        self._raise_if_failed()
-        if self._closed:
-            raise CkptError("Checkpointer.save(): already closed")
+        self._ctx.check_open("save")
         self._lease.ensure()  # held since construction, except by a replica rank
         t0 = time.monotonic()
-        preempt = self._schedule.preempt_pending if preemption is None else bool(preemption)
+        preempt = self._ctx.preempting(preemption)
         reason = "signal" if preempt else "interval"
         index, tensors = flatten(state)
         blobs = layout(index)
@@ -545,8 +541,7 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
             pipe.wait_flushes()
         waited = time.monotonic() - t0
 
-        seq = self._seq
-        self._seq += 1
+        seq = self._ctx.take_seq()
         rec = SaveRecord(
             step=step,
             tokens=tokens,

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional, Tuple
 
 from slurm_ckpt.errors import EXIT_INTERRUPTED
 from slurm_ckpt.job.close_progress import WAIT_NOTE_S, CloseProgress
+from slurm_ckpt.job.context import JobContext
 from slurm_ckpt.job.pipeline import DEADLINE_MARGIN_S
 from slurm_ckpt.job.replicas import tell_suspects
 from slurm_ckpt.job.stats import CheckpointStats
@@ -39,6 +40,7 @@ class ClosingMethods:
     # Provided by the Checkpointer (declared for readers and type checkers).
     _books: Any
     _closed: bool
+    _ctx: JobContext
     _deadline: Any
     _drain: Any
     _flag: Any
@@ -96,7 +98,7 @@ class ClosingMethods:
         if self._closed:
             return self.stats
         self._flag.interrupt_now = True
-        self._closed = True
+        self._ctx.closed = True
         try:
             self._close()
         except KeyboardInterrupt:
@@ -182,14 +184,15 @@ class ClosingMethods:
         self._books.emit("requeue", reason=why)
 
 
-def finish_at_exit(ckpt: Any) -> None:
-    """Register the end of ``ckpt`` at interpreter exit: a script that ends without
-    close() must not lose the checkpoint being written.
+def finish_at_exit(ctx: JobContext) -> None:
+    """Register the end of a Checkpointer (its context ``ctx``) at interpreter exit: a
+    script that ends without close() must not lose the checkpoint being written. Only a
+    weak reference is kept: the context lives as long as its Checkpointer.
 
     threading's own exit hooks run (in reverse order) *before* concurrent.futures
     refuses new work at shutdown, which the tier writer needs; plain atexit is too late.
     The private hook exists since Python 3.9; fall back to atexit otherwise."""
-    hook = functools.partial(_finish_at_exit, weakref.ref(ckpt), os.getpid())
+    hook = functools.partial(_finish_at_exit, weakref.ref(ctx), os.getpid())
     register = getattr(threading, "_register_atexit", None)
     try:
         if register is None:
@@ -199,12 +202,12 @@ def finish_at_exit(ckpt: Any) -> None:
         atexit.register(hook)
 
 
-def _finish_at_exit(ref: Callable[[], Any], pid: int) -> None:
+def _finish_at_exit(ref: Callable[[], Optional[JobContext]], pid: int) -> None:
     """At interpreter exit without close(): the pipeline finishes the local write. A
     no-op after close(), and in a forked child (a DataLoader worker inherits the hook but
     not the pipeline's threads: it would wait for a write that no thread of its own does,
     until its parent kills it, and hand the parent's flushes off a second time)."""
-    ckpt = ref()
-    if ckpt is not None and not ckpt._closed and os.getpid() == pid:
-        ckpt._pipeline.finish_at_exit()
-        ckpt._lease.release()
+    ctx = ref()
+    if ctx is not None and not ctx.closed and os.getpid() == pid:
+        ctx.pipeline.finish_at_exit()
+        ctx.lease.release()

@@ -211,14 +211,21 @@ class SeriesLease:
         weakref.finalize(owner, self.release)
         return self
 
+    @property
+    def orphaned(self) -> bool:
+        """True when the Checkpointer this lease was tied to (:meth:`owned_by`) is gone
+        but its finalizer has not released the lease yet: another Checkpointer of this
+        process may then take the series over instead of waiting for a dead holder."""
+        owner = self._owner
+        return owner is not None and owner() is None
+
     def _holder_here(self) -> Optional[SeriesLease]:
         """The live lease of another Checkpointer of this process on this series."""
         with _registry_lock:
             other = _held.get(self.ident)
         if other is None or other.released or other.record is None or other is self:
             return None
-        owner = other._owner
-        return None if owner is not None and owner() is None else other
+        return None if other.orphaned else other
 
     def acquire(self) -> SeriesLease:
         """Take the lease, or raise :class:`SeriesBusy` (one line) when a live writer

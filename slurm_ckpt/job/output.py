@@ -41,9 +41,6 @@ How it works, and why:
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import functools
 import logging
 import os
 import secrets
@@ -52,7 +49,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Set, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, Union
 
 from slurm_ckpt.core import fsio
 from slurm_ckpt.core.faults import crashpoint
@@ -61,17 +58,17 @@ from slurm_ckpt.core.manifest import FileEntry, Manifest
 from slurm_ckpt.core.retention import selected_for_flush
 from slurm_ckpt.errors import CkptError, NotFound, TierError, VerifyError
 from slurm_ckpt.job.bookkeeping import SaveRecord
+from slurm_ckpt.job.context import JobContext
+from slurm_ckpt.job.payload import Prepared
 from slurm_ckpt.job.restore import (
     NotThisFormat,
     Restored,
     Restorer,
     payload_format,
 )
+from slurm_ckpt.job.saved import Saved
 from slurm_ckpt.tiers.base import Tier
 from slurm_ckpt.tiers.copy import copy_checkpoint
-
-if TYPE_CHECKING:  # the facade imports this module
-    from slurm_ckpt.job.checkpointer import Checkpointer
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +79,6 @@ DIR_FORMAT = "slurm_ckpt.dir/1"
 
 #: Bytes read (and written, for a copy) per system call while hashing a file.
 PIECE = 8 * 2**20
-#: Ioctl that clones a file's extents (btrfs, XFS with reflink, bcachefs): linux/fs.h.
-FICLONE = 0x40049409
 #: Files hashed in parallel by the background writer.
 HASH_STREAMS = 4
 
@@ -226,20 +221,18 @@ def _hash_fd(fd: int, chunk_size: int) -> ChunkedHasher:
 
 # ---------------------------------------------------------------------- saving
 def _start(
-    ckpt: Checkpointer,
+    ctx: JobContext,
     step: int,
     tokens: Optional[int],
     meta: Optional[Dict[str, Any]],
     preemption: Optional[bool],
     what: str,
 ) -> Tuple[SaveRecord, PreparedDir, bool]:
-    ckpt._raise_if_failed()
-    if ckpt._closed:
-        raise CkptError(f"Checkpointer.{what}(): already closed")
-    ckpt._lease.ensure()  # held since construction, except by a replica rank
+    ctx.check_open(what)
+    ctx.lease.ensure()  # held since construction, except by a replica rank
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CkptError(f"{what}(): step must be a whole number >= 0, got {step!r}")
-    preempt = ckpt._schedule.preempt_pending if preemption is None else bool(preemption)
+    preempt = ctx.preempting(preemption)
     rec = SaveRecord(
         step=step,
         tokens=tokens,
@@ -249,9 +242,9 @@ def _start(
         forced=preempt,
         meta=dict(meta or {}),
     )
-    writer = ckpt._pipeline.open_local(rec, DIR_FORMAT)
+    writer = ctx.pipeline.open_local(rec, DIR_FORMAT)
     try:
-        prepared = PreparedDir(writer, ckpt.prefix)
+        prepared = PreparedDir(writer, ctx.prefix)
     except BaseException:
         writer.abort()
         raise
@@ -259,11 +252,11 @@ def _start(
 
 
 def _submit(
-    ckpt: Checkpointer, rec: SaveRecord, prepared: PreparedDir, preempt: bool, t0: float
-) -> SaveRecord:
+    ctx: JobContext, rec: SaveRecord, prepared: PreparedDir, preempt: bool, t0: float
+) -> Saved:
     """What ``save()`` does after its snapshot: hand the step to the local writer (which
     hashes and commits it, then queues its flush), and tell the schedule."""
-    books, pipe = ckpt._books, ckpt._pipeline
+    books, pipe = ctx.books, ctx.pipeline
     try:
         rec.nbytes = prepared.nbytes()
     except BaseException:
@@ -275,27 +268,33 @@ def _submit(
         books.emit("backpressure_wait", step=rec.step)
     t1 = time.monotonic()
     pipe.wait_local_free()
-    if ckpt.flush_policy == "wait" and not preempt and pipe.flushes_busy():
+    if ctx.flush_policy == "wait" and not preempt and pipe.flushes_busy():
         books.emit("flush_wait", step=rec.step)
         pipe.wait_flushes()
     waited = time.monotonic() - t1
-    rec.seq = ckpt._seq
-    ckpt._seq += 1
+    rec.seq = ctx.take_seq()
     # Laptop mode (no warm tier): nothing to flush to, so nothing is selected.
-    rec.selected = ckpt.warm is not None and (preempt or selected_for_flush(rec.seq, ckpt.policy))
-    rec.prepared = prepared
+    rec.selected = ctx.warm is not None and (preempt or selected_for_flush(rec.seq, ctx.policy))
+    rec.payload = Prepared(prepared)
     stall = time.monotonic() - t0
     rec.stall_s = rec.snapshot_s = stall
     pipe.submit(rec)
-    ckpt._schedule.saved(rec.step, rec.tokens, stall, preemption=preempt)
+    ctx.schedule.saved(rec.step, rec.tokens, stall, preemption=preempt)
     pipe.count(saves=1, stall_s=stall, wait_s=waited, last_stall_s=stall, last_snapshot_s=stall)
     books.emit("save_returned", step=rec.step, stall_s=stall)
-    return rec
+    return Saved(
+        step=rec.step,
+        tokens=rec.tokens,
+        nbytes=rec.nbytes,
+        stall_s=stall,
+        preemption=preempt,
+        synchronous=False,
+    )
 
 
 @contextmanager
 def output(
-    ckpt: Checkpointer,
+    ctx: JobContext,
     step: int,
     tokens: Optional[int] = None,
     meta: Optional[Dict[str, Any]] = None,
@@ -303,7 +302,7 @@ def output(
 ) -> Iterator[Path]:
     """:meth:`Checkpointer.output`: see the module docstring."""
     t0 = time.monotonic()
-    rec, prepared, preempt = _start(ckpt, step, tokens, meta, preemption, "output")
+    rec, prepared, preempt = _start(ctx, step, tokens, meta, preemption, "output")
     try:
         yield prepared.path
     except BaseException:
@@ -316,7 +315,7 @@ def output(
             f"output(step={step}): the block wrote no file into {prepared.path}: nothing "
             "committed (write the checkpoint's files into the path it yields)"
         )
-    _submit(ckpt, rec, prepared, preempt, t0)
+    _submit(ctx, rec, prepared, preempt, t0)
 
 
 def _any_file(top: str) -> bool:
@@ -325,13 +324,13 @@ def _any_file(top: str) -> bool:
 
 
 def adopt(
-    ckpt: Checkpointer,
+    ctx: JobContext,
     step: int,
     src: PathLike,
     tokens: Optional[int] = None,
     meta: Optional[Dict[str, Any]] = None,
     preemption: Optional[bool] = None,
-) -> SaveRecord:
+) -> Saved:
     """:meth:`Checkpointer.adopt`: see the module docstring."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CkptError(
@@ -352,12 +351,15 @@ def adopt(
             raise CkptError(f"adopt(): {src}: {problems[0]} (only regular files are kept)")
         if not files:
             raise CkptError(f"adopt(): {src}: no files to adopt")
-        rec, prepared, preempt = _start(ckpt, step, tokens, meta, preemption, "adopt")
+        rec, prepared, preempt = _start(ctx, step, tokens, meta, preemption, "adopt")
+        local: Any = ctx.local  # always a POSIX tier: it places whole files (tiers/)
         try:
             dfd = fsio.open_beneath(prepared.writer.work_fd, [prepared.prefix])
             try:
                 for rel, _ in files:
-                    _snapshot(sfd, dfd, rel, prepared)
+                    linked = local.adopt_file(sfd, dfd, rel)
+                    if linked is not None:
+                        prepared.linked[f"{prepared.prefix}/{rel}"] = linked
             finally:
                 os.close(dfd)
         except OSError as exc:
@@ -368,74 +370,7 @@ def adopt(
             raise
     finally:
         os.close(sfd)
-    return _submit(ckpt, rec, prepared, preempt, t0)
-
-
-def _snapshot(sfd: int, dfd: int, rel: str, prepared: PreparedDir) -> None:
-    """Put one file of the framework's directory into ours: a reflink clone, else a hard
-    link (copied apart later), else a copy."""
-    parts = rel.split("/")
-    spfd = fsio.open_beneath(sfd, parts[:-1])
-    dpfd = fsio.open_beneath(dfd, parts[:-1], True)
-    name = parts[-1]
-    try:
-        fd = os.open(name, fsio.O_READ | os.O_NONBLOCK, dir_fd=spfd)
-        try:
-            st = os.fstat(fd)
-            out = os.open(name, fsio.O_NEWFILE, fsio.FILE_MODE, dir_fd=dpfd)
-            try:
-                try:
-                    fcntl.ioctl(out, FICLONE, fd)
-                    return
-                except OSError:
-                    pass
-            finally:
-                os.close(out)
-            os.unlink(name, dir_fd=dpfd)
-            try:
-                os.link(name, name, src_dir_fd=spfd, dst_dir_fd=dpfd, follow_symlinks=False)
-                prepared.linked[f"{prepared.prefix}/{rel}"] = (st.st_size, st.st_mtime_ns)
-                return
-            except OSError as exc:
-                if exc.errno not in (
-                    errno.EXDEV,
-                    errno.EPERM,
-                    errno.EMLINK,
-                    errno.EACCES,
-                    errno.EOPNOTSUPP,
-                ):
-                    raise
-            out = os.open(name, fsio.O_NEWFILE, fsio.FILE_MODE, dir_fd=dpfd)
-            try:
-                _copy_fd(fd, out)
-            finally:
-                os.close(out)
-        finally:
-            os.close(fd)
-    finally:
-        os.close(spfd)
-        os.close(dpfd)
-
-
-def _copy_fd(src: int, dst: int) -> None:
-    """Copy a whole file: in the kernel where it can (``copy_file_range``: server-side on
-    NFS, extents shared on some filesystems), else through a buffer."""
-    off = 0
-    try:
-        while True:
-            n = os.copy_file_range(src, dst, PIECE, off, off)
-            if n == 0:
-                return
-            off += n
-    except OSError as exc:
-        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-            raise
-    while True:
-        b = os.pread(src, PIECE, off)
-        if not b:
-            return
-        fsio.write_all(dst, memoryview(b), off)
-        off += len(b)
+    return _submit(ctx, rec, prepared, preempt, t0)
 
 
 # ---------------------------------------------------------------------- restoring
@@ -454,7 +389,7 @@ class DirRestorer(Restorer):
         fmt = payload_format(m, self.prefix)
         if fmt != DIR_FORMAT:
             raise NotThisFormat(f"{where}: holds {fmt or 'files'}, not a directory checkpoint")
-        self._check_data(m, where)
+        self.check_data(m, where)
         if tier.name == self.local.name:
             rep = tier.verify(self.user, self.own_key, m.step)
             if not rep.ok:
@@ -464,7 +399,7 @@ class DirRestorer(Restorer):
         path = Path(self.local.location(self.user, self.own_key, m.step)) / self.prefix
         if not path.is_dir():
             raise VerifyError(f"{where}: no {self.prefix}/ in the checkpoint")
-        return self._restored(tier, m, path, t0, False)
+        return self.restored(tier, m, path, t0, False)
 
     def _fetch(self, tier: Tier, m: Manifest) -> None:
         """Copy the step from ``tier`` to the local tier (every chunk checked against the
@@ -478,7 +413,7 @@ class DirRestorer(Restorer):
         except NotFound:
             here = False
         if here and (
-            (self.local.name, step) in self._bad or not self.local.verify(user, key, step).ok
+            self.is_bad(self.local.name, step) or not self.local.verify(user, key, step).ok
         ):
             self.local.delete(user, key, step)
         try:
@@ -490,28 +425,15 @@ class DirRestorer(Restorer):
         log.info("[ckpt] restore_path: step %d fetched from %s to the local tier", step, tier.name)
 
 
-def restore_path(
-    ckpt: Checkpointer,
-    step: Optional[int] = None,
-    tiers: Optional[List[str]] = None,
-    expect_data_version: Optional[str] = None,
-    on_data_change: str = "warn",
-) -> Optional[Path]:
-    """:meth:`Checkpointer.restore_path`: see the module docstring."""
-    r = ckpt._make_restorer(
-        tiers,
-        step,
-        expect_data_version,
-        on_data_change,
-        factory=functools.partial(DirRestorer, ckpt.local),
-    )
-    got = r.restore()
+def restore_path(restorer: Restorer, shard_key: str) -> Optional[Restored]:
+    """:meth:`Checkpointer.restore_path`'s choice and fetch, by ``restorer`` (a
+    :class:`DirRestorer` the facade built): the step restored (its ``state`` is the path
+    on the local tier), or None when there is none. The facade then takes it as the
+    step it restored (schedule, lineage), as after ``restore()``."""
+    got = restorer.restore()
     if got is None:
-        log.info("[ckpt] restore_path: no directory checkpoint of %s found", ckpt.shard_key)
+        log.info("[ckpt] restore_path: no directory checkpoint of %s found", shard_key)
         return None
-    ckpt.restored = got
-    ckpt._schedule.restored(got.step, got.tokens)
-    ckpt._adopt_lineage(got, r.view if tiers is None else None)  # a rollback branches here too
     log.info(
         "[ckpt] restore_path: step=%d tokens=%s from %s: %s",
         got.step,
@@ -519,4 +441,4 @@ def restore_path(
         got.tier,
         got.state,
     )
-    return got.state  # type: ignore[no-any-return]
+    return got

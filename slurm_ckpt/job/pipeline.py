@@ -45,6 +45,7 @@ from slurm_ckpt.job.close_progress import MovedBytes
 from slurm_ckpt.job.flushing import DEADLINE_MARGIN_S, FlushMethods
 from slurm_ckpt.job.lease import SeriesLease
 from slurm_ckpt.job.local_prune import prune_local
+from slurm_ckpt.job.payload import Direct, Lazy, Prepared, Staged
 from slurm_ckpt.job.replicas import ReplicaCheck, agree_before_commit
 from slurm_ckpt.job.series import SeriesPlace
 from slurm_ckpt.job.shard import Shard, save_meta
@@ -303,21 +304,23 @@ class Pipeline(FlushMethods):
             return self.local.writer(sh.user, sh.key, rec.step, **kw)
 
     def _write_local(self, rec: SaveRecord) -> None:
-        if rec.prepared is not None:
+        payload = rec.payload
+        if isinstance(payload, Prepared):
             try:
                 self.series.fence("local")
             except BaseException:
-                rec.prepared.abort()
+                payload.files.abort()
                 raise
-            rec.prepared.commit()  # files already in its writer: hash them, commit
+            payload.files.commit()  # files already in its writer: hash them, commit
             return
+        if not isinstance(payload, (Direct, Staged)):
+            raise CkptError(f"step={rec.step}: nothing staged to write ({payload!r})")
         sh = self.shard
         with self.open_local(rec) as w:
-            if rec.direct is not None:
-                index, tensors = rec.direct
-                write_direct(w, sh.prefix, index, tensors)
+            if isinstance(payload, Direct):
+                write_direct(w, sh.prefix, payload.index, payload.tensors)
             else:
-                items = {f"{sh.prefix}/{n}": v for n, v in rec.buffers.items()}
+                items = {f"{sh.prefix}/{n}": v for n, v in payload.views.items()}
                 items[f"{sh.prefix}/index.json"] = rec.index_data
                 w.write_buffers(items)
             if self.replicas is not None and rec.replicated is not None:
@@ -332,11 +335,12 @@ class Pipeline(FlushMethods):
         """Phase two of a save (background thread, or the caller's for a sync write)."""
         t0 = time.monotonic()
         try:
-            if rec.drain is not None:  # a lazy snapshot: its copy must be complete first
-                rec.buffers = rec.drain.result()
+            lazy = rec.payload
+            if isinstance(lazy, Lazy):  # a lazy snapshot: its copy must be complete first
+                rec.payload = Staged(lazy.drain.result())
                 with self.cv:
-                    self._stats.last_drain_s = rec.drain.copy_s
-            if rec.prepared is None:  # a prepared directory's bytes are already there
+                    self._stats.last_drain_s = lazy.drain.copy_s
+            if not isinstance(rec.payload, Prepared):  # a directory's bytes are there already
                 self._check_space(rec.nbytes)
             self.log_deferred()
             self.books.emit("local_start", step=rec.step)
@@ -349,10 +353,7 @@ class Pipeline(FlushMethods):
             self._local_failed(rec, exc, time.monotonic() - t0)
             return
         finally:
-            rec.buffers = None
-            rec.direct = None
-            rec.drain = None
-            rec.prepared = None
+            rec.payload = None
         rec.local_s = time.monotonic() - t0
         rec.local_status = "committed"
         self.moved.wrote(rec.nbytes)

@@ -13,8 +13,10 @@ import logging
 from typing import Any, Callable, Dict, Optional, Union
 
 from slurm_ckpt.errors import CkptError
+from slurm_ckpt.job.context import JobContext
 from slurm_ckpt.job.lease import SeriesLease
 from slurm_ckpt.job.options import RamOptions, ram_options
+from slurm_ckpt.job.partner import PartnerLink
 from slurm_ckpt.job.ram_replica import RamCopies
 from slurm_ckpt.job.saved import check_save_args
 from slurm_ckpt.job.stats import CheckpointStats
@@ -28,31 +30,32 @@ __all__ = ["RamMethods", "RamSetting", "open_ram", "with_ram_stats"]
 RamSetting = Optional[Union[bool, RamOptions]]
 
 
-def open_ram(value: Any, ckpt: Any) -> Optional[RamCopies]:
-    """The RAM tier of ``ckpt`` for its ``ram=`` option (None: off). Replication needs the
-    partner link (``partner=True``); without one the snapshots stay on this node only."""
+def open_ram(value: Any, ctx: JobContext, partner: Optional[PartnerLink]) -> Optional[RamCopies]:
+    """The RAM tier of the Checkpointer of ``ctx`` for its ``ram=`` option (None: off).
+    Replication needs the ``partner`` link (``partner=True``); without one the snapshots
+    stay on this node only."""
     opts = ram_options(value)
     if opts is None:
         return None
-    if opts.replicate and ckpt.partner is None:
+    if opts.replicate and partner is None:
         log.warning(
             "[ckpt] RAM tier: no partner link (partner copies off, one rank or one node): "
             "the RAM snapshots are not replicated"
         )
     return RamCopies(
         opts,
-        user=ckpt.user,
-        key=ckpt.shard_key,
-        base_key=ckpt.key,
-        prefix=ckpt.prefix,
-        rank=ckpt.rank,
-        world_size=ckpt.world_size,
-        job=ckpt.job,
-        node=ckpt.node,
-        chunk_size=int(getattr(ckpt.local, "chunk_size", 0) or 64 * 2**20),
-        staging_limit=ckpt.config.job.staging_memory_limit,
-        link=ckpt.partner,
-        on_event=ckpt._books.emit,
+        user=ctx.user,
+        key=ctx.shard_key,
+        base_key=ctx.key,
+        prefix=ctx.prefix,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        job=ctx.job,
+        node=ctx.node,
+        chunk_size=int(getattr(ctx.local, "chunk_size", 0) or 64 * 2**20),
+        staging_limit=ctx.config.job.staging_memory_limit,
+        link=partner,
+        on_event=ctx.books.emit,
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Set, Tuple
 
 from slurm_ckpt.core.manifest import Manifest
 from slurm_ckpt.errors import CkptError, VerifyError
@@ -28,22 +28,51 @@ from slurm_ckpt.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 
-__all__ = ["shared_restore"]
+__all__ = ["SharingRestorer", "shared_restore"]
+
+
+class SharingRestorer(Protocol):
+    """What :func:`shared_restore` uses of the :class:`~slurm_ckpt.job.restore.Restorer`
+    that calls it (a protocol: that module imports this one, so importing it back would
+    make a circle; the Restorer satisfies it, and a type checker says so)."""
+
+    replicas: Any
+    node_tiers: Set[str]
+    user: str
+    own_key: str
+    prefix: str
+    streams: int
+
+    def is_bad(self, tier: str, step: int) -> bool: ...
+
+    def check_data(self, m: Manifest, where: str) -> None: ...
+
+    def note_bad(self, tier: Tier, step: int, exc: BaseException) -> None: ...
+
+    def restored(
+        self,
+        tier: Tier,
+        m: Manifest,
+        state: Any,
+        t0: float,
+        partial: bool,
+        read: Optional[int] = None,
+        peer: int = 0,
+    ) -> Restored: ...
 
 
 def shared_restore(
-    r: Any, steps: List[int], own: Dict[int, List[Tuple[Tier, Manifest]]]
+    r: SharingRestorer, steps: List[int], own: Dict[int, List[Tuple[Tier, Manifest]]]
 ) -> Optional[Restored]:
     """The newest step read once by the replica group (:mod:`.replica_read`), or None
     (then each rank reads alone). ``r`` is the calling
-    :class:`~slurm_ckpt.job.restore.Restorer` (typed ``Any``: importing its module here
-    would make a circle, since it imports this one). Collective over the group: every rank takes
+    :class:`~slurm_ckpt.job.restore.Restorer`. Collective over the group: every rank takes
     part in the one digest exchange whatever it finds; only when all of them are
     about to read the same bytes do they share the read."""
     assert r.replicas is not None
     pick: Optional[Tuple[Tier, Manifest]] = None
     for step in steps:
-        pick = next(((t, m) for t, m in own.get(step, []) if (t.name, step) not in r._bad), None)
+        pick = next(((t, m) for t, m in own.get(step, []) if not r.is_bad(t.name, step)), None)
         if pick is not None:
             break
     reader: Optional[StateReader] = None
@@ -56,7 +85,7 @@ def shared_restore(
         try:
             if payload_format(m, r.prefix) != STATE_FORMAT:
                 raise NotThisFormat(f"{where}: not a slurm_ckpt state")
-            r._check_data(m, where)
+            r.check_data(m, where)
             with tier.reader(r.user, r.own_key, m.step) as tr:
                 reader = StateReader(tr, tr.manifest, r.prefix, streams=r.streams, where=where)
             digest = digest_of(reader.jobs(reader.blobs(None)), m.chunk_size, m.step)
@@ -78,11 +107,11 @@ def shared_restore(
                 where=reader.where,
             )
         except VerifyError as exc:
-            r._note_bad(tier, m.step, exc)
+            r.note_bad(tier, m.step, exc)
             return None
         state = reader.build(got.bufs)
         idx = len(reader.data)
-        return r._restored(tier, m, state, t0, False, got.read_bytes + idx, got.peer_bytes)
+        return r.restored(tier, m, state, t0, False, got.read_bytes + idx, got.peer_bytes)
     finally:
         if reader is not None:
             reader.close()

@@ -66,4 +66,4 @@ class RestLoad:
         assert self._bufs is not None
         state = self.reader.build(self._bufs, [GROUP_REST])
         self._bufs = None
-        return restorer._restored(self.tier, self.manifest, state, self.t0, True)
+        return restorer.restored(self.tier, self.manifest, state, self.t0, True)

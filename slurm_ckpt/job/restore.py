@@ -247,7 +247,12 @@ class Restorer:
         return sorted(complete & set(own), reverse=True)
 
     # -- loading -----------------------------------------------------------------------
-    def _restored(
+    def is_bad(self, tier: str, step: int) -> bool:
+        """Whether this restore found ``step`` on ``tier`` unusable already: a reader of
+        another kind (a shared read, a directory fetch) passes over it too."""
+        return (tier, step) in self._bad
+
+    def restored(
         self,
         tier: Tier,
         m: Manifest,
@@ -257,6 +262,9 @@ class Restorer:
         read: Optional[int] = None,
         peer: int = 0,
     ) -> Restored:
+        """The :class:`Restored` of step ``m`` read from ``tier`` (started at ``t0``):
+        the one way every reader of this restore (weights first, the rest, a shared or a
+        directory read) reports what it read."""
         return Restored(
             step=m.step,
             tokens=m.tokens,
@@ -285,13 +293,13 @@ class Restorer:
         fmt = payload_format(m, self.prefix)
         if fmt != STATE_FORMAT:
             raise NotThisFormat(f"{where}: holds {fmt or 'files'}, not a slurm_ckpt state")
-        self._check_data(m, where)
+        self.check_data(m, where)
         with tier.reader(self.user, self.own_key, m.step) as tr:
             reader = StateReader(tr, tr.manifest, self.prefix, streams=self.streams, where=where)
         if not weights_only:
             with reader:
                 state = reader.build(reader.read(reader.blobs(None)))
-            return self._restored(tier, m, state, t0, False)
+            return self.restored(tier, m, state, t0, False)
         try:
             state = reader.build(reader.read(reader.blobs([GROUP_WEIGHTS])), [GROUP_WEIGHTS])
         except BaseException:
@@ -299,9 +307,9 @@ class Restorer:
             raise
         rest = RestLoad(reader, tier, m, where)  # takes the reader over
         self._rest = rest
-        return self._restored(tier, m, state, t0, True)
+        return self.restored(tier, m, state, t0, True)
 
-    def _check_data(self, m: Manifest, where: str) -> None:
+    def check_data(self, m: Manifest, where: str) -> None:
         """Compare the data version the checkpoint was trained on with the expected one
         (before a byte of payload is read): warn, or refuse with one line."""
         want = self.expect_data_version
@@ -329,7 +337,7 @@ class Restorer:
                 self._bad.add((tier.name, step))
                 log.info("[ckpt] restore: skipping %s", exc)
             except (VerifyError, TierError, NotFound) as exc:
-                self._note_bad(tier, step, exc)
+                self.note_bad(tier, step, exc)
         return None
 
     def _bytes_verify(self, tier: Tier, step: int) -> bool:
@@ -340,7 +348,9 @@ class Restorer:
         except (CkptError, OSError):
             return False
 
-    def _note_bad(self, tier: Tier, step: int, exc: BaseException) -> None:
+    def note_bad(self, tier: Tier, step: int, exc: BaseException) -> None:
+        """``step`` on ``tier`` failed (``exc``): passed over from now on, booked BAD and,
+        when its bytes do not match its manifest, handed to ``on_corrupt``."""
         self._bad.add((tier.name, step))
         if isinstance(exc, VerifyError) and self._bytes_verify(tier, step):
             # Never delete or uncommit a copy whose bytes are what was committed: it is
@@ -463,7 +473,7 @@ class Restorer:
             got = rest.result(self)
         except (VerifyError, TierError, NotFound) as exc:
             err = exc
-            self._note_bad(rest.tier, step, exc)
+            self.note_bad(rest.tier, step, exc)
             got = self._rest_elsewhere(rest)
         if self.agree is not None:
             if self.agree(1 if got is not None else 0) == 1:
@@ -513,8 +523,8 @@ class Restorer:
                         continue
                     state = reader.build(reader.read(reader.blobs([GROUP_REST])), [GROUP_REST])
             except (VerifyError, TierError, NotFound) as exc:
-                self._note_bad(tier, step, exc)
+                self.note_bad(tier, step, exc)
                 continue
             log.warning("[ckpt] restore: the rest of step %d came from %s", step, tier.name)
-            return self._restored(tier, m, state, t0, True)
+            return self.restored(tier, m, state, t0, True)
         return None

@@ -7,20 +7,26 @@ in :mod:`slurm_ckpt.job.output`), the step-boundary question an integration asks
 (:attr:`preemption_pending`), and a ``torch.distributed.checkpoint`` StorageWriter/Reader
 (:meth:`dcp_writer`, :meth:`dcp_reader`, :mod:`slurm_ckpt.dcp.storage`). Why apart
 from the facade: one concept per module; the state format's save/restore is the
-facade's own, these are the doors for checkpoints in other formats. They use the
-facade's tiers, schedule and identity (a mixin: ``self`` is the Checkpointer).
+facade's own, these are the doors for checkpoints in other formats. They act on the
+facade's typed :class:`~slurm_ckpt.job.context.JobContext` (its tiers, schedule,
+pipeline and identity), which is all :mod:`slurm_ckpt.job.output` receives: that module
+never sees the Checkpointer (it imported the facade that imported it, a circle).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
-from typing import Any, ContextManager, Dict, Optional, Sequence, Union
+from typing import Any, Callable, ContextManager, Dict, Optional, Sequence, Union
 
+from slurm_ckpt.core.lineage import SeriesView
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.job import output as _output
-from slurm_ckpt.job.bookkeeping import SaveRecord
+from slurm_ckpt.job.context import JobContext
+from slurm_ckpt.job.restore import Restored, Restorer
+from slurm_ckpt.job.saved import Saved
 from slurm_ckpt.job.schedule import BOOTSTRAP_COST_S
 
 log = logging.getLogger(__name__)
@@ -34,14 +40,11 @@ class FrameworkSeams:
     """The Checkpointer's doors for checkpoints a framework writes itself."""
 
     # Provided by the Checkpointer (declared for readers and type checkers).
-    _schedule: Any
-    _closed: bool
-    local: Any
-    tiers: Any
-    user: str
-    key: str
-    job: Optional[str]
-    node: str
+    _ctx: JobContext
+    restored: Optional[Restored]
+    _make_restorer: Callable[..., Restorer]
+    _adopt_lineage: Callable[[Restored, Optional[SeriesView]], None]
+    _mark_bad: Callable[[str, str, int, str], None]
 
     def output(
         self,
@@ -55,7 +58,7 @@ class FrameworkSeams:
         framework to write its own checkpoint files into; on a clean exit they are hashed,
         committed (manifest last) and flushed like any save, a body that raises commits
         nothing (:mod:`slurm_ckpt.job.output`). ``meta``/``preemption`` as in :meth:`save`."""
-        return _output.output(self, step, tokens, meta, preemption)
+        return _output.output(self._ctx, step, tokens, meta, preemption)
 
     def adopt(
         self,
@@ -65,11 +68,12 @@ class FrameworkSeams:
         tokens: Optional[int] = None,
         meta: Optional[Dict[str, Any]] = None,
         preemption: Optional[bool] = None,
-    ) -> SaveRecord:
+    ) -> Saved:
         """Snapshot a checkpoint directory a framework already wrote (reflinks, hard
         links or a copy) and commit it like :meth:`output`; when this returns the
-        framework may delete its directory."""
-        return _output.adopt(self, step, path, tokens, meta, preemption)
+        framework may delete its directory. Returns the same frozen
+        :class:`~slurm_ckpt.job.saved.Saved` as :meth:`save`."""
+        return _output.adopt(self._ctx, step, path, tokens, meta, preemption)
 
     def restore_path(
         self,
@@ -82,9 +86,21 @@ class FrameworkSeams:
         """This rank's directory of the newest complete directory checkpoint that
         verifies, on the local tier (fetched there, verified, when only a warm or cold
         tier holds it); None when there is none. Read it; never write into it."""
-        return _output.restore_path(
-            self, step, None if tiers is None else list(tiers), expect_data_version, on_data_change
+        names = None if tiers is None else list(tiers)
+        r = self._make_restorer(
+            names,
+            step,
+            expect_data_version,
+            on_data_change,
+            factory=functools.partial(_output.DirRestorer, self._ctx.local),
         )
+        got = _output.restore_path(r, self._ctx.shard_key)
+        if got is None:
+            return None
+        self.restored = got
+        self._ctx.schedule.restored(got.step, got.tokens)
+        self._adopt_lineage(got, r.view if names is None else None)  # a rollback branches too
+        return got.state  # type: ignore[no-any-return]
 
     @property
     def preemption_pending(self) -> bool:
@@ -92,9 +108,10 @@ class FrameworkSeams:
         its flush) until the save answering it is taken: a framework integration asks
         this at each step boundary and has its trainer save there (the save it then
         hands to :meth:`adopt`/:meth:`output` is the preemption save: always flushed)."""
-        if self._schedule.preempt_saved:
+        schedule = self._ctx.schedule
+        if schedule.preempt_saved:
             return False
-        return self._schedule.preempt_pending or self._near_end()
+        return schedule.preempt_pending or self._ctx.near_end()
 
     def mark_preemption_saved(self, step: int, tokens: Optional[int] = None) -> None:
         """Count ``step``, saved already, as the save answering a pending preemption.
@@ -104,7 +121,7 @@ class FrameworkSeams:
         again would only fail the write or flush still in flight, and ``close()`` flushes
         the newest step anyway. This is the public door for "that step was the preemption
         save": :attr:`preempted` turns true and :attr:`preemption_pending` false."""
-        self._schedule.saved(step, tokens, 0.0, preemption=True)
+        self._ctx.schedule.saved(step, tokens, 0.0, preemption=True)
 
     # ------------------------------------------------------------------ DCP (torch.distributed)
     def _dcp_series(self) -> Any:
@@ -131,28 +148,27 @@ class FrameworkSeams:
         # The DCP backend needs torch; imported here so that the job layer does not.
         from slurm_ckpt.dcp.storage import SlurmDcpWriter
 
-        self._raise_if_failed()
-        if self._closed:
-            raise CkptError("Checkpointer.dcp_writer(): already closed")
+        ctx = self._ctx
+        ctx.check_open("dcp_writer")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CkptError(f"dcp_writer(): step must be a whole number >= 0, got {step!r}")
-        preempt = self._schedule.preempt_pending if preemption is None else bool(preemption)
+        preempt = ctx.preempting(preemption)
         series = self._dcp_series()
         series.register(step, tokens, preempt)
         # DCP measures the stall, not us: keep the schedule's cost estimate as it is.
-        cost = self._schedule.cost_s if self._schedule.cost_s is not None else BOOTSTRAP_COST_S
-        self._schedule.saved(step, tokens, cost, preemption=preempt)
+        cost = ctx.schedule.cost_s if ctx.schedule.cost_s is not None else BOOTSTRAP_COST_S
+        ctx.schedule.saved(step, tokens, cost, preemption=preempt)
         return SlurmDcpWriter(
-            self.local,
-            self.user,
-            self.key,
+            ctx.local,
+            ctx.user,
+            ctx.key,
             step,
             tokens=tokens,
-            job=self.job,
-            node=self.node,
+            job=ctx.job,
+            node=ctx.node,
             meta=meta,
             token=series.token,
-            fence=self._lease.fence(),
+            fence=ctx.lease.fence(),
         )
 
     def dcp_reader(
@@ -182,18 +198,19 @@ class FrameworkSeams:
         from slurm_ckpt.dcp.storage import Group, select_step
 
         group = Group(process_group, no_dist)
+        ctx = self._ctx
         reader = select_step(
-            self.tiers,
-            self.user,
-            self.key,
+            ctx.tiers,
+            ctx.user,
+            ctx.key,
             step=step,
             mark_bad=self._mark_bad,
             group=group,
             ranged=ranged,
         )
         if reader is None:
-            log.info("[ckpt] dcp_reader: no DCP checkpoint of %s found", self.key)
+            log.info("[ckpt] dcp_reader: no DCP checkpoint of %s found", ctx.key)
             return None
-        self._schedule.restored(reader.step, reader.tokens)
+        ctx.schedule.restored(reader.step, reader.tokens)
         log.info("[ckpt] dcp_reader: step=%d tokens=%s", reader.step, reader.tokens)
         return reader

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord
 from slurm_ckpt.job.lazy import Drain, defer_mask
+from slurm_ckpt.job.payload import Direct, Lazy, Staged
 from slurm_ckpt.job.pipeline import Pipeline
 from slurm_ckpt.job.staging import StagingArea
 
@@ -50,13 +51,14 @@ def hand_over(
         mask = defer_mask(tensors, _accept_all if lazy is True else lazy) if lazy else None
         if mask is not None and any(mask):
             staging.snapshot(index, tensors, select=[not m for m in mask])
-            rec.drain = drain = Drain(
+            drain = Drain(
                 functools.partial(staging.snapshot, index, tensors, mask),
                 tensors,
                 mask,
             ).start()
+            rec.payload = Lazy(drain)
         else:
-            rec.buffers = staging.snapshot(index, tensors)
+            rec.payload = Staged(staging.snapshot(index, tensors))
         rec.snapshot_s = time.monotonic() - t1
         rec.stall_s = time.monotonic() - t0
         books.emit("snapshot_done", step=step)
@@ -69,6 +71,6 @@ def hand_over(
             format_bytes(staging.budget(nbytes)),
         )
         rec.synchronous = True
-        rec.direct = (index, tensors)
+        rec.payload = Direct(index, tensors)
         pipe.write_now(rec)
     return drain

@@ -37,6 +37,7 @@ from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.core.verify import VerifyReport, open_payload, verify_files
 from slurm_ckpt.errors import InvalidName, NotFound, StepLocked, TierError, VerifyError
 from slurm_ckpt.tiers.base import StepInfo
+from slurm_ckpt.tiers.posix_files import adopt_file
 from slurm_ckpt.tiers.posix_guard import (
     check_step_files,
     check_user_dir,
@@ -228,6 +229,13 @@ class PosixTier:
         kw.setdefault("chunk_size", self.chunk_size)
         kw.setdefault("streams", self.streams)
         return CheckpointWriter(self.root, user, key, step, where=self.name, copy_of=copy_of, **kw)
+
+    def adopt_file(self, sfd: int, dfd: int, rel: str) -> Optional[Tuple[int, int]]:
+        """Put the file ``rel`` of directory ``sfd`` (a framework's checkpoint) below
+        ``dfd`` (inside an open writer of this tier): a reflink, else a hard link, else a
+        copy (:func:`slurm_ckpt.tiers.posix_files.adopt_file`, which says what the result
+        means). A method of the tier: copying files is the tiers' business alone."""
+        return adopt_file(sfd, dfd, rel)
 
     # -- reading ---------------------------------------------------------------
     def reader(self, user: str, key: str, step: int) -> PosixReader:

@@ -95,7 +95,8 @@ class _Upload:
             self.meta = {META_HASH: entry.hash, META_SIZE: str(entry.size)}
 
     # -- parts -----------------------------------------------------------------------
-    def _part_size(self, pn: int) -> int:
+    def part_size(self, pn: int) -> int:
+        """Bytes of part ``pn`` (the last one may be shorter); the writer slices by it."""
         return min(self.part_len, self.size - pn * self.part_len)
 
     def _start(self) -> str:
@@ -109,7 +110,7 @@ class _Upload:
                     ChecksumAlgorithm="CRC32",
                 )
                 self.upload_id = r["UploadId"]
-                self.w._track_upload(self)
+                self.w.track_upload(self)
             return self.upload_id
 
     def put_part(self, pn: int, data: Any, crc_value: Optional[int] = None) -> None:
@@ -126,7 +127,7 @@ class _Upload:
                 ChecksumCRC32=crc,
                 Metadata=self.meta,
             )
-            self.w._track_object(self.key)
+            self.w.track_object(self.key)
         else:
             uid = self._start()
             r = self.w.call(
@@ -156,8 +157,8 @@ class _Upload:
             UploadId=self.upload_id,
             MultipartUpload={"Parts": parts},
         )
-        self.w._track_object(self.key)
-        self.w._untrack_upload(self)
+        self.w.track_object(self.key)
+        self.w.untrack_upload(self)
 
     # -- RangeSink (copy mode) ---------------------------------------------------------
     def buffer_for(self, offset: int, n: int) -> memoryview:
@@ -167,11 +168,11 @@ class _Upload:
         with :meth:`wrote`."""
         pn = offset // self.part_len
         start = offset - pn * self.part_len
-        n = min(n, self._part_size(pn) - start)  # up to the end of this part
+        n = min(n, self.part_size(pn) - start)  # up to the end of this part
         with self._lock:
             buf = self._bufs.get(pn)
             if buf is None:
-                buf = self._bufs[pn] = self.w._buffer()
+                buf = self._bufs[pn] = self.w.take_buffer()
                 self._filled[pn] = 0
                 self._crc[pn] = 0
         return memoryview(buf)[start : start + n]
@@ -180,7 +181,7 @@ class _Upload:
         """Bytes ``offset .. offset + len(view)`` are in the buffer :meth:`buffer_for`
         gave; a part that is complete goes up now."""
         pn = offset // self.part_len
-        psize = self._part_size(pn)
+        psize = self.part_size(pn)
         crc = crc32_of(view, self._crc.get(pn, 0)) if self._in_order else None
         with self._lock:
             self._filled[pn] += len(view)
@@ -196,7 +197,7 @@ class _Upload:
                 with self._lock:
                     self._bufs.pop(pn, None)
                     self._crc.pop(pn, None)
-                self.w._release(buf)
+                self.w.release_buffer(buf)
 
     def write(self, data: memoryview, offset: int) -> None:
         done = 0
@@ -221,11 +222,11 @@ class _Upload:
                 f"{self.w.where}/{self.relpath}: stored {head['ContentLength']} bytes, "
                 f"sent {self.size}"
             )
-        self.w._file_done(self)
+        self.w.file_done(self)
 
     def abort(self) -> None:
         for buf in list(self._bufs.values()):
-            self.w._release(buf)
+            self.w.release_buffer(buf)
         self._bufs.clear()
 
 
@@ -370,30 +371,36 @@ class S3Writer:
             where = f"{self.tier.name}:s3://{self.tier.bucket}/{obj_key}"
             raise s3_error(exc, where, self.tier.endpoint, writing=True) from None
 
-    def _buffer(self) -> bytearray:
+    def take_buffer(self) -> bytearray:
+        """A part buffer from the pool the uploads share (memory bounded by streams)."""
         with self._lock:
             if self._free:
                 return self._free.pop()
         return bytearray(self.part_len)
 
-    def _release(self, buf: bytearray) -> None:
+    def release_buffer(self, buf: bytearray) -> None:
+        """Return a part buffer to the pool once its part is sent (or abandoned)."""
         with self._lock:
             if len(self._free) < self.streams + 1:
                 self._free.append(buf)
 
-    def _track_object(self, obj_key: str) -> None:
+    def track_object(self, obj_key: str) -> None:
+        """An upload stored ``obj_key``: an abort deletes it, so nothing is left behind."""
         with self._lock:
             self._objects.add(obj_key)
 
-    def _track_upload(self, up: _Upload) -> None:
+    def track_upload(self, up: _Upload) -> None:
+        """A multipart upload began: an abort aborts it (the store would keep its parts)."""
         with self._lock:
             self._uploads[up.key] = up
 
-    def _untrack_upload(self, up: _Upload) -> None:
+    def untrack_upload(self, up: _Upload) -> None:
+        """A multipart upload completed: nothing of it is left to abort."""
         with self._lock:
             self._uploads.pop(up.key, None)
 
-    def _file_done(self, up: _Upload) -> None:
+    def file_done(self, up: _Upload) -> None:
+        """A file is stored whole and checked: the manifest lists it from now on."""
         if up.entry is not None:
             with self._lock:
                 self._entries[up.relpath] = up.entry
@@ -421,7 +428,7 @@ class S3Writer:
         def part(fi: int, pn: int) -> None:
             up, cs = ups[fi], self.chunk_size
             lo = pn * up.part_len
-            view = views[fi][lo : lo + up._part_size(pn)] if up.size else views[fi][:0]
+            view = views[fi][lo : lo + up.part_size(pn)] if up.size else views[fi][:0]
             for i in range(0, len(view), cs):
                 digests[fi][(lo + i) // cs] = chunk_digest(view[i : i + cs])
             up.put_part(pn, view)
@@ -524,7 +531,7 @@ class S3Writer:
         """PUT the manifest, last and only if no manifest is there (If-None-Match)."""
         if self._done:
             raise CkptError(f"{self.where}: writer already finished")
-        manifest = manifest_to_commit(self)
+        manifest = manifest_to_commit(self, self._entries)
         data = manifest.to_bytes()
         try:
             check_bytes(data, self.where)  # root would count it as damage: say so now

@@ -506,7 +506,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seed", type=int, default=2)
     p.add_argument("--failures", type=int, default=5)
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--sleep", type=float, default=0.3, help="seconds per step beside compute")
     p.add_argument("--victims", default="1,2", help="ranks whose node may die")
     p.add_argument("--min-gap", type=int, default=15, help="least steps between two losses")
@@ -591,6 +591,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 "state": run.state,
                 "goodput_cli": run.goodput_cli,
                 "disturbed": run.disturbed,
+                "done": done_docs(run),
             }
         )
     checks = targets(rows)
@@ -616,6 +617,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1, default=str))
     return 0
+
+
+def done_docs(run: ArmRun) -> List[Dict[str, Any]]:
+    """The ranks' last ``DONE`` lines (rank, last step, digest; (d): the recovery history
+    as ``slurm_ckpt.torch.recovery`` counted it)."""
+    out = []
+    for ln in parse_lines_of(run):
+        if ln.what == "DONE":
+            try:
+                out.append(json.loads(ln.rest))
+            except ValueError:
+                continue
+    return out
 
 
 def parse_lines_of(run: ArmRun) -> List[Line]:

@@ -58,6 +58,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import statistics
 import sys
 import time
@@ -295,6 +296,11 @@ def table(rows: Dict[str, Dict[str, Any]], checks: List[Dict[str, Any]]) -> str:
 
 
 # ------------------------------------------------------------------ the cluster --
+class Disturbed(Exception):
+    """Another session on this machine replaced slurm.conf mid-arm (its `dev-cluster up`
+    also restarts a node powered off here): the arm's figures would be wrong."""
+
+
 @dataclass
 class ArmRun:
     arm: str
@@ -329,6 +335,10 @@ class Bench:
             and self.site.hooks_configured()
             and f"NodeName=n{self.nodes} " in conf
         )
+
+    def check(self) -> None:
+        if not self.conf_ok():
+            raise Disturbed("another session replaced slurm.conf during the arm")
 
     def ensure(self) -> None:
         if not self.conf_ok():
@@ -391,6 +401,7 @@ class Bench:
         """Until a rank completed ``step`` (a STEP line stamped after ``since``)."""
 
         def seen() -> bool:
+            self.check()
             st = self.c.job_state(job)
             if st in ("FAILED", "CANCELLED", "COMPLETED", "TIMEOUT"):
                 raise AssertionError(f"job {job} ended ({st}) before step {step}")
@@ -405,6 +416,7 @@ class Bench:
         marker = "REFORM" if arm == "d" else "RESUMED"
 
         def again() -> Optional[float]:
+            self.check()
             [fig] = failure_figures(self.lines(job), [dead], marker=marker)
             return None if fig["again_s"] is None else dead + fig["again_s"]
 
@@ -436,10 +448,17 @@ class Bench:
                     )
                     since = self.wait_again(arm, job, dead, timeout=self.args.arm_timeout)
                     print(f"seed2: arm {arm}: training again {since - dead:.1f}s later", flush=True)
-            info = self.c.wait_job_state(
-                job, ("COMPLETING", "COMPLETED"), timeout=self.args.arm_timeout
+
+            def ended() -> Optional[str]:
+                self.check()
+                st = self.c.job_state(job) or "?"
+                if st in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+                    raise AssertionError(f"job {job} ended {st}:\n{self.c.job_output(job)[-2000:]}")
+                return st if st in ("COMPLETING", "COMPLETED") else None
+
+            run.state = str(
+                self.c.wait_until(ended, timeout=self.args.arm_timeout, what=f"job {job} done")
             )
-            run.state = info.get("JobState", "")
         finally:
             run.wall_s = time.monotonic() - t0
             run.text = self.c.job_output(job)
@@ -520,6 +539,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     p.add_argument("--cal-steps", type=int, default=30)
     p.add_argument("--arm-timeout", type=float, default=1800)
+    p.add_argument("--attempts", type=int, default=3, help="tries per arm when disturbed")
     p.add_argument("--arms", default="a,d,c,b", help="which arms, in this order")
     p.add_argument("--quick", action="store_true", help="1 failure, 80 steps (smoke)")
     p.add_argument("--json", type=Path, help="also write the figures here")
@@ -543,6 +563,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     from test_cluster_e2e import hooked_site
     from test_cluster_multinode import MultiSite
 
+    # SIGTERM ends the run through the finally blocks: the nodes powered off come back,
+    # the default cluster is restored.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     start = machine()
     print(
         f"seed2: trace {asdict(trace)}; {WORLD} ranks + {args.spares} spare(s); "
@@ -572,11 +595,38 @@ def main(argv: Optional[List[str]] = None) -> int:
                     step_s = median_step_s(parse_lines_of(runs["a"])) if "a" in runs else args.sleep
                     yd = young_daly(cal["save_cost_s"], step_s, trace.steps, max(1, args.failures))
                     print(f"seed2: Young/Daly: {yd}", flush=True)
-                runs[arm] = bench.run_arm(arm, int(yd.get("interval_steps", 0)))
+                for attempt in range(1, args.attempts + 1):
+                    try:
+                        runs[arm] = bench.run_arm(arm, int(yd.get("interval_steps", 0)))
+                        break
+                    except Disturbed as exc:
+                        print(f"seed2: arm {arm}: attempt {attempt} void: {exc}", flush=True)
+                        doc.setdefault("void_attempts", []).append({"arm": arm, "at": time.time()})
+                        bench.ensure()
+                else:
+                    print(f"seed2: arm {arm}: no undisturbed attempt", flush=True)
+                    continue
                 print(f"seed2: arm {arm}: {runs[arm].wall_s:.1f}s ({runs[arm].state})", flush=True)
+                results(args, trace, runs, doc, cal, yd, start, final=False)
     finally:
         cluster.base_env.pop("DEV_CLUSTER_SLURMD_TIMEOUT", None)
         cluster.up(nodes=str(shape))  # the default cluster again (SlurmdTimeout 300)
+    results(args, trace, runs, doc, cal, yd, start, final=True)
+    return 0
+
+
+def results(
+    args: argparse.Namespace,
+    trace: Trace,
+    runs: Dict[str, ArmRun],
+    doc: Dict[str, Any],
+    cal: Dict[str, Any],
+    yd: Dict[str, float],
+    start: Dict[str, Any],
+    final: bool,
+) -> None:
+    """The rows, the targets, the JSON (after every arm: a run cut short keeps what it
+    measured) and, at the end, the table."""
     step_a = median_step_s(parse_lines_of(runs["a"])) if "a" in runs else args.sleep
     rows: Dict[str, Dict[str, Any]] = {}
     for arm, run in runs.items():
@@ -596,13 +646,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         )
     checks = targets(rows)
     end = machine()
-    print(
-        f"\nseed2 on the dev cluster, {start['date']}, load {start['load']} -> {end['load']}; "
-        f"trace seed {trace.seed}: losses at steps {trace.at_steps} of {trace.steps} "
-        f"(ranks {trace.victims}); {args.sleep}s/step sleep; (a) median step "
-        f"{step_a:.3f}s; Young/Daly {yd}"
-    )
-    print(table(rows, checks))
+    if final:
+        print(
+            f"\nseed2 on the dev cluster, {start['date']}, load {start['load']} -> {end['load']}; "
+            f"trace seed {trace.seed}: losses at steps {trace.at_steps} of {trace.steps} "
+            f"(ranks {trace.victims}); {args.sleep}s/step sleep; (a) median step "
+            f"{step_a:.3f}s; Young/Daly {yd}"
+        )
+        print(table(rows, checks))
     if args.json:
         doc.update(
             {
@@ -616,7 +667,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         )
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1, default=str))
-    return 0
 
 
 def done_docs(run: ArmRun) -> List[Dict[str, Any]]:

@@ -198,6 +198,41 @@ def test_programs_own_failure_is_not_relaunched(t: SpareSite) -> None:
         t.c.run(["scancel", job], check=False)
 
 
+def test_slurms_later_verdict_on_the_dead_node_ends_no_other_nodes_heartbeat(
+    t: SpareSite,
+) -> None:
+    """SLURM's verdict on a dead node comes ``SlurmdTimeout`` after the death, long after
+    the heartbeats found it: it marks the node DOWN and kills every step that had a task
+    there. Here that verdict comes once the step runs again on the spare (``scontrol``
+    gives it at once instead of after 300 s; it is the controller's own action). The
+    other nodes' heartbeat agents are steps of their own and keep beating: ckpt-srun
+    finds no other node lost and the relaunched step ends 0. (With one agent step over
+    every node, that step died with the dead node, every node fell silent, and the job
+    was requeued as all lost: the seed-2 benchmark's relaunch arm.)"""
+    job = _plain_spare_job(t, f"verdict-{t.tok}", "sleep 40", "--node-wait 1min", ["--requeue"])
+    try:
+        t.c.wait_until(
+            lambda: all(MultiRun(t.c.job_output(job)).hosts(r) for r in range(2)),
+            timeout=90,
+            what=f"both ranks of job {job} running",
+        )
+        t.c.power_off("n2")  # nobody marks it DOWN: the heartbeats find it
+        t.c.wait_until(
+            lambda: "relaunching the step on spare n3" in t.c.job_output(job),
+            timeout=120,
+            what=f"job {job}'s step relaunched on n3",
+        )
+        t.c.run(["scontrol", "update", "nodename=n2", "state=down", "reason=ckpt-test-verdict"])
+        info = t.c.wait_job_state(job, ("COMPLETING", "COMPLETED"), timeout=240)
+        out = t.c.job_output(job)
+        assert info["ExitCode"] == "0:0" and info["Restarts"] == "0", (info, out)
+        assert "node n1 lost" not in out and "node n3 lost" not in out, out
+        assert out.count("relaunching the step on spare") == 1, out
+    finally:
+        t.c.run(["scancel", job], check=False)
+        _bring_back(t, "n2")
+
+
 def test_no_spare_left_falls_back_to_requeue(t: SpareSite) -> None:
     """The step's node and the spare die together: nothing to relaunch on, so ckpt-srun
     requeues the job (a --no-kill job is not requeued by SLURM itself)."""

@@ -9,8 +9,8 @@ from the training program:
 
 * ckpt-srun (on the batch host) listens on a UDP port (:class:`HeartbeatMonitor`);
 * one agent per node of the allocation (:func:`run_agent`, started by ckpt-srun as an
-  ``srun --overlap`` step beside the training step, spares included) sends a datagram
-  every :data:`BEAT_S` seconds naming its node;
+  ``srun --overlap`` step of its own on that node, beside the training step, spares
+  included) sends a datagram every :data:`BEAT_S` seconds naming its node;
 * a node none of whose datagrams arrived for ``timeout_s`` is lost.
 
 Each datagram carries a MAC under a secret that only this job's processes hold (it
@@ -20,6 +20,11 @@ can neither forge a node's heartbeat nor replay an old one to hide a death. A da
 that fails the check is dropped without a word (nothing is said to the sender). A node
 that was never heard from is given ``startup_s`` (the agent step's launch) before it
 counts as lost.
+
+One step per node, not one step over every node: when SLURM at last declares a dead node
+DOWN (``SlurmdTimeout`` later), it kills every step that had a task there. With one step
+over all nodes that ended every agent, and ckpt-srun, hearing no node at all, took the
+whole job for lost (the seed-2 benchmark's relaunch arm, 122 s after its first loss).
 
 A lost node is *excluded*: ckpt-srun stops the step and relaunches it without that node.
 A node that is only slow or cut off and comes back does not rejoin the step; it is
@@ -192,16 +197,17 @@ class HeartbeatMonitor:
         self._thread.join(timeout=2)
 
 
-def agent_argv(srun: str, nodes: Sequence[str]) -> List[str]:
-    """The agents' step: one task on each of ``nodes``, overlapping the training step
-    (``--overlap``: it shares the allocation's CPUs and memory instead of waiting)."""
+def agent_argv(srun: str, node: str) -> List[str]:
+    """One node's agent step: one task on ``node``, overlapping the training step
+    (``--overlap``: it shares the allocation's CPUs and memory instead of waiting). A
+    step of its own per node, so that SLURM ending a dead node's steps ends no other
+    node's agent (module docstring)."""
     return [
         srun,
         "--overlap",
-        f"--nodes={len(nodes)}",
-        f"--ntasks={len(nodes)}",
-        f"--nodelist={','.join(nodes)}",
-        "--ntasks-per-node=1",
+        "--nodes=1",
+        "--ntasks=1",
+        f"--nodelist={node}",
         "--kill-on-bad-exit=0",
         "--quiet",
         sys.executable,
@@ -229,7 +235,7 @@ class Heartbeats:
     """The monitor on the batch host and the agents' step on every node of the job."""
 
     monitor: HeartbeatMonitor
-    agents: Optional[subprocess.Popen]
+    agents: List[subprocess.Popen]
 
     @classmethod
     def start(
@@ -241,8 +247,9 @@ class Heartbeats:
         timeout_s: float,
         say: Callable[[str], None],
     ) -> Optional[Heartbeats]:
-        """Listen, and launch one agent per node of the allocation; None (said why) when
-        the port cannot be opened: the job then waits for SLURM's verdict as before."""
+        """Listen, and launch one agent step per node of the allocation; None (said why)
+        when the port cannot be opened or srun cannot be started: the job then waits for
+        SLURM's verdict as before."""
         try:
             monitor = HeartbeatMonitor(batch_host_address(client, jenv.node), jenv.nodes, timeout_s)
         except OSError as exc:
@@ -250,33 +257,41 @@ class Heartbeats:
             return None
         agent_env = dict(env)
         agent_env[HEARTBEAT_ENV] = monitor.endpoint
-        try:
-            agents = subprocess.Popen(
-                agent_argv(srun, jenv.nodes),
-                env=agent_env,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # the batch shell's signals are not theirs
-            )
-        except OSError as exc:
-            monitor.close()
-            say(f"no heartbeats ({exc}): a lost node is found when SLURM declares it dead")
-            return None
+        beats = cls(monitor, [])
+        for node in jenv.nodes:
+            try:
+                beats.agents.append(
+                    subprocess.Popen(
+                        agent_argv(srun, node),
+                        env=agent_env,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,  # the batch shell's signals are not theirs
+                    )
+                )
+            except OSError as exc:
+                beats.stop()
+                say(f"no heartbeats ({exc}): a lost node is found when SLURM declares it dead")
+                return None
         say(
             f"heartbeats from {len(jenv.nodes)} node(s) to {monitor.host}:{monitor.port}; "
             f"a node silent for {timeout_s:.0f}s is lost"
         )
-        return cls(monitor, agents)
+        return beats
 
     def stop(self) -> None:
-        """End the agents' step and close the port (bounded: srun is killed after 5 s)."""
-        if self.agents is not None and self.agents.poll() is None:
+        """End the agents' steps and close the port (bounded: the sruns still running
+        5 s after SIGTERM are killed)."""
+        live = [p for p in self.agents if p.poll() is None]
+        for p in live:
             with contextlib.suppress(ProcessLookupError):
-                self.agents.send_signal(signal.SIGTERM)
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        for p in live:
             try:
-                self.agents.wait(timeout=5)
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self.agents.kill()
-                self.agents.wait()
+                p.kill()
+                p.wait()
         self.monitor.close()
 
 

@@ -23,7 +23,7 @@ from slurm_ckpt.core.config import Config
 from slurm_ckpt.job.dataversion import fingerprint_files
 from slurm_ckpt.job.restore import DataVersionMismatch
 from slurm_ckpt.ops.restore import restore_to
-from slurm_ckpt.tiers import s3_write
+from slurm_ckpt.tiers import s3_upload
 from slurm_ckpt.tiers.copy import copy_checkpoint
 from slurm_ckpt.tiers.registry import tiers_from_config
 
@@ -138,7 +138,7 @@ def test_no_pfs_the_object_store_is_the_warm_tier(site) -> None:
 def _die_mid_upload(src, dst) -> None:
     """Copy, and SIGKILL this process when the first multipart upload has all its parts
     sent but is not completed yet."""
-    s3_write._Upload.complete = lambda self: os.kill(os.getpid(), signal.SIGKILL)
+    s3_upload.ObjectUpload.complete = lambda self: os.kill(os.getpid(), signal.SIGKILL)
     copy_checkpoint(src, dst, USER, KEY, 1)
     os._exit(3)  # not reached
 

@@ -389,9 +389,12 @@ def test_a_rotten_pfs_copy_is_uncommitted_so_a_good_local_copy_is_flushed_again(
         check(b.restore(), 1, "pfs")
     b.close()
     # B holds no copy of its own: it must not claim that one is flushed again.
-    said = [r.getMessage() for r in caplog.records if "removed the corrupt" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "uncommitted the corrupt" in r.getMessage()]
     assert len(said) == 1 and "this node holds no other copy of that step" in said[0], said
     assert [s.step for s in b.warm.steps(b.user, "run")] == [1]
+    # Uncommitted, not deleted: every node holding step 2 can tell it was found damaged
+    # (tests/test_warm_scrub.py runs the hooks of such a node).
+    assert b.warm.uncommitted(b.user, "run", 2)
     a = make(tmp_path)
     res = copy_checkpoint(a.local, a.warm, a.user, "run", 2)
     assert not res.already_present and a.warm.verify(a.user, "run", 2).ok

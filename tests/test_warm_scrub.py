@@ -7,7 +7,7 @@ epilog reads back the PFS copies of what the node holds, uncommits a damaged one
 local copy again; a node whose copy was uncommitted by someone else learns it from the
 warm tier at its next pass and flushes its own; ``ckpt-slurm verify``, run by the
 copy's owner or root, uncommits a damaged warm copy the same way (anyone else gets the
-report only).
+report only), and so does a job's restore that meets one (on another node too).
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ from test_hooks import REPO, Area, ids, local_steps, pfs_steps, save
 
 from slurm_ckpt.core.manifest import DAMAGED_MANIFEST_NAME, MANIFEST_NAME
 from slurm_ckpt.hooks.epilog import run_epilog
+from slurm_ckpt.hooks.prolog import ensure_user_dir
 from slurm_ckpt.hooks.stager import stager_pass
 from slurm_ckpt.ledger import State
+from slurm_ckpt.node.asuser import run_as_user
 from slurm_ckpt.node.work import NodeWork
 from slurm_ckpt.ops.damage import scan_series
 from slurm_ckpt.tiers.registry import tiers_from_config
@@ -239,3 +241,84 @@ def test_roots_verify_never_follows_a_link_planted_in_a_warm_copy(area: Area) ->
     assert (_step_dir(area, 1) / DAMAGED_MANIFEST_NAME).exists()
     assert secret.read_bytes() == b"TOP-SECRET-ROOT-DATA" and os.stat(secret).st_uid == 0
     assert victim.is_symlink()
+
+
+# --------------------------------------------------------------------------- restore
+
+
+def _ckpt_state(step: int) -> Any:
+    import numpy as np
+
+    return {"w": np.full(2048, step, dtype=np.float32), "step": step}
+
+
+def _checkpointer(local: Path, pfs: Path, node: str, **kw: Any) -> Any:
+    from slurm_ckpt import Checkpointer
+
+    return Checkpointer(
+        local=local,
+        warm=pfs,
+        key=KEY,
+        node=node,
+        job="100",
+        install_signals=False,
+        end_time_fn=None,
+        **kw,
+    )
+
+
+def test_a_copy_a_restore_on_another_node_found_damaged_is_flushed_again(area: Area) -> None:
+    """Issue 28: a warm copy found damaged *by a restore* is uncommitted there like one
+    found by ``verify`` or the scrub, so that the node still holding the good copy flushes
+    it again. Node n1 saved steps 1-2 and its epilog flushed them; the PFS copy of 2
+    rots; the job restarts on n2 (an empty local tier), whose restore falls back to step
+    1 and takes the rotten copy out of use. n1's next stager pass must then flush its
+    good step 2 again (a copy merely deleted by the restore looks like one the warm
+    tier's retention removed, which a node must not undo: step 2 would stay lost)."""
+    cfg = area.cfg(retention={"keep_local": 2})
+    ensure_user_dir(str(area.local), ids(USER))
+
+    def train_on_n1() -> int:
+        c = _checkpointer(area.local, area.pfs, "n1", flush_every=1000)
+        try:
+            for step in (1, 2):
+                c.save(_ckpt_state(step), step=step)
+                assert c.wait(flush=False)
+        finally:
+            c.close()
+        return 2
+
+    run_as_user(USER, train_on_n1)
+    rep = run_epilog(cfg, area.env(USER))
+    assert pfs_steps(cfg, USER, KEY) == [1, 2], rep.line()
+    for step in (1, 2):
+        assert NodeWork(cfg, "n1").ledger.get(USER, KEY, step).state("pfs") is State.VERIFIED
+    pfs = tiers_from_config(cfg)["pfs"]
+    good = pfs.manifest_bytes(USER, KEY, 2)
+    files = [p for p in _step_dir(area, 2).rglob("*") if p.is_file() and p.name != MANIFEST_NAME]
+    victim = max(files, key=lambda p: p.stat().st_size)  # the payload
+    _flip(victim)
+    assert not pfs.verify(USER, KEY, 2).ok
+    n2 = area.base / "n2-local"
+    n2.mkdir()
+    shutil.chown(n2, USER, USER)
+
+    def restore_on_n2() -> int:
+        c = _checkpointer(n2, area.pfs, "n2")
+        try:
+            got = c.restore()
+            assert got is not None
+            return int(got.step)
+        finally:
+            c.close()
+
+    assert run_as_user(USER, restore_on_n2) == 1  # the rotten step 2 is never restored
+    assert pfs_steps(cfg, USER, KEY) == [1]
+    # n1's ledger still believes step 2 is safe on the PFS; its next pass learns it is not.
+    assert NodeWork(cfg, "n1").ledger.get(USER, KEY, 2).state("pfs") is State.VERIFIED
+    srep = stager_pass(cfg, "n1")
+    assert [r.ident for r in srep.flush.results if r.status == "flushed"] == [(USER, KEY, 2)], (
+        srep.line()
+    )
+    assert pfs.manifest_bytes(USER, KEY, 2) == good and pfs.verify(USER, KEY, 2).ok
+    assert NodeWork(cfg, "n1").ledger.get(USER, KEY, 2).state("pfs") is State.VERIFIED

@@ -3,9 +3,9 @@
 The :class:`~slurm_ckpt.job.checkpointer.Checkpointer` facade takes these methods from
 :class:`RestoreMethods` (a mixin, as :mod:`slurm_ckpt.job.seams` is): ``restore``,
 ``restore_weights``, ``restore_rest``, and what a restore does with a copy that fails
-verification (``BAD`` in the ledger; a corrupt shared-tier copy is removed, so that a
-good one is flushed again); on a spare after a node loss, the partner's disk read as
-one more tier (:mod:`slurm_ckpt.job.partner_tier`). The reading itself is
+verification (``BAD`` in the ledger; a corrupt shared-tier copy is uncommitted, so
+that a good one is flushed again); on a spare after a node loss, the partner's disk
+read as one more tier (:mod:`slurm_ckpt.job.partner_tier`). The reading itself is
 :class:`~slurm_ckpt.job.restore.Restorer`; this is the part that needs the facade's
 tiers, identity, schedule and bookkeeping (``self`` is the Checkpointer). Why apart:
 saving and restoring are two concepts, and the facade stays a facade.
@@ -62,24 +62,31 @@ class RestoreMethods:
 
     def _uncommit_corrupt(self, tier: Tier, key: str, step: int) -> None:
         """A shared-tier copy whose bytes do not match its manifest is not a checkpoint:
-        it is removed (manifest first), so that every node still holding a good local
-        copy of that step sees it gone at its next reconcile and flushes it again, and
-        no node's retention takes the copy that rotted for the safe one (while it stayed
-        committed, a re-flush would find the identical manifest and copy nothing). This
-        node's own good copy, if any, is owed again too: the ledger says BAD there."""
+        it is *uncommitted* there (its manifest moved aside as ``manifest.json.damaged``,
+        as ``verify`` and the hooks' scrub do), so that no node's retention takes the
+        copy that rotted for the safe one, and every node still holding a good local
+        copy of that step sees at its next hook that the warm copy was found damaged and
+        flushes its own again. Not deleted: a copy that is simply gone reads, to those
+        nodes, as one the warm tier's retention removed - which they must not undo - so
+        the step would stay lost while a good copy sat on a node. This node's own good
+        copy, if any, is owed again too: the ledger says BAD there."""
         if tier.name == RAM:
             tier.delete(self.user, key, step)  # unlisted: its slot is refilled first
             return
         if tier.name in (self.local.name, PARTNER, PARTNER_RAM):
             return  # the job's own local copy (retention and the next save deal with it),
             # or the holder's partner copy (its own node's to deal with)
+        where = tier.where(self.user, key, step)
         try:
-            tier.delete(self.user, key, step)
+            # The manifest now committed: uncommitted only while it is still this one.
+            done = tier.uncommit(self.user, key, step, tier.manifest_bytes(self.user, key, step))
+        except NotFound:
+            return  # no longer committed (uncommitted or removed by someone else)
         except CkptError as exc:
-            log.warning(
-                "[ckpt] could not remove the corrupt %s: %s", tier.where(self.user, key, step), exc
-            )
+            log.warning("[ckpt] could not uncommit the corrupt %s: %s", where, exc)
             return
+        if not done:
+            return  # its manifest changed meanwhile: another writer's business now
         try:
             self.local.manifest_bytes(self.user, key, step)
             after = "this node's local copy is flushed again if it verifies"
@@ -89,8 +96,8 @@ class RestoreMethods:
                 "this node holds no other copy of that step; a node that does flushes it "
                 "again, else it is lost"
             )
-        log.warning("[ckpt] removed the corrupt %s; %s", tier.where(self.user, key, step), after)
-        self._books.emit("corrupt_removed", step=step, tier=tier.name)
+        log.warning("[ckpt] uncommitted the corrupt %s (manifest.json.damaged); %s", where, after)
+        self._books.emit("corrupt_uncommitted", step=step, tier=tier.name)
 
     def _make_restorer(
         self,

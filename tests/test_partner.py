@@ -439,3 +439,50 @@ def test_the_owners_epilog_and_the_partners_stager_copy_one_step_at_once(tmp_pat
             assert rec is not None and rec.tiers.get("pfs") == State.VERIFIED, (name, rec, out)
     left = [n for n in os.listdir(tmp_path / "pfs" / "root" / rank_key(0)) if n.startswith(".")]
     assert [n for n in left if not n.startswith(".lock-")] == []
+
+
+def test_roots_flush_and_ckpt_sruns_flush_leave_a_live_owners_copies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 28: root's ``ckpt-slurm flush`` (:func:`flush_node`) and ckpt-srun's flush
+    after the step (:func:`flush_series`) leave a live owner's partner copies to its node,
+    as the epilog and the stager do; an owner SLURM says is DOWN has them flushed here."""
+    from slurm_ckpt.ops.flush_cmd import flush_node, flush_series
+
+    a, b = node(tmp_path, "na", 0), node(tmp_path, "nb", 1)
+    try:
+        st = states(3)
+        for step in (1, 2, 3):
+            save_all([a, b], step, st[step - 1])
+    finally:
+        a.close()
+        b.close()
+    pfs = PosixTier("pfs", str(tmp_path / "pfs"))
+    owner_copies = [s for s in (2, 3) if s not in [i.step for i in pfs.steps("root", rank_key(0))]]
+    assert owner_copies, "the owner's newest steps must not be on the PFS yet"
+    held = [i.step for i in local_tier(tmp_path, "nb").steps("root", rank_key(0))]
+    assert set(owner_copies) <= set(held)  # nb holds partner copies of them
+    cfg = Config.from_dict(_node_cfg(tmp_path, "nb"))
+    # ckpt-srun's flush on nb, inside the job (na is one of its nodes): left to na.
+    monkeypatch.setenv("SLURM_JOB_ID", JOB)
+    monkeypatch.setenv("SLURMD_NODENAME", "nb")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "na,nb")
+    lines = flush_series(cfg, "root", KEY, 60)
+    for step in owner_copies:
+        assert f"rank00000 step {step}: partner copy, left to its owner's node" in lines, lines
+    assert not any(ln.startswith("rank00000") and "flushed" in ln for ln in lines), lines
+    assert [i.step for i in pfs.steps("root", rank_key(0))] == [
+        s for s in (1, 2, 3) if s not in owner_copies
+    ]
+    # Root's flush on nb, na alive: left to na, counted as such, not copied from here.
+    summary = flush_node(cfg, "nb", client=_Slurm({"na": "IDLE", "nb": "IDLE"}))
+    assert summary.left_to_owners >= len(owner_copies), summary.to_dict()
+    assert [i.step for i in pfs.steps("root", rank_key(0))] == [
+        s for s in (1, 2, 3) if s not in owner_copies
+    ]
+    # na DOWN: nb holds the only copies; root's flush copies them.
+    summary = flush_node(cfg, "nb", client=_Slurm({"na": "DOWN", "nb": "IDLE"}))
+    assert summary.left_to_owners == 0, summary.to_dict()
+    assert [i.step for i in pfs.steps("root", rank_key(0))] == [1, 2, 3]
+    for step in owner_copies:
+        assert pfs.verify("root", rank_key(0), step).ok

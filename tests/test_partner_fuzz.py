@@ -5,7 +5,9 @@ up. Whatever it sends, the server side of the handshake and ``recv_frame`` must:
 
 * end with :class:`WireError` (or, for an authenticated peer, hand back frames no
   larger than ``MAX_FRAME``) - never another exception;
-* end within the handshake deadline (plus a margin for a loaded machine): no hang;
+* end within the handshake deadline (plus a margin for a loaded machine): no hang,
+  also when the peer sends part of a hello (or all of it) and then goes silent without
+  hanging up;
 * allocate at most :data:`MEMORY_BOUND` bytes at their peak (``tracemalloc``), however
   large a length the peer claims.
 
@@ -124,6 +126,32 @@ def hellos(draw: st.DrawFn) -> bytes:
 @given(hellos())
 def test_server_handshake_survives_hostile_hellos(data: bytes) -> None:
     _handshake(data)
+
+
+#: The deadline of the silent-peer cases (short: each case waits it out), and the socket
+#: timeout behind it: a case that ends only by the socket's timeout ignored the deadline.
+SILENT_DEADLINE_S = 0.05
+SILENT_SOCKET_S = 10.0
+
+
+@FUZZ
+@given(st.one_of(st.binary(max_size=2048), hellos()))
+def test_server_handshake_of_a_peer_that_goes_silent_ends_at_the_deadline(data: bytes) -> None:
+    """The peer sends ``data`` (anything, or a hello with any fields) and then neither
+    sends nor hangs up: the handshake ends with WireError at its own deadline, long
+    before the socket's timeout, however much of a hello arrived."""
+    a, b = socket.socketpair()
+    try:
+        b.settimeout(SILENT_SOCKET_S)
+        a.sendall(data)  # and nothing more, the connection left open
+        t0 = time.monotonic()
+        exc, _ = _bounded(lambda: server_handshake(b, SERVER, time.monotonic() + SILENT_DEADLINE_S))
+        took = time.monotonic() - t0
+        assert isinstance(exc, WireError), repr(exc)
+        assert took < SILENT_SOCKET_S / 2, f"ended after {took:.1f}s, not at its deadline"
+    finally:
+        a.close()
+        b.close()
 
 
 def _receive_all(sock: socket.socket, keys: Tuple[bytes, bytes]) -> List[bytes]:

@@ -7,7 +7,9 @@ with real DDP ranks over gloo (tests/replica_worker.py):
 * one rank's parameter gets one bit flipped in memory between two saves: that step (and
   the later ones: the flip stays) is ``suspect``, naming that rank and its node; the
   job is told on its training thread (``on_suspect``) and stops; the restore passes over
-  the suspect steps and takes the one before the flip; ``list`` and ``status`` show it;
+  the suspect steps and takes the one before the flip; ``list``, ``status``, the event
+  log (``replicas_suspect``) and the metrics textfile (``slurm_ckpt_suspect_steps_total``)
+  show it;
 * without a flip, 200 saves in a row are compared and none is ever suspect;
 * the verdict itself (pure): majority, a two-way tie, HSDP's several replica sets, a
   rank that wrote nothing;
@@ -29,9 +31,11 @@ from typing import Dict, List
 
 import pytest
 from helpers.cli import ckpt_slurm
+from prometheus_client.parser import text_string_to_metric_families
 from test_torch_distributed import free_port
 
 from slurm_ckpt import Checkpointer
+from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.replicas import (
     ReplicaRecord,
     compare,
@@ -40,6 +44,9 @@ from slurm_ckpt.core.replicas import (
     verdict_meta,
 )
 from slurm_ckpt.errors import CkptError
+from slurm_ckpt.ledger import Ledger
+from slurm_ckpt.ledger.events import read_events
+from slurm_ckpt.ledger.metrics import TEXTFILE_NAME, refresh_textfile
 
 WORKER = Path(__file__).with_name("replica_worker.py")
 USER = getpass.getuser()
@@ -136,11 +143,24 @@ def _manifest_meta(root: Path, key: str, step: int) -> Dict:
     return json.loads(m.read_text())["meta"]
 
 
+def _suspect_metric(textfile: Path) -> float:
+    text = textfile.read_text()
+    got = [
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "slurm_ckpt_suspect_steps_total"
+    ]
+    assert len(got) == 1, text
+    return got[0]
+
+
 def test_a_flipped_bit_makes_the_step_suspect_and_the_restore_takes_the_previous(
     tmp_path: Path,
 ) -> None:
+    prom = tmp_path / "prom"  # the site's [metrics] textfile_dir
     outs = _job(tmp_path, 3, "--key", "run", "--steps", "30", "--flip-at", "6", "--flip-rank", "1",
-                "--stop-on-suspect")  # fmt: skip
+                "--stop-on-suspect", "--prom", str(prom))  # fmt: skip
     assert _lines(outs[1], "FLIPPED ") == ["FLIPPED step=6"]
     for out in outs:
         told = _lines(out, "SUSPECT ")
@@ -156,6 +176,21 @@ def test_a_flipped_bit_makes_the_step_suspect_and_the_restore_takes_the_previous
             "checked": 1,
             "suspect": False,
         }
+    # the event log has the verdict of step 6 from every rank, and no other step before it
+    events = list(read_events(tmp_path / "nvme" / ".slurm_ckpt" / "events.jsonl"))
+    suspect = [e for e in events if e["type"] == "replicas_suspect"]
+    assert {e["node"] for e in suspect if e["step"] == 6} == {"node0", "node1", "node2"}, suspect
+    for e in suspect:
+        assert e["step"] >= 6 and (e["ranks"], e["nodes"]) == ([1], ["node1"]), e
+    # ... and the metrics textfile the job refreshed counts them (prometheus' own parser).
+    # Three processes rewrite one file: the last writer may have read the event summary
+    # just before another rank's event, so the job's file says at least one; the same
+    # textfile rebuilt now from the same ledger and events says exactly how many.
+    assert _suspect_metric(prom / TEXTFILE_NAME) >= 1
+    nvme = tmp_path / "nvme"
+    cfg = Config.standalone(nvme, tmp_path / "warm", metrics={"textfile_dir": str(prom)})
+    refresh_textfile(Ledger(nvme / ".slurm_ckpt", "node0"), cfg)
+    assert _suspect_metric(prom / TEXTFILE_NAME) == len(suspect)
     # the restore passes over the suspect steps on every rank: the step before the flip
     outs = _job(tmp_path, 3, "--key", "run", "--restore-only")
     for out in outs:

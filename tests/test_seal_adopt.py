@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,16 @@ def site(tmp_path: Path, local: Path) -> Path:
     return cfg
 
 
+def shared_extents_only(path: Path) -> bool:
+    """Whether every extent of ``path`` is shared (a reflink clone, no bytes of its own),
+    as the filesystem reports it (``filefrag -v``: FIEMAP's extent flags)."""
+    out = subprocess.run(
+        ["filefrag", "-v", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    extents = [ln for ln in out.splitlines() if re.match(r"\s*\d+:\s+\d+\.\.", ln)]
+    return bool(extents) and all("shared" in ln.split()[-1] for ln in extents)
+
+
 def test_sealed_dcp_is_cloned_into_a_series_flushed_and_restored(
     tmp_path: Path, mounts: Any
 ) -> None:
@@ -45,6 +57,8 @@ def test_sealed_dcp_is_cloned_into_a_series_flushed_and_restored(
     for n in names:
         mine, theirs = (step_dir / "rank-00000" / n).stat(), (src / n).stat()
         assert mine.st_ino != theirs.st_ino and (mine.st_nlink, theirs.st_nlink) == (1, 1)
+        # no data copied: the filesystem itself says every extent is shared with the source
+        assert mine.st_size == 0 or shared_extents_only(step_dir / "rank-00000" / n), n
     assert ckpt_slurm("verify", str(src)).returncode == 0  # the sealed directory is intact
     assert ckpt_slurm("verify", "my-run", config=cfg).returncode == 0
 

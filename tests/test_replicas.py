@@ -209,6 +209,14 @@ def test_a_flipped_bit_makes_the_step_suspect_and_the_restore_takes_the_previous
     assert "suspect" not in line5, r.stdout
     r = ckpt_slurm("status", "--no-slurm", *flags)
     assert "suspect: replicas differ, rank(s) 1 on node1" in r.stdout + r.stderr, r.stdout
+    # ckpt-slurm restore without --step is an automatic choice too: it passes over them
+    back = tmp_path / "back"
+    r = ckpt_slurm("restore", "run.rank00001", "--to", str(back), "--json", *flags)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout)["step"] == 5, r.stdout
+    assert "warning: passing over step 6: suspect: replicas differ, rank(s) 1 on node1" in r.stderr
+    r = ckpt_slurm("restore", "run.rank00001", "--step", "6", "--to", str(back), "--json", *flags)
+    assert r.returncode == 0 and json.loads(r.stdout)["step"] == 6, r.stdout + r.stderr
 
 
 def test_two_replicas_that_differ_are_both_named_and_the_job_can_choose_an_exception(
@@ -297,6 +305,11 @@ def test_a_later_run_honours_the_pin_a_manifest_recorded(tmp_path: Path) -> None
     got = ck2.restore()
     ck2.close()
     assert got is not None and got.step == 2
+    # ... and so does ckpt-slurm restore without --step (the pin from step 6's manifest)
+    r = ckpt_slurm("restore", "spiky", "--to", str(tmp_path / "back"), "--json", "--local",
+                   str(tmp_path / "l"))  # fmt: skip
+    assert r.returncode == 0 and json.loads(r.stdout)["step"] == 2, r.stdout + r.stderr
+    assert "passing over step 5: after the last healthy step 2 (pinned)" in r.stderr, r.stderr
 
 
 def test_replica_sets_from_rank_lists() -> None:

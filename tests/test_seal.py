@@ -1,7 +1,9 @@
 """``ckpt-slurm seal DIR`` and ``verify DIR`` on checkpoints other tools wrote (issue 34,
-item 2): stock DCP ``FileSystemWriter`` output and a plain HF Trainer's ``checkpoint-N``
-are sealed, one byte is flipped, and ``verify`` names the file and the chunk's byte
-range; a directory still being written is refused; bad input gets one line.
+item 2): stock DCP ``FileSystemWriter`` output, a plain HF Trainer's ``checkpoint-N``, a
+Lightning ``dirpath`` and an Orbax-style step directory are sealed, one byte is flipped,
+and ``verify`` names the file and the chunk's byte range; a directory still being
+written (a DCP save held mid-shard, a file open for writing, a tool's own signs) is
+refused; bad input gets one line.
 
 Real torch and transformers (CPU, tiny models built here, no hub download) run in
 tests/seal_worker.py; ``ckpt-slurm`` runs in a fresh interpreter, as from a shell.

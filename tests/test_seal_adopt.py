@@ -1,7 +1,7 @@
 """``ckpt-slurm adopt DIR --key K``: a sealed directory becomes a step of a series, cloned
-(reflink) where the filesystem can, then flushed and restored like our own checkpoints
-(issue 34, item 2). Real XFS (reflinks) on a loop device, stock DCP output, the real
-``flush`` and ``Checkpointer.restore_path``.
+(reflink) where the filesystem can, then flushed, aged (gc) and restored like our own
+checkpoints (issue 34, item 2). Real XFS (reflinks) on a loop device, stock DCP output,
+the real ``flush``, ``gc`` and ``Checkpointer.restore_path``.
 """
 
 from __future__ import annotations
@@ -116,3 +116,29 @@ def test_adopt_reads_back_against_the_seal(tmp_path: Path) -> None:
     plain.mkdir()
     (plain / "x.bin").write_bytes(b"x")
     one_error(ckpt_slurm("adopt", str(plain), "-k", "run", *tiers), "not sealed")
+
+
+def test_adopted_steps_are_aged_by_gc_like_any_other(tmp_path: Path) -> None:
+    """Three sealed HF checkpoints adopted on the warm tier; gc's retention (keep 2 there)
+    removes the oldest and keeps the two newest, which still verify."""
+    from slurm_ckpt.core.config import Config
+    from slurm_ckpt.ops.gc import run_gc
+
+    local, warm = tmp_path / "local", tmp_path / "warm"
+    local.mkdir()
+    warm.mkdir()
+    tiers = ["--local", str(local), "--warm", str(warm)]
+    for n in (1, 2, 3):
+        src = tmp_path / "out" / f"checkpoint-{n}"
+        src.mkdir(parents=True)
+        (src / "model.bin").write_bytes(os.urandom(CHUNK + n))
+        (src / "trainer_state.json").write_text("{}")
+        assert ckpt_slurm("seal", str(src)).returncode == 0
+        r = ckpt_slurm("adopt", str(src), "-k", "aged", "--tier", "warm", *tiers)
+        assert r.returncode == 0, r.stdout + r.stderr
+    cfg = Config.standalone(local, warm, retention={"keep_warm": 2, "keep_warm_every": "0"})
+    series = warm / "root" / "aged"
+    assert sorted(p.name for p in series.glob("step-*")) == [f"step-{n:010d}" for n in (1, 2, 3)]
+    run_gc(cfg)
+    assert sorted(p.name for p in series.glob("step-*")) == [f"step-{n:010d}" for n in (2, 3)]
+    assert ckpt_slurm("verify", "aged", *tiers).returncode == 0

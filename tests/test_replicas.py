@@ -12,7 +12,8 @@ with real DDP ranks over gloo (tests/replica_worker.py):
   show it;
 * without a flip, 200 saves in a row are compared and none is ever suspect;
 * the verdict itself (pure): majority, a two-way tie, HSDP's several replica sets, a
-  rank that wrote nothing;
+  rank that wrote nothing; and HSDP's form on a real 2 x 2 device mesh
+  (``replicas=(mesh, "replicate")``: two replica sets, compared apart);
 * the ``last_healthy`` pin: an automatic restore passes over the steps after it, in the
   process and, once a later manifest records it, in the next run.
 
@@ -230,6 +231,25 @@ def test_two_replicas_that_differ_are_both_named_and_the_job_can_choose_an_excep
         assert _lines(out, "STOPPED "), out
     got = _job(tmp_path, 2, "--key", "pair", "--restore-only")
     assert all(_lines(o, "RESUMED ")[0].startswith("RESUMED step=2 ") for o in got), got
+
+
+def test_hsdp_replicate_dimension_of_a_real_device_mesh(tmp_path: Path) -> None:
+    """``replicas=(device_mesh, "replicate")`` on a real 2 x 2 mesh: ranks 0 and 2 are one
+    replica set, 1 and 3 the other. Rank 3's flip makes its set disagree (two replicas:
+    both named); the other set is compared apart and is fine."""
+    outs = _job(tmp_path, 4, "--key", "hsdp", "--steps", "30", "--flip-at", "4", "--flip-rank",
+                "3", "--stop-on-suspect", "--mesh", "--hidden", "16")  # fmt: skip
+    for out in outs:
+        told = _lines(out, "SUSPECT ")
+        assert told and told[0] == "SUSPECT step=4 ranks=1,3 nodes=node1,node3", out
+    for rank in range(4):
+        key = f"hsdp.rank{rank:05d}"
+        rep = _manifest_meta(tmp_path / "nvme", key, 4)["replicas"]
+        assert rep["suspect"] is True and rep["ranks"] == [1, 3], rep
+        assert _manifest_meta(tmp_path / "nvme", key, 3)["replicas"] == {
+            "checked": 2,
+            "suspect": False,
+        }
 
 
 def test_200_saves_without_a_flip_are_never_suspect(tmp_path: Path) -> None:

@@ -2,11 +2,16 @@
 save (``Checkpointer(replicas=True)``), for tests/test_replicas.py and the cluster test.
 
     python tests/replica_worker.py --key K --steps N [--local DIR --warm DIR --node NAME]
-        [--flip-at STEP --flip-rank R] [--stop-on-suspect] [--restore-only]
+        [--flip-at STEP --flip-rank R] [--stop-on-suspect] [--restore-only] [--prom DIR]
+        [--mesh]
 
 Rank and world come from RANK/WORLD_SIZE (else SLURM's); MASTER_ADDR/MASTER_PORT from
 the environment. Without ``--local`` the Checkpointer comes from ``from_env()`` (under
-SLURM: the site config). ``--flip-at S --flip-rank R``: the test hook - just before the
+SLURM: the site config); with ``--prom DIR`` (and ``--local``) the node's metrics
+textfile goes to DIR, as a site's ``[metrics] textfile_dir`` would send it. ``--mesh``:
+HSDP's form, ``replicas=(device_mesh, "replicate")`` on a (world/2 x 2) mesh
+("replicate", "shard"): the replica sets are {0, 2, ..} and {1, 3, ..}.
+``--flip-at S --flip-rank R``: the test hook - just before the
 save of step S, rank R flips one bit of one parameter in memory (silent data corruption
 as a GPU would make it). Lines: ``SAVED step=N``, ``SUSPECT step=N ranks=.. nodes=..``
 (the ``on_suspect`` callback, on the training thread), ``STOPPED step=N`` (with
@@ -34,6 +39,8 @@ def main() -> int:
     p.add_argument("--restore-only", action="store_true")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--keep-local", type=int, default=1000)
+    p.add_argument("--prom", help="[metrics] textfile_dir (with --local)")
+    p.add_argument("--mesh", action="store_true", help='replicas=(mesh, "replicate")')
     p.add_argument("--raise", dest="raise_", action="store_true", help='on_suspect="raise"')
     args = p.parse_args()
 
@@ -42,6 +49,7 @@ def main() -> int:
     from torch.nn.parallel import DistributedDataParallel
 
     from slurm_ckpt import Checkpointer, SuspectStep, rank_and_world_size
+    from slurm_ckpt.core.config import Config
 
     rank, world = rank_and_world_size()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -62,14 +70,26 @@ def main() -> int:
             flush=True,
         )
 
+    replicas: Any = True
+    if args.mesh:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+        replicas = (mesh, "replicate")
     opts = dict(
-        replicas=True,
+        replicas=replicas,
         on_suspect="raise" if args.raise_ else on_suspect,
         interval_steps=1,
         install_signals=False,
         keep_local=args.keep_local,
     )
-    if args.local:
+    if args.local and args.prom:
+        for d in (args.local, args.warm):  # what local=/warm= would have made
+            if d:
+                os.makedirs(d, exist_ok=True)
+        cfg = Config.standalone(args.local, args.warm, metrics={"textfile_dir": args.prom})
+        ckpt = Checkpointer(config=cfg, key=args.key, node=args.node, **opts)
+    elif args.local:
         ckpt = Checkpointer(local=args.local, warm=args.warm, key=args.key, node=args.node, **opts)
     else:
         ckpt = Checkpointer.from_env(key=args.key, **opts)

@@ -3,6 +3,7 @@ CPU, no hub download).
 
     python tests/seal_worker.py dcp DIR        # stock DCP FileSystemWriter into DIR
     python tests/seal_worker.py dcp-load DIR   # load it back (exit 0 when equal)
+    python tests/seal_worker.py dcp-paused DIR # the same save, held mid-write (see below)
     python tests/seal_worker.py hf OUT         # a plain HF Trainer: OUT/checkpoint-2
     python tests/seal_worker.py lightning DIR  # Lightning ModelCheckpoint(dirpath=DIR)
     python tests/seal_worker.py append FILE    # a writer in progress (see below)
@@ -10,6 +11,12 @@ CPU, no hub download).
 ``append`` opens FILE for appending, writes a first block, prints ``ready`` (the known
 point the test waits for) and then keeps appending until its stdin is closed: a writer
 that is still at work when ``seal`` runs, whatever the timing.
+
+``dcp-paused`` is a stock ``FileSystemWriter`` save held in the middle of writing its
+shard: the planner (DCP's public ``planner=`` seam; the writer is untouched) prints
+``writing`` when the writer asks it for the data of one item - the shard file is then
+open for writing and there is no ``.metadata`` yet - and goes on when a line comes on
+stdin.
 """
 
 from __future__ import annotations
@@ -33,6 +40,23 @@ def dcp(path: str) -> int:
     from torch.distributed.checkpoint import FileSystemWriter
 
     dist_cp.save(_state(), storage_writer=FileSystemWriter(path))
+    return 0
+
+
+def dcp_paused(path: str) -> int:
+    import torch.distributed.checkpoint as dist_cp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class Paused(DefaultSavePlanner):
+        def resolve_data(self, write_item):  # type: ignore[no-untyped-def]
+            if write_item.index.fqn == "note":  # a non-tensor: written into the open shard
+                print("writing", flush=True)
+                sys.stdin.readline()
+            return super().resolve_data(write_item)
+
+    state = dict(_state(), note="the save is held here")
+    dist_cp.save(state, storage_writer=FileSystemWriter(path), planner=Paused())
     return 0
 
 
@@ -138,6 +162,7 @@ if __name__ == "__main__":
         {
             "dcp": dcp,
             "dcp-load": dcp_load,
+            "dcp-paused": dcp_paused,
             "hf": hf,
             "lightning": lightning,
             "append": append,

@@ -7,10 +7,13 @@ with real DDP ranks over gloo (tests/replica_worker.py):
 * one rank's parameter gets one bit flipped in memory between two saves: that step (and
   the later ones: the flip stays) is ``suspect``, naming that rank and its node; the
   job is told on its training thread (``on_suspect``) and stops; the restore passes over
-  the suspect steps and takes the one before the flip; ``list`` and ``status`` show it;
+  the suspect steps and takes the one before the flip; ``list``, ``status``, the event
+  log (``replicas_suspect``) and the metrics textfile (``slurm_ckpt_suspect_steps_total``)
+  show it;
 * without a flip, 200 saves in a row are compared and none is ever suspect;
 * the verdict itself (pure): majority, a two-way tie, HSDP's several replica sets, a
-  rank that wrote nothing;
+  rank that wrote nothing; and HSDP's form on a real 2 x 2 device mesh
+  (``replicas=(mesh, "replicate")``: two replica sets, compared apart);
 * the ``last_healthy`` pin: an automatic restore passes over the steps after it, in the
   process and, once a later manifest records it, in the next run.
 
@@ -29,9 +32,11 @@ from typing import Dict, List
 
 import pytest
 from helpers.cli import ckpt_slurm
+from prometheus_client.parser import text_string_to_metric_families
 from test_torch_distributed import free_port
 
 from slurm_ckpt import Checkpointer
+from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.replicas import (
     ReplicaRecord,
     compare,
@@ -40,6 +45,9 @@ from slurm_ckpt.core.replicas import (
     verdict_meta,
 )
 from slurm_ckpt.errors import CkptError
+from slurm_ckpt.ledger import Ledger
+from slurm_ckpt.ledger.events import read_events
+from slurm_ckpt.ledger.metrics import TEXTFILE_NAME, refresh_textfile
 
 WORKER = Path(__file__).with_name("replica_worker.py")
 USER = getpass.getuser()
@@ -136,11 +144,24 @@ def _manifest_meta(root: Path, key: str, step: int) -> Dict:
     return json.loads(m.read_text())["meta"]
 
 
+def _suspect_metric(textfile: Path) -> float:
+    text = textfile.read_text()
+    got = [
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "slurm_ckpt_suspect_steps_total"
+    ]
+    assert len(got) == 1, text
+    return got[0]
+
+
 def test_a_flipped_bit_makes_the_step_suspect_and_the_restore_takes_the_previous(
     tmp_path: Path,
 ) -> None:
+    prom = tmp_path / "prom"  # the site's [metrics] textfile_dir
     outs = _job(tmp_path, 3, "--key", "run", "--steps", "30", "--flip-at", "6", "--flip-rank", "1",
-                "--stop-on-suspect")  # fmt: skip
+                "--stop-on-suspect", "--prom", str(prom))  # fmt: skip
     assert _lines(outs[1], "FLIPPED ") == ["FLIPPED step=6"]
     for out in outs:
         told = _lines(out, "SUSPECT ")
@@ -156,6 +177,21 @@ def test_a_flipped_bit_makes_the_step_suspect_and_the_restore_takes_the_previous
             "checked": 1,
             "suspect": False,
         }
+    # the event log has the verdict of step 6 from every rank, and no other step before it
+    events = list(read_events(tmp_path / "nvme" / ".slurm_ckpt" / "events.jsonl"))
+    suspect = [e for e in events if e["type"] == "replicas_suspect"]
+    assert {e["node"] for e in suspect if e["step"] == 6} == {"node0", "node1", "node2"}, suspect
+    for e in suspect:
+        assert e["step"] >= 6 and (e["ranks"], e["nodes"]) == ([1], ["node1"]), e
+    # ... and the metrics textfile the job refreshed counts them (prometheus' own parser).
+    # Three processes rewrite one file: the last writer may have read the event summary
+    # just before another rank's event, so the job's file says at least one; the same
+    # textfile rebuilt now from the same ledger and events says exactly how many.
+    assert _suspect_metric(prom / TEXTFILE_NAME) >= 1
+    nvme = tmp_path / "nvme"
+    cfg = Config.standalone(nvme, tmp_path / "warm", metrics={"textfile_dir": str(prom)})
+    refresh_textfile(Ledger(nvme / ".slurm_ckpt", "node0"), cfg)
+    assert _suspect_metric(prom / TEXTFILE_NAME) == len(suspect)
     # the restore passes over the suspect steps on every rank: the step before the flip
     outs = _job(tmp_path, 3, "--key", "run", "--restore-only")
     for out in outs:
@@ -174,6 +210,14 @@ def test_a_flipped_bit_makes_the_step_suspect_and_the_restore_takes_the_previous
     assert "suspect" not in line5, r.stdout
     r = ckpt_slurm("status", "--no-slurm", *flags)
     assert "suspect: replicas differ, rank(s) 1 on node1" in r.stdout + r.stderr, r.stdout
+    # ckpt-slurm restore without --step is an automatic choice too: it passes over them
+    back = tmp_path / "back"
+    r = ckpt_slurm("restore", "run.rank00001", "--to", str(back), "--json", *flags)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout)["step"] == 5, r.stdout
+    assert "warning: passing over step 6: suspect: replicas differ, rank(s) 1 on node1" in r.stderr
+    r = ckpt_slurm("restore", "run.rank00001", "--step", "6", "--to", str(back), "--json", *flags)
+    assert r.returncode == 0 and json.loads(r.stdout)["step"] == 6, r.stdout + r.stderr
 
 
 def test_two_replicas_that_differ_are_both_named_and_the_job_can_choose_an_exception(
@@ -187,6 +231,25 @@ def test_two_replicas_that_differ_are_both_named_and_the_job_can_choose_an_excep
         assert _lines(out, "STOPPED "), out
     got = _job(tmp_path, 2, "--key", "pair", "--restore-only")
     assert all(_lines(o, "RESUMED ")[0].startswith("RESUMED step=2 ") for o in got), got
+
+
+def test_hsdp_replicate_dimension_of_a_real_device_mesh(tmp_path: Path) -> None:
+    """``replicas=(device_mesh, "replicate")`` on a real 2 x 2 mesh: ranks 0 and 2 are one
+    replica set, 1 and 3 the other. Rank 3's flip makes its set disagree (two replicas:
+    both named); the other set is compared apart and is fine."""
+    outs = _job(tmp_path, 4, "--key", "hsdp", "--steps", "30", "--flip-at", "4", "--flip-rank",
+                "3", "--stop-on-suspect", "--mesh", "--hidden", "16")  # fmt: skip
+    for out in outs:
+        told = _lines(out, "SUSPECT ")
+        assert told and told[0] == "SUSPECT step=4 ranks=1,3 nodes=node1,node3", out
+    for rank in range(4):
+        key = f"hsdp.rank{rank:05d}"
+        rep = _manifest_meta(tmp_path / "nvme", key, 4)["replicas"]
+        assert rep["suspect"] is True and rep["ranks"] == [1, 3], rep
+        assert _manifest_meta(tmp_path / "nvme", key, 3)["replicas"] == {
+            "checked": 2,
+            "suspect": False,
+        }
 
 
 def test_200_saves_without_a_flip_are_never_suspect(tmp_path: Path) -> None:
@@ -262,6 +325,11 @@ def test_a_later_run_honours_the_pin_a_manifest_recorded(tmp_path: Path) -> None
     got = ck2.restore()
     ck2.close()
     assert got is not None and got.step == 2
+    # ... and so does ckpt-slurm restore without --step (the pin from step 6's manifest)
+    r = ckpt_slurm("restore", "spiky", "--to", str(tmp_path / "back"), "--json", "--local",
+                   str(tmp_path / "l"))  # fmt: skip
+    assert r.returncode == 0 and json.loads(r.stdout)["step"] == 2, r.stdout + r.stderr
+    assert "passing over step 5: after the last healthy step 2 (pinned)" in r.stderr, r.stderr
 
 
 def test_replica_sets_from_rank_lists() -> None:

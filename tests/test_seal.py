@@ -1,7 +1,9 @@
 """``ckpt-slurm seal DIR`` and ``verify DIR`` on checkpoints other tools wrote (issue 34,
-item 2): stock DCP ``FileSystemWriter`` output and a plain HF Trainer's ``checkpoint-N``
-are sealed, one byte is flipped, and ``verify`` names the file and the chunk's byte
-range; a directory still being written is refused; bad input gets one line.
+item 2): stock DCP ``FileSystemWriter`` output, a plain HF Trainer's ``checkpoint-N``, a
+Lightning ``dirpath`` and an Orbax-style step directory are sealed, one byte is flipped,
+and ``verify`` names the file and the chunk's byte range; a directory still being
+written (a DCP save held mid-shard, a file open for writing, a tool's own signs) is
+refused; bad input gets one line.
 
 Real torch and transformers (CPU, tiny models built here, no hub download) run in
 tests/seal_worker.py; ``ckpt-slurm`` runs in a fresh interpreter, as from a shell.
@@ -149,6 +151,56 @@ def test_lightning_dirpath_sealed_a_ckpt_file_points_there(tmp_path: Path) -> No
     ], bad.stdout
 
 
+def orbax_step(d: Path) -> Path:
+    """An Orbax step directory as orbax-checkpoint's CheckpointManager leaves it once the
+    save is done (renamed from ``1000.orbax-checkpoint-tmp-*``): the step's metadata, one
+    item (``default``) in the OCDBT layout (tensorstore's manifest and data files below
+    per-process directories, an item-level ``d/`` left empty), and a legacy zarr array
+    (dot-files such as ``.zarray``). Orbax (JAX) is not installed here: the layout is
+    built by hand."""
+    item = d / "default"
+    for sub in ("ocdbt.process_0/d", "array_metadatas", "d", "params.dense.kernel"):
+        (item / sub).mkdir(parents=True, exist_ok=True)
+    (d / "_CHECKPOINT_METADATA").write_text('{"item_handlers": {"default": "PyTree"}}')
+    (item / "_METADATA").write_text('{"tree_metadata": {}}')
+    (item / "_sharding").write_text("{}")
+    (item / "manifest.ocdbt").write_bytes(os.urandom(120))
+    (item / "ocdbt.process_0" / "manifest.ocdbt").write_bytes(os.urandom(200))
+    (item / "ocdbt.process_0" / "d" / ("7f" * 16)).write_bytes(os.urandom(5 * CHUNK + 77))
+    (item / "array_metadatas" / "process_0").write_text("[]")
+    (item / "params.dense.kernel" / ".zarray").write_text('{"zarr_format": 2}')
+    (item / "params.dense.kernel" / "0.0").write_bytes(os.urandom(3000))
+    return item / "ocdbt.process_0" / "d" / ("7f" * 16)
+
+
+def test_orbax_step_sealed_then_a_flipped_byte_is_named(tmp_path: Path) -> None:
+    d = tmp_path / "orbax" / "1000"
+    data = orbax_step(d)
+    files = sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())
+    r = ckpt_slurm("seal", str(d), "--chunk-size", "64KiB")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"sealed {d} (orbax): {len(files)} files"), r.stdout
+    m = Manifest.from_bytes((d / "manifest.json").read_bytes())
+    assert (m.step, m.meta["sealed"]) == (1000, "orbax")
+    assert sorted(f.path for f in m.files) == files  # nested files and dot-files too
+    ok = ckpt_slurm("verify", str(d))  # the empty default/d/ holds no bytes: not a finding
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    (d / "default" / "d" / "later").write_bytes(b"x")  # a file dropped in since: named
+    later = ckpt_slurm("verify", str(d))
+    assert later.returncode == 1 and "default/d/: not in the manifest" in later.stdout, later
+    (d / "default" / "d" / "later").unlink()
+
+    size = data.stat().st_size
+    offset = 2 * CHUNK + 3
+    flip(data, offset)
+    bad = ckpt_slurm("verify", str(d))
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    rel = data.relative_to(d)
+    assert problem_lines(bad.stdout) == [
+        f"CORRUPT: {rel}: content hash mismatch ({bad_range(size, offset)})"
+    ], bad.stdout
+
+
 def one_error(r: subprocess.CompletedProcess, *fragments: str) -> str:
     assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
     assert r.stdout == "" and "Traceback" not in r.stderr
@@ -185,6 +237,35 @@ def test_a_file_open_for_writing_is_refused(tmp_path: Path) -> None:
         p.communicate("", timeout=60)
     assert p.returncode == 0
     # The writer is done: the same directory seals and verifies.
+    assert ckpt_slurm("seal", str(d)).returncode == 0
+    assert ckpt_slurm("verify", str(d)).returncode == 0
+
+
+def test_a_dcp_save_in_progress_is_refused(tmp_path: Path) -> None:
+    """A stock DCP ``FileSystemWriter`` held in the middle of its shard (seal_worker.py
+    ``dcp-paused``): the seal is refused and writes nothing; once the save is done the
+    same directory seals, verifies, and DCP loads it."""
+    d = tmp_path / "dcp" / "step-4"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.Popen(
+        [sys.executable, str(WORKER), "dcp-paused", str(d)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "writing\n"
+        assert any(n.endswith(".distcp") for n in os.listdir(d)), os.listdir(d)
+        one_error(
+            ckpt_slurm("seal", str(d)),
+            f"{d}: still being written: DCP shards without .metadata (DCP writes .metadata last)",
+        )
+        assert not (d / "manifest.json").exists()
+    finally:
+        p.communicate("go\n", timeout=300)
+    assert p.returncode == 0
+    assert ".metadata" in os.listdir(d)
     assert ckpt_slurm("seal", str(d)).returncode == 0
     assert ckpt_slurm("verify", str(d)).returncode == 0
 

@@ -1,12 +1,14 @@
 """``ckpt-slurm adopt DIR --key K``: a sealed directory becomes a step of a series, cloned
-(reflink) where the filesystem can, then flushed and restored like our own checkpoints
-(issue 34, item 2). Real XFS (reflinks) on a loop device, stock DCP output, the real
-``flush`` and ``Checkpointer.restore_path``.
+(reflink) where the filesystem can, then flushed, aged (gc) and restored like our own
+checkpoints (issue 34, item 2). Real XFS (reflinks) on a loop device, stock DCP output,
+the real ``flush``, ``gc`` and ``Checkpointer.restore_path``.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,16 @@ def site(tmp_path: Path, local: Path) -> Path:
     return cfg
 
 
+def shared_extents_only(path: Path) -> bool:
+    """Whether every extent of ``path`` is shared (a reflink clone, no bytes of its own),
+    as the filesystem reports it (``filefrag -v``: FIEMAP's extent flags)."""
+    out = subprocess.run(
+        ["filefrag", "-v", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    extents = [ln for ln in out.splitlines() if re.match(r"\s*\d+:\s+\d+\.\.", ln)]
+    return bool(extents) and all("shared" in ln.split()[-1] for ln in extents)
+
+
 def test_sealed_dcp_is_cloned_into_a_series_flushed_and_restored(
     tmp_path: Path, mounts: Any
 ) -> None:
@@ -45,6 +57,8 @@ def test_sealed_dcp_is_cloned_into_a_series_flushed_and_restored(
     for n in names:
         mine, theirs = (step_dir / "rank-00000" / n).stat(), (src / n).stat()
         assert mine.st_ino != theirs.st_ino and (mine.st_nlink, theirs.st_nlink) == (1, 1)
+        # no data copied: the filesystem itself says every extent is shared with the source
+        assert mine.st_size == 0 or shared_extents_only(step_dir / "rank-00000" / n), n
     assert ckpt_slurm("verify", str(src)).returncode == 0  # the sealed directory is intact
     assert ckpt_slurm("verify", "my-run", config=cfg).returncode == 0
 
@@ -102,3 +116,29 @@ def test_adopt_reads_back_against_the_seal(tmp_path: Path) -> None:
     plain.mkdir()
     (plain / "x.bin").write_bytes(b"x")
     one_error(ckpt_slurm("adopt", str(plain), "-k", "run", *tiers), "not sealed")
+
+
+def test_adopted_steps_are_aged_by_gc_like_any_other(tmp_path: Path) -> None:
+    """Three sealed HF checkpoints adopted on the warm tier; gc's retention (keep 2 there)
+    removes the oldest and keeps the two newest, which still verify."""
+    from slurm_ckpt.core.config import Config
+    from slurm_ckpt.ops.gc import run_gc
+
+    local, warm = tmp_path / "local", tmp_path / "warm"
+    local.mkdir()
+    warm.mkdir()
+    tiers = ["--local", str(local), "--warm", str(warm)]
+    for n in (1, 2, 3):
+        src = tmp_path / "out" / f"checkpoint-{n}"
+        src.mkdir(parents=True)
+        (src / "model.bin").write_bytes(os.urandom(CHUNK + n))
+        (src / "trainer_state.json").write_text("{}")
+        assert ckpt_slurm("seal", str(src)).returncode == 0
+        r = ckpt_slurm("adopt", str(src), "-k", "aged", "--tier", "warm", *tiers)
+        assert r.returncode == 0, r.stdout + r.stderr
+    cfg = Config.standalone(local, warm, retention={"keep_warm": 2, "keep_warm_every": "0"})
+    series = warm / "root" / "aged"
+    assert sorted(p.name for p in series.glob("step-*")) == [f"step-{n:010d}" for n in (1, 2, 3)]
+    run_gc(cfg)
+    assert sorted(p.name for p in series.glob("step-*")) == [f"step-{n:010d}" for n in (2, 3)]
+    assert ckpt_slurm("verify", "aged", *tiers).returncode == 0

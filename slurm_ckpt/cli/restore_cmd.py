@@ -121,6 +121,9 @@ def restore_cmd(
         doc = restore_to(
             cfg, key, dest, user=user, tier=tier, step=step, lineage=lineage, progress=bar.advance
         )
+    for note in doc["skipped"]:
+        if note.startswith("passing over step "):  # suspect, or after the last healthy pin
+            warn(note)
     if out.json:
         print_json(doc)
         return

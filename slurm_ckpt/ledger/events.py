@@ -485,6 +485,10 @@ _CHECKPOINTER_EVENTS = {
     "flush_done": "flush",
     "local_failed": "failure",
     "flush_failed": "failure",
+    # the replicas' verdicts (slurm_ckpt.core.replicas): what the suspect-steps metric
+    # counts and what an admin reads to find the node that corrupts
+    "replicas_suspect": "replicas_suspect",
+    "replicas_unchecked": "replicas_unchecked",
 }
 _FAILURE_CODES = {"local_failed": "local_write_failed", "flush_failed": "flush_failed"}
 
@@ -499,7 +503,8 @@ def listener(
 
     Turns its progress callbacks into events (``save_returned`` -> ``save``,
     ``local_done`` -> ``local_write``, ``flush_done`` -> ``flush``, ``*_failed`` ->
-    ``failure``) tagged with the series; other callbacks are ignored. Writes to ``log_``,
+    ``failure``, ``replicas_suspect`` and ``replicas_unchecked`` as they are) tagged with
+    the series; other callbacks are ignored. Writes to ``log_``,
     or to the configured log at the time of each call.
     """
 

@@ -10,6 +10,11 @@ A copy that does not verify is skipped for the same step on the next tier.
 Lineages (:mod:`slurm_ckpt.core.lineage`): without ``--step`` the newest *current* step
 is taken, never one a rollback retired; ``--lineage L`` takes the newest (or the given
 step) of lineage L, retired or not. What was restored names its lineage.
+
+Without ``--step`` the choice is automatic, so it follows the job's own ``restore()``
+(:func:`slurm_ckpt.core.replicas.not_automatic`): a step whose replicas did not agree
+(``suspect``), or one after the ``last_healthy`` pin that was saved before the pin, is
+passed over, and the result says so (``skipped``). ``--step N`` still reads it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.lineage import SeriesView, lineage_of
 from slurm_ckpt.core.names import current_user, validate_key, validate_user
 from slurm_ckpt.core.progress import ProgressFn
+from slurm_ckpt.core.replicas import newest_pin, not_automatic, pin_of
 from slurm_ckpt.errors import NotFound, TierError, UsageError, VerifyError
 from slurm_ckpt.tiers.copy import copy_checkpoint
 from slurm_ckpt.tiers.registry import ORDER, directory_tier, tiers_from_config
@@ -56,13 +62,22 @@ def restore_to(
         except (TierError, OSError):
             continue
     view = SeriesView.of((i.step, i.manifest.meta, i.manifest.wall_time) for _, i in found)
+    pin = newest_pin(pin_of(i.manifest.meta) for _, i in found)
+    passed: Dict[int, str] = {}
 
     def wanted(info: Any, current_only: bool) -> bool:
         if step is not None and info.step != step:
             return False
         if lineage is not None:
-            return lineage_of(info.manifest.meta).name == lineage
-        return not current_only or view.active(info.step, info.manifest.meta)
+            ok = lineage_of(info.manifest.meta).name == lineage
+        else:
+            ok = not current_only or view.active(info.step, info.manifest.meta)
+        if ok and step is None:  # an automatic choice: never a suspect or unhealthy step
+            why = not_automatic(info.step, info.manifest.meta, info.manifest.wall_time, pin)
+            if why is not None:
+                passed.setdefault(info.step, why)
+                return False
+        return ok
 
     holders: Dict[int, List[Any]] = {}
     # Current steps first; a step asked for by number that only a retired lineage holds
@@ -77,6 +92,12 @@ def restore_to(
         where = f" on the {tier} tier" if tier else ""
         at = f" at step {step}" if step is not None else ""
         at += f" in lineage {lineage}" if lineage is not None else ""
+        if passed:
+            newest = max(passed)
+            raise NotFound(
+                f"no checkpoint of {user}/{key}{at}{where} that an automatic restore may "
+                f"take: step {newest} is {passed[newest]}; give --step N to read one anyway"
+            )
         raise NotFound(f"no committed checkpoint of {user}/{key}{at}{where}")
     to = os.path.abspath(to)
     os.makedirs(to, exist_ok=True)
@@ -99,6 +120,12 @@ def restore_to(
                 "path": dst.step_path(user, key, s),
                 "bytes": res.nbytes,
                 "seconds": round(res.seconds, 3),
-                "skipped": skipped,
+                # the newer steps an automatic choice passed over, then copies that failed
+                "skipped": [
+                    f"passing over step {n}: {why}"
+                    for n, why in sorted(passed.items(), reverse=True)
+                    if n > s
+                ]
+                + skipped,
             }
     raise VerifyError(f"no copy of {user}/{key} verifies: {skipped[0]}")

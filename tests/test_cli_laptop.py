@@ -245,7 +245,21 @@ def test_tier_warm_names_the_warm_tier(laptop: Site, tmp_path: Path) -> None:
     assert ckpt_slurm("verify", "run", "-u", "alice", "--tier", "warm", *f).returncode == 0
     back = tmp_path / "back"
     r = ckpt_slurm("restore", "run", "-u", "alice", "--tier", "warm", "--to", str(back), *f)
-    assert r.returncode == 0 and "step 1 " in r.stdout and " from pfs " in r.stdout, r.stdout
+    assert r.returncode == 0 and "step 1 " in r.stdout, r.stdout
+    assert " from the warm tier " in r.stdout and "pfs" not in r.stdout.split(" to ")[0], r.stdout
+    # verify's table says warm too, as list's does (JSON keeps the tier's name, and a role)
+    r = ckpt_slurm("verify", "run", "-u", "alice", *f)
+    assert r.returncode == 0, r.stderr
+    tiers = {ln.split()[0] for ln in r.stdout.splitlines()[2:] if ln.strip()}
+    assert tiers == {"local", "warm"}, r.stdout
+    r = ckpt_slurm("verify", "run", "-u", "alice", "--json", *f)
+    roles = {(c["tier"], c["role"]) for c in json.loads(r.stdout)["checkpoints"]}
+    assert roles == {("local", "local"), ("pfs", "warm")}, roles
+    # a step the warm tier lacks: the error names the tier as the user did
+    r = ckpt_slurm(
+        "restore", "run", "-u", "alice", "--tier", "warm", "--step", "2", "--to", str(back), *f
+    )
+    assert r.returncode == 1 and r.stderr.strip().endswith("at step 2 on the warm tier"), r.stderr
 
 
 def test_a_users_key_finds_its_ranks_series(tmp_path: Path) -> None:
@@ -273,6 +287,12 @@ def test_a_users_key_finds_its_ranks_series(tmp_path: Path) -> None:
     r = ckpt_slurm("verify", "run", "--json", *f)
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout)["checkpoints"]) == 4, r.stdout
+    # restore takes one series: the user's key names its ranks' series, in one line
+    r = ckpt_slurm("restore", "run", "--to", str(tmp_path / "back"), *f)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert "it is saved per rank (run.rank00000, run.rank00001)" in lines[0], lines
+    assert "ckpt-slurm restore run.rank00000" in lines[0], lines
     r = ckpt_slurm("drill", "run", "--json", *f)  # rank 0's series: what its restart reads
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)

@@ -153,7 +153,8 @@ def test_verify_at_80_columns_splits_no_token(site: Site, monkeypatch) -> None:
     words = _words(out)
     doc = json.loads(run_here(["verify", KEY, "-u", USER, "--json"])[1])
     for row in doc["checkpoints"]:
-        for token in (row["tier"], str(row["step"]), format_bytes(row["bytes"]), row["state"]):
+        # the table names the tier as users do (local, warm, cold): JSON's role
+        for token in (row["role"], str(row["step"]), format_bytes(row["bytes"]), row["state"]):
             assert token in words, (token, out)
         for problem in row["problems"]:
             for word in problem.split():

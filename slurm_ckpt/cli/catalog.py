@@ -339,7 +339,7 @@ def verify_cmd(
         if done is not None:
             row["uncommitted"] = done.done
             row["problems"].append(done.note)
-            notes.append(f"{t.name} {u}/{k} step {r.step}: {done.note}")
+            notes.append(f"{tier_role(t.name, state.config)} {u}/{k} step {r.step}: {done.note}")
         rows.append(row)
     rows += [
         dict(d.to_dict(), tier=name, ok=False, bytes=0, seconds=0.0, problems=[d.reason])
@@ -348,10 +348,14 @@ def verify_cmd(
     rows.sort(key=lambda r: (ORDER.index(r["tier"]) if r["tier"] in ORDER else 99, r["step"] or 0))
     for r in rows:
         r.pop("reason", None)
+        r["role"] = tier_role(r["tier"], state.config)
     ok = all(r["ok"] for r in rows)
     if out.json:
         print_json({"ok": ok, "checkpoints": rows})
     else:
+        for r in rows:
+            if out.human:  # the vocabulary, as in list (scripts keep the tier's name)
+                r["tier"] = r["role"]
         Listing(VERIFY_COLUMNS, rows, "verify").print(out)
         if out.human:
             for note in notes:

@@ -15,6 +15,7 @@ from typing import Optional
 
 import click
 
+from slurm_ckpt.cli.catalog import tier_role
 from slurm_ckpt.cli.output import CliState, pass_state, print_json
 from slurm_ckpt.cli.params import USER
 from slurm_ckpt.cli.progress import ByteProgress
@@ -129,6 +130,6 @@ def restore_cmd(
         return
     echo_wrapped(
         f"restored {doc['user']}/{doc['key']} step {doc['step']} (lineage {doc['lineage']}"
-        f"{', retired' if doc['retired'] else ''}) from {doc['tier']} "
+        f"{', retired' if doc['retired'] else ''}) from the {tier_role(doc['tier'], cfg)} tier "
         f"({format_bytes(doc['bytes'])}, verified) to {doc['path']}"
     )

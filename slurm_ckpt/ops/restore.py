@@ -22,6 +22,7 @@ from slurm_ckpt.core.lineage import SeriesView, lineage_of
 from slurm_ckpt.core.names import current_user, validate_key, validate_user
 from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.errors import NotFound, TierError, UsageError, VerifyError
+from slurm_ckpt.ops.catalog import series_under
 from slurm_ckpt.tiers.copy import copy_checkpoint
 from slurm_ckpt.tiers.registry import ORDER, directory_tier, tiers_from_config
 
@@ -74,10 +75,12 @@ def restore_to(
         if holders or step is None:
             break
     if not holders:
-        where = f" on the {tier} tier" if tier else ""
+        word = "warm" if tier == cfg.tiers.warm else tier  # the name --tier takes
+        where = f" on the {word} tier" if tier else ""
         at = f" at step {step}" if step is not None else ""
         at += f" in lineage {lineage}" if lineage is not None else ""
-        raise NotFound(f"no committed checkpoint of {user}/{key}{at}{where}")
+        hint = _ranks_hint(tiers, user, key, found)
+        raise NotFound(f"no committed checkpoint of {user}/{key}{at}{where}{hint}")
     to = os.path.abspath(to)
     os.makedirs(to, exist_ok=True)
     skipped: List[str] = []
@@ -102,3 +105,16 @@ def restore_to(
                 "skipped": skipped,
             }
     raise VerifyError(f"no copy of {user}/{key} verifies: {skipped[0]}")
+
+
+def _ranks_hint(tiers: Dict[str, Any], user: str, key: str, found: List[Any]) -> str:
+    """A multi-rank job keeps one series per rank (``KEY.rank00000``, DCP parts
+    ``KEY.dcp.rank00000``), and one directory holds one series' step: when ``KEY`` itself
+    has none, name its ranks' series, which ``restore`` takes one at a time."""
+    if found:
+        return ""
+    ranks = [k for k in series_under(tiers, user, key) if k != key]
+    if not ranks:
+        return ""
+    shown = ", ".join(ranks[:2]) + (f" ... ({len(ranks)} series)" if len(ranks) > 2 else "")
+    return f"; it is saved per rank ({shown}): restore each, e.g. ckpt-slurm restore {ranks[0]}"

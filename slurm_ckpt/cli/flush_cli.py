@@ -1,4 +1,4 @@
-"""``ckpt-slurm flush``: flush this node's checkpoints to the PFS now (root: every user's,
+"""``ckpt-slurm flush``: flush this node's checkpoints to the warm tier now (root: every user's,
 as that user; otherwise your own). The work is :mod:`slurm_ckpt.ops.flush_cmd`; this module
 parses the arguments and prints the summary. Exit status 1 when anything failed."""
 
@@ -100,7 +100,7 @@ def _print(summary: FlushSummary, out: OutputFormat) -> None:
 def flush_cmd(
     state: CliState, job: Optional[str], wait: bool, node: Optional[str], out: OutputFormat
 ) -> int:
-    """Flush this node's checkpoints to the PFS now (root: every user's, as that user;
+    """Flush this node's checkpoints to the warm tier now (root: every user's, as that user;
     otherwise your own).
 
     Exit status 1 when anything failed.

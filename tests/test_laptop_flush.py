@@ -66,7 +66,7 @@ def laptop() -> Iterator[Dict[str, Path]]:
     local, warm = home / "ckpt" / "local", home / "ckpt" / "warm"
     (home / ".config" / "slurm-ckpt" / "config.toml").write_text(
         f'[tiers.local]\nroot = "{local}"\nrequire_mount = false\nmin_free = 0\n'
-        f'[tiers.pfs]\nroot = "{warm}"\n'
+        f'[tiers.pfs]\nkind = "posix"\nroot = "{warm}"\n'  # docs/cli-laptop.md's form
     )
     for d in (local, warm):  # mkdir -p ckpt/local ckpt/warm, as the laptop guide says
         d.mkdir(parents=True, mode=0o700)

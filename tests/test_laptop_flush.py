@@ -161,6 +161,10 @@ def test_flush_with_tier_flags_flushes_what_a_killed_run_owes(laptop: Dict[str, 
     run = [sys.executable, str(base / "run.py"), str(base / "no-site-config.toml")]
     first = as_user([*run, "7"], home, KILL="1")
     assert "KILLED before the flush of step 7" in first.stdout, (first.stdout, first.stderr)
+    # --local alone names no warm tier to flush to: one line (it was an IndexError)
+    alone = ckpt_slurm(["flush", "--local", str(local)], home)
+    assert alone.returncode == 2 and len(alone.stderr.strip().splitlines()) == 1, alone
+    assert "add --warm DIR" in alone.stderr, alone.stderr
     flush = ckpt_slurm(["flush", "--json", "--local", str(local), "--warm", str(warm)], home)
     assert flush.returncode == 0, flush.stderr
     assert [s.step for s in PosixTier("pfs", str(warm)).steps(USER, "run")] == [7]

@@ -22,7 +22,7 @@ from slurm_ckpt.cli.table import (
     plural,
 )
 from slurm_ckpt.core.units import format_bytes, format_duration
-from slurm_ckpt.errors import CkptError
+from slurm_ckpt.errors import CkptError, UsageError
 from slurm_ckpt.ops.flush_cmd import FlushSummary, flush_node, flush_own
 from slurm_ckpt.slurm.env import this_node
 
@@ -108,6 +108,11 @@ def flush_cmd(
     from slurm_ckpt.core.names import current_user
 
     cfg = state.config
+    if not cfg.tiers.shared_tiers:  # --local DIR alone (a laptop with one disk)
+        raise UsageError(
+            "flush copies to the warm tier, and none is given: add --warm DIR "
+            "(or a [tiers.pfs] section to your config)"
+        )
     name = this_node(node)
     with ByteProgress("flush") as bar:
         if os.geteuid() == 0:

@@ -91,6 +91,10 @@ def test_the_old_pfs_flag_still_names_the_warm_directory(laptop: Site) -> None:
         (["gc", "--local", "{local}"], "as root"),  # root works on the site's tiers only
         (["flush", "--local", "{local}"], "as root"),
         (["maint", "n1", "--local", "{local}"], "No such option"),  # root-run: site only
+        # --tier warm without a warm tier: said in the words typed (it said "pfs")
+        (["list", "run", "--tier", "warm", "--local", "{local}"], "warm: the warm tier is not"),
+        (["verify", "run", "--tier", "warm", "--local", "{local}"], "with --warm DIR"),
+        (["restore", "run", "--tier", "warm", "--to", "{base}/b", "--local", "{local}"], "warm:"),
     ],
 )
 def test_tier_flag_errors(laptop: Site, argv: List[str], needle: str) -> None:

@@ -63,6 +63,7 @@ def _user(user: Optional[str]) -> str:
 
 
 def _selected(state: CliState, tier: str) -> Dict[str, Tier]:
+    asked = tier
     if tier == "warm":
         tier = state.config.tiers.warm
     for note in require_roots(state.config, None if tier == "all" else tier):
@@ -70,9 +71,13 @@ def _selected(state: CliState, tier: str) -> Dict[str, Tier]:
     tiers = tiers_from_config(state.config)
     if tier == "all":
         return tiers
-    if tier not in tiers:
-        raise UsageError(f"--tier {tier}: tier {tier!r} is not configured")
+    if tier not in tiers:  # in the words the user typed
+        raise UsageError(f"--tier {asked}: the {asked} tier is not configured{_warm_hint(asked)}")
     return {tier: tiers[tier]}
+
+
+def _warm_hint(asked: str) -> str:
+    return " (give it with --warm DIR)" if asked in ("warm", "pfs") else ""
 
 
 def tier_role(name: str, config: Any) -> str:

@@ -48,7 +48,8 @@ def restore_to(
     tiers = tiers_from_config(cfg)
     if tier is not None:
         if tier not in tiers:
-            raise UsageError(f"--tier {tier}: not configured (configured: {', '.join(tiers)})")
+            word = "warm" if tier == cfg.tiers.warm else tier  # the name --tier takes
+            raise UsageError(f"--tier {word}: not configured (configured: {', '.join(tiers)})")
         tiers = {tier: tiers[tier]}
     found: List[Any] = []
     for t in tiers.values():

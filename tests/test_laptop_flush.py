@@ -165,6 +165,15 @@ def test_flush_with_tier_flags_flushes_what_a_killed_run_owes(laptop: Dict[str, 
     alone = ckpt_slurm(["flush", "--local", str(local)], home)
     assert alone.returncode == 2 and len(alone.stderr.strip().splitlines()) == 1, alone
     assert "add --warm DIR" in alone.stderr, alone.stderr
+    # nor does an archive directory: --cold is never flushed to (it was, as if warm)
+    cold = home / "ckpt" / "cold"
+    cold.mkdir(mode=0o700)
+    shutil.chown(cold, USER, USER)
+    archive = ckpt_slurm(["flush", "--local", str(local), "--cold", str(cold)], home)
+    assert archive.returncode == 2 and "add --warm DIR" in archive.stderr, archive
+    assert os.listdir(cold) == []
+    seen = ckpt_slurm(["status", "--local", str(local), "--cold", str(cold)], home)
+    assert seen.returncode == 0 and not seen.stderr, seen  # no KeyError traceback
     flush = ckpt_slurm(["flush", "--json", "--local", str(local), "--warm", str(warm)], home)
     assert flush.returncode == 0, flush.stderr
     assert [s.step for s in PosixTier("pfs", str(warm)).steps(USER, "run")] == [7]

@@ -25,6 +25,7 @@ from slurm_ckpt.core.units import format_bytes, format_duration
 from slurm_ckpt.errors import CkptError, UsageError
 from slurm_ckpt.ops.flush_cmd import FlushSummary, flush_node, flush_own
 from slurm_ckpt.slurm.env import this_node
+from slurm_ckpt.tiers.registry import warm_tiers
 
 __all__ = ["flush_cmd"]
 
@@ -108,7 +109,7 @@ def flush_cmd(
     from slurm_ckpt.core.names import current_user
 
     cfg = state.config
-    if not cfg.tiers.shared_tiers:  # --local DIR alone (a laptop with one disk)
+    if not warm_tiers(cfg):  # --local DIR alone (or with --cold: an archive, never flushed to)
         raise UsageError(
             "flush copies to the warm tier, and none is given: add --warm DIR "
             "(or a [tiers.pfs] section to your config)"

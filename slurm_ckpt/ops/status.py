@@ -114,7 +114,7 @@ def collect_status(
     notes: List[str] = []
     statuses: List[Dict[str, Any]] = []
     statuses_at: Optional[str] = None
-    if cfg.tiers.shared_tiers:  # a laptop's local directory alone: no node statuses
+    if cfg.tiers.pfs is not None or cfg.tiers.object is not None:  # else a laptop's dirs
         store = status_store(cfg)  # the PFS, or signed objects in the bucket without one
         statuses, statuses_at = store.read(notes), store.where
     owners = sorted(

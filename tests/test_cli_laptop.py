@@ -337,3 +337,37 @@ def test_status_on_a_workstation_with_an_unconfigured_slurm_client(
     r = ckpt_slurm("status", "-u", "alice", *_flags(laptop), env=env)
     assert r.returncode == 0, r.stderr
     assert "SLURM: " in r.stdout and "Unable to contact slurm controller" in r.stdout, r.stdout
+
+
+def test_a_users_key_finds_its_dcp_parts(tmp_path: Path) -> None:
+    """A DCP job's parts are ``run.dcp.rankNNNNN``: ``list run``, ``verify run``,
+    ``drill run`` and ``status`` find them under the user's key (drill found nothing)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from slurm_ckpt import Checkpointer
+
+    local, warm = tmp_path / "nvme", tmp_path / "pfs"
+    c = Checkpointer(local=str(local), warm=str(warm), key="run", install_signals=False)
+    model = torch.nn.Linear(4, 2)
+    with warnings.catch_warnings():  # torch: "no process group: saving in one process"
+        warnings.simplefilter("ignore", UserWarning)
+        for step in (1, 2):
+            dcp.save({"model": model.state_dict()}, storage_writer=c.dcp_writer(step=step))
+    c.close()
+    f = ["--local", str(local), "--warm", str(warm)]
+    r = ckpt_slurm("list", "run", "--json", *f)
+    assert r.returncode == 0, r.stderr
+    got = sorted({(x["role"], x["key"], x["step"]) for x in json.loads(r.stdout)["checkpoints"]})
+    assert got == [(t, "run.dcp.rank00000", s) for t in ("local", "warm") for s in (1, 2)], got
+    r = ckpt_slurm("verify", "run", "--json", *f)
+    assert r.returncode == 0 and len(json.loads(r.stdout)["checkpoints"]) == 4, r.stdout
+    r = ckpt_slurm("drill", "run", "--json", *f)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert (doc["ok"], doc["step"], doc["key"]) == (True, 2, "run.dcp.rank00000"), doc
+    r = ckpt_slurm("status", "--json", "-k", "run", *f)
+    assert r.returncode == 0, r.stderr
+    assert [g["key"] for g in json.loads(r.stdout)["jobs"][0]["key_groups"]] == ["run"], r.stdout

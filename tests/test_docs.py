@@ -73,6 +73,10 @@ def test_block_runs(name: str, code: str, tmp_path: Path) -> None:
         timeout=300,
     )
     assert res.returncode == 0, f"{name} failed:\n{res.stdout}\n{res.stderr}"
+    if name == "README.md#0":  # the quick start says what happened (issue 31: it was silent)
+        assert re.search(r"^\d+ saves, \d+ flushed to .*, newest step \d+", res.stdout, re.M), (
+            res.stdout
+        )
 
 
 #: Every page a user or admin reads (the README and docs/).

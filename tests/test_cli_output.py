@@ -366,3 +366,5 @@ def test_restore_feeds_its_bytes_to_a_progress_bar(site: Site, monkeypatch, tmp_
     assert out.startswith(f"restored {USER}/{KEY} step "), out
     assert len(bars) == 1 and bars[0].description == f"restore {KEY}: copy + verify"
     assert bars[0].done > 0, bars[0].done
+    # its total is known once the copy is picked: the bar has a percentage and an ETA
+    assert bars[0].total == bars[0].done, (bars[0].total, bars[0].done)

@@ -120,7 +120,15 @@ def restore_cmd(
     dest = check_destination(to)
     with ByteProgress(f"restore {key}: copy + verify") as bar:
         doc = restore_to(
-            cfg, key, dest, user=user, tier=tier, step=step, lineage=lineage, progress=bar.advance
+            cfg,
+            key,
+            dest,
+            user=user,
+            tier=tier,
+            step=step,
+            lineage=lineage,
+            progress=bar.advance,
+            sized=lambda n: bar.set_total(bar.done + n),  # + a skipped copy's bytes
         )
     if out.json:
         print_json(doc)

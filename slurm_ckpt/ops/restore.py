@@ -15,7 +15,7 @@ step) of lineage L, retired or not. What was restored names its lineage.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.lineage import SeriesView, lineage_of
@@ -39,10 +39,12 @@ def restore_to(
     step: Optional[int] = None,
     progress: Optional[ProgressFn] = None,
     lineage: Optional[str] = None,
+    sized: Optional[Callable[[int], None]] = None,
 ) -> Dict[str, Any]:
     """Copy a committed, verifying checkpoint of ``key`` into ``to`` (see the module
     docstring): the given ``step`` (default: the newest on the tiers looked at), from
-    ``tier`` (default: every tier, fastest first). Returns what was done."""
+    ``tier`` (default: every tier, fastest first). Returns what was done. ``sized(n)``
+    hears the size of each copy before it starts (a progress bar's total)."""
     user = validate_user(user) if user else current_user()
     validate_key(key)
     tiers = tiers_from_config(cfg)
@@ -72,7 +74,7 @@ def restore_to(
     for current_only in (True, False):
         for t, info in found:
             if wanted(info, current_only):
-                holders.setdefault(info.step, []).append((t, info.manifest.meta))
+                holders.setdefault(info.step, []).append((t, info.manifest))
         if holders or step is None:
             break
     if not holders:
@@ -86,7 +88,10 @@ def restore_to(
     os.makedirs(to, exist_ok=True)
     skipped: List[str] = []
     for s in sorted(holders, reverse=True):
-        for t, meta in sorted(holders[s], key=lambda x: ORDER.index(x[0].name)):
+        for t, manifest in sorted(holders[s], key=lambda x: ORDER.index(x[0].name)):
+            meta = manifest.meta
+            if sized is not None:
+                sized(manifest.total_bytes)
             dst = directory_tier("restore", to, chunk_size=t.chunk_size, streams=cfg.copy.streams)
             try:
                 res = copy_checkpoint(t, dst, user, key, s, progress=progress)

@@ -91,6 +91,10 @@ def test_the_old_pfs_flag_still_names_the_warm_directory(laptop: Site) -> None:
         (["gc", "--local", "{local}"], "as root"),  # root works on the site's tiers only
         (["flush", "--local", "{local}"], "as root"),
         (["maint", "n1", "--local", "{local}"], "No such option"),  # root-run: site only
+        # --tier warm without a warm tier: said in the words typed (it said "pfs")
+        (["list", "run", "--tier", "warm", "--local", "{local}"], "warm: the warm tier is not"),
+        (["verify", "run", "--tier", "warm", "--local", "{local}"], "with --warm DIR"),
+        (["restore", "run", "--tier", "warm", "--to", "{base}/b", "--local", "{local}"], "warm:"),
     ],
 )
 def test_tier_flag_errors(laptop: Site, argv: List[str], needle: str) -> None:
@@ -245,7 +249,21 @@ def test_tier_warm_names_the_warm_tier(laptop: Site, tmp_path: Path) -> None:
     assert ckpt_slurm("verify", "run", "-u", "alice", "--tier", "warm", *f).returncode == 0
     back = tmp_path / "back"
     r = ckpt_slurm("restore", "run", "-u", "alice", "--tier", "warm", "--to", str(back), *f)
-    assert r.returncode == 0 and "step 1 " in r.stdout and " from pfs " in r.stdout, r.stdout
+    assert r.returncode == 0 and "step 1 " in r.stdout, r.stdout
+    assert " from the warm tier " in r.stdout and "pfs" not in r.stdout.split(" to ")[0], r.stdout
+    # verify's table says warm too, as list's does (JSON keeps the tier's name, and a role)
+    r = ckpt_slurm("verify", "run", "-u", "alice", *f)
+    assert r.returncode == 0, r.stderr
+    tiers = {ln.split()[0] for ln in r.stdout.splitlines()[2:] if ln.strip()}
+    assert tiers == {"local", "warm"}, r.stdout
+    r = ckpt_slurm("verify", "run", "-u", "alice", "--json", *f)
+    roles = {(c["tier"], c["role"]) for c in json.loads(r.stdout)["checkpoints"]}
+    assert roles == {("local", "local"), ("pfs", "warm")}, roles
+    # a step the warm tier lacks: the error names the tier as the user did
+    r = ckpt_slurm(
+        "restore", "run", "-u", "alice", "--tier", "warm", "--step", "2", "--to", str(back), *f
+    )
+    assert r.returncode == 1 and r.stderr.strip().endswith("at step 2 on the warm tier"), r.stderr
 
 
 def test_a_users_key_finds_its_ranks_series(tmp_path: Path) -> None:
@@ -273,6 +291,12 @@ def test_a_users_key_finds_its_ranks_series(tmp_path: Path) -> None:
     r = ckpt_slurm("verify", "run", "--json", *f)
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout)["checkpoints"]) == 4, r.stdout
+    # restore takes one series: the user's key names its ranks' series, in one line
+    r = ckpt_slurm("restore", "run", "--to", str(tmp_path / "back"), *f)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert "it is saved per rank (run.rank00000, run.rank00001)" in lines[0], lines
+    assert "ckpt-slurm restore run.rank00000" in lines[0], lines
     r = ckpt_slurm("drill", "run", "--json", *f)  # rank 0's series: what its restart reads
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
@@ -313,3 +337,37 @@ def test_status_on_a_workstation_with_an_unconfigured_slurm_client(
     r = ckpt_slurm("status", "-u", "alice", *_flags(laptop), env=env)
     assert r.returncode == 0, r.stderr
     assert "SLURM: " in r.stdout and "Unable to contact slurm controller" in r.stdout, r.stdout
+
+
+def test_a_users_key_finds_its_dcp_parts(tmp_path: Path) -> None:
+    """A DCP job's parts are ``run.dcp.rankNNNNN``: ``list run``, ``verify run``,
+    ``drill run`` and ``status`` find them under the user's key (drill found nothing)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from slurm_ckpt import Checkpointer
+
+    local, warm = tmp_path / "nvme", tmp_path / "pfs"
+    c = Checkpointer(local=str(local), warm=str(warm), key="run", install_signals=False)
+    model = torch.nn.Linear(4, 2)
+    with warnings.catch_warnings():  # torch: "no process group: saving in one process"
+        warnings.simplefilter("ignore", UserWarning)
+        for step in (1, 2):
+            dcp.save({"model": model.state_dict()}, storage_writer=c.dcp_writer(step=step))
+    c.close()
+    f = ["--local", str(local), "--warm", str(warm)]
+    r = ckpt_slurm("list", "run", "--json", *f)
+    assert r.returncode == 0, r.stderr
+    got = sorted({(x["role"], x["key"], x["step"]) for x in json.loads(r.stdout)["checkpoints"]})
+    assert got == [(t, "run.dcp.rank00000", s) for t in ("local", "warm") for s in (1, 2)], got
+    r = ckpt_slurm("verify", "run", "--json", *f)
+    assert r.returncode == 0 and len(json.loads(r.stdout)["checkpoints"]) == 4, r.stdout
+    r = ckpt_slurm("drill", "run", "--json", *f)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert (doc["ok"], doc["step"], doc["key"]) == (True, 2, "run.dcp.rank00000"), doc
+    r = ckpt_slurm("status", "--json", "-k", "run", *f)
+    assert r.returncode == 0, r.stderr
+    assert [g["key"] for g in json.loads(r.stdout)["jobs"][0]["key_groups"]] == ["run"], r.stdout

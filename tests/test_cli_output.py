@@ -153,7 +153,8 @@ def test_verify_at_80_columns_splits_no_token(site: Site, monkeypatch) -> None:
     words = _words(out)
     doc = json.loads(run_here(["verify", KEY, "-u", USER, "--json"])[1])
     for row in doc["checkpoints"]:
-        for token in (row["tier"], str(row["step"]), format_bytes(row["bytes"]), row["state"]):
+        # the table names the tier as users do (local, warm, cold): JSON's role
+        for token in (row["role"], str(row["step"]), format_bytes(row["bytes"]), row["state"]):
             assert token in words, (token, out)
         for problem in row["problems"]:
             for word in problem.split():
@@ -365,3 +366,5 @@ def test_restore_feeds_its_bytes_to_a_progress_bar(site: Site, monkeypatch, tmp_
     assert out.startswith(f"restored {USER}/{KEY} step "), out
     assert len(bars) == 1 and bars[0].description == f"restore {KEY}: copy + verify"
     assert bars[0].done > 0, bars[0].done
+    # its total is known once the copy is picked: the bar has a percentage and an ETA
+    assert bars[0].total == bars[0].done, (bars[0].total, bars[0].done)

@@ -4,6 +4,8 @@
   PFS sites need no object-store client); a config with an object tier then says in one
   line which extra to install;
 * ``pip install "CHECKOUT[s3]"`` adds boto3, and the object tier loads;
+* ``[plot]`` adds matplotlib: ``ckpt-slurm report --png`` draws (without it, one line
+  names the extra);
 * ``[hf,lightning]`` installs transformers with accelerate and pytorch-lightning, with
   torch from the CPU wheel (the README's hint), and both doors import.
 
@@ -19,6 +21,17 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 WHEELS = "/opt/wheels"
+#: A laptop run in the fresh venv (numpy only, no torch): two saves, flushed.
+RUN = (
+    "import sys\n"
+    "import numpy as np\n"
+    "from slurm_ckpt import Checkpointer\n"
+    "c = Checkpointer(local=sys.argv[1], warm=sys.argv[2], key='run', install_signals=False)\n"
+    "for s in (1, 2):\n"
+    "    c.save({'w': np.full(256, s, dtype=np.float32)}, step=s)\n"
+    "    c.wait()\n"
+    "c.close()\n"
+)
 
 
 def _pip(py: Path, *args: str) -> subprocess.CompletedProcess:
@@ -69,13 +82,30 @@ def test_each_extra_installs_what_the_readme_says(tmp_path: Path) -> None:
     )
     before = subprocess.run([str(py), "-c", probe], capture_output=True, text=True)
     assert before.stdout.strip().startswith("ERR the object tier needs boto3"), before
-    assert "pip install 'slurm-ckpt[s3]'" in before.stdout, before
+    assert "pip install '/path/to/slurm_ckpt[s3]'" in before.stdout, before  # not PyPI
 
     s3 = _pip(py, "install", "-q", f"{REPO}[s3]")
     assert s3.returncode == 0, s3.stderr
     assert _has(py, "boto3") and _has(py, "zlib_ng")
     after = subprocess.run([str(py), "-c", probe], capture_output=True, text=True)
     assert after.stdout.strip() == "['local', 'object']", after
+
+    # [plot]: report --png draws a series' life; without matplotlib it says which extra.
+    local, warm, png = tmp_path / "nvme", tmp_path / "warm", tmp_path / "life.png"
+    run = subprocess.run(
+        [str(py), "-c", RUN, str(local), str(warm)], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    report = [str(venv / "bin" / "ckpt-slurm"), "report", "run", "--local", str(local)]
+    report += ["--warm", str(warm), "--png", str(png)]
+    no_plot = subprocess.run(report, capture_output=True, text=True)
+    assert no_plot.returncode == 2 and not png.exists(), no_plot
+    assert no_plot.stderr.strip().count("\n") == 0, no_plot.stderr  # one line
+    assert "'/path/to/slurm_ckpt[plot]'" in no_plot.stderr, no_plot.stderr
+    plot = _pip(py, "install", "-q", f"{REPO}[plot]")
+    assert plot.returncode == 0, plot.stderr
+    drawn = subprocess.run(report, capture_output=True, text=True)
+    assert drawn.returncode == 0 and png.stat().st_size > 10_000, drawn.stderr
 
     # [hf] and [lightning], installed for real (torch from the CPU wheel this machine
     # keeps in /opt/wheels, as the README's hint says): the doors import.

@@ -66,7 +66,7 @@ def laptop() -> Iterator[Dict[str, Path]]:
     local, warm = home / "ckpt" / "local", home / "ckpt" / "warm"
     (home / ".config" / "slurm-ckpt" / "config.toml").write_text(
         f'[tiers.local]\nroot = "{local}"\nrequire_mount = false\nmin_free = 0\n'
-        f'[tiers.pfs]\nroot = "{warm}"\n'
+        f'[tiers.pfs]\nkind = "posix"\nroot = "{warm}"\n'  # docs/cli-laptop.md's form
     )
     for d in (local, warm):  # mkdir -p ckpt/local ckpt/warm, as the laptop guide says
         d.mkdir(parents=True, mode=0o700)
@@ -139,6 +139,13 @@ def test_a_laptop_run_killed_before_its_flush_is_flushed_by_the_next(
     table = ckpt_slurm(["status", "--local", str(local), "--warm", str(warm)], home)
     assert table.returncode == 0 and "SLURM" not in table.stdout + table.stderr, table
     assert "600" in table.stdout
+    # status --local DIR alone (a laptop with one disk, as docs/cli-laptop.md allows): the
+    # local column shows the newest local step (it ended in a KeyError traceback: no warm
+    # tier, so no node-status store).
+    alone = ckpt_slurm(["status", "--local", str(local)], home)
+    assert alone.returncode == 0 and not alone.stderr, alone
+    header, row = [ln.split() for ln in alone.stdout.splitlines()[1:3]]
+    assert row[header.index("local")] == "600", alone.stdout
 
     # gc --warm DIR prunes the warm tier by the retention policy (keep_warm=3, plus one
     # per day), never the newest.
@@ -154,6 +161,19 @@ def test_flush_with_tier_flags_flushes_what_a_killed_run_owes(laptop: Dict[str, 
     run = [sys.executable, str(base / "run.py"), str(base / "no-site-config.toml")]
     first = as_user([*run, "7"], home, KILL="1")
     assert "KILLED before the flush of step 7" in first.stdout, (first.stdout, first.stderr)
+    # --local alone names no warm tier to flush to: one line (it was an IndexError)
+    alone = ckpt_slurm(["flush", "--local", str(local)], home)
+    assert alone.returncode == 2 and len(alone.stderr.strip().splitlines()) == 1, alone
+    assert "add --warm DIR" in alone.stderr, alone.stderr
+    # nor does an archive directory: --cold is never flushed to (it was, as if warm)
+    cold = home / "ckpt" / "cold"
+    cold.mkdir(mode=0o700)
+    shutil.chown(cold, USER, USER)
+    archive = ckpt_slurm(["flush", "--local", str(local), "--cold", str(cold)], home)
+    assert archive.returncode == 2 and "add --warm DIR" in archive.stderr, archive
+    assert os.listdir(cold) == []
+    seen = ckpt_slurm(["status", "--local", str(local), "--cold", str(cold)], home)
+    assert seen.returncode == 0 and not seen.stderr, seen  # no KeyError traceback
     flush = ckpt_slurm(["flush", "--json", "--local", str(local), "--warm", str(warm)], home)
     assert flush.returncode == 0, flush.stderr
     assert [s.step for s in PosixTier("pfs", str(warm)).steps(USER, "run")] == [7]
@@ -168,3 +188,35 @@ def test_gc_and_flush_refuse_tier_flags_as_root(laptop: Dict[str, Path]) -> None
     for cmd in ("gc", "flush"):
         code, out, err = run_here([cmd, "--local", str(laptop["base"]), "--warm", "/tmp"])
         assert code == 2 and "as root" in err and len(err.strip().splitlines()) == 1, err
+
+
+#: from_env() on a laptop with no configuration anywhere (no site config, no user config).
+NO_CONFIG = r"""
+import sys
+import slurm_ckpt.core.config as core_config
+core_config.DEFAULT_CONFIG_PATH = core_config.Path(sys.argv[1])  # a laptop: no site config
+from slurm_ckpt import Checkpointer
+from slurm_ckpt.errors import CkptError
+try:
+    Checkpointer.from_env("run")
+except CkptError as exc:
+    print("ERR", exc)
+"""
+
+
+def test_from_env_without_any_config_names_the_ways_out_for_a_script(
+    laptop: Dict[str, Path],
+) -> None:
+    """Without a config, from_env()'s one error names what a training script can do: it
+    said "pass --config", a flag of the command line that a script does not have."""
+    base, home = laptop["base"], laptop["home"]
+    (home / ".config" / "slurm-ckpt" / "config.toml").unlink()
+    (base / "noconfig.py").write_text(NO_CONFIG)
+    r = as_user([sys.executable, str(base / "noconfig.py"), str(base / "no-site.toml")], home)
+    lines = r.stdout.strip().splitlines()
+    assert r.returncode == 0 and len(lines) == 1 and lines[0].startswith("ERR no config: "), r
+    msg = lines[0]
+    assert f"no {home}/.config/slurm-ckpt/config.toml" in msg, msg
+    for way in ("SLURM_CKPT_CONFIG", "config_path=", "Checkpointer(local=..., warm=..., key=...)"):
+        assert way in msg, (way, msg)
+    assert "--config" not in msg, msg

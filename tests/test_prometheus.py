@@ -91,7 +91,7 @@ def stack() -> Iterator[Dict[str, Any]]:
         cfg_file = base / "site.toml"
         cfg_file.write_text(
             f'[tiers.local]\nroot = "{base}/local"\nrequire_mount = false\n'
-            f'[tiers.pfs]\nroot = "{base}/pfs"\n'
+            f'[tiers.pfs]\nkind = "posix"\nroot = "{base}/pfs"\n'
             f'[ledger]\ndir = "{base}/ledger"\n'
             f'[metrics]\ntextfile_dir = "{base}/prom"\n'
         )

@@ -63,6 +63,7 @@ def _user(user: Optional[str]) -> str:
 
 
 def _selected(state: CliState, tier: str) -> Dict[str, Tier]:
+    asked = tier
     if tier == "warm":
         tier = state.config.tiers.warm
     for note in require_roots(state.config, None if tier == "all" else tier):
@@ -70,9 +71,13 @@ def _selected(state: CliState, tier: str) -> Dict[str, Tier]:
     tiers = tiers_from_config(state.config)
     if tier == "all":
         return tiers
-    if tier not in tiers:
-        raise UsageError(f"--tier {tier}: tier {tier!r} is not configured")
+    if tier not in tiers:  # in the words the user typed
+        raise UsageError(f"--tier {asked}: the {asked} tier is not configured{_warm_hint(asked)}")
     return {tier: tiers[tier]}
+
+
+def _warm_hint(asked: str) -> str:
+    return " (give it with --warm DIR)" if asked in ("warm", "pfs") else ""
 
 
 def tier_role(name: str, config: Any) -> str:
@@ -339,7 +344,7 @@ def verify_cmd(
         if done is not None:
             row["uncommitted"] = done.done
             row["problems"].append(done.note)
-            notes.append(f"{t.name} {u}/{k} step {r.step}: {done.note}")
+            notes.append(f"{tier_role(t.name, state.config)} {u}/{k} step {r.step}: {done.note}")
         rows.append(row)
     rows += [
         dict(d.to_dict(), tier=name, ok=False, bytes=0, seconds=0.0, problems=[d.reason])
@@ -348,10 +353,14 @@ def verify_cmd(
     rows.sort(key=lambda r: (ORDER.index(r["tier"]) if r["tier"] in ORDER else 99, r["step"] or 0))
     for r in rows:
         r.pop("reason", None)
+        r["role"] = tier_role(r["tier"], state.config)
     ok = all(r["ok"] for r in rows)
     if out.json:
         print_json({"ok": ok, "checkpoints": rows})
     else:
+        for r in rows:
+            if out.human:  # the vocabulary, as in list (scripts keep the tier's name)
+                r["tier"] = r["role"]
         Listing(VERIFY_COLUMNS, rows, "verify").print(out)
         if out.human:
             for note in notes:

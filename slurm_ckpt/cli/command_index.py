@@ -30,12 +30,12 @@ COMMANDS = {
     "flush": (
         "slurm_ckpt.cli.flush_cli",
         "flush_cmd",
-        "Flush this node's checkpoints to the PFS now (root: every user's, as that user; otherwise your own).",
+        "Flush this node's checkpoints to the warm tier now (root: every user's, as that user; otherwise your own).",
     ),
     "gc": (
         "slurm_ckpt.cli.gc",
         "gc_cmd",
-        "Apply retention on the PFS (and cold) tiers: keep the newest retention.keep_warm checkpoints that verify now, one per retention.keep_warm_every, and pinned ones.",
+        "Apply retention on the warm (and cold) tiers: keep the newest retention.keep_warm checkpoints that verify now, one per retention.keep_warm_every, and pinned ones.",
     ),
     "goodput": (
         "slurm_ckpt.cli.goodput_cmd",
@@ -45,7 +45,7 @@ COMMANDS = {
     "guard": (
         "slurm_ckpt.cli.maint",
         "guard_cmd",
-        "Exit 0 when this node has no checkpoint waiting for the PFS, else exit 4.",
+        "Exit 0 when this node has no checkpoint waiting for the warm tier, else exit 4.",
     ),
     "install-hooks": (
         "slurm_ckpt.cli.hooks_cmds",
@@ -60,7 +60,7 @@ COMMANDS = {
     "maint": (
         "slurm_ckpt.cli.maint",
         "maint_cmd",
-        "Drain NODELIST, wait until its jobs are gone and every checkpoint is flushed to the PFS, then reboot it, reserve it, or run COMMAND (after --, without a shell).",
+        "Drain NODELIST, wait until its jobs are gone and every checkpoint is flushed to the warm tier, then reboot it, reserve it, or run COMMAND (after --, without a shell).",
     ),
     "plan": (
         "slurm_ckpt.cli.plan",

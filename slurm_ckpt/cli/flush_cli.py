@@ -1,4 +1,4 @@
-"""``ckpt-slurm flush``: flush this node's checkpoints to the PFS now (root: every user's,
+"""``ckpt-slurm flush``: flush this node's checkpoints to the warm tier now (root: every user's,
 as that user; otherwise your own). The work is :mod:`slurm_ckpt.ops.flush_cmd`; this module
 parses the arguments and prints the summary. Exit status 1 when anything failed."""
 
@@ -22,9 +22,10 @@ from slurm_ckpt.cli.table import (
     plural,
 )
 from slurm_ckpt.core.units import format_bytes, format_duration
-from slurm_ckpt.errors import CkptError
+from slurm_ckpt.errors import CkptError, UsageError
 from slurm_ckpt.ops.flush_cmd import FlushSummary, flush_node, flush_own
 from slurm_ckpt.slurm.env import this_node
+from slurm_ckpt.tiers.registry import warm_tiers
 
 __all__ = ["flush_cmd"]
 
@@ -100,7 +101,7 @@ def _print(summary: FlushSummary, out: OutputFormat) -> None:
 def flush_cmd(
     state: CliState, job: Optional[str], wait: bool, node: Optional[str], out: OutputFormat
 ) -> int:
-    """Flush this node's checkpoints to the PFS now (root: every user's, as that user;
+    """Flush this node's checkpoints to the warm tier now (root: every user's, as that user;
     otherwise your own).
 
     Exit status 1 when anything failed.
@@ -108,6 +109,11 @@ def flush_cmd(
     from slurm_ckpt.core.names import current_user
 
     cfg = state.config
+    if not warm_tiers(cfg):  # --local DIR alone (or with --cold: an archive, never flushed to)
+        raise UsageError(
+            "flush copies to the warm tier, and none is given: add --warm DIR "
+            "(or a [tiers.pfs] section to your config)"
+        )
     name = this_node(node)
     with ByteProgress("flush") as bar:
         if os.geteuid() == 0:

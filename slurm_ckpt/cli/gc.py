@@ -90,7 +90,7 @@ def _gc_columns(dry_run: bool) -> List[Column]:
 def gc_cmd(
     state: CliState, dry_run: bool, user: Optional[str], key: Optional[str], out: OutputFormat
 ) -> int:
-    """Apply retention on the PFS (and cold) tiers: keep the newest retention.keep_warm
+    """Apply retention on the warm (and cold) tiers: keep the newest retention.keep_warm
     checkpoints that verify now, one per retention.keep_warm_every, and pinned ones.
 
     Damaged step directories (CORRUPT, INCOMPLETE, UNREADABLE, FOREIGN) are reported;

@@ -62,7 +62,7 @@ def maint_cmd(
     reservation: Optional[str],
 ) -> None:
     """Drain NODELIST, wait until its jobs are gone and every checkpoint is flushed to the
-    PFS, then reboot it, reserve it, or run COMMAND (after --, without a shell).
+    warm tier, then reboot it, reserve it, or run COMMAND (after --, without a shell).
 
     Exit status 4 (nodes left drained) when that does not happen within --timeout.
     """
@@ -152,7 +152,7 @@ class _NodeProgress:
 @click.option("--poll", type=Duration(minimum=0.05), default="2s", hidden=True)
 @pass_state
 def guard_cmd(state: CliState, node: Optional[str], wait_s: float, poll: float) -> None:
-    """Exit 0 when this node has no checkpoint waiting for the PFS, else exit 4.
+    """Exit 0 when this node has no checkpoint waiting for the warm tier, else exit 4.
 
     For SLURM's RebootProgram (or a wrapper around it): a reboot must not lose a
     checkpoint that exists only on this node's local tier.

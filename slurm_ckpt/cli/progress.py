@@ -97,6 +97,13 @@ class ByteProgress:
         if self._progress is not None:
             self._progress.update(self._task, advance=int(nbytes))
 
+    def set_total(self, total: int) -> None:
+        """The total once the operation knows it (a restore, when it has picked its copy):
+        the bar gains its percentage and ETA."""
+        self.total = int(total)
+        if self._progress is not None:
+            self._progress.update(self._task, total=self.total)
+
     def set_description(self, text: str) -> None:
         self.description = text
         if self._progress is not None:

@@ -15,6 +15,7 @@ from typing import Optional
 
 import click
 
+from slurm_ckpt.cli.catalog import tier_role
 from slurm_ckpt.cli.output import CliState, pass_state, print_json
 from slurm_ckpt.cli.params import USER
 from slurm_ckpt.cli.progress import ByteProgress
@@ -119,7 +120,15 @@ def restore_cmd(
     dest = check_destination(to)
     with ByteProgress(f"restore {key}: copy + verify") as bar:
         doc = restore_to(
-            cfg, key, dest, user=user, tier=tier, step=step, lineage=lineage, progress=bar.advance
+            cfg,
+            key,
+            dest,
+            user=user,
+            tier=tier,
+            step=step,
+            lineage=lineage,
+            progress=bar.advance,
+            sized=lambda n: bar.set_total(bar.done + n),  # + a skipped copy's bytes
         )
     for note in doc["skipped"]:
         if note.startswith("passing over step "):  # suspect, or after the last healthy pin
@@ -132,6 +141,6 @@ def restore_cmd(
         return
     echo_wrapped(
         f"restored {doc['user']}/{doc['key']} step {doc['step']} (lineage {doc['lineage']}"
-        f"{', retired' if doc['retired'] else ''}) from {doc['tier']} "
+        f"{', retired' if doc['retired'] else ''}) from the {tier_role(doc['tier'], cfg)} tier "
         f"({format_bytes(doc['bytes'])}, verified) to {doc['path']}"
     )

@@ -342,12 +342,12 @@ def status_cmd(
     """Checkpoints per job and flush backlog per node, as seen from the shared tiers and
     SLURM.
 
-    Per job: SLURM state, newest step on each tier (local, pfs, object, cold) and its
-    age, the data version, steps and bytes not yet safe on the warm tier (the PFS, or
-    the object store on a site without one), flush rate and ETA. Per node: pending
-    bytes, flushes in flight, and drains set by slurm_ckpt. Reads no node-local
-    storage. --parsable and --noheader print the jobs (or, with --nodes, the nodes) one
-    per line; --json the whole document.
+    Per job: SLURM state, newest step on each tier (local, warm, cold) and its age,
+    the data version, steps and bytes not yet safe on the warm tier (the PFS, or the
+    object store on a site without one), flush rate and ETA. Per node: pending bytes,
+    flushes in flight, and drains set by slurm_ckpt. Reads no node-local storage (on a
+    laptop: the directory given with --local). --parsable and --noheader print the jobs
+    (or, with --nodes, the nodes) one per line; --json the whole document.
     """
     query = _no_slurm if skip_slurm else None
     node: Any = None

@@ -193,6 +193,12 @@ class Bookkeeper:
         if code:
             self._ledger("count_failure", code)
 
+    def state(self, step: int, tier: str, key: Optional[str] = None) -> Optional[str]:
+        """What this node's ledger says of ``step`` on ``tier`` (None: nothing, or no
+        ledger): a restore asks before it tells the user that a good copy exists."""
+        rec = self._ledger("get", self.user, key or self.key, step)
+        return None if rec is None else rec.tiers.get(tier)
+
     def commit_local(self, rec: SaveRecord) -> None:
         self._ledger(
             "record_local_commit",

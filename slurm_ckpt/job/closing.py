@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, Tuple
 from slurm_ckpt.errors import EXIT_INTERRUPTED
 from slurm_ckpt.job.close_progress import WAIT_NOTE_S, CloseProgress
 from slurm_ckpt.job.context import JobContext
+from slurm_ckpt.job.owed import no_epilog
 from slurm_ckpt.job.pipeline import DEADLINE_MARGIN_S
 from slurm_ckpt.job.replicas import tell_suspects
 from slurm_ckpt.job.stats import CheckpointStats
@@ -146,10 +147,13 @@ class ClosingMethods:
         """Ctrl-C inside close(): say what is kept, and end without a traceback."""
         newest = self._pipeline.newest
         kept = "nothing committed" if newest is None else f"step {newest.step} committed"
+        # A laptop has no epilog: never name one there (issue 31).
+        who = "the next start" if no_epilog() else "the epilog (or the next start)"
         log.warning(
             "[ckpt] interrupted while closing: %s on the local tier; an unfinished write "
-            "or copy is left for the next start (or the epilog) to clean up",
+            "or copy is left for %s to clean up",
             kept,
+            who,
         )
         with contextlib.suppress(BaseException):
             self._flag.uninstall()

@@ -90,6 +90,12 @@ class RestoreMethods:
         try:
             self.local.manifest_bytes(self.user, key, step)
             after = "this node's local copy is flushed again if it verifies"
+            if self._books.state(step, self.local.name, key) == State.BAD:
+                # Damaged on both tiers: this node's copy failed its check too.
+                after = (
+                    "this node's local copy of that step failed verification too; a node "
+                    "that holds a good copy flushes it again, else it is lost"
+                )
         except CkptError:
             # Say so: there may be no good copy at all (both tiers damaged).
             after = (

@@ -60,12 +60,13 @@ def _series(tiers: List[Any], user: str, key: str) -> Tuple[str, int, int]:
 
 def _drilled_series(tiers: Dict[str, Any], user: str, key: str) -> str:
     """``key`` itself when it has checkpoints; for a multi-rank job's key (only
-    ``KEY.rankNNNNN`` series exist), rank 0's series: what a restart of rank 0 reads."""
+    ``KEY.rankNNNNN`` series exist), rank 0's series: what a restart of rank 0 reads; for
+    a DCP job's key (``KEY.dcp.rankNNNNN`` parts), rank 0's part likewise."""
     from slurm_ckpt.ops.catalog import series_under
 
     found = series_under(tiers, user, key)
-    rank0 = f"{key}.rank00000"
-    if found == [key] or rank0 not in found:
+    rank0 = next((k for k in (f"{key}.rank00000", f"{key}.dcp.rank00000") if k in found), None)
+    if found == [key] or rank0 is None:
         return key
     for tier in tiers.values():
         try:

@@ -118,7 +118,10 @@ def plot_png(life: SeriesLife, path: str) -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UsageError("report --png needs matplotlib: pip install 'slurm-ckpt[plot]'") from None
+        raise UsageError(
+            "report --png needs matplotlib: install slurm_ckpt with its plot extra "
+            "(pip install '/path/to/slurm_ckpt[plot]')"
+        ) from None
     t0 = life.commits[0][0]
     fig, (top, bottom) = plt.subplots(
         2, 1, figsize=(10, 6), sharex=True, gridspec_kw={"height_ratios": [3, 2]}

@@ -20,7 +20,7 @@ passed over, and the result says so (``skipped``). ``--step N`` still reads it.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.lineage import SeriesView, lineage_of
@@ -28,6 +28,7 @@ from slurm_ckpt.core.names import current_user, validate_key, validate_user
 from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.core.replicas import newest_pin, not_automatic, pin_of
 from slurm_ckpt.errors import NotFound, TierError, UsageError, VerifyError
+from slurm_ckpt.ops.catalog import series_under
 from slurm_ckpt.tiers.copy import copy_checkpoint
 from slurm_ckpt.tiers.registry import ORDER, directory_tier, tiers_from_config
 
@@ -44,16 +45,19 @@ def restore_to(
     step: Optional[int] = None,
     progress: Optional[ProgressFn] = None,
     lineage: Optional[str] = None,
+    sized: Optional[Callable[[int], None]] = None,
 ) -> Dict[str, Any]:
     """Copy a committed, verifying checkpoint of ``key`` into ``to`` (see the module
     docstring): the given ``step`` (default: the newest on the tiers looked at), from
-    ``tier`` (default: every tier, fastest first). Returns what was done."""
+    ``tier`` (default: every tier, fastest first). Returns what was done. ``sized(n)``
+    hears the size of each copy before it starts (a progress bar's total)."""
     user = validate_user(user) if user else current_user()
     validate_key(key)
     tiers = tiers_from_config(cfg)
     if tier is not None:
         if tier not in tiers:
-            raise UsageError(f"--tier {tier}: not configured (configured: {', '.join(tiers)})")
+            word = "warm" if tier == cfg.tiers.warm else tier  # the name --tier takes
+            raise UsageError(f"--tier {word}: not configured (configured: {', '.join(tiers)})")
         tiers = {tier: tiers[tier]}
     found: List[Any] = []
     for t in tiers.values():
@@ -85,11 +89,12 @@ def restore_to(
     for current_only in (True, False):
         for t, info in found:
             if wanted(info, current_only):
-                holders.setdefault(info.step, []).append((t, info.manifest.meta))
+                holders.setdefault(info.step, []).append((t, info.manifest))
         if holders or step is None:
             break
     if not holders:
-        where = f" on the {tier} tier" if tier else ""
+        word = "warm" if tier == cfg.tiers.warm else tier  # the name --tier takes
+        where = f" on the {word} tier" if tier else ""
         at = f" at step {step}" if step is not None else ""
         at += f" in lineage {lineage}" if lineage is not None else ""
         if passed:
@@ -98,12 +103,16 @@ def restore_to(
                 f"no checkpoint of {user}/{key}{at}{where} that an automatic restore may "
                 f"take: step {newest} is {passed[newest]}; give --step N to read one anyway"
             )
-        raise NotFound(f"no committed checkpoint of {user}/{key}{at}{where}")
+        hint = _ranks_hint(tiers, user, key, found)
+        raise NotFound(f"no committed checkpoint of {user}/{key}{at}{where}{hint}")
     to = os.path.abspath(to)
     os.makedirs(to, exist_ok=True)
     skipped: List[str] = []
     for s in sorted(holders, reverse=True):
-        for t, meta in sorted(holders[s], key=lambda x: ORDER.index(x[0].name)):
+        for t, manifest in sorted(holders[s], key=lambda x: ORDER.index(x[0].name)):
+            meta = manifest.meta
+            if sized is not None:
+                sized(manifest.total_bytes)
             dst = directory_tier("restore", to, chunk_size=t.chunk_size, streams=cfg.copy.streams)
             try:
                 res = copy_checkpoint(t, dst, user, key, s, progress=progress)
@@ -129,3 +138,16 @@ def restore_to(
                 + skipped,
             }
     raise VerifyError(f"no copy of {user}/{key} verifies: {skipped[0]}")
+
+
+def _ranks_hint(tiers: Dict[str, Any], user: str, key: str, found: List[Any]) -> str:
+    """A multi-rank job keeps one series per rank (``KEY.rank00000``, DCP parts
+    ``KEY.dcp.rank00000``), and one directory holds one series' step: when ``KEY`` itself
+    has none, name its ranks' series, which ``restore`` takes one at a time."""
+    if found:
+        return ""
+    ranks = [k for k in series_under(tiers, user, key) if k != key]
+    if not ranks:
+        return ""
+    shown = ", ".join(ranks[:2]) + (f" ... ({len(ranks)} series)" if len(ranks) > 2 else "")
+    return f"; it is saved per rank ({shown}): restore each, e.g. ckpt-slurm restore {ranks[0]}"

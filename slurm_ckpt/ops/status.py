@@ -112,8 +112,11 @@ def collect_status(
             if user is None or name == user:
                 squatted.append(Squat(name, owner, str(path), partner=True))
     notes: List[str] = []
-    store = status_store(cfg)  # the PFS, or signed objects in the bucket without one
-    statuses = store.read(notes)
+    statuses: List[Dict[str, Any]] = []
+    statuses_at: Optional[str] = None
+    if cfg.tiers.pfs is not None or cfg.tiers.object is not None:  # else a laptop's dirs
+        store = status_store(cfg)  # the PFS, or signed objects in the bucket without one
+        statuses, statuses_at = store.read(notes), store.where
     owners = sorted(
         {u for heads in shared.values() for u, _k in heads} | ({user} if user else set())
     )
@@ -128,7 +131,7 @@ def collect_status(
         pfs_root=pfs_root,
         shared=shared,
         warm=cfg.tiers.warm,
-        statuses_at=store.where,
+        statuses_at=statuses_at,
         node_statuses=statuses,
         slurm=snapshot,
         user=user,

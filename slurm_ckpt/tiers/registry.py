@@ -153,7 +153,7 @@ def object_tier_class() -> Any:
     except ImportError as exc:
         raise ConfigError(
             f"the object tier needs boto3 ({exc.name or exc} is missing): "
-            "pip install 'slurm-ckpt[s3]'"
+            "install slurm_ckpt with its s3 extra (pip install '/path/to/slurm_ckpt[s3]')"
         ) from None
     return S3Tier
 

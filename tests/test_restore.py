@@ -406,7 +406,7 @@ def test_damage_on_both_tiers_never_claims_a_good_copy(
 ) -> None:
     """Step 2 rots on the local tier and on the PFS (issue 31: the restore said the step
     "is flushed again from a good copy" when none existed). The restore falls back to
-    step 1, and its line about the removed PFS copy says that this node's copy failed
+    step 1, and its line about the uncommitted PFS copy says that this node's copy failed
     its check too: no promise of a re-flush from it."""
     save_steps(tmp_path, [1, 2], flush_every=1)
     for tier in ("local", "pfs"):
@@ -415,7 +415,7 @@ def test_damage_on_both_tiers_never_claims_a_good_copy(
     with caplog.at_level(logging.WARNING):
         check(ckpt.restore(), 1, "local")
     ckpt.close()
-    said = [r.getMessage() for r in caplog.records if "removed the corrupt" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "uncommitted the corrupt" in r.getMessage()]
     assert len(said) == 1, said
     assert "local copy of that step failed verification too" in said[0], said
     assert "flushed again if it verifies" not in said[0], said

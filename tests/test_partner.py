@@ -289,12 +289,9 @@ class _Slurm:
         return []
 
 
-def test_the_partner_stager_leaves_a_live_owners_copies_and_learns_they_were_flushed(
-    tmp_path: Path,
-) -> None:
-    """Issue 28: the stager defers a live owner's partner copies, as the epilog does (two
-    nodes writing one step to the PFS at once would copy it twice), does not count them
-    against its node, and records them verified once the owner has flushed them."""
+def _two_nodes_saved_three_steps(tmp_path: Path) -> PosixTier:
+    """Ranks 0 (node na) and 1 (node nb), each the other's partner, save steps 1-3 and
+    close; returns the PFS they flush to."""
     a, b = node(tmp_path, "na", 0), node(tmp_path, "nb", 1)
     try:
         st = states(3)
@@ -303,7 +300,16 @@ def test_the_partner_stager_leaves_a_live_owners_copies_and_learns_they_were_flu
     finally:
         a.close()
         b.close()
-    pfs = PosixTier("pfs", str(tmp_path / "pfs"))
+    return PosixTier("pfs", str(tmp_path / "pfs"))
+
+
+def test_the_partner_stager_leaves_a_live_owners_copies_and_learns_they_were_flushed(
+    tmp_path: Path,
+) -> None:
+    """Issue 28: the stager defers a live owner's partner copies, as the epilog does (two
+    nodes writing one step to the PFS at once would copy it twice), does not count them
+    against its node, and records them verified once the owner has flushed them."""
+    pfs = _two_nodes_saved_three_steps(tmp_path)
     cfg = Config.from_dict(
         {
             "tiers": {
@@ -382,15 +388,7 @@ def test_the_owners_epilog_and_the_partners_stager_copy_one_step_at_once(tmp_pat
     just before it publishes its copy (a pause at ``commit:dirs-synced``, in its child
     running as the owner) while the stager copies and commits the same step; then it goes
     on. Every step committed stays, verifies, and both nodes' ledgers agree with the PFS."""
-    a, b = node(tmp_path, "na", 0), node(tmp_path, "nb", 1)
-    try:
-        st = states(3)
-        for step in (1, 2, 3):
-            save_all([a, b], step, st[step - 1])
-    finally:
-        a.close()
-        b.close()
-    pfs = PosixTier("pfs", str(tmp_path / "pfs"))
+    pfs = _two_nodes_saved_three_steps(tmp_path)
     # The owner's job died before its own flush of step 3: its epilog owes it; the
     # partner node holds a partner copy of it (and of step 2), owed too.
     pfs.delete("root", rank_key(0), 3)
@@ -449,15 +447,7 @@ def test_roots_flush_and_ckpt_sruns_flush_leave_a_live_owners_copies(
     as the epilog and the stager do; an owner SLURM says is DOWN has them flushed here."""
     from slurm_ckpt.ops.flush_cmd import flush_node, flush_series
 
-    a, b = node(tmp_path, "na", 0), node(tmp_path, "nb", 1)
-    try:
-        st = states(3)
-        for step in (1, 2, 3):
-            save_all([a, b], step, st[step - 1])
-    finally:
-        a.close()
-        b.close()
-    pfs = PosixTier("pfs", str(tmp_path / "pfs"))
+    pfs = _two_nodes_saved_three_steps(tmp_path)
     owner_copies = [s for s in (2, 3) if s not in [i.step for i in pfs.steps("root", rank_key(0))]]
     assert owner_copies, "the owner's newest steps must not be on the PFS yet"
     held = [i.step for i in local_tier(tmp_path, "nb").steps("root", rank_key(0))]

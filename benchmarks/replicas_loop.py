@@ -21,6 +21,9 @@ wait for their local writes, then train ``--settle`` seconds. Both ranks take ev
 decision together (one tiny all-reduce per step), so they save the same steps - which
 the check needs anyway.
 
+After the windows, each rank also times 200 digest exchanges on their own (CPU and wall
+per exchange): the check's own price, which bounds what it can take from the steps/s.
+
     python benchmarks/replicas_loop.py               # 32 MiB/rank, save every 2 s, 8 pairs
     python benchmarks/replicas_loop.py --quick       # smoke run
     python benchmarks/replicas_loop.py --json out.json
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -50,6 +54,7 @@ from torch import nn  # noqa: E402
 
 from slurm_ckpt.core.units import format_bytes, parse_size  # noqa: E402
 from slurm_ckpt.job.checkpointer import Checkpointer  # noqa: E402
+from slurm_ckpt.job.replicas import ReplicaCheck  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from claims import claim  # noqa: E402
@@ -81,6 +86,26 @@ def agree(*flags: bool) -> List[bool]:
     t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [bool(v) for v in t.tolist()]
+
+
+def exchange_cost(rank: int, n: int) -> Dict[str, float]:
+    """The mechanism's own price, measured apart from the noisy steps/s: the CPU time
+    (this process, every thread: gloo's included) and wall time of one digest exchange
+    as a save makes it (8 files), averaged over ``n`` exchanges on an otherwise idle
+    pair of ranks. On CPUs the training saturates, the steps/s the check can take is
+    about this CPU time times the saves per second: a figure the side-by-side ratio,
+    whose noise on a shared machine is about 1 %, cannot resolve by itself."""
+    check = ReplicaCheck(True, rank, f"n{rank}")
+    digests = {f"blob{i}": f"{i:032x}" for i in range(8)}
+    for i in range(10):  # warm up the group's connections
+        check.exchange(i, digests)
+    dist.barrier()
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    for i in range(n):
+        check.exchange(10 + i, digests)
+    r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    return {"cpu_ms": 1e3 * cpu / n, "wall_ms": 1e3 * (t1 - t0) / n, "n": float(n)}
 
 
 def worker(rank: int, cfg: Dict[str, Any]) -> None:
@@ -170,6 +195,7 @@ def worker(rank: int, cfg: Dict[str, Any]) -> None:
         "checks": stats["on"].replica_checks,
         "suspect": stats["on"].suspect_steps,
         "checks_off": stats["off"].replica_checks,
+        "exchange": exchange_cost(rank, cfg["exchanges"]),
     }
     (work / f"result.rank{rank}.json").write_text(json.dumps({"pairs": pairs, "summary": summary}))
     dist.barrier()
@@ -202,6 +228,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "save_every": args.save_every or (0.5 if q else 2.0),
         "settle": args.settle,
         "control": args.control,
+        "exchanges": 20 if q else 200,
         "port": free_port(),
     }
     if cfg["window"] <= 0 or cfg["rounds"] < 1 or cfg["save_every"] <= 0 or cfg["settle"] < 0:
@@ -260,6 +287,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         f"{result['loadavg_at_end'][0]:.1f}",
         flush=True,
     )
+    ex = [d["summary"]["exchange"] for d in docs]
+    cpu_ms = max(e["cpu_ms"] for e in ex)
+    print(
+        f"one exchange (8 files): {cpu_ms:.2f} ms CPU, "
+        f"{max(e['wall_ms'] for e in ex):.2f} ms wall per rank; at a save every "
+        f"{cfg['save_every']:g}s that is {100 * cpu_ms / 1e3 / cfg['save_every']:.3f} % of one "
+        "core: the most the check itself can take from the steps/s above",
+        flush=True,
+    )
+    result["exchange"] = {"per_rank": ex, "cpu_share_of_one_core": cpu_ms / 1e3 / cfg["save_every"]}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0 if args.control or all(x > 0 for x in checks) else 1

@@ -431,6 +431,7 @@ root = "{tmp_path / "l"}"
 require_mount = false
 min_free = 0
 [tiers.pfs]
+kind = "posix"
 root = "{tmp_path / "p"}"
 [job]
 interval_steps = 3

@@ -46,7 +46,7 @@ def bad_config(site: Path, line: str) -> Path:
     path = site / "bad.toml"
     path.write_text(
         f'[tiers.local]\nroot = "{site / "local"}"\nrequire_mount = false\n{line}\n'
-        f'[tiers.pfs]\nroot = "{site / "pfs"}"\n'
+        f'[tiers.pfs]\nkind = "posix"\nroot = "{site / "pfs"}"\n'
     )
     return path
 

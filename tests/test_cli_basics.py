@@ -386,7 +386,7 @@ def test_status_json_imports_no_torch_boto3_or_rich(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text(
         f'[tiers.local]\nroot = "{tmp_path}/l"\nrequire_mount = false\nmin_free = 0\n'
-        f'[tiers.pfs]\nroot = "{tmp_path}/p"\n'
+        f'[tiers.pfs]\nkind = "posix"\nroot = "{tmp_path}/p"\n'
     )
     mods = _modules_after("status", "--json", "--no-slurm", config=cfg)
     assert "slurm_ckpt.ops.status" in mods  # it did run

@@ -241,7 +241,9 @@ def test_missing_cold_root_is_left_out_with_a_warning(site: Site) -> None:
     """The archive is often not mounted on login nodes: the other tiers are read, and a
     warning says the cold tier was not; asking for the cold tier alone is the error."""
     cfg = site.base / "cold.toml"
-    cfg.write_text(site.cfg_path.read_text() + '[tiers.cold]\nroot = "/nonexistent/cold"\n')
+    cfg.write_text(
+        site.cfg_path.read_text() + '[tiers.cold]\nkind = "posix"\nroot = "/nonexistent/cold"\n'
+    )
     code, out, err = run_here(["--config", str(cfg), "list", "run", "-u", "alice", "--json"])
     assert code == 0, err
     assert {c["tier"] for c in json.loads(out)["checkpoints"]} == {"local", "pfs"}

@@ -93,7 +93,7 @@ def test_list_without_key_lists_series(tmp_path: Path, monkeypatch: pytest.Monke
     cfg = tmp_path / "c.toml"
     cfg.write_text(
         f'[tiers.local]\nroot = "{tmp_path / "local"}"\nrequire_mount = false\nmin_free = 0\n'
-        f'[tiers.pfs]\nroot = "{tmp_path / "pfs"}"\n'
+        f'[tiers.pfs]\nkind = "posix"\nroot = "{tmp_path / "pfs"}"\n'
     )
     monkeypatch.setenv("SLURM_CKPT_CONFIG", str(cfg))
     local = PosixTier("local", str(tmp_path / "local"))

@@ -337,7 +337,9 @@ def test_permission_problems_read_as_such(site: Site) -> None:
         os.chmod(tier / "nobody" / "run" / step_dirname(1), 0o000)
         cfg = base / "c.toml"
         (base / "p").mkdir()  # a missing tier root is a config error, not an empty tier
-        cfg.write_text(f'[tiers.local]\nroot = "{tier}"\n[tiers.pfs]\nroot = "{base / "p"}"\n')
+        cfg.write_text(
+            f'[tiers.local]\nroot = "{tier}"\n[tiers.pfs]\nkind = "posix"\nroot = "{base / "p"}"\n'
+        )
         os.chmod(cfg, 0o644)
         code, out, err = as_nobody(["--config", str(cfg), "verify", "run", "--json"])
         assert code == 1, err

@@ -117,7 +117,8 @@ def test_save_load_round_trip_metadata_is_json_and_flushed(ckpt: Checkpointer) -
     cfg = Path(ckpt.local.root).parent / "dcp-cli.toml"
     cfg.write_text(
         f'[tiers.local]\nroot = "{ckpt.local.root}"\nrequire_mount = false\nmin_free = 0\n'
-        f'[tiers.pfs]\nroot = "{ckpt.warm.root}"\n[ledger]\ndir = "{cfg.parent / "ledger"}"\n'
+        f'[tiers.pfs]\nkind = "posix"\nroot = "{ckpt.warm.root}"\n'
+        f'[ledger]\ndir = "{cfg.parent / "ledger"}"\n'
     )
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     cli = [sys.executable, "-m", "slurm_ckpt.cli.main", "--config", str(cfg)]

@@ -167,7 +167,10 @@ def pfs_saved() -> Iterator[Tuple[Saved, Path]]:
         s = Saved(base, m)
         pfs = m.loopfs(256, "ext4", "pfs")
         cfg = config(
-            base / "save.json", s.local / "save", {"pfs": {"root": str(pfs / "main")}}, base / "l1"
+            base / "save.json",
+            s.local / "save",
+            {"pfs": {"kind": "posix", "root": str(pfs / "main")}},
+            base / "l1",
         )
         for out in launch(2, cfg, s.fsdir, "save"):
             assert "SAVED" in out, out
@@ -182,7 +185,7 @@ def _load_pfs(s: Saved, pfs_root: Path, name: str, *args: str) -> List[str]:
     cfg = config(
         s.base / f"{name}.json",
         s.local / name,
-        {"pfs": {"root": str(pfs_root)}},
+        {"pfs": {"kind": "posix", "root": str(pfs_root)}},
         s.base / f"ledger-{name}",
     )
     return launch(4, cfg, s.fsdir, "load", *args)

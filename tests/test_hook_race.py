@@ -166,7 +166,7 @@ class Round:
         return {
             "tiers": {
                 "local": {"root": str(self.local[node]), "min_free": 0},
-                "pfs": {"root": str(self.warm)},
+                "pfs": {"kind": "posix", "root": str(self.warm)},
             },
             "ledger": {"dir": str(self.base / f"ledger-{node}")},
             "copy": {"chunk_size": "4KiB", "streams": 2},

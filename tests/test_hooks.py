@@ -86,7 +86,7 @@ class Area:
         data: Dict[str, Any] = {
             "tiers": {
                 "local": {"root": str(self.local), "min_free": 0},
-                "pfs": {"root": str(self.pfs)},
+                "pfs": {"kind": "posix", "root": str(self.pfs)},
             },
             "copy": {"chunk_size": "1MiB", "streams": 2},
             "hooks": {"budget": 30},
@@ -535,7 +535,7 @@ def test_install_hooks(
 ) -> None:
     conf = area.base / "site.toml"
     conf.write_text(
-        f'[tiers.local]\nroot = "{area.local}"\n[tiers.pfs]\nroot = "{area.pfs}"\n'
+        f'[tiers.local]\nroot = "{area.local}"\n[tiers.pfs]\nkind = "posix"\nroot = "{area.pfs}"\n'
         '[hooks]\nbudget = "40s"\n'
     )
     monkeypatch.setattr(hooks_cmds, "_client", lambda timeout=10.0: _FakeClient(120.0))
@@ -637,7 +637,8 @@ def test_ckpt_srun_key() -> None:
 def test_stager_daemon_passes_until_sigterm(area: Area) -> None:
     cfg_file = area.base / "stager.toml"
     cfg_file.write_text(
-        f'[tiers.local]\nroot = "{area.local}"\nmin_free = 0\n[tiers.pfs]\nroot = "{area.pfs}"\n'
+        f'[tiers.local]\nroot = "{area.local}"\nmin_free = 0\n'
+        f'[tiers.pfs]\nkind = "posix"\nroot = "{area.pfs}"\n'
     )
     save(area.cfg(), "ckptuser1", "daemon", 1)
     proc = subprocess.Popen(

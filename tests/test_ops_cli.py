@@ -169,7 +169,7 @@ def test_drill_loads_torch_state(site: Site) -> None:
     conf = site.base / "t.toml"
     conf.write_text(
         f'[tiers.local]\nroot = "{local}"\nrequire_mount = false\nmin_free = 0\n'
-        f'[tiers.pfs]\nroot = "{pfs}"\n'
+        f'[tiers.pfs]\nkind = "posix"\nroot = "{pfs}"\n'
     )
     code, out, err = run_here(["--config", str(conf), "drill", "run", "--json"])
     assert code == 0, err

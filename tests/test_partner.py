@@ -147,7 +147,7 @@ def test_node_lost_mid_job_costs_no_checkpoint(tmp_path: Path) -> None:
         {
             "tiers": {
                 "local": {"root": str(tmp_path / "nb" / "local"), "min_free": 0},
-                "pfs": {"root": str(tmp_path / "pfs")},
+                "pfs": {"kind": "posix", "root": str(tmp_path / "pfs")},
             },
             "ledger": {"dir": str(tmp_path / "nb" / "ledger")},
             "hooks": {"budget": 60},
@@ -318,7 +318,7 @@ def test_the_partner_stager_leaves_a_live_owners_copies_and_learns_they_were_flu
                     "min_free": 0,
                     "require_mount": False,
                 },
-                "pfs": {"root": str(tmp_path / "pfs")},
+                "pfs": {"kind": "posix", "root": str(tmp_path / "pfs")},
             },
             "ledger": {"dir": str(tmp_path / "nb" / "ledger")},
         }
@@ -366,7 +366,7 @@ print(rep.line())
 def _node_cfg(tmp: Path, name: str) -> Dict[str, Any]:
     local = {"root": str(tmp / name / "local"), "min_free": 0, "require_mount": False}
     return {
-        "tiers": {"local": local, "pfs": {"root": str(tmp / "pfs")}},
+        "tiers": {"local": local, "pfs": {"kind": "posix", "root": str(tmp / "pfs")}},
         "ledger": {"dir": str(tmp / name / "ledger")},
         "hooks": {"budget": 60},
     }

@@ -304,7 +304,7 @@ def test_squatted_rendezvous_is_refused_and_reported(tmp_path: Path) -> None:
         {
             "tiers": {
                 "local": {"root": str(tmp_path / "na" / "local"), "min_free": 0},
-                "pfs": {"root": str(tmp_path / "pfs")},
+                "pfs": {"kind": "posix", "root": str(tmp_path / "pfs")},
             },
             "ledger": {"dir": str(tmp_path / "na" / "ledger")},
             "partner": {"dir": str(base)},

@@ -24,7 +24,7 @@ def site(tmp_path: Path, local: Path) -> Path:
     cfg = tmp_path / "c.toml"
     cfg.write_text(
         f'[tiers.local]\nroot = "{local}"\nrequire_mount = false\nmin_free = 0\n'
-        f'[tiers.pfs]\nroot = "{tmp_path / "pfs"}"\n'
+        f'[tiers.pfs]\nkind = "posix"\nroot = "{tmp_path / "pfs"}"\n'
     )
     return cfg
 

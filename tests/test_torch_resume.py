@@ -372,7 +372,7 @@ def test_interrupted_training_is_bitwise_equal_to_uninterrupted(tmp_path: Path) 
     config = tmp_path / "config.toml"
     config.write_text(
         f'[tiers.local]\nroot = "{tmp_path / "local"}"\nrequire_mount = false\nmin_free = 0\n'
-        f'[tiers.pfs]\nroot = "{tmp_path / "pfs"}"\n'
+        f'[tiers.pfs]\nkind = "posix"\nroot = "{tmp_path / "pfs"}"\n'
     )
     slurm_env = {
         "SLURM_CKPT_CONFIG": str(config),

@@ -118,7 +118,7 @@ def _config_file(area: Area) -> Path:
     path = area.base / "site.toml"
     path.write_text(
         f'[tiers.local]\nroot = "{area.local}"\nmin_free = 0\n'
-        f'[tiers.pfs]\nroot = "{area.pfs}"\n[copy]\nchunk_size = "1MiB"\n'
+        f'[tiers.pfs]\nkind = "posix"\nroot = "{area.pfs}"\n[copy]\nchunk_size = "1MiB"\n'
     )
     os.chmod(path, 0o644)
     return path

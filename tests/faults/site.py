@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Set
 
+from slurm_ckpt.core.config_schema import SECTION_KINDS
 from slurm_ckpt.errors import NotFound, TierError, VerifyError
 from slurm_ckpt.tiers.posix import PosixTier
 
@@ -353,6 +354,10 @@ class FaultSite:
             }
             for name, values in self.sections.items():
                 data.setdefault(name, {}).update(values)
+            for name, values in data.items():  # today's form: a shared tier says its kind
+                tier = name.partition(".")[2] if name.startswith("tiers.") else ""
+                if tier in SECTION_KINDS and tier != "local":
+                    values.setdefault("kind", SECTION_KINDS[tier])
             text = "".join(
                 f"[{name}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in values.items())
                 for name, values in data.items()

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 from slurm_ckpt.core.config import Config, load_config
+from slurm_ckpt.core.config_schema import SECTION_KINDS
 from slurm_ckpt.core.layout import step_dirname
 from slurm_ckpt.core.manifest import Manifest
 from slurm_ckpt.core.names import user_ids
@@ -54,7 +55,7 @@ class Site:
         )
         for name in ("pfs", "cold"):
             if name in self.roots:
-                text += f'[tiers.{name}]\nroot = "{self.roots[name]}"\n'
+                text += f'[tiers.{name}]\nkind = "posix"\nroot = "{self.roots[name]}"\n'
         self.cfg_path = self.base / config_name
         self.cfg_path.write_text(text + extra)
 
@@ -117,6 +118,18 @@ class Site:
         return copy_checkpoint(self.tier(src), self.tier(dst), user, key, step)
 
 
+def with_kinds(data: Mapping[str, Mapping[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """``{"tiers.pfs": {...}, ...}`` with each shared tier's ``kind`` said, as a site's
+    config says it today (docs/admin-guide.md); a section that names its own kind keeps
+    it. The old form (no kind) is for the alias tests to write, on purpose."""
+    out = {name: dict(values) for name, values in data.items()}
+    for name, values in out.items():
+        tier = name[len("tiers.") :] if name.startswith("tiers.") else ""
+        if tier in SECTION_KINDS and tier != "local":
+            values.setdefault("kind", SECTION_KINDS[tier])
+    return out
+
+
 def write_config(path: Path, data: Mapping[str, Mapping[str, object]]) -> Config:
     """Write ``{"tiers.local": {...}, ...}`` as the site's TOML config at ``path`` (mode
     0644: the job users read it; replaced atomically, as a running hook may read it) and
@@ -129,7 +142,7 @@ def write_config(path: Path, data: Mapping[str, Mapping[str, object]]) -> Config
 
     text = "".join(
         f"[{name}]\n" + "".join(f"{k} = {val(v)}\n" for k, v in values.items())
-        for name, values in data.items()
+        for name, values in with_kinds(data).items()
     )
     tmp = path.with_suffix(".tmp")
     tmp.write_text(text)
@@ -167,6 +180,9 @@ class HookSite:
                 tiers[name].update(values)
             else:
                 data.setdefault(name, {}).update(values)
+        for name, values in tiers.items():  # today's form: each shared tier says its kind
+            if name in SECTION_KINDS and name != "local" and isinstance(values, dict):
+                values.setdefault("kind", SECTION_KINDS[name])
         return data
 
     def cfg(self, **sections: Any) -> Config:

@@ -129,7 +129,7 @@ class Site(HookSite):
         self.pfs, self.mounts = pfs, mounts
 
     def warm_tiers(self) -> Dict[str, Dict[str, Any]]:
-        return {"pfs": {"root": str(self.pfs)}}
+        return {"pfs": {"kind": "posix", "root": str(self.pfs)}}
 
 
 @pytest.fixture(scope="session")

@@ -42,7 +42,7 @@ def _sections(osite: ObjectSite, cold: Optional[Path] = None) -> Dict[str, Any]:
     ages on (``every`` 0, or a microsecond for the cold tier); the PFS and the object
     store keep their newest one."""
     out: Dict[str, Any] = {
-        "pfs": {"root": str(osite.site.pfs / "warm-root")},
+        "pfs": {"kind": "posix", "root": str(osite.site.pfs / "warm-root")},
         "object": {"every": 0},
         "retention": {"keep_warm": 1, "keep_warm_every": 0},
     }

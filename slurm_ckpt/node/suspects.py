@@ -21,7 +21,8 @@ from __future__ import annotations
 from typing import Dict, Iterable, Tuple
 
 from slurm_ckpt.core.names import base_key
-from slurm_ckpt.ledger.events import EventLog
+from slurm_ckpt.ledger.events import EventLog, read_summary
+from slurm_ckpt.ledger.suspect_steps import seen
 
 __all__ = ["PER_USER", "record_suspects"]
 
@@ -34,10 +35,14 @@ def record_suspects(events: EventLog, found: Iterable[Tuple[str, str, int]]) -> 
     ``found`` (``(user, key, step)`` of flagged manifests, a rank's series folded into
     its key) that the node's log has not counted yet; returns how many were recorded."""
     steps = sorted({(u, base_key(k), s) for u, k, s in found}, key=lambda t: (t[0], t[1], -t[2]))
+    # Every scan finds the same steps again: one read of the summary, without its lock,
+    # sets the ones already counted aside (the locked check below has the last word).
+    doc = read_summary(events.path)
     done: Dict[str, int] = {}
     for user, key, step in steps:
-        if done.get(user, 0) >= PER_USER:
+        fields = {"user": user, "key": key, "step": step}
+        if done.get(user, 0) >= PER_USER or seen(doc, fields):
             continue
-        if events.emit_suspect_once(user=user, key=key, step=step, source="manifest"):
+        if events.emit_suspect_once(**fields, source="manifest"):
             done[user] = done.get(user, 0) + 1
     return sum(done.values())

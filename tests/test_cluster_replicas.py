@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import time
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
@@ -31,7 +32,7 @@ from typing import Dict, Iterator, List, Optional
 import pytest
 from helpers.cluster import DevCluster, at_least_nodes
 from prometheus_client.parser import text_string_to_metric_families
-from test_cluster_e2e import CKPT_SRUN, E2E, PY, hooked_site
+from test_cluster_e2e import CKPT_SLURM, CKPT_SRUN, E2E, PY, hooked_site
 from test_torch_distributed import free_port
 
 from slurm_ckpt.errors import NotFound
@@ -175,6 +176,12 @@ def test_a_flipped_bit_on_one_node_is_named_and_the_restore_takes_the_step_befor
     # log): the suspect steps its local tier holds, once each - two ranks per node
     counted = _suspect_metrics(site, job, t_first, key, where)
     assert counted[where[3]] >= 1, counted
+    # list and status (root on the host, the site's config) read the flushed manifests
+    rows = json.loads(_ckpt(site, "list", key, "-u", USER, "--json"))["checkpoints"]
+    bad = {x["step"] for x in rows if x.get("suspect")}
+    assert 6 in bad and 5 not in bad, rows
+    jobs = json.loads(_ckpt(site, "status", "--json", "--no-slurm", "-k", key))["jobs"]
+    assert any(f"rank(s) 3 on {where[3]}" in (j.get("suspect") or "") for j in jobs), jobs
     # the next job restores the step before the flip on every rank
     t_again = time.time()
     again_job = site.ddp_job(key, nodes, "--restore-only --hidden 32")
@@ -184,6 +191,18 @@ def test_a_flipped_bit_on_one_node_is_named_and_the_restore_takes_the_step_befor
         assert resumed and resumed[0].startswith("RESUMED step=5 "), json.dumps(again)
     # that job's prolog and epilog scanned the same manifests again: nothing new counted
     assert _suspect_metrics(site, again_job, t_again, key, where) == counted
+
+
+def _ckpt(site: ReplicaSite, *args: str) -> str:
+    r = subprocess.run(
+        [str(CKPT_SLURM), *args],
+        env=dict(site.c.env, SLURM_CKPT_CONFIG=str(site.config)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
 
 
 def _suspect_metrics(

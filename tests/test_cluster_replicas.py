@@ -10,7 +10,10 @@ Then:
   naming rank 3 and the node it ran on, and the job stops;
 * every rank's manifest of step 6 (on its node's local tier) records the verdict;
 * the next job on the same nodes restores step 5 on every rank: the step before the
-  flip, passing over the suspect ones.
+  flip, passing over the suspect ones;
+* each node's metrics textfile, written by root's hooks as node_exporter reads it,
+  counts the suspect steps once each (not once per rank), from the manifests root's
+  scan read - and the next job's prolog and epilog, scanning them again, add nothing.
 
 Every wait polls SLURM or the job's output; nothing sleeps for a fixed time.
 """
@@ -21,21 +24,26 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import time
 from pathlib import Path
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional
 
 import pytest
 from helpers.cluster import DevCluster, at_least_nodes
-from test_cluster_e2e import CKPT_SRUN, E2E, PY, hooked_site
+from prometheus_client.parser import text_string_to_metric_families
+from test_cluster_e2e import CKPT_SLURM, CKPT_SRUN, E2E, PY, hooked_site
 from test_torch_distributed import free_port
 
 from slurm_ckpt.errors import NotFound
+from slurm_ckpt.ledger.metrics import TEXTFILE_NAME
 
 pytestmark = pytest.mark.root
 
 USER = "ckptuser1"
 WORKER = Path(__file__).with_name("replica_worker.py")
 _LABEL = re.compile(r"^\s*(\d+): (.*)$")
+PROM_DIR = ".metrics"
 
 
 class ReplicaSite(E2E):
@@ -47,6 +55,44 @@ class ReplicaSite(E2E):
         self.worker = self.dir / "replica_worker.py"
         shutil.copyfile(WORKER, self.worker)
         os.chmod(self.worker, 0o644)
+        # Root's hooks write each node's textfile below that node's local root (a
+        # hidden name: no user's directory). Every step stays on the local tier until
+        # the epilog's scan: the suspect ones too.
+        self.configure(
+            metrics={"textfile_dir": str(self.local_root / PROM_DIR)},
+            retention={"keep_local": 100},
+        )
+
+    def node_metrics(self, node: str) -> Dict[str, float]:
+        """``node``'s textfile (the root-written file node_exporter serves), read with
+        prometheus' own parser: the suspect-steps counter and the epilog's last run."""
+        path = self.local_dir(node) / PROM_DIR / TEXTFILE_NAME
+        out: Dict[str, float] = {}
+        if not path.exists():
+            return out
+        for fam in text_string_to_metric_families(path.read_text()):
+            for s in fam.samples:
+                if s.labels.get("node") != node:
+                    continue
+                if s.name == "slurm_ckpt_suspect_steps_total":
+                    out["suspect"] = s.value
+                if s.name == "slurm_ckpt_hook_last_run_timestamp_seconds" and (
+                    s.labels.get("hook") == "epilog"
+                ):
+                    out["epilog"] = s.value
+        return out
+
+    def suspect_after_epilog(self, node: str, since: float) -> float:
+        """The node's suspect-steps counter once its textfile holds an epilog run
+        that started after ``since`` (the hook rewrites the file after its log line)."""
+
+        def done() -> Optional[Dict[str, float]]:
+            m = self.node_metrics(node)
+            return m if m.get("epilog", 0.0) >= since and "suspect" in m else None
+
+        got = self.c.wait_until(done, timeout=60, what=f"{node}'s textfile")
+        assert isinstance(got, dict)
+        return float(got["suspect"])
 
     def ddp_job(self, key: str, nodes: str, *worker_args: str) -> str:
         """Two ranks on each of the two ``nodes``; ``srun --label`` prefixes each rank's
@@ -104,6 +150,7 @@ def test_a_flipped_bit_on_one_node_is_named_and_the_restore_takes_the_step_befor
 ) -> None:
     nodes = ",".join(site.c.nodes[:2])
     key = "ddp-flip"
+    t_first = time.time()
     job = site.ddp_job(
         key, nodes, "--steps 40 --flip-at 6 --flip-rank 3 --stop-on-suspect --hidden 32"
     )
@@ -125,8 +172,55 @@ def test_a_flipped_bit_on_one_node_is_named_and_the_restore_takes_the_step_befor
         assert (rep["ranks"], rep["nodes"]) == ([3], [where[3]]), rep
         before = _meta_anywhere(site, where[r], series, 5)["replicas"]
         assert before == {"checked": 1, "suspect": False}, before
+    # each node's metric, from root's hooks (the job's own events go to the user's
+    # log): the suspect steps its local tier holds, once each - two ranks per node
+    counted = _suspect_metrics(site, job, t_first, key, where)
+    assert counted[where[3]] >= 1, counted
+    # list and status (root on the host, the site's config) read the flushed manifests
+    rows = json.loads(_ckpt(site, "list", key, "-u", USER, "--json"))["checkpoints"]
+    bad = {x["step"] for x in rows if x.get("suspect")}
+    assert 6 in bad and 5 not in bad, rows
+    jobs = json.loads(_ckpt(site, "status", "--json", "--no-slurm", "-k", key))["jobs"]
+    assert any(f"rank(s) 3 on {where[3]}" in (j.get("suspect") or "") for j in jobs), jobs
     # the next job restores the step before the flip on every rank
-    again = site.finished(site.ddp_job(key, nodes, "--restore-only --hidden 32"))
+    t_again = time.time()
+    again_job = site.ddp_job(key, nodes, "--restore-only --hidden 32")
+    again = site.finished(again_job)
     for lines in again.values():
         resumed = _starts(lines, "RESUMED ")
         assert resumed and resumed[0].startswith("RESUMED step=5 "), json.dumps(again)
+    # that job's prolog and epilog scanned the same manifests again: nothing new counted
+    assert _suspect_metrics(site, again_job, t_again, key, where) == counted
+
+
+def _ckpt(site: ReplicaSite, *args: str) -> str:
+    r = subprocess.run(
+        [str(CKPT_SLURM), *args],
+        env=dict(site.c.env, SLURM_CKPT_CONFIG=str(site.config)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def _suspect_metrics(
+    site: ReplicaSite, job: str, since: float, key: str, where: Dict[int, str]
+) -> Dict[str, float]:
+    """After ``job``'s epilog on each node: its metric, checked against the suspect
+    steps of the node's ranks' manifests on its local tier (step 6 among them)."""
+    out: Dict[str, float] = {}
+    for node in sorted(set(where.values())):
+        site.wait_hook("epilog", job, node)
+        local = site.tier("local", node)
+        steps = set()
+        for r in (r for r, n in where.items() if n == node):
+            series = f"{key}.rank{r:05d}"
+            for info in local.steps(USER, series):
+                if info.manifest.meta.get("replicas", {}).get("suspect"):
+                    steps.add(info.step)
+        assert 6 in steps, (node, steps)
+        out[node] = site.suspect_after_epilog(node, since)
+        assert out[node] == len(steps), (node, out[node], sorted(steps))
+    return out

@@ -252,6 +252,60 @@ def test_textfile_parses_and_holds_the_right_values(tmp_path: Path, cfg: Config)
     assert _v(s, P + "steps_at_risk", user="alice", key="run") == 10
 
 
+def _suspect_total(led: Ledger, cfg: Config) -> float:
+    return _v(_parse(refresh_textfile(led, cfg).read_text()), "slurm_ckpt_suspect_steps_total")  # type: ignore[union-attr]
+
+
+def test_the_suspect_metric_counts_steps_not_ranks(tmp_path: Path, cfg: Config) -> None:
+    """Every rank of a job emits the verdict of one step (its own series, KEY.rankNNNNN):
+    the counter counts the step once; events_total still counts every event."""
+    led = Ledger(cfg.ledger.dir, "n1")
+    log = EventLog.from_config(cfg, "n1")
+    assert _suspect_total(led, cfg) == 0  # exported at 0 before any
+    for rank in (0, 1):
+        log.emit("replicas_suspect", user="alice", key=f"run.rank{rank:05d}", step=6, ranks=[1])
+    assert _suspect_total(led, cfg) == 1
+    log.emit("replicas_suspect", user="alice", key="run.dcp.rank00001", step=6)  # a DCP part
+    log.emit("replicas_suspect", user="alice", key="run", step=6)  # root's, from the manifest
+    assert _suspect_total(led, cfg) == 1
+    log.emit("replicas_suspect", user="alice", key="run.rank00000", step=7)  # another step
+    log.emit("replicas_suspect", user="bob", key="run.rank00000", step=6)  # another user's
+    log.emit("replicas_suspect", user="alice", key="other", step=6)  # another key
+    assert _suspect_total(led, cfg) == 4
+    s = _parse(refresh_textfile(led, cfg).read_text())  # type: ignore[union-attr]
+    assert _v(s, "slurm_ckpt_events_total", type="replicas_suspect") == 7
+
+
+def test_root_records_a_suspect_step_once_and_a_forger_stays_bounded(
+    tmp_path: Path, cfg: Config
+) -> None:
+    """``emit_suspect_once`` (root's hooks, at every scan): one event per step, ever;
+    a user forging thousands of steps and keys leaves a bounded summary, and does not
+    push another user's steps out of it."""
+    from slurm_ckpt.ledger import suspect_steps as ss
+
+    led = Ledger(cfg.ledger.dir, "n1")
+    log = EventLog.from_config(cfg, "n1")
+    assert log.emit_suspect_once(user="alice", key="run.rank00003", step=6)
+    for _ in range(3):  # epilog, stager, the next prolog: already counted
+        assert not log.emit_suspect_once(user="alice", key="run.rank00002", step=6)
+    assert _suspect_total(led, cfg) == 1
+    assert [e["step"] for e in read_events(log.path)] == [6]
+    # mallory floods one series, newest first (as root records a scan): the memory
+    # keeps the newest STEPS_KEPT, and every older step reads as counted
+    new = sum(log.emit_suspect_once(user="mallory", key="k", step=s) for s in range(2000, 0, -1))
+    assert new == ss.STEPS_KEPT
+    assert not any(log.emit_suspect_once(user="mallory", key="k", step=s) for s in range(1, 2001))
+    # ... and many keys: at most SERIES_PER_USER of hers are remembered, alice's stays
+    for k in range(3 * ss.SERIES_PER_USER):
+        log.emit_suspect_once(user="mallory", key=f"k{k}", step=1)
+    mem = read_summary(log.path)["suspect"]
+    assert sum(1 for label in mem if label.startswith("mallory/")) == ss.SERIES_PER_USER
+    assert all(len(e["steps"]) <= ss.STEPS_KEPT for e in mem.values())
+    assert not log.emit_suspect_once(user="alice", key="run", step=6)
+    assert len(json.dumps(read_summary(log.path))) < 64 * 1024
+
+
 def test_no_textfile_dir_means_no_textfile(tmp_path: Path) -> None:
     (tmp_path / "l").mkdir()
     (tmp_path / "p").mkdir()

@@ -36,6 +36,19 @@ def validate_key(key: str) -> str:
     return key
 
 
+#: A rank's series of a multi-rank job (``KEY.rank00003``) or its DCP part
+#: (``KEY.dcp.rank00003``): one run, so ``status`` and ``list`` group it under ``KEY``
+#: and the suspect-steps metric counts a step of it once, not once per rank.
+_RANK_SERIES = re.compile(r"^(.+?)(?:\.dcp)?\.rank[0-9]{5}$")
+
+
+def base_key(key: str) -> str:
+    """The user's key of a series: ``KEY`` for ``KEY.rankNNNNN`` and
+    ``KEY.dcp.rankNNNNN``, the key itself otherwise."""
+    m = _RANK_SERIES.match(key)
+    return m.group(1) if m else key
+
+
 def validate_user(user: str) -> str:
     """A user name as it appears on the cluster (POSIX portable set)."""
     if not isinstance(user, str) or not _USER_RE.fullmatch(user) or user in (".", ".."):

@@ -47,7 +47,12 @@ nothing is lost.
 Summary
 -------
 Under the same lock each event also updates ``<file>.summary.json``: counts per type, the
-total of flushed bytes, and the last numeric fields per series (``user/key``) or per hook.
+total of flushed bytes, the last numeric fields per series (``user/key``) or per hook, and
+the suspect steps: ``replicas_suspect`` events counted once per ``(user, key, step)``
+(every rank of a job emits one for the same step, and root's hooks record one per step
+they find flagged in a manifest; a rank's series ``KEY.rankNNNNN`` counts as ``KEY``).
+The steps remembered for that are bounded (:mod:`slurm_ckpt.ledger.suspect_steps`), so a
+user who forges many suspect steps cannot grow the file without bound.
 :mod:`slurm_ckpt.ledger.metrics` reads it to export counters and the last hook runs
 without re-reading the log. It is a cache: losing it only resets counters (Prometheus
 handles counter resets).
@@ -76,6 +81,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 from slurm_ckpt.core import fsio
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import node_name, validate_node
+from slurm_ckpt.ledger.suspect_steps import SUSPECT, count_of, remember, seen
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +89,7 @@ __all__ = [
     "DEFAULT_BACKUPS",
     "DEFAULT_MAX_BYTES",
     "EVENT_TYPES",
+    "SUSPECT",
     "EventLog",
     "configure",
     "current",
@@ -235,6 +242,26 @@ class EventLog:
                 self._warn(exc)
         return True
 
+    def emit_suspect_once(self, **fields: Any) -> bool:
+        """Append a :data:`SUSPECT` event unless the summary already counted its
+        ``(user, key, step)``: True when it was written. The check and the append are
+        one step under the summary's lock, so root's hooks - prolog, epilog, stager, in
+        any order and as often as they scan - record each suspect step they find once."""
+        if not self.summary:
+            return self.emit(SUSPECT, **fields)
+        event = self.make(SUSPECT, **fields)
+        try:
+            with self._locked():
+                doc = read_summary(self.path)
+                if seen(doc, event):
+                    return False
+                self._append(_encode(event), locked=True)
+                self._update_summary(event, doc)
+        except OSError as exc:
+            self._warn(exc)
+            return False
+        return True
+
     def _warn(self, exc: OSError) -> None:
         if not self._warned:  # once per log: a full disk must not flood the job's output
             self._warned = True
@@ -251,7 +278,7 @@ class EventLog:
             raise
         return fd
 
-    def _append(self, line: bytes) -> None:
+    def _append(self, line: bytes, locked: bool = False) -> None:
         self.path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         fd = self._open_log()
         try:
@@ -259,7 +286,10 @@ class EventLog:
             if st.st_size and st.st_size + len(line) > self.max_bytes:
                 os.close(fd)
                 fd = -1
-                self._rotate(st.st_ino)
+                if locked:
+                    self._rotate_held(st.st_ino)
+                else:
+                    self._rotate(st.st_ino)
                 fd = self._open_log()
             n = os.write(fd, line)
             if n != len(line):  # only on ENOSPC/EDQUOT: the line is torn; readers skip it
@@ -295,22 +325,29 @@ class EventLog:
 
     def _rotate(self, inode: int) -> None:
         with self._locked():
-            try:
-                st = os.stat(self.path, follow_symlinks=False)
-            except FileNotFoundError:
-                return
-            if st.st_ino != inode:
-                return  # another writer rotated while we waited for the lock
-            base = os.fspath(self.path)
-            for i in range(self.backups - 1, 0, -1):
-                with contextlib.suppress(FileNotFoundError):
-                    os.replace(f"{base}.{i}", f"{base}.{i + 1}")
-            os.replace(base, f"{base}.1")
+            self._rotate_held(inode)
 
-    def _update_summary(self, event: Dict[str, Any]) -> None:
-        doc = read_summary(self.path)
+    def _rotate_held(self, inode: int) -> None:
+        """Rotate, the lock held."""
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if st.st_ino != inode:
+            return  # another writer rotated while we waited for the lock
+        base = os.fspath(self.path)
+        for i in range(self.backups - 1, 0, -1):
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(f"{base}.{i}", f"{base}.{i + 1}")
+        os.replace(base, f"{base}.1")
+
+    def _update_summary(self, event: Dict[str, Any], doc: Optional[Dict[str, Any]] = None) -> None:
+        if doc is None:
+            doc = read_summary(self.path)
         etype = event["type"]
         doc["counts"][etype] = int(doc["counts"].get(etype, 0)) + 1
+        if etype == SUSPECT and remember(doc, event):
+            doc["suspect_steps"] = count_of(doc) + 1
         if etype == "flush":
             nbytes = event.get("nbytes")
             if isinstance(nbytes, int) and not isinstance(nbytes, bool) and nbytes > 0:

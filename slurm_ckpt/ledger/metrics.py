@@ -51,7 +51,10 @@ Metrics (all gauges unless noted; every series has a ``node`` label)
                                                   the node and the stager has not finished
 ``slurm_ckpt_failures_total{reason}``             counter: ledger failure counters
 ``slurm_ckpt_events_total{type}``                 counter: events by type
-``slurm_ckpt_suspect_steps_total``                counter: steps whose replicas did not agree
+``slurm_ckpt_suspect_steps_total``                counter: steps whose replicas did not agree,
+                                                  once each (not per rank), from this node's
+                                                  event log: root's hooks record each step
+                                                  flagged in a manifest on the local tier
 ``slurm_ckpt_hook_seconds{hook}``                 duration of the last run of each hook
 ``slurm_ckpt_hook_success{hook}``                 1 if that run succeeded, else 0
 ``slurm_ckpt_hook_last_run_timestamp_seconds{hook}``  when it ran (epoch seconds)
@@ -76,6 +79,7 @@ from slurm_ckpt.core.config_schema import PFS
 from slurm_ckpt.ledger.events import events_path, read_summary
 from slurm_ckpt.ledger.ledger import Ledger
 from slurm_ckpt.ledger.record import LIVE_LOCAL, WARM_SLOT, State, is_held
+from slurm_ckpt.ledger.suspect_steps import count_of
 
 __all__ = [
     "METRICS",
@@ -155,7 +159,7 @@ METRICS: Dict[str, Tuple[str, str, Tuple[str, ...]]] = {
     _P + "events": ("counter", "Events by type (event log).", ("type",)),
     _P + "suspect_steps": (
         "counter",
-        "Saved steps whose data-parallel replicas did not agree (event log).",
+        "Saved steps whose data-parallel replicas did not agree, once per step (event log).",
         (),
     ),
     _P + "hook_seconds": ("gauge", "Duration of the last run of a hook.", ("hook",)),
@@ -234,6 +238,8 @@ class NodeMetrics:
     failures: Dict[str, int] = field(default_factory=dict)
     events: Dict[str, int] = field(default_factory=dict)
     flushed_bytes: int = 0
+    #: Suspect steps, each counted once (:mod:`slurm_ckpt.ledger.suspect_steps`).
+    suspect_steps: int = 0
     hooks: Dict[str, Dict[str, float]] = field(default_factory=dict)
     #: Last admission decision: queue_depth, holders, wait_s (absent until one was made).
     admission: Dict[str, float] = field(default_factory=dict)
@@ -301,6 +307,7 @@ def _merge_summary(m: NodeMetrics, doc: Dict[str, Any]) -> None:
         for k, v in doc.get("counts", {}).items()
         if isinstance(v, int) and not isinstance(v, bool)
     }
+    m.suspect_steps = count_of(doc)
     flushed = doc.get("flushed_bytes", 0)
     m.flushed_bytes = flushed if isinstance(flushed, int) and not isinstance(flushed, bool) else 0
     last = doc.get("last", {})
@@ -423,7 +430,7 @@ class _Collector:
         # replicas that did not agree (slurm_ckpt.core.replicas): a step may hold
         # silently corrupted state; an alert on any increase is the point
         f = family(_P + "suspect_steps")
-        f.add_metric([node], m.events.get("replicas_suspect", 0))
+        f.add_metric([node], m.suspect_steps)
         yield f
         for name, field_name in (
             (_P + "hook_seconds", "seconds"),

@@ -44,10 +44,12 @@ __all__ = [
 
 
 def scan_local(root: str, user: str, budget_s: float) -> Dict[str, Any]:
-    """``{"rows": [[key, step, nbytes, job, node], ...], "partial": bool}``: the committed
-    checkpoints of ``user``, as many as ``budget_s`` allows (``partial`` then: what was
-    not read is not known to be gone). Manifests are read with the fast fact reader
-    (checksum checked; the flush validates each one fully before any byte moves)."""
+    """``{"rows": [[key, step, nbytes, job, node, suspect], ...], "partial": bool}``: the
+    committed checkpoints of ``user``, as many as ``budget_s`` allows (``partial`` then:
+    what was not read is not known to be gone); ``suspect``: the manifest records that
+    the step's replicas did not agree (the node's metric counts it). Manifests are read
+    with the fast fact reader (checksum checked; the flush validates each one fully
+    before any byte moves)."""
     end = time.monotonic() + budget_s
     tier = directory_tier("local", root)
     dirs = tier.directory()
@@ -83,7 +85,8 @@ def scan_local(root: str, user: str, budget_s: float) -> Dict[str, Any]:
                 finally:
                     os.close(sfd)
                 if (facts.user, facts.key, facts.step) == (user, key, step):
-                    out.append([key, step, facts.nbytes, facts.job, facts.node])
+                    suspect = facts.suspect is not None
+                    out.append([key, step, facts.nbytes, facts.job, facts.node, suspect])
         finally:
             ctx.__exit__(None, None, None)
     return {"rows": out, "partial": False}

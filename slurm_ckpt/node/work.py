@@ -53,6 +53,7 @@ from slurm_ckpt.node.owner_tasks import (
 from slurm_ckpt.node.partner_flush import defer_live_owners, mark_partner_copies
 from slurm_ckpt.node.retry import RetryPolicy, held, retry_due
 from slurm_ckpt.node.scrub import learn_present, scrub
+from slurm_ckpt.node.suspects import record_suspects
 from slurm_ckpt.node.warm import lend_credentials
 from slurm_ckpt.slurm.client import SlurmClient
 from slurm_ckpt.tiers.copy import CopyResult
@@ -150,11 +151,15 @@ class NodeWork:
     def emit(self, event_type: str, **fields: Any) -> None:
         """An event in the node's event log (never fatal)."""
         try:
-            if self._events is None:
-                self._events = EventLog.from_config(self.cfg, self.node)
-            self._events.emit(event_type, **fields)
+            self.event_log().emit(event_type, **fields)
         except (CkptError, OSError, ValueError) as exc:
             log.warning("event %s not logged: %s", event_type, exc)
+
+    def event_log(self) -> EventLog:
+        """The node's event log (root's: the one its metrics count)."""
+        if self._events is None:
+            self._events = EventLog.from_config(self.cfg, self.node)
+        return self._events
 
     def _refuse(self, tier: str, user: str, why: str, code: str) -> None:
         """Remember (status) and report (event, log) a user directory refused."""
@@ -220,6 +225,7 @@ class NodeWork:
         whose child is stopped or hangs is killed: that user is skipped this time.
         """
         local: List[Tuple[str, str, int, int]] = []
+        suspects: List[Tuple[str, str, int]] = []  # flagged manifests: counted, nothing else
         # What changes in the ledger from here on (another hook's flush or retention) is
         # newer than these scans: the ledger leaves it as it is.
         since = self.ledger.clock()
@@ -262,10 +268,10 @@ class NodeWork:
                 complete = False
             rows = got.get("rows") if isinstance(got, dict) else None
             for row in rows if isinstance(rows, list) else []:
-                if not isinstance(row, list) or len(row) not in (4, 5):
+                if not isinstance(row, list) or len(row) not in (4, 5, 6):
                     continue
                 key, step, nbytes, job = row[:4]
-                owner = row[4] if len(row) == 5 and isinstance(row[4], str) else None
+                owner = row[4] if len(row) >= 5 and isinstance(row[4], str) else None
                 try:
                     validate_key(key)
                 except InvalidName:
@@ -273,6 +279,8 @@ class NodeWork:
                 if type(step) is not int or type(nbytes) is not int or step < 0 or nbytes < 0:
                     continue
                 local.append((ids.name, key, step, nbytes))
+                if len(row) == 6 and row[5] is True:
+                    suspects.append((ids.name, key, step))
                 self.scan_jobs[(ids.name, key, step)] = None if job is None else str(job)
                 self.scan_nodes[(ids.name, key, step)] = owner
         verified = [
@@ -286,6 +294,11 @@ class NodeWork:
             mark_partner_copies(self.ledger, self.scan_nodes, self.node)
         except (CkptError, OSError) as exc:
             log.warning("partner copies not marked in the ledger: %s", exc)
+        if suspects:
+            try:
+                record_suspects(self.event_log(), suspects)
+            except (CkptError, OSError, ValueError) as exc:
+                log.warning("suspect steps not recorded: %s", exc)
         return counts
 
     def job_of(self, rec: Record) -> Optional[str]:

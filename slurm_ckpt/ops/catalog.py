@@ -26,7 +26,7 @@ from slurm_ckpt.core import fsio, trust
 from slurm_ckpt.core.layout import step_dirname, step_numbers
 from slurm_ckpt.core.lineage import SeriesView, lineage_of
 from slurm_ckpt.core.manifest import MANIFEST_NAME, manifest_facts
-from slurm_ckpt.core.names import validate_key, validate_user
+from slurm_ckpt.core.names import base_key, validate_key, validate_user
 from slurm_ckpt.core.replicas import suspect_text
 from slurm_ckpt.errors import CkptError, NotFound, TierError
 from slurm_ckpt.ops.damage import COMMIT_GRACE_S, COMMITTED, Damaged, scan_series
@@ -45,17 +45,6 @@ __all__ = [
 ]
 
 Series = Tuple[str, str]
-
-#: A rank's series of a multi-rank job (``KEY.rank00003``) or its DCP part
-#: (``KEY.dcp.rank00003``): shown grouped under ``KEY``.
-_RANK_SERIES = re.compile(r"^(.+?)(?:\.dcp)?\.rank[0-9]{5}$")
-
-
-def base_key(key: str) -> str:
-    """The user's key of a series: ``KEY`` for ``KEY.rankNNNNN`` and
-    ``KEY.dcp.rankNNNNN``, the key itself otherwise."""
-    m = _RANK_SERIES.match(key)
-    return m.group(1) if m else key
 
 
 def under_key(series_key: str, key: str) -> bool:

@@ -41,7 +41,7 @@ import os
 import socket
 import time
 import warnings
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Optional, Sequence, TypeVar, Union
 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import current_user, node_name, validate_key, validate_user
@@ -59,7 +59,7 @@ from slurm_ckpt.job.owed import load_job_config, no_epilog, queue_owed, without_
 from slurm_ckpt.job.partner import PartnerLink
 from slurm_ckpt.job.partner_open import open_partner
 from slurm_ckpt.job.pipeline import CheckpointFailed, Pipeline, Shard
-from slurm_ckpt.job.ram_methods import RamMethods, RamSetting, open_ram, with_ram_stats
+from slurm_ckpt.job.ram_methods import RamDoor, RamSetting, open_ram, with_ram_stats
 from slurm_ckpt.job.replicas import ReplicaCheck, replicated_files, tell_suspects
 from slurm_ckpt.job.restore import Restored, Restorer, shard_key, shard_prefix
 from slurm_ckpt.job.restoring import RestoreMethods
@@ -94,13 +94,27 @@ __all__ = [
 PathLike = Union[str, "os.PathLike[str]"]
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _doc(of: Callable[..., Any]) -> Callable[[_F], _F]:
+    """A delegating method takes the docstring of the part's method it calls: written
+    once, beside the code, and shown by ``help(Checkpointer)``."""
+
+    def give(method: _F) -> _F:
+        method.__doc__ = of.__doc__
+        return method
+
+    return give
+
+
 def _under_slurm() -> bool:
     """Inside a SLURM job (a batch job, an allocation, a step): SIGINT is SLURM's and
     srun's (a status report, a kill), not a Ctrl-C to save on."""
     return bool(os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID"))
 
 
-class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
+class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
     """Fast, verified, tiered checkpoints from inside a training job.
 
     Standalone (no SLURM, no config file; a laptop needs only ``local``)::
@@ -361,6 +375,7 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
             )
         #: The RAM tier (None: off): snapshots in memory, copies in the partner's.
         self.ram = open_ram(opts.ram, self._ctx, self.partner)
+        self._ram_door = RamDoor(self._ctx, self.ram)
         self._requeue = opts.requeue
         self._requeue_fn = opts.requeue_fn or functools.partial(requeue_job, self.job)
         self._job_state_fn = opts.job_state_fn
@@ -587,3 +602,20 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
             synchronous=rec.synchronous,
             deferred_bytes=0 if drain is None else drain.deferred_bytes,
         )
+
+    # ------------------------------------------------------------------ the RAM tier
+    @_doc(RamDoor.ram_save)
+    def ram_save(
+        self,
+        state: Any,
+        *,
+        step: int,
+        tokens: Optional[int] = None,
+        meta: Optional[Dict[str, Any]] = None,
+        force: bool = False,
+    ) -> bool:
+        return self._ram_door.ram_save(state, step=step, tokens=tokens, meta=meta, force=force)
+
+    @_doc(RamDoor.guard_commits)
+    def guard_commits(self, guard: Callable[[], None]) -> None:
+        self._ram_door.guard_commits(guard)

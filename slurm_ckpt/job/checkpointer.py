@@ -61,8 +61,8 @@ from slurm_ckpt.job.partner_open import open_partner
 from slurm_ckpt.job.pipeline import CheckpointFailed, Pipeline, Shard
 from slurm_ckpt.job.ram_methods import RamDoor, RamSetting, open_ram, with_ram_stats
 from slurm_ckpt.job.replicas import ReplicaCheck, replicated_files, tell_suspects
-from slurm_ckpt.job.restore import Restored, Restorer, shard_key, shard_prefix
-from slurm_ckpt.job.restoring import RestoreMethods
+from slurm_ckpt.job.restore import Restored, shard_key, shard_prefix
+from slurm_ckpt.job.restoring import Restoring
 from slurm_ckpt.job.saved import Saved, check_save_args
 from slurm_ckpt.job.schedule import DEFAULT_INTERVAL_TOKENS, Schedule, unreachable_message
 from slurm_ckpt.job.seams import FrameworkSeams
@@ -114,7 +114,7 @@ def _under_slurm() -> bool:
     return bool(os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID"))
 
 
-class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
+class Checkpointer(ClosingMethods, FrameworkSeams):
     """Fast, verified, tiered checkpoints from inside a training job.
 
     Standalone (no SLURM, no config file; a laptop needs only ``local``)::
@@ -376,14 +376,15 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
         #: The RAM tier (None: off): snapshots in memory, copies in the partner's.
         self.ram = open_ram(opts.ram, self._ctx, self.partner)
         self._ram_door = RamDoor(self._ctx, self.ram)
+        self._restoring = Restoring(
+            self._ctx, partner=self.partner, ram=self.ram, agree=opts.agree,
+            timeline=self._timeline,
+        )  # fmt: skip
         self._requeue = opts.requeue
         self._requeue_fn = opts.requeue_fn or functools.partial(requeue_job, self.job)
         self._job_state_fn = opts.job_state_fn
         self._requeued = False
-        self._agree = opts.agree
-        self._restorer: Optional[Restorer] = None
         self._drain: Optional[Drain] = None
-        self.restored: Optional[Restored] = None
         # A script that ends without close() must not lose the checkpoint being written.
         finish_at_exit(self._ctx)
 
@@ -619,3 +620,44 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams):
     @_doc(RamDoor.guard_commits)
     def guard_commits(self, guard: Callable[[], None]) -> None:
         self._ram_door.guard_commits(guard)
+
+    # ------------------------------------------------------------------ restore
+    @property
+    def restored(self) -> Optional[Restored]:
+        """What the newest restore (``restore``, ``restore_rest``, ``restore_path``)
+        returned; None before one found something."""
+        return self._restoring.restored
+
+    @_doc(Restoring.restore)
+    def restore(
+        self,
+        weights_only: bool = False,
+        *,
+        step: Optional[int] = None,
+        tiers: Optional[Sequence[str]] = None,
+        expect_data_version: Optional[str] = None,
+        on_data_change: str = "warn",
+        lineage: Optional[str] = None,
+        replicas: Any = None,
+    ) -> Optional[Restored]:
+        return self._restoring.restore(
+            weights_only, step=step, tiers=tiers, expect_data_version=expect_data_version,
+            on_data_change=on_data_change, lineage=lineage, replicas=replicas,
+        )  # fmt: skip
+
+    @_doc(Restoring.restore_weights)
+    def restore_weights(self) -> Optional[Restored]:
+        return self._restoring.restore_weights()
+
+    @_doc(Restoring.restore_rest)
+    def restore_rest(self) -> Restored:
+        return self._restoring.restore_rest()
+
+    @_doc(Restoring.pin_last_healthy)
+    def pin_last_healthy(self, step: int) -> None:
+        self._restoring.pin_last_healthy(step)
+
+    @property
+    def last_healthy(self) -> Optional[int]:
+        """The step :meth:`pin_last_healthy` pinned in this process, or None."""
+        return self._restoring.last_healthy

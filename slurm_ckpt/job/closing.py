@@ -51,7 +51,7 @@ class ClosingMethods:
     _requeue: bool
     _requeue_fn: Callable[[str], Any]
     _requeued: bool
-    _restorer: Any
+    _restoring: Any
     _schedule: Any
     _staging: Any
     config: Any
@@ -109,8 +109,9 @@ class ClosingMethods:
         return self.stats
 
     def _close(self) -> None:
-        if self._restorer is not None:
-            self._restorer.cancel()  # a weights-first restore whose rest was never asked for
+        restorer = self._restoring.restorer
+        if restorer is not None:
+            restorer.cancel()  # a weights-first restore whose rest was never asked for
         until = None
         if self._flag.received is not None or self._schedule.preempt_saved:
             d = self._deadline.deadline()

@@ -19,13 +19,12 @@ import functools
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Dict, Optional, Sequence, Union
+from typing import Any, ContextManager, Dict, Optional, Sequence, Union
 
-from slurm_ckpt.core.lineage import SeriesView
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.job import output as _output
 from slurm_ckpt.job.context import JobContext
-from slurm_ckpt.job.restore import Restored, Restorer
+from slurm_ckpt.job.restoring import Restoring
 from slurm_ckpt.job.saved import Saved
 from slurm_ckpt.job.schedule import BOOTSTRAP_COST_S
 
@@ -41,10 +40,7 @@ class FrameworkSeams:
 
     # Provided by the Checkpointer (declared for readers and type checkers).
     _ctx: JobContext
-    restored: Optional[Restored]
-    _make_restorer: Callable[..., Restorer]
-    _adopt_lineage: Callable[[Restored, Optional[SeriesView]], None]
-    _mark_bad: Callable[[str, str, int, str], None]
+    _restoring: Restoring
 
     def output(
         self,
@@ -87,7 +83,7 @@ class FrameworkSeams:
         verifies, on the local tier (fetched there, verified, when only a warm or cold
         tier holds it); None when there is none. Read it; never write into it."""
         names = None if tiers is None else list(tiers)
-        r = self._make_restorer(
+        r = self._restoring.make_restorer(
             names,
             step,
             expect_data_version,
@@ -97,9 +93,10 @@ class FrameworkSeams:
         got = _output.restore_path(r, self._ctx.shard_key)
         if got is None:
             return None
-        self.restored = got
+        self._restoring.restored = got
         self._ctx.schedule.restored(got.step, got.tokens)
-        self._adopt_lineage(got, r.view if names is None else None)  # a rollback branches too
+        # a rollback branches too
+        self._restoring.adopt_lineage(got, r.view if names is None else None)
         return got.state  # type: ignore[no-any-return]
 
     @property
@@ -204,7 +201,7 @@ class FrameworkSeams:
             ctx.user,
             ctx.key,
             step=step,
-            mark_bad=self._mark_bad,
+            mark_bad=self._restoring.mark_bad,
             group=group,
             ranged=ranged,
         )

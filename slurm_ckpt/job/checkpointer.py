@@ -41,7 +41,8 @@ import os
 import socket
 import time
 import warnings
-from typing import Any, Callable, Dict, Optional, Sequence, TypeVar, Union
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Dict, Optional, Sequence, TypeVar, Union
 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import current_user, node_name, validate_key, validate_user
@@ -51,6 +52,7 @@ from slurm_ckpt.errors import CkptError, TierError
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord
 from slurm_ckpt.job.closing import ClosingMethods, finish_at_exit
 from slurm_ckpt.job.context import JobContext
+from slurm_ckpt.job.dcp_series import DcpSeries
 from slurm_ckpt.job.dcp_series import part_key as dcp_part_key
 from slurm_ckpt.job.lazy import Drain
 from slurm_ckpt.job.lease import SeriesLease
@@ -65,7 +67,7 @@ from slurm_ckpt.job.restore import Restored, shard_key, shard_prefix
 from slurm_ckpt.job.restoring import Restoring
 from slurm_ckpt.job.saved import Saved, check_save_args
 from slurm_ckpt.job.schedule import DEFAULT_INTERVAL_TOKENS, Schedule, unreachable_message
-from slurm_ckpt.job.seams import FrameworkSeams
+from slurm_ckpt.job.seams import Seams
 from slurm_ckpt.job.signals import Deadline, SignalFlag, relayed_signal, signal_number
 from slurm_ckpt.job.snapshot import hand_over
 from slurm_ckpt.job.staging import StagingArea
@@ -97,7 +99,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def _doc(of: Callable[..., Any]) -> Callable[[_F], _F]:
+def _doc(of: Union[Callable[..., Any], property]) -> Callable[[_F], _F]:
     """A delegating method takes the docstring of the part's method it calls: written
     once, beside the code, and shown by ``help(Checkpointer)``."""
 
@@ -114,7 +116,7 @@ def _under_slurm() -> bool:
     return bool(os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID"))
 
 
-class Checkpointer(ClosingMethods, FrameworkSeams):
+class Checkpointer(ClosingMethods):
     """Fast, verified, tiered checkpoints from inside a training job.
 
     Standalone (no SLURM, no config file; a laptop needs only ``local``)::
@@ -380,6 +382,7 @@ class Checkpointer(ClosingMethods, FrameworkSeams):
             self._ctx, partner=self.partner, ram=self.ram, agree=opts.agree,
             timeline=self._timeline,
         )  # fmt: skip
+        self._seams = Seams(self._ctx, self._restoring)
         self._requeue = opts.requeue
         self._requeue_fn = opts.requeue_fn or functools.partial(requeue_job, self.job)
         self._job_state_fn = opts.job_state_fn
@@ -658,6 +661,82 @@ class Checkpointer(ClosingMethods, FrameworkSeams):
         self._restoring.pin_last_healthy(step)
 
     @property
+    @_doc(Restoring.last_healthy)
     def last_healthy(self) -> Optional[int]:
-        """The step :meth:`pin_last_healthy` pinned in this process, or None."""
         return self._restoring.last_healthy
+
+    # ------------------------------------------------------------------ other formats
+    @_doc(Seams.output)
+    def output(
+        self,
+        *,
+        step: int,
+        tokens: Optional[int] = None,
+        meta: Optional[Dict[str, Any]] = None,
+        preemption: Optional[bool] = None,
+    ) -> ContextManager[Path]:
+        return self._seams.output(step=step, tokens=tokens, meta=meta, preemption=preemption)
+
+    @_doc(Seams.adopt)
+    def adopt(
+        self,
+        step: int,
+        path: PathLike,
+        *,
+        tokens: Optional[int] = None,
+        meta: Optional[Dict[str, Any]] = None,
+        preemption: Optional[bool] = None,
+    ) -> Saved:
+        return self._seams.adopt(step, path, tokens=tokens, meta=meta, preemption=preemption)
+
+    @_doc(Seams.restore_path)
+    def restore_path(
+        self,
+        *,
+        step: Optional[int] = None,
+        tiers: Optional[Sequence[str]] = None,
+        expect_data_version: Optional[str] = None,
+        on_data_change: str = "warn",
+    ) -> Optional[Path]:
+        return self._seams.restore_path(
+            step=step, tiers=tiers, expect_data_version=expect_data_version,
+            on_data_change=on_data_change,
+        )  # fmt: skip
+
+    @property
+    @_doc(Seams.preemption_pending)
+    def preemption_pending(self) -> bool:
+        return self._seams.preemption_pending
+
+    @_doc(Seams.mark_preemption_saved)
+    def mark_preemption_saved(self, step: int, tokens: Optional[int] = None) -> None:
+        self._seams.mark_preemption_saved(step, tokens)
+
+    @_doc(Seams.dcp_writer)
+    def dcp_writer(
+        self,
+        *,
+        step: int,
+        tokens: Optional[int] = None,
+        meta: Optional[Dict[str, Any]] = None,
+        preemption: Optional[bool] = None,
+    ) -> Any:
+        return self._seams.dcp_writer(step=step, tokens=tokens, meta=meta, preemption=preemption)
+
+    @_doc(Seams.dcp_reader)
+    def dcp_reader(
+        self,
+        *,
+        step: Optional[int] = None,
+        process_group: Any = None,
+        no_dist: bool = False,
+        ranged: bool = False,
+    ) -> Any:
+        return self._seams.dcp_reader(
+            step=step, process_group=process_group, no_dist=no_dist, ranged=ranged
+        )
+
+    @property
+    def _dcp(self) -> Optional[DcpSeries]:
+        """The DCP part series (None before the first ``dcp_writer()``), for tests."""
+        return self._seams.dcp

@@ -52,6 +52,7 @@ class ClosingMethods:
     _requeue_fn: Callable[[str], Any]
     _requeued: bool
     _restoring: Any
+    _seams: Any
     _schedule: Any
     _staging: Any
     config: Any
@@ -119,7 +120,7 @@ class ClosingMethods:
         # A wait longer than a second says so - a bar on a terminal, a log line
         # otherwise - and says when it ended: a silent close() of 10 s reads as a hang.
         with CloseProgress(self._close_owed()):
-            dcp = self.__dict__.get("_dcp")  # DCP parts (dcp_writer): picked up and flushed
+            dcp = self._seams.dcp  # DCP parts (dcp_writer): picked up and flushed
             if dcp is not None:
                 dcp.finish(until)
             self._pipeline.finish(until)

@@ -25,12 +25,15 @@ This module is the facade: it builds the parts - the schedule (:mod:`.schedule`)
 staging area, the pipeline, the bookkeeping (:mod:`.bookkeeping`: ledger, events,
 metrics) and the restorer (:mod:`.restore`) - and keeps the public API: ``save``,
 ``should_save``, ``restore``, ``restore_weights``, ``restore_rest``, ``preempted``,
-``wait``, ``close``, ``stats``, ``ram_save``. Its methods come from mixins by concept:
-saving and the schedule here, the restore side in :mod:`.restoring`, waiting and the end
-of the run in :mod:`.closing`, the doors for other checkpoint formats in :mod:`.seams`,
-the RAM tier in :mod:`.ram_methods`; the counters are
-:class:`~slurm_ckpt.job.stats.CheckpointStats`. What the parts acting for it need is one
-typed :class:`~slurm_ckpt.job.context.JobContext`, never the Checkpointer itself.
+``wait``, ``close``, ``stats``, ``ram_save``. Saving and the schedule are its own; the
+rest it delegates to small objects, one per concept, that it builds once: the restore
+side (:class:`~.restoring.Restoring`), waiting and the end of the run
+(:class:`~.closing.Closing`), the doors for other checkpoint formats
+(:class:`~.seams.Seams`) and the RAM tier (:class:`~.ram_methods.RamDoor`). Each public
+method here is a thin, typed call into one of them, with that object's docstring; the
+counters are :class:`~slurm_ckpt.job.stats.CheckpointStats`. What the parts need is one
+typed :class:`~slurm_ckpt.job.context.JobContext` plus the few parts named in their
+constructors, never the Checkpointer itself (no part imports this module).
 """
 
 from __future__ import annotations
@@ -50,18 +53,17 @@ from slurm_ckpt.core.platform import require_supported_os
 from slurm_ckpt.core.retention import RetentionPolicy, selected_for_flush
 from slurm_ckpt.errors import CkptError, TierError
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord
-from slurm_ckpt.job.closing import ClosingMethods, finish_at_exit
+from slurm_ckpt.job.closing import Closing, finish_at_exit
 from slurm_ckpt.job.context import JobContext
 from slurm_ckpt.job.dcp_series import DcpSeries
 from slurm_ckpt.job.dcp_series import part_key as dcp_part_key
-from slurm_ckpt.job.lazy import Drain
 from slurm_ckpt.job.lease import SeriesLease
 from slurm_ckpt.job.options import OPTION_NAMES, UNSET, Options, build_config, resolve_aliases
 from slurm_ckpt.job.owed import load_job_config, no_epilog, queue_owed, without_epilog
 from slurm_ckpt.job.partner import PartnerLink
 from slurm_ckpt.job.partner_open import open_partner
 from slurm_ckpt.job.pipeline import CheckpointFailed, Pipeline, Shard
-from slurm_ckpt.job.ram_methods import RamDoor, RamSetting, open_ram, with_ram_stats
+from slurm_ckpt.job.ram_methods import RamDoor, RamSetting, open_ram
 from slurm_ckpt.job.replicas import ReplicaCheck, replicated_files, tell_suspects
 from slurm_ckpt.job.restore import Restored, shard_key, shard_prefix
 from slurm_ckpt.job.restoring import Restoring
@@ -116,7 +118,7 @@ def _under_slurm() -> bool:
     return bool(os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID"))
 
 
-class Checkpointer(ClosingMethods):
+class Checkpointer:
     """Fast, verified, tiered checkpoints from inside a training job.
 
     Standalone (no SLURM, no config file; a laptop needs only ``local``)::
@@ -383,11 +385,13 @@ class Checkpointer(ClosingMethods):
             timeline=self._timeline,
         )  # fmt: skip
         self._seams = Seams(self._ctx, self._restoring)
-        self._requeue = opts.requeue
-        self._requeue_fn = opts.requeue_fn or functools.partial(requeue_job, self.job)
-        self._job_state_fn = opts.job_state_fn
-        self._requeued = False
-        self._drain: Optional[Drain] = None
+        self._closing = Closing(
+            self._ctx, flag=self._flag, staging=self._staging, restoring=self._restoring,
+            seams=self._seams, partner=self.partner, ram=self.ram,
+            on_suspect=opts.on_suspect, requeue=opts.requeue,
+            requeue_fn=opts.requeue_fn or functools.partial(requeue_job, self.job),
+            job_state_fn=opts.job_state_fn,
+        )  # fmt: skip
         # A script that ends without close() must not lose the checkpoint being written.
         finish_at_exit(self._ctx)
 
@@ -450,7 +454,7 @@ class Checkpointer(ClosingMethods):
     # ------------------------------------------------------------------ public state
     @property
     def stats(self) -> CheckpointStats:
-        return with_ram_stats(self._pipeline.stats, self.ram)
+        return self._closing.stats()
 
     @property
     def preempted(self) -> bool:
@@ -477,10 +481,6 @@ class Checkpointer(ClosingMethods):
     def time_left(self) -> Optional[float]:
         """Seconds until the job must be done (None when unknown)."""
         return self._deadline.time_left()
-
-    @property
-    def _closed(self) -> bool:
-        return self._ctx.closed
 
     # ------------------------------------------------------------------ when to save
     def should_save(self, step: Optional[int] = None, tokens: Optional[int] = None) -> bool:
@@ -578,7 +578,7 @@ class Checkpointer(ClosingMethods):
         books.emit("snapshot_start", step=step)
         drain = hand_over(self._staging, pipe, books, rec, index, tensors, blobs, lazy, t0)
         if drain is not None:
-            self._drain = drain
+            self._closing.drain = drain
         stall = time.monotonic() - t0
         rec.stall_s = stall
         self._schedule.saved(step, tokens, stall, preemption=preempt)
@@ -740,3 +740,16 @@ class Checkpointer(ClosingMethods):
     def _dcp(self) -> Optional[DcpSeries]:
         """The DCP part series (None before the first ``dcp_writer()``), for tests."""
         return self._seams.dcp
+
+    # ------------------------------------------------------------------ waits and the end
+    @_doc(Closing.wait_snapshot)
+    def wait_snapshot(self) -> float:
+        return self._closing.wait_snapshot()
+
+    @_doc(Closing.wait)
+    def wait(self, flush: bool = True, timeout: Optional[float] = None) -> bool:
+        return self._closing.wait(flush, timeout)
+
+    @_doc(Closing.close)
+    def close(self) -> CheckpointStats:
+        return self._closing.close()

@@ -58,6 +58,7 @@ from slurm_ckpt.job.context import JobContext
 from slurm_ckpt.job.dcp_series import DcpSeries
 from slurm_ckpt.job.dcp_series import part_key as dcp_part_key
 from slurm_ckpt.job.lease import SeriesLease
+from slurm_ckpt.job.option_table import docstring_section
 from slurm_ckpt.job.options import OPTION_NAMES, UNSET, Options, build_config, resolve_aliases
 from slurm_ckpt.job.owed import load_job_config, no_epilog, queue_owed, without_epilog
 from slurm_ckpt.job.partner import PartnerLink
@@ -127,66 +128,10 @@ class Checkpointer:
 
     Under SLURM: :meth:`from_env` (site config, job id, rank, ckpt-srun's signal).
     Every option is keyword-only; given here, a site setting overrides the config's.
-    docs/user-guide-options.md explains each one at more length.
+    docs/user-guide-options.md explains each one at more length. The options below are
+    defined once, in :mod:`slurm_ckpt.job.option_table` (this list is made from it).
 
-    Where:
-      local: node-local tier root (made, mode 0700, when missing in standalone use).
-      warm: warm tier root (a PFS or shared directory); without it nothing is flushed.
-      key: the checkpoint series (one per training run), required.
-      config: a site :class:`Config` instead of ``local``/``warm``.
-    When to save (the first one reached; none anywhere: every 50M tokens):
-      interval_tokens: save every N tokens (pass ``tokens=`` to should_save).
-      interval_steps: save every N steps.
-      interval_seconds: save every N seconds (a number or "30min").
-      interval: "auto": Young/Daly's optimum from the measured stall and ``mtbi``.
-      mtbi: mean time between interruptions for ``interval="auto"`` (e.g. "6h").
-      signals: preemption signals that trigger a save (default SIGTERM, SIGUSR1, SIGUSR2).
-    Retention and resources:
-      keep_local: newest checkpoints kept on the local tier.
-      flush_every: every Mth checkpoint is copied to the warm tier.
-      flush_policy: "skip" (a newer save replaces a queued flush) or "wait" (save waits).
-      max_consecutive_failures: failed saves in a row before save() raises.
-      staging_memory_limit: cap on the snapshot buffers (bytes or "8GiB").
-      warm_bandwidth: cap on flush bandwidth (bytes/s or "500MB/s").
-      ledger_dir: where the node ledger lives.
-    Partner copies (docs/partner.md; the site's ``[partner]`` otherwise):
-      partner: copy each committed checkpoint to the next node of the job (True/False).
-      keep_partner: newest partner copies kept per rank series on the partner's disk.
-      partner_bandwidth: cap on the partner copies (bytes/s or "1GB/s").
-      partner_dir: rendezvous directory every node of the job mounts (addresses, secret).
-      partner_host: the address other nodes reach this rank's partner server at.
-      ram: the RAM tier, ``True`` or a ``RamOptions`` (docs/in-job-recovery.md): snapshots
-        in memory by ``ram_save()``, replicated into the partner's memory.
-    Identity (defaults from the environment):
-      rank: this process's rank (RANK, else SLURM_PROCID).
-      world_size: number of ranks (WORLD_SIZE, else the step's task count).
-      user: owner of the checkpoints (the current user).
-      node: node name (the host name).
-      job: SLURM job id, recorded in manifests and the ledger.
-      takeover: take the key over from a writer that looks alive but is known dead (a
-        hung process, a node given up; docs/user-guide.md, "One writer per key").
-    SLURM integration and callbacks:
-      install_signals: install handlers for ``signals`` (False: you call nothing else).
-      requeue: requeue the job after a save caused by the time limit.
-      requeue_fn: ``fn(reason)`` that requeues (default: scontrol requeue).
-      job_state_fn: ``fn() -> state`` of the job (why the signal came).
-      end_time_fn: ``fn() -> epoch`` of the job's end (default SLURM_JOB_END_TIME).
-      kill_wait_s: seconds between SIGTERM and SIGKILL (SLURM's KillWait).
-      signal_lead_s: seconds before the end at which the warning signal comes.
-      agree: ``fn(value) -> min over ranks`` for restore (default torch.distributed).
-      on_event: ``fn(name, info)``, called from background threads too: keep it quick,
-        never call the Checkpointer from it.
-    Replicas agree (docs/user-guide.md, "Replicas agree"):
-      replicas: the ranks holding the same state compare their digests at each save
-        (True: every rank, DDP; a list of rank lists; a process group; (mesh, dim)).
-      replicated: "weights" (the model's blobs) or "all" (every file) must be identical.
-      on_suspect: ``fn(verdict)`` called on the training thread, or "raise" (raises
-        :class:`~slurm_ckpt.job.replicas.SuspectStep` there) when a step is suspect: in
-        the next save() (every rank in the same one), wait() or close().
-    Deprecated aliases (one release, a DeprecationWarning):
-      pfs: the old name of ``warm``.
-      pfs_bandwidth: the old name of ``warm_bandwidth``.
-    """
+"""
 
     def __init__(
         self,
@@ -753,3 +698,6 @@ class Checkpointer:
     @_doc(Closing.close)
     def close(self) -> CheckpointStats:
         return self._closing.close()
+
+
+Checkpointer.__doc__ = (Checkpointer.__doc__ or "") + docstring_section()

@@ -42,7 +42,6 @@ import functools
 import logging
 import os
 import socket
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Dict, Optional, Sequence, TypeVar, Union
@@ -50,7 +49,7 @@ from typing import Any, Callable, ContextManager, Dict, Optional, Sequence, Type
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import current_user, node_name, validate_key, validate_user
 from slurm_ckpt.core.platform import require_supported_os
-from slurm_ckpt.core.retention import RetentionPolicy, selected_for_flush
+from slurm_ckpt.core.retention import RetentionPolicy
 from slurm_ckpt.errors import CkptError, TierError
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord
 from slurm_ckpt.job.closing import Closing, finish_at_exit
@@ -65,17 +64,16 @@ from slurm_ckpt.job.partner import PartnerLink
 from slurm_ckpt.job.partner_open import open_partner
 from slurm_ckpt.job.pipeline import CheckpointFailed, Pipeline, Shard
 from slurm_ckpt.job.ram_methods import RamDoor, RamSetting, open_ram
-from slurm_ckpt.job.replicas import ReplicaCheck, replicated_files, tell_suspects
+from slurm_ckpt.job.replicas import ReplicaCheck
 from slurm_ckpt.job.restore import Restored, shard_key, shard_prefix
 from slurm_ckpt.job.restoring import Restoring
-from slurm_ckpt.job.saved import Saved, check_save_args
-from slurm_ckpt.job.schedule import DEFAULT_INTERVAL_TOKENS, Schedule, unreachable_message
+from slurm_ckpt.job.saved import Saved
+from slurm_ckpt.job.saving import Saving
+from slurm_ckpt.job.schedule import DEFAULT_INTERVAL_TOKENS, Schedule
 from slurm_ckpt.job.seams import Seams
 from slurm_ckpt.job.signals import Deadline, SignalFlag, relayed_signal, signal_number
-from slurm_ckpt.job.snapshot import hand_over
 from slurm_ckpt.job.staging import StagingArea
 from slurm_ckpt.job.standalone import make_roots, sweep_debris
-from slurm_ckpt.job.state import flatten, index_bytes, layout
 from slurm_ckpt.job.stats import CheckpointStats
 from slurm_ckpt.job.timeline import RankTimeline
 from slurm_ckpt.slurm.client import job_end_time_provider
@@ -131,7 +129,7 @@ class Checkpointer:
     docs/user-guide-options.md explains each one at more length. The options below are
     defined once, in :mod:`slurm_ckpt.job.option_table` (this list is made from it).
 
-"""
+    """
 
     def __init__(
         self,
@@ -316,7 +314,6 @@ class Checkpointer:
             # earlier run of this series left (slurm_ckpt.job.owed).
             without_epilog(self._pipeline)
             queue_owed(self._pipeline)
-        self._on_suspect = opts.on_suspect
         if opts.replicas is not None and opts.replicas is not False:
             # collective (a gloo group of its own): every rank builds its Checkpointer
             self._pipeline.replicas = ReplicaCheck(
@@ -336,6 +333,10 @@ class Checkpointer:
             on_suspect=opts.on_suspect, requeue=opts.requeue,
             requeue_fn=opts.requeue_fn or functools.partial(requeue_job, self.job),
             job_state_fn=opts.job_state_fn,
+        )  # fmt: skip
+        self._saving = Saving(
+            self._ctx, staging=self._staging, timeline=self._timeline, closing=self._closing,
+            on_suspect=opts.on_suspect,
         )  # fmt: skip
         # A script that ends without close() must not lose the checkpoint being written.
         finish_at_exit(self._ctx)
@@ -427,21 +428,12 @@ class Checkpointer:
         """Seconds until the job must be done (None when unknown)."""
         return self._deadline.time_left()
 
-    # ------------------------------------------------------------------ when to save
-    def should_save(self, step: Optional[int] = None, tokens: Optional[int] = None) -> bool:
-        """True when an interval is reached or a preemption signal arrived (until the
-        preemption save is taken). Raises :class:`CheckpointFailed` after too many
-        failures in a row."""
-        if self._pipeline.fatal is not None:
-            raise self._pipeline.fatal
-        self._timeline.progress(step)
-        if self._schedule.unreachable(step, tokens):
-            warnings.warn(unreachable_message(self.key), UserWarning, stacklevel=2)
-        if not self._schedule.preempt_saved and self._ctx.near_end():
-            return True
-        return self._schedule.due(step, tokens)
-
     # ------------------------------------------------------------------ save
+    @_doc(Saving.should_save)
+    def should_save(self, step: Optional[int] = None, tokens: Optional[int] = None) -> bool:
+        return self._saving.should_save(step, tokens)
+
+    @_doc(Saving.save)
     def save(
         self,
         state: Any,
@@ -453,104 +445,10 @@ class Checkpointer:
         data_version: Optional[str] = None,
         lazy: Union[bool, Callable[[Any], bool]] = False,
     ) -> Saved:
-        """Snapshot ``state`` and return; the write and the flush go on in the background.
-
-        Returns a frozen :class:`~slurm_ckpt.job.saved.Saved` (step, tokens, nbytes,
-        stall_s, preemption, synchronous). Arguments are checked here: a step outside
-        0..9999999999, negative tokens or a meta that is not JSON raise at once.
-
-        ``state`` may be changed as soon as this returns. A state that cannot be
-        serialised raises ``TypeError`` at once; storage failures never raise here
-        (see :mod:`slurm_ckpt.job.pipeline`), except :class:`CheckpointFailed` after
-        ``max_consecutive_failures`` in a row. ``meta`` (JSON-able) goes into the
-        manifest. ``preemption`` marks this as the preemption save (always flushed, sets
-        :attr:`preempted`); by default it is one when this process received a signal -
-        pass True when another rank did (e.g. after an all-reduce of the flags).
-        ``data_version`` names the data this state was trained on (any string, e.g.
-        :func:`slurm_ckpt.torch.data_version`); it goes into the manifest, ``list`` and
-        ``status`` show it, and ``restore(expect_data_version=...)`` checks it.
-
-        ``lazy`` (True, or a predicate over tensors) defers the copy of the tensors it
-        accepts to a background thread: ``save()`` then returns before they are copied,
-        and the caller must not write them in place until :meth:`wait_snapshot` returns
-        (:class:`slurm_ckpt.torch.TorchCheckpointer` makes the optimizer step wait by
-        itself; see :mod:`slurm_ckpt.job.lazy`).
-        """
-        meta = check_save_args(step, tokens, meta, preemption, data_version)
-        self._ctx.check_open("save")
-        self._lease.ensure()  # held since construction, except by a replica rank
-        t0 = time.monotonic()
-        preempt = self._ctx.preempting(preemption)
-        reason = "signal" if preempt else "interval"
-        index, tensors = flatten(state)
-        blobs = layout(index)
-        data = index_bytes(index)
-        nbytes = sum(b["nbytes"] for b in blobs) + len(data)
-        replicated = None
-        if self._pipeline.replicas is not None:
-            replicated = replicated_files(blobs, self._pipeline.replicas.scope)
-        books, pipe = self._books, self._pipeline
-        books.emit("save_start", step=step, reason=reason)
-        pipe.start()
-        # Backpressure: the staging buffers are busy until the previous local write ends.
-        if pipe.local_job is not None:
-            books.emit("backpressure_wait", step=step)
-        pipe.wait_local_free()
-        if pipe.suspects:
-            # The previous save's verdict is in now (its exchange ends before its local
-            # write does), on every rank alike: every rank hears it in this same call.
-            tell_suspects(pipe.suspects, self._on_suspect)
-        if self.flush_policy == "wait" and not preempt and pipe.flushes_busy():
-            books.emit("flush_wait", step=step)
-            pipe.wait_flushes()
-        waited = time.monotonic() - t0
-
-        seq = self._ctx.take_seq()
-        rec = SaveRecord(
-            step=step,
-            tokens=tokens,
-            seq=seq,
-            reason=reason,
-            nbytes=nbytes,
-            forced=preempt,
-            selected=self.warm is not None and (preempt or selected_for_flush(seq, self.policy)),
-            index_data=data,
-            meta=meta,
-            replicated=replicated,
-        )
-        if data_version is not None:
-            rec.meta["data_version"] = data_version
-        books.emit("snapshot_start", step=step)
-        drain = hand_over(self._staging, pipe, books, rec, index, tensors, blobs, lazy, t0)
-        if drain is not None:
-            self._closing.drain = drain
-        stall = time.monotonic() - t0
-        rec.stall_s = stall
-        self._schedule.saved(step, tokens, stall, preemption=preempt)
-        pipe.count(
-            saves=1,
-            stall_s=stall,
-            wait_s=waited,
-            last_stall_s=stall,
-            last_snapshot_s=rec.snapshot_s,
-        )
-        info = {"step": step, "stall_s": stall}
-        books.notify("save_returned", info)
-        if rec.synchronous:
-            books.log_event("save_returned", info)
-        else:
-            pipe.defer_event("save_returned", info)
-            if rec.local_status != "pending":  # the writer was quicker than this line
-                pipe.log_deferred()
-        return Saved(
-            step=step,
-            tokens=tokens,
-            nbytes=nbytes,
-            stall_s=stall,
-            preemption=preempt,
-            synchronous=rec.synchronous,
-            deferred_bytes=0 if drain is None else drain.deferred_bytes,
-        )
+        return self._saving.save(
+            state, step=step, tokens=tokens, meta=meta, preemption=preemption,
+            data_version=data_version, lazy=lazy,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ the RAM tier
     @_doc(RamDoor.ram_save)
@@ -700,4 +598,5 @@ class Checkpointer:
         return self._closing.close()
 
 
-Checkpointer.__doc__ = (Checkpointer.__doc__ or "") + docstring_section()
+# The options part of help(Checkpointer), from the one definition of the options.
+Checkpointer.__doc__ = (Checkpointer.__doc__ or "").rstrip(" ") + docstring_section()

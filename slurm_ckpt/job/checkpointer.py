@@ -400,6 +400,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ public state
     @property
     def stats(self) -> CheckpointStats:
+        """This run's counters (saves, stalls, flushes, failures; the RAM tier's too)."""
         return self._closing.stats()
 
     @property

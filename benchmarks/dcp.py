@@ -110,7 +110,7 @@ def rank_main(argv: List[str]) -> int:
         figures[f"{which}_block"].append(t1 - t0)
         figures[f"{which}_durable"].append(t2 - t0)
         if which == "ours":
-            series = ckpt.__dict__.get("_dcp")
+            series = ckpt._dcp
             if series is not None:  # the first save's flush: done before the next figure
                 series.pipe.wait_flushes()
 

@@ -329,7 +329,7 @@ c.save({"w": np.zeros(1_000_000, dtype=np.float32)}, step=1)
 c.wait(flush=False)
 series = Path(warm) / c.user / "k"
 def ctrl_c_once_closing():  # close() has begun and the flush copy is on its way
-    while not (c._closed and any(series.glob(".partial-*"))):
+    while not (c._ctx.closed and any(series.glob(".partial-*"))):
         time.sleep(0.01)
     os.kill(os.getpid(), signal.SIGINT)
 threading.Thread(target=ctrl_c_once_closing, daemon=True).start()

@@ -25,12 +25,15 @@ This module is the facade: it builds the parts - the schedule (:mod:`.schedule`)
 staging area, the pipeline, the bookkeeping (:mod:`.bookkeeping`: ledger, events,
 metrics) and the restorer (:mod:`.restore`) - and keeps the public API: ``save``,
 ``should_save``, ``restore``, ``restore_weights``, ``restore_rest``, ``preempted``,
-``wait``, ``close``, ``stats``, ``ram_save``. Its methods come from mixins by concept:
-saving and the schedule here, the restore side in :mod:`.restoring`, waiting and the end
-of the run in :mod:`.closing`, the doors for other checkpoint formats in :mod:`.seams`,
-the RAM tier in :mod:`.ram_methods`; the counters are
-:class:`~slurm_ckpt.job.stats.CheckpointStats`. What the parts acting for it need is one
-typed :class:`~slurm_ckpt.job.context.JobContext`, never the Checkpointer itself.
+``wait``, ``close``, ``stats``, ``ram_save``. Saving and the schedule are its own; the
+rest it delegates to small objects, one per concept, that it builds once: the restore
+side (:class:`~.restoring.Restoring`), waiting and the end of the run
+(:class:`~.closing.Closing`), the doors for other checkpoint formats
+(:class:`~.seams.Seams`) and the RAM tier (:class:`~.ram_methods.RamDoor`). Each public
+method here is a thin, typed call into one of them, with that object's docstring; the
+counters are :class:`~slurm_ckpt.job.stats.CheckpointStats`. What the parts need is one
+typed :class:`~slurm_ckpt.job.context.JobContext` plus the few parts named in their
+constructors, never the Checkpointer itself (no part imports this module).
 """
 
 from __future__ import annotations
@@ -39,38 +42,38 @@ import functools
 import logging
 import os
 import socket
-import time
 import warnings
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Dict, Optional, Sequence, TypeVar, Union
 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.names import current_user, node_name, validate_key, validate_user
 from slurm_ckpt.core.platform import require_supported_os
-from slurm_ckpt.core.retention import RetentionPolicy, selected_for_flush
+from slurm_ckpt.core.retention import RetentionPolicy
 from slurm_ckpt.errors import CkptError, TierError
 from slurm_ckpt.job.bookkeeping import Bookkeeper, SaveRecord
-from slurm_ckpt.job.closing import ClosingMethods, finish_at_exit
+from slurm_ckpt.job.closing import Closing, finish_at_exit
 from slurm_ckpt.job.context import JobContext
+from slurm_ckpt.job.dcp_series import DcpSeries
 from slurm_ckpt.job.dcp_series import part_key as dcp_part_key
-from slurm_ckpt.job.lazy import Drain
 from slurm_ckpt.job.lease import SeriesLease
+from slurm_ckpt.job.option_table import docstring_section
 from slurm_ckpt.job.options import OPTION_NAMES, UNSET, Options, build_config, resolve_aliases
 from slurm_ckpt.job.owed import load_job_config, no_epilog, queue_owed, without_epilog
 from slurm_ckpt.job.partner import PartnerLink
 from slurm_ckpt.job.partner_open import open_partner
 from slurm_ckpt.job.pipeline import CheckpointFailed, Pipeline, Shard
-from slurm_ckpt.job.ram_methods import RamMethods, RamSetting, open_ram, with_ram_stats
-from slurm_ckpt.job.replicas import ReplicaCheck, replicated_files, tell_suspects
-from slurm_ckpt.job.restore import Restored, Restorer, shard_key, shard_prefix
-from slurm_ckpt.job.restoring import RestoreMethods
-from slurm_ckpt.job.saved import Saved, check_save_args
-from slurm_ckpt.job.schedule import DEFAULT_INTERVAL_TOKENS, Schedule, unreachable_message
-from slurm_ckpt.job.seams import FrameworkSeams
+from slurm_ckpt.job.ram_methods import RamDoor, RamSetting, open_ram
+from slurm_ckpt.job.replicas import ReplicaCheck
+from slurm_ckpt.job.restore import Restored, shard_key, shard_prefix
+from slurm_ckpt.job.restoring import Restoring
+from slurm_ckpt.job.saved import Saved
+from slurm_ckpt.job.saving import Saving
+from slurm_ckpt.job.schedule import DEFAULT_INTERVAL_TOKENS, Schedule
+from slurm_ckpt.job.seams import Seams
 from slurm_ckpt.job.signals import Deadline, SignalFlag, relayed_signal, signal_number
-from slurm_ckpt.job.snapshot import hand_over
 from slurm_ckpt.job.staging import StagingArea
 from slurm_ckpt.job.standalone import make_roots, sweep_debris
-from slurm_ckpt.job.state import flatten, index_bytes, layout
 from slurm_ckpt.job.stats import CheckpointStats
 from slurm_ckpt.job.timeline import RankTimeline
 from slurm_ckpt.slurm.client import job_end_time_provider
@@ -94,13 +97,27 @@ __all__ = [
 PathLike = Union[str, "os.PathLike[str]"]
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _doc(of: Union[Callable[..., Any], property]) -> Callable[[_F], _F]:
+    """A delegating method takes the docstring of the part's method it calls: written
+    once, beside the code, and shown by ``help(Checkpointer)``."""
+
+    def give(method: _F) -> _F:
+        method.__doc__ = of.__doc__
+        return method
+
+    return give
+
+
 def _under_slurm() -> bool:
     """Inside a SLURM job (a batch job, an allocation, a step): SIGINT is SLURM's and
     srun's (a status report, a kill), not a Ctrl-C to save on."""
     return bool(os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID"))
 
 
-class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
+class Checkpointer:
     """Fast, verified, tiered checkpoints from inside a training job.
 
     Standalone (no SLURM, no config file; a laptop needs only ``local``)::
@@ -109,65 +126,9 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
 
     Under SLURM: :meth:`from_env` (site config, job id, rank, ckpt-srun's signal).
     Every option is keyword-only; given here, a site setting overrides the config's.
-    docs/user-guide-options.md explains each one at more length.
+    docs/user-guide-options.md explains each one at more length. The options below are
+    defined once, in :mod:`slurm_ckpt.job.option_table` (this list is made from it).
 
-    Where:
-      local: node-local tier root (made, mode 0700, when missing in standalone use).
-      warm: warm tier root (a PFS or shared directory); without it nothing is flushed.
-      key: the checkpoint series (one per training run), required.
-      config: a site :class:`Config` instead of ``local``/``warm``.
-    When to save (the first one reached; none anywhere: every 50M tokens):
-      interval_tokens: save every N tokens (pass ``tokens=`` to should_save).
-      interval_steps: save every N steps.
-      interval_seconds: save every N seconds (a number or "30min").
-      interval: "auto": Young/Daly's optimum from the measured stall and ``mtbi``.
-      mtbi: mean time between interruptions for ``interval="auto"`` (e.g. "6h").
-      signals: preemption signals that trigger a save (default SIGTERM, SIGUSR1, SIGUSR2).
-    Retention and resources:
-      keep_local: newest checkpoints kept on the local tier.
-      flush_every: every Mth checkpoint is copied to the warm tier.
-      flush_policy: "skip" (a newer save replaces a queued flush) or "wait" (save waits).
-      max_consecutive_failures: failed saves in a row before save() raises.
-      staging_memory_limit: cap on the snapshot buffers (bytes or "8GiB").
-      warm_bandwidth: cap on flush bandwidth (bytes/s or "500MB/s").
-      ledger_dir: where the node ledger lives.
-    Partner copies (docs/partner.md; the site's ``[partner]`` otherwise):
-      partner: copy each committed checkpoint to the next node of the job (True/False).
-      keep_partner: newest partner copies kept per rank series on the partner's disk.
-      partner_bandwidth: cap on the partner copies (bytes/s or "1GB/s").
-      partner_dir: rendezvous directory every node of the job mounts (addresses, secret).
-      partner_host: the address other nodes reach this rank's partner server at.
-      ram: the RAM tier, ``True`` or a ``RamOptions`` (docs/in-job-recovery.md): snapshots
-        in memory by ``ram_save()``, replicated into the partner's memory.
-    Identity (defaults from the environment):
-      rank: this process's rank (RANK, else SLURM_PROCID).
-      world_size: number of ranks (WORLD_SIZE, else the step's task count).
-      user: owner of the checkpoints (the current user).
-      node: node name (the host name).
-      job: SLURM job id, recorded in manifests and the ledger.
-      takeover: take the key over from a writer that looks alive but is known dead (a
-        hung process, a node given up; docs/user-guide.md, "One writer per key").
-    SLURM integration and callbacks:
-      install_signals: install handlers for ``signals`` (False: you call nothing else).
-      requeue: requeue the job after a save caused by the time limit.
-      requeue_fn: ``fn(reason)`` that requeues (default: scontrol requeue).
-      job_state_fn: ``fn() -> state`` of the job (why the signal came).
-      end_time_fn: ``fn() -> epoch`` of the job's end (default SLURM_JOB_END_TIME).
-      kill_wait_s: seconds between SIGTERM and SIGKILL (SLURM's KillWait).
-      signal_lead_s: seconds before the end at which the warning signal comes.
-      agree: ``fn(value) -> min over ranks`` for restore (default torch.distributed).
-      on_event: ``fn(name, info)``, called from background threads too: keep it quick,
-        never call the Checkpointer from it.
-    Replicas agree (docs/user-guide.md, "Replicas agree"):
-      replicas: the ranks holding the same state compare their digests at each save
-        (True: every rank, DDP; a list of rank lists; a process group; (mesh, dim)).
-      replicated: "weights" (the model's blobs) or "all" (every file) must be identical.
-      on_suspect: ``fn(verdict)`` called on the training thread, or "raise" (raises
-        :class:`~slurm_ckpt.job.replicas.SuspectStep` there) when a step is suspect: in
-        the next save() (every rank in the same one), wait() or close().
-    Deprecated aliases (one release, a DeprecationWarning):
-      pfs: the old name of ``warm``.
-      pfs_bandwidth: the old name of ``warm_bandwidth``.
     """
 
     def __init__(
@@ -353,7 +314,6 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
             # earlier run of this series left (slurm_ckpt.job.owed).
             without_epilog(self._pipeline)
             queue_owed(self._pipeline)
-        self._on_suspect = opts.on_suspect
         if opts.replicas is not None and opts.replicas is not False:
             # collective (a gloo group of its own): every rank builds its Checkpointer
             self._pipeline.replicas = ReplicaCheck(
@@ -361,14 +321,23 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
             )
         #: The RAM tier (None: off): snapshots in memory, copies in the partner's.
         self.ram = open_ram(opts.ram, self._ctx, self.partner)
-        self._requeue = opts.requeue
-        self._requeue_fn = opts.requeue_fn or functools.partial(requeue_job, self.job)
-        self._job_state_fn = opts.job_state_fn
-        self._requeued = False
-        self._agree = opts.agree
-        self._restorer: Optional[Restorer] = None
-        self._drain: Optional[Drain] = None
-        self.restored: Optional[Restored] = None
+        self._ram_door = RamDoor(self._ctx, self.ram)
+        self._restoring = Restoring(
+            self._ctx, partner=self.partner, ram=self.ram, agree=opts.agree,
+            timeline=self._timeline,
+        )  # fmt: skip
+        self._seams = Seams(self._ctx, self._restoring)
+        self._closing = Closing(
+            self._ctx, flag=self._flag, staging=self._staging, restoring=self._restoring,
+            seams=self._seams, partner=self.partner, ram=self.ram,
+            on_suspect=opts.on_suspect, requeue=opts.requeue,
+            requeue_fn=opts.requeue_fn or functools.partial(requeue_job, self.job),
+            job_state_fn=opts.job_state_fn,
+        )  # fmt: skip
+        self._saving = Saving(
+            self._ctx, staging=self._staging, timeline=self._timeline, closing=self._closing,
+            on_suspect=opts.on_suspect,
+        )  # fmt: skip
         # A script that ends without close() must not lose the checkpoint being written.
         finish_at_exit(self._ctx)
 
@@ -431,7 +400,8 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
     # ------------------------------------------------------------------ public state
     @property
     def stats(self) -> CheckpointStats:
-        return with_ram_stats(self._pipeline.stats, self.ram)
+        """This run's counters (saves, stalls, flushes, failures; the RAM tier's too)."""
+        return self._closing.stats()
 
     @property
     def preempted(self) -> bool:
@@ -459,25 +429,12 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
         """Seconds until the job must be done (None when unknown)."""
         return self._deadline.time_left()
 
-    @property
-    def _closed(self) -> bool:
-        return self._ctx.closed
-
-    # ------------------------------------------------------------------ when to save
-    def should_save(self, step: Optional[int] = None, tokens: Optional[int] = None) -> bool:
-        """True when an interval is reached or a preemption signal arrived (until the
-        preemption save is taken). Raises :class:`CheckpointFailed` after too many
-        failures in a row."""
-        if self._pipeline.fatal is not None:
-            raise self._pipeline.fatal
-        self._timeline.progress(step)
-        if self._schedule.unreachable(step, tokens):
-            warnings.warn(unreachable_message(self.key), UserWarning, stacklevel=2)
-        if not self._schedule.preempt_saved and self._ctx.near_end():
-            return True
-        return self._schedule.due(step, tokens)
-
     # ------------------------------------------------------------------ save
+    @_doc(Saving.should_save)
+    def should_save(self, step: Optional[int] = None, tokens: Optional[int] = None) -> bool:
+        return self._saving.should_save(step, tokens)
+
+    @_doc(Saving.save)
     def save(
         self,
         state: Any,
@@ -489,101 +446,158 @@ class Checkpointer(RestoreMethods, ClosingMethods, FrameworkSeams, RamMethods):
         data_version: Optional[str] = None,
         lazy: Union[bool, Callable[[Any], bool]] = False,
     ) -> Saved:
-        """Snapshot ``state`` and return; the write and the flush go on in the background.
+        return self._saving.save(
+            state, step=step, tokens=tokens, meta=meta, preemption=preemption,
+            data_version=data_version, lazy=lazy,
+        )  # fmt: skip
 
-        Returns a frozen :class:`~slurm_ckpt.job.saved.Saved` (step, tokens, nbytes,
-        stall_s, preemption, synchronous). Arguments are checked here: a step outside
-        0..9999999999, negative tokens or a meta that is not JSON raise at once.
+    # ------------------------------------------------------------------ the RAM tier
+    @_doc(RamDoor.ram_save)
+    def ram_save(
+        self,
+        state: Any,
+        *,
+        step: int,
+        tokens: Optional[int] = None,
+        meta: Optional[Dict[str, Any]] = None,
+        force: bool = False,
+    ) -> bool:
+        return self._ram_door.ram_save(state, step=step, tokens=tokens, meta=meta, force=force)
 
-        ``state`` may be changed as soon as this returns. A state that cannot be
-        serialised raises ``TypeError`` at once; storage failures never raise here
-        (see :mod:`slurm_ckpt.job.pipeline`), except :class:`CheckpointFailed` after
-        ``max_consecutive_failures`` in a row. ``meta`` (JSON-able) goes into the
-        manifest. ``preemption`` marks this as the preemption save (always flushed, sets
-        :attr:`preempted`); by default it is one when this process received a signal -
-        pass True when another rank did (e.g. after an all-reduce of the flags).
-        ``data_version`` names the data this state was trained on (any string, e.g.
-        :func:`slurm_ckpt.torch.data_version`); it goes into the manifest, ``list`` and
-        ``status`` show it, and ``restore(expect_data_version=...)`` checks it.
+    @_doc(RamDoor.guard_commits)
+    def guard_commits(self, guard: Callable[[], None]) -> None:
+        self._ram_door.guard_commits(guard)
 
-        ``lazy`` (True, or a predicate over tensors) defers the copy of the tensors it
-        accepts to a background thread: ``save()`` then returns before they are copied,
-        and the caller must not write them in place until :meth:`wait_snapshot` returns
-        (:class:`slurm_ckpt.torch.TorchCheckpointer` makes the optimizer step wait by
-        itself; see :mod:`slurm_ckpt.job.lazy`).
-        """
-        meta = check_save_args(step, tokens, meta, preemption, data_version)
-        self._ctx.check_open("save")
-        self._lease.ensure()  # held since construction, except by a replica rank
-        t0 = time.monotonic()
-        preempt = self._ctx.preempting(preemption)
-        reason = "signal" if preempt else "interval"
-        index, tensors = flatten(state)
-        blobs = layout(index)
-        data = index_bytes(index)
-        nbytes = sum(b["nbytes"] for b in blobs) + len(data)
-        replicated = None
-        if self._pipeline.replicas is not None:
-            replicated = replicated_files(blobs, self._pipeline.replicas.scope)
-        books, pipe = self._books, self._pipeline
-        books.emit("save_start", step=step, reason=reason)
-        pipe.start()
-        # Backpressure: the staging buffers are busy until the previous local write ends.
-        if pipe.local_job is not None:
-            books.emit("backpressure_wait", step=step)
-        pipe.wait_local_free()
-        if pipe.suspects:
-            # The previous save's verdict is in now (its exchange ends before its local
-            # write does), on every rank alike: every rank hears it in this same call.
-            tell_suspects(pipe.suspects, self._on_suspect)
-        if self.flush_policy == "wait" and not preempt and pipe.flushes_busy():
-            books.emit("flush_wait", step=step)
-            pipe.wait_flushes()
-        waited = time.monotonic() - t0
+    # ------------------------------------------------------------------ restore
+    @property
+    def restored(self) -> Optional[Restored]:
+        """What the newest restore (``restore``, ``restore_rest``, ``restore_path``)
+        returned; None before one found something."""
+        return self._restoring.restored
 
-        seq = self._ctx.take_seq()
-        rec = SaveRecord(
-            step=step,
-            tokens=tokens,
-            seq=seq,
-            reason=reason,
-            nbytes=nbytes,
-            forced=preempt,
-            selected=self.warm is not None and (preempt or selected_for_flush(seq, self.policy)),
-            index_data=data,
-            meta=meta,
-            replicated=replicated,
+    @_doc(Restoring.restore)
+    def restore(
+        self,
+        weights_only: bool = False,
+        *,
+        step: Optional[int] = None,
+        tiers: Optional[Sequence[str]] = None,
+        expect_data_version: Optional[str] = None,
+        on_data_change: str = "warn",
+        lineage: Optional[str] = None,
+        replicas: Any = None,
+    ) -> Optional[Restored]:
+        return self._restoring.restore(
+            weights_only, step=step, tiers=tiers, expect_data_version=expect_data_version,
+            on_data_change=on_data_change, lineage=lineage, replicas=replicas,
+        )  # fmt: skip
+
+    @_doc(Restoring.restore_weights)
+    def restore_weights(self) -> Optional[Restored]:
+        return self._restoring.restore_weights()
+
+    @_doc(Restoring.restore_rest)
+    def restore_rest(self) -> Restored:
+        return self._restoring.restore_rest()
+
+    @_doc(Restoring.pin_last_healthy)
+    def pin_last_healthy(self, step: int) -> None:
+        self._restoring.pin_last_healthy(step)
+
+    @property
+    @_doc(Restoring.last_healthy)
+    def last_healthy(self) -> Optional[int]:
+        return self._restoring.last_healthy
+
+    # ------------------------------------------------------------------ other formats
+    @_doc(Seams.output)
+    def output(
+        self,
+        *,
+        step: int,
+        tokens: Optional[int] = None,
+        meta: Optional[Dict[str, Any]] = None,
+        preemption: Optional[bool] = None,
+    ) -> ContextManager[Path]:
+        return self._seams.output(step=step, tokens=tokens, meta=meta, preemption=preemption)
+
+    @_doc(Seams.adopt)
+    def adopt(
+        self,
+        step: int,
+        path: PathLike,
+        *,
+        tokens: Optional[int] = None,
+        meta: Optional[Dict[str, Any]] = None,
+        preemption: Optional[bool] = None,
+    ) -> Saved:
+        return self._seams.adopt(step, path, tokens=tokens, meta=meta, preemption=preemption)
+
+    @_doc(Seams.restore_path)
+    def restore_path(
+        self,
+        *,
+        step: Optional[int] = None,
+        tiers: Optional[Sequence[str]] = None,
+        expect_data_version: Optional[str] = None,
+        on_data_change: str = "warn",
+    ) -> Optional[Path]:
+        return self._seams.restore_path(
+            step=step, tiers=tiers, expect_data_version=expect_data_version,
+            on_data_change=on_data_change,
+        )  # fmt: skip
+
+    @property
+    @_doc(Seams.preemption_pending)
+    def preemption_pending(self) -> bool:
+        return self._seams.preemption_pending
+
+    @_doc(Seams.mark_preemption_saved)
+    def mark_preemption_saved(self, step: int, tokens: Optional[int] = None) -> None:
+        self._seams.mark_preemption_saved(step, tokens)
+
+    @_doc(Seams.dcp_writer)
+    def dcp_writer(
+        self,
+        *,
+        step: int,
+        tokens: Optional[int] = None,
+        meta: Optional[Dict[str, Any]] = None,
+        preemption: Optional[bool] = None,
+    ) -> Any:
+        return self._seams.dcp_writer(step=step, tokens=tokens, meta=meta, preemption=preemption)
+
+    @_doc(Seams.dcp_reader)
+    def dcp_reader(
+        self,
+        *,
+        step: Optional[int] = None,
+        process_group: Any = None,
+        no_dist: bool = False,
+        ranged: bool = False,
+    ) -> Any:
+        return self._seams.dcp_reader(
+            step=step, process_group=process_group, no_dist=no_dist, ranged=ranged
         )
-        if data_version is not None:
-            rec.meta["data_version"] = data_version
-        books.emit("snapshot_start", step=step)
-        drain = hand_over(self._staging, pipe, books, rec, index, tensors, blobs, lazy, t0)
-        if drain is not None:
-            self._drain = drain
-        stall = time.monotonic() - t0
-        rec.stall_s = stall
-        self._schedule.saved(step, tokens, stall, preemption=preempt)
-        pipe.count(
-            saves=1,
-            stall_s=stall,
-            wait_s=waited,
-            last_stall_s=stall,
-            last_snapshot_s=rec.snapshot_s,
-        )
-        info = {"step": step, "stall_s": stall}
-        books.notify("save_returned", info)
-        if rec.synchronous:
-            books.log_event("save_returned", info)
-        else:
-            pipe.defer_event("save_returned", info)
-            if rec.local_status != "pending":  # the writer was quicker than this line
-                pipe.log_deferred()
-        return Saved(
-            step=step,
-            tokens=tokens,
-            nbytes=nbytes,
-            stall_s=stall,
-            preemption=preempt,
-            synchronous=rec.synchronous,
-            deferred_bytes=0 if drain is None else drain.deferred_bytes,
-        )
+
+    @property
+    def _dcp(self) -> Optional[DcpSeries]:
+        """The DCP part series (None before the first ``dcp_writer()``), for tests."""
+        return self._seams.dcp
+
+    # ------------------------------------------------------------------ waits and the end
+    @_doc(Closing.wait_snapshot)
+    def wait_snapshot(self) -> float:
+        return self._closing.wait_snapshot()
+
+    @_doc(Closing.wait)
+    def wait(self, flush: bool = True, timeout: Optional[float] = None) -> bool:
+        return self._closing.wait(flush, timeout)
+
+    @_doc(Closing.close)
+    def close(self) -> CheckpointStats:
+        return self._closing.close()
+
+
+# The options part of help(Checkpointer), from the one definition of the options.
+Checkpointer.__doc__ = (Checkpointer.__doc__ or "").rstrip(" ") + docstring_section()

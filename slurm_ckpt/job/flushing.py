@@ -1,7 +1,7 @@
 """The flush half of the pipeline: selected checkpoints to the warm tier, one at a time.
 
 :class:`~slurm_ckpt.job.pipeline.Pipeline` takes these methods from
-:class:`FlushMethods` (a mixin, as the Checkpointer's are): the flush queue and its
+:class:`FlushMethods` (a mixin): the flush queue and its
 policy (``"skip"``: a newer checkpoint takes the queued one's place), the flusher thread,
 the estimate of a flush's length, and what is left to the epilog when the job ends
 first. Why apart: the local writer and the flusher are two threads with two concerns -

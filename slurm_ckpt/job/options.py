@@ -1,11 +1,12 @@
-"""The Checkpointer's keyword options, in one typed place, and the Config they become.
+"""The Checkpointer's keyword options as one typed object, and the Config they become.
 
 ``Checkpointer(local=..., warm=..., key=..., interval_tokens=..., ...)`` takes a site
 config (or the tier paths: ``local`` alone is laptop mode) plus keyword-only options.
 Options that are site settings (intervals, retention, staging memory, bandwidth, ledger
 directory) are folded into a :class:`~slurm_ckpt.core.config.Config` through
 :meth:`Config.from_dict`, so they are checked with the same one-line errors as the config
-file; the rest (identity, providers, callbacks) stay here.
+file; the rest (identity, providers, callbacks) stay here. The options themselves (names,
+types, defaults, groups, help) are defined once, in :mod:`slurm_ckpt.job.option_table`.
 """
 
 from __future__ import annotations
@@ -13,28 +14,21 @@ from __future__ import annotations
 import difflib
 import os
 import warnings
-from dataclasses import dataclass, fields
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Any, Dict, Optional, Type, TypeVar, Union
 
 from slurm_ckpt.core.config import Config
 from slurm_ckpt.core.config_schema import PFS, STANDALONE_SOURCE
 from slurm_ckpt.errors import CkptError
+from slurm_ckpt.job.option_table import UNSET, option_rows
 
 __all__ = ["FLUSH_POLICIES", "OPTION_NAMES", "UNSET", "Options", "RamOptions", "build_config"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 FLUSH_POLICIES = ("skip", "wait")
+_O = TypeVar("_O", bound="_OptionChecks")
 
 
-class _Unset:
-    """The default of ``end_time_fn``: SLURM's end time (None would mean no deadline)."""
-
-    def __repr__(self) -> str:  # what help() and an IDE show as the default
-        return "<SLURM's end time>"
-
-
-#: "Not given" where None means something (``end_time_fn=None``: no deadline at all).
-UNSET: Any = _Unset()
 _INTERVALS = ("interval_tokens", "interval_steps", "interval_seconds", "interval")
 
 
@@ -86,81 +80,10 @@ def ram_options(value: Any) -> Optional[RamOptions]:
     return value.validate()
 
 
-@dataclass
-class Options:
-    """Every keyword option of :class:`~slurm_ckpt.job.checkpointer.Checkpointer`, which
-    lists them as explicit keyword-only parameters (one line each in its docstring) and
-    carries them here; ``Checkpointer.from_env(**options)`` checks its own through
-    :meth:`from_kwargs`.
+class _OptionChecks:
+    """The checks of :class:`Options`; its fields come from the option table."""
 
-    Site settings (override the config): ``interval_tokens``, ``interval_steps``,
-    ``interval_seconds``, ``interval`` (``"auto"``: Young/Daly), ``mtbi``,
-    ``keep_local``, ``flush_every``, ``signals``, ``max_consecutive_failures``,
-    ``staging_memory_limit``, ``warm_bandwidth``, ``ledger_dir``; partner copies
-    (``[partner]``, docs/partner.md): ``partner`` (on/off), ``keep_partner``,
-    ``partner_bandwidth``, ``partner_dir`` (the rendezvous base directory).
-
-    The job: ``rank``/``world_size`` (default: ``RANK``/``WORLD_SIZE``, else SLURM's),
-    ``user``, ``node``, ``job``; ``takeover`` (take the series' lease from a writer
-    known dead, :mod:`slurm_ckpt.job.lease`); ``flush_policy`` ("skip"/"wait"); ``install_signals``;
-    ``partner_host`` (the address other nodes reach this rank's partner server at).
-
-    Providers and callbacks: ``requeue`` (requeue after a time-limit save) and
-    ``requeue_fn(reason)``, ``job_state_fn() -> state``, ``end_time_fn() -> epoch``
-    (default ``SLURM_JOB_END_TIME``), ``kill_wait_s``, ``signal_lead_s``,
-    ``agree(value) -> min over ranks``, ``on_event(name, info)``.
-
-    Replicas agree (:mod:`slurm_ckpt.job.replicas`): ``replicas`` (which ranks hold the
-    same state), ``replicated`` (``"weights"`` or ``"all"``: which files must be
-    identical), ``on_suspect`` (``fn(verdict)`` or ``"raise"``: how the job hears of a
-    suspect step).
-
-    Deprecated aliases, kept one release (a :class:`DeprecationWarning` each): ``pfs``
-    for ``warm`` (the warm tier's directory) and ``pfs_bandwidth`` for
-    ``warm_bandwidth``; :func:`resolve_aliases` folds them in.
-    """
-
-    interval_tokens: Optional[int] = None
-    interval_steps: Optional[int] = None
-    interval_seconds: Optional[Union[float, str]] = None
-    interval: Optional[str] = None
-    mtbi: Optional[Union[float, str]] = None
-    signals: Optional[Sequence[Union[str, int]]] = None
-    keep_local: Optional[int] = None
-    flush_every: Optional[int] = None
-    flush_policy: str = "skip"
-    max_consecutive_failures: Optional[int] = None
-    staging_memory_limit: Optional[Union[int, str]] = None
-    warm_bandwidth: Optional[Union[float, str]] = None
-    ledger_dir: Optional[PathLike] = None
-    partner: Optional[bool] = None
-    keep_partner: Optional[int] = None
-    partner_bandwidth: Optional[Union[float, str]] = None
-    partner_dir: Optional[PathLike] = None
-    partner_host: Optional[str] = None
-    ram: Optional[Union[bool, RamOptions]] = None
-    rank: Optional[int] = None
-    world_size: Optional[int] = None
-    user: Optional[str] = None
-    node: Optional[str] = None
-    job: Optional[Union[str, int]] = None
-    takeover: bool = False
-    install_signals: bool = True
-    requeue: bool = False
-    requeue_fn: Optional[Callable[[str], None]] = None
-    job_state_fn: Optional[Callable[[], Optional[str]]] = None
-    end_time_fn: Optional[Callable[[], Optional[float]]] = UNSET
-    kill_wait_s: float = 30.0
-    signal_lead_s: Optional[float] = None
-    agree: Optional[Callable[[int], int]] = None
-    on_event: Optional[Callable[[str, Dict[str, Any]], None]] = None
-    replicas: Any = None
-    replicated: str = "weights"
-    on_suspect: Any = None
-    pfs: Optional[PathLike] = None
-    pfs_bandwidth: Optional[Union[float, str]] = None
-
-    def validate(self) -> Options:
+    def validate(self: _O) -> _O:
         """One-line errors for values no config check sees (the identity, the policy)."""
         ram_options(self.ram)
         if self.replicated not in ("weights", "all"):
@@ -180,7 +103,7 @@ class Options:
         return self
 
     @classmethod
-    def from_kwargs(cls, kwargs: Dict[str, Any]) -> Options:
+    def from_kwargs(cls: Type[_O], kwargs: Dict[str, Any]) -> _O:
         """Options from keyword arguments; an unknown one is a one-line error."""
         known = {f.name for f in fields(cls)}
         for name in kwargs:
@@ -189,6 +112,21 @@ class Options:
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise CkptError(f"Checkpointer: unknown option {name!r}{hint}")
         return cls(**kwargs).validate()
+
+
+#: Every keyword option of :class:`~slurm_ckpt.job.checkpointer.Checkpointer`, one field
+#: per row of :mod:`slurm_ckpt.job.option_table` (name, type, default, in its order);
+#: ``Checkpointer.from_env(**options)`` checks its own through :meth:`from_kwargs`.
+Options = make_dataclass(
+    "Options",
+    [(o.name, o.kind, field(default=o.default)) for o in option_rows()],
+    bases=(_OptionChecks,),
+)
+Options.__module__ = __name__  # make_dataclass's module= is Python 3.12's
+Options.__doc__ = (
+    "Every keyword option of the Checkpointer, as :mod:`slurm_ckpt.job.option_table` "
+    "defines them (that table's help says what each does)."
+)
 
 
 #: Deprecated option names (kept one release: the warm tier was once called "pfs" even

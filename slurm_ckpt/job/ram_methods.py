@@ -1,9 +1,11 @@
 """The Checkpointer's side of the RAM tier: ``ram_save()`` at every step boundary, the
 ``ram_*`` counters in ``stats``, and the tiers a restore reads it through.
 
-A mixin, as :mod:`.restoring` and :mod:`.closing` are (``self`` is the Checkpointer);
-the machinery is :mod:`.ram_replica` (snapshots, their copies to the partner, the
-holder's side) over :mod:`.ram_tier` (the memory and its manifests).
+:class:`RamDoor` is a small object over the typed
+:class:`~slurm_ckpt.job.context.JobContext` that the Checkpointer builds and delegates to
+(it never sees the Checkpointer); the machinery is :mod:`.ram_replica` (snapshots,
+their copies to the partner, the holder's side) over :mod:`.ram_tier`
+(the memory and its manifests).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from typing import Any, Callable, Dict, Optional, Union
 
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.job.context import JobContext
-from slurm_ckpt.job.lease import SeriesLease
 from slurm_ckpt.job.options import RamOptions, ram_options
 from slurm_ckpt.job.partner import PartnerLink
 from slurm_ckpt.job.ram_replica import RamCopies
@@ -23,7 +24,7 @@ from slurm_ckpt.job.stats import CheckpointStats
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RamMethods", "RamSetting", "open_ram", "with_ram_stats"]
+__all__ = ["RamDoor", "RamSetting", "open_ram", "with_ram_stats"]
 
 #: What ``Checkpointer(ram=...)`` takes: ``True`` (the defaults), a :class:`RamOptions`,
 #: or ``None``/``False`` (off).
@@ -75,18 +76,19 @@ def with_ram_stats(stats: CheckpointStats, ram: Optional[RamCopies]) -> Checkpoi
     )
 
 
-class RamMethods:
-    """``Checkpointer.ram_save`` (see the module docstring)."""
+class RamDoor:
+    """``Checkpointer.ram_save`` and ``guard_commits`` (see the module docstring): the
+    RAM tier ``ram`` (None: off) and the series' lease, nothing else of the facade."""
 
-    ram: Optional[RamCopies]
-    _closed: bool
-    _lease: SeriesLease
+    def __init__(self, ctx: JobContext, ram: Optional[RamCopies]) -> None:
+        self._ctx = ctx
+        self.ram = ram
 
     def guard_commits(self, guard: Callable[[], None]) -> None:
         """``guard()`` is asked before every commit of this series and raises
         :class:`~slurm_ckpt.core.lease.StaleGeneration` when this process was replaced
         (in-job recovery's membership fence, :mod:`slurm_ckpt.job.recovery`)."""
-        self._lease.guard = guard
+        self._ctx.lease.guard = guard
 
     def ram_save(
         self,
@@ -110,7 +112,7 @@ class RamMethods:
         ``stats.ram_not_taken`` / ``stats.ram_behind``, an event and a log line)."""
         if self.ram is None:
             raise CkptError("ram_save(): the RAM tier is off (Checkpointer(..., ram=True))")
-        if self._closed:
+        if self._ctx.closed:
             raise CkptError("Checkpointer.ram_save(): already closed")
         meta = check_save_args(step, tokens, meta, None, None)
         return self.ram.save(state, step, tokens, meta, bool(force))

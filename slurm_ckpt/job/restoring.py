@@ -1,14 +1,15 @@
 """The restore side of the Checkpointer: the newest step that verifies, read back.
 
-The :class:`~slurm_ckpt.job.checkpointer.Checkpointer` facade takes these methods from
-:class:`RestoreMethods` (a mixin, as :mod:`slurm_ckpt.job.seams` is): ``restore``,
+The :class:`~slurm_ckpt.job.checkpointer.Checkpointer` facade builds a :class:`Restoring`
+over its typed :class:`~slurm_ckpt.job.context.JobContext` and delegates to it: ``restore``,
 ``restore_weights``, ``restore_rest``, and what a restore does with a copy that fails
 verification (``BAD`` in the ledger; a corrupt shared-tier copy is uncommitted, so
 that a good one is flushed again); on a spare after a node loss, the partner's disk
 read as one more tier (:mod:`slurm_ckpt.job.partner_tier`). The reading itself is
-:class:`~slurm_ckpt.job.restore.Restorer`; this is the part that needs the facade's
-tiers, identity, schedule and bookkeeping (``self`` is the Checkpointer). Why apart:
-saving and restoring are two concepts, and the facade stays a facade.
+:class:`~slurm_ckpt.job.restore.Restorer`; this is the part that needs the series'
+tiers, identity, schedule and bookkeeping (the context) plus the partner link, the RAM
+tier, the agreement and the timeline - never the Checkpointer. Why apart: saving and
+restoring are two concepts, and the facade stays a facade.
 """
 
 from __future__ import annotations
@@ -20,47 +21,52 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from slurm_ckpt.core.lineage import SeriesView, lineage_of
 from slurm_ckpt.core.units import format_bytes
 from slurm_ckpt.errors import CkptError, NotFound
+from slurm_ckpt.job.context import JobContext
 from slurm_ckpt.job.dist import dist_agree, run_launch
+from slurm_ckpt.job.partner import PartnerLink
 from slurm_ckpt.job.partner_fetch import relaunched
 from slurm_ckpt.job.partner_tier import PARTNER, PARTNER_RAM, PartnerTier
+from slurm_ckpt.job.ram_replica import RamCopies
 from slurm_ckpt.job.ram_tier import RAM
 from slurm_ckpt.job.replica_read import replica_group
 from slurm_ckpt.job.restore import Restored, Restorer, check_tier_names
+from slurm_ckpt.job.timeline import RankTimeline
 from slurm_ckpt.ledger.record import State
 from slurm_ckpt.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RestoreMethods"]
+__all__ = ["Restoring"]
 
 
-class RestoreMethods:
+class Restoring:
     """The Checkpointer's restore side (see the module docstring)."""
 
-    # Provided by the Checkpointer (declared for readers and type checkers).
-    _books: Any
-    _schedule: Any
-    _pipeline: Any
-    _agree: Optional[Callable[[Any], Any]]
-    _restorer: Optional[Restorer]
-    restored: Optional[Restored]
-    local: Tier
-    tiers: List[Tier]
-    user: str
-    key: str
-    shard_key: str
-    rank: int
-    world_size: int
-    partner: Any
-    _timeline: Any
-    ram: Any
+    def __init__(
+        self,
+        ctx: JobContext,
+        *,
+        partner: Optional[PartnerLink],
+        ram: Optional[RamCopies],
+        agree: Optional[Callable[[int], int]],
+        timeline: RankTimeline,
+    ) -> None:
+        self._ctx = ctx
+        self._partner = partner
+        self._ram = ram
+        self._agree = agree
+        self._timeline = timeline
+        #: The restorer of the newest restore() (its rest may still be read).
+        self.restorer: Optional[Restorer] = None
+        #: What the newest restore returned (None: nothing restored).
+        self.restored: Optional[Restored] = None
 
-    def _mark_bad(self, key: str, tier: str, step: int, reason: str) -> None:
+    def mark_bad(self, key: str, tier: str, step: int, reason: str) -> None:
         if tier in (PARTNER, PARTNER_RAM, RAM):
             return  # the holder's copy, not this node's, or memory: logged, not booked
-        self._books.set_state(step, tier, State.BAD, reason, code="verify_failed", key=key)
+        self._ctx.books.set_state(step, tier, State.BAD, reason, code="verify_failed", key=key)
 
-    def _uncommit_corrupt(self, tier: Tier, key: str, step: int) -> None:
+    def uncommit_corrupt(self, tier: Tier, key: str, step: int) -> None:
         """A shared-tier copy whose bytes do not match its manifest is not a checkpoint:
         it is *uncommitted* there (its manifest moved aside as ``manifest.json.damaged``,
         as ``verify`` and the hooks' scrub do), so that no node's retention takes the
@@ -71,15 +77,16 @@ class RestoreMethods:
         the step would stay lost while a good copy sat on a node. This node's own good
         copy, if any, is owed again too: the ledger says BAD there."""
         if tier.name == RAM:
-            tier.delete(self.user, key, step)  # unlisted: its slot is refilled first
+            tier.delete(self._ctx.user, key, step)  # unlisted: its slot is refilled first
             return
-        if tier.name in (self.local.name, PARTNER, PARTNER_RAM):
+        if tier.name in (self._ctx.local.name, PARTNER, PARTNER_RAM):
             return  # the job's own local copy (retention and the next save deal with it),
             # or the holder's partner copy (its own node's to deal with)
-        where = tier.where(self.user, key, step)
+        where = tier.where(self._ctx.user, key, step)
         try:
             # The manifest now committed: uncommitted only while it is still this one.
-            done = tier.uncommit(self.user, key, step, tier.manifest_bytes(self.user, key, step))
+            user = self._ctx.user
+            done = tier.uncommit(user, key, step, tier.manifest_bytes(user, key, step))
         except NotFound:
             return  # no longer committed (uncommitted or removed by someone else)
         except CkptError as exc:
@@ -88,9 +95,9 @@ class RestoreMethods:
         if not done:
             return  # its manifest changed meanwhile: another writer's business now
         try:
-            self.local.manifest_bytes(self.user, key, step)
+            self._ctx.local.manifest_bytes(self._ctx.user, key, step)
             after = "this node's local copy is flushed again if it verifies"
-            if self._books.state(step, self.local.name, key) == State.BAD:
+            if self._ctx.books.state(step, self._ctx.local.name, key) == State.BAD:
                 # Damaged on both tiers: this node's copy failed its check too.
                 after = (
                     "this node's local copy of that step failed verification too; a node "
@@ -103,9 +110,9 @@ class RestoreMethods:
                 "again, else it is lost"
             )
         log.warning("[ckpt] uncommitted the corrupt %s (manifest.json.damaged); %s", where, after)
-        self._books.emit("corrupt_uncommitted", step=step, tier=tier.name)
+        self._ctx.books.emit("corrupt_uncommitted", step=step, tier=tier.name)
 
-    def _make_restorer(
+    def make_restorer(
         self,
         tiers: Optional[Sequence[str]] = None,
         step: Optional[int] = None,
@@ -122,49 +129,50 @@ class RestoreMethods:
         agreement and the corrupt-copy handling. The own RAM tier goes first (when no
         ``tiers`` are named)."""
         if tiers is not None:
-            tiers = check_tier_names(tiers, [t.name for t in self.tiers], self.config.tiers.warm)
+            names = [t.name for t in self._ctx.tiers]
+            tiers = check_tier_names(tiers, names, self._ctx.config.tiers.warm)
         extra: Dict[str, Any] = {} if lineage is None else {"lineage": lineage}
         group = replica_group(replicas)
         if group is not None:
             extra["replicas"] = group
-            extra["node_tiers"] = [self.local.name, RAM, PARTNER, PARTNER_RAM]
+            extra["node_tiers"] = [self._ctx.local.name, RAM, PARTNER, PARTNER_RAM]
         use: List[Any] = list(
-            self.tiers if tiers is None else [t for t in self.tiers if t.name in tiers]
+            self._ctx.tiers if tiers is None else [t for t in self._ctx.tiers if t.name in tiers]
         )
         if partner:
-            at = next((i + 1 for i, t in enumerate(use) if t is self.local), 0)
+            at = next((i + 1 for i, t in enumerate(use) if t is self._ctx.local), 0)
             use[at:at] = list(partner)
-        if self.ram is not None and tiers is None and factory is Restorer:
-            use.insert(0, self.ram.tier)
+        if self._ram is not None and tiers is None and factory is Restorer:
+            use.insert(0, self._ram.tier)
         return factory(
             use,
-            self.user,
-            self.key,
-            self.rank,
-            self.world_size,
-            mark_bad=self._mark_bad,
-            on_corrupt=self._uncommit_corrupt,
+            self._ctx.user,
+            self._ctx.key,
+            self._ctx.rank,
+            self._ctx.world_size,
+            mark_bad=self.mark_bad,
+            on_corrupt=self.uncommit_corrupt,
             agree=self._agree or dist_agree(),
             launch=run_launch(),
             step=step,
             expect_data_version=expect_data_version,
             on_data_change=on_data_change,
-            pin=self._pipeline.last_healthy,
+            pin=self._ctx.pipeline.last_healthy,
             **extra,
         )
 
-    def _adopt_lineage(self, got: Restored, view: Optional[SeriesView]) -> None:
+    def adopt_lineage(self, got: Restored, view: Optional[SeriesView]) -> None:
         """Saves after this restore go on in the restored step's lineage when it is the
         series' newest current step; else (a rollback) the next save starts a new
         lineage from it, retiring the newer steps (:mod:`slurm_ckpt.core.lineage`)."""
         if view is None:  # the restore looked at some tiers only: judge over local + warm
-            view = self._pipeline.series.series_view()
+            view = self._ctx.pipeline.series.series_view()
         newest = view.newest_active()
         lineage = lineage_of(got.meta)
         if view.active(got.step, got.meta) and (newest is None or got.step >= newest):
-            self._pipeline.series.follow(lineage)
+            self._ctx.pipeline.series.follow(lineage)
         else:
-            self._pipeline.series.branch_from(lineage, got.step)
+            self._ctx.pipeline.series.branch_from(lineage, got.step)
 
     def restore(
         self,
@@ -203,10 +211,10 @@ class RestoreMethods:
         and broadcast; every rank verifies every chunk against its own manifest and
         reads alone whatever did not arrive verified. A step this rank holds on its own
         node (local tier, RAM, partner) is read there, alone. Collective over that group."""
-        if self._restorer is not None:
-            self._restorer.cancel()
+        if self.restorer is not None:
+            self.restorer.cancel()
         partner = self._partner_tiers() if tiers is None else []
-        self._restorer = self._make_restorer(
+        self.restorer = self.make_restorer(
             tiers,
             step,
             expect_data_version,
@@ -215,16 +223,16 @@ class RestoreMethods:
             lineage=lineage,
             replicas=replicas,
         )
-        got = self._restorer.restore(weights_only=weights_only)
-        if got is not None and got.tier == PARTNER and self.partner is not None:
-            self.partner.adopt(got.step)  # the spare's own copy, in the background
+        got = self.restorer.restore(weights_only=weights_only)
+        if got is not None and got.tier == PARTNER and self._partner is not None:
+            self._partner.adopt(got.step)  # the spare's own copy, in the background
         if got is None:
-            log.info("[ckpt] restore: no checkpoint of %s found", self.shard_key)
+            log.info("[ckpt] restore: no checkpoint of %s found", self._ctx.shard_key)
             return None
         self.restored = got
-        self._schedule.restored(got.step, got.tokens)
+        self._ctx.schedule.restored(got.step, got.tokens)
         self._timeline.restored(got.step, got.tier, got.seconds)
-        self._adopt_lineage(got, self._restorer.view if tiers is None else None)
+        self.adopt_lineage(got, self.restorer.view if tiers is None else None)
         log.info(
             "[ckpt] restored step=%d (lineage %s%s) tokens=%s from %s (%s in %.3fs)%s",
             got.step,
@@ -248,14 +256,14 @@ class RestoreMethods:
         is committed."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CkptError(f"pin_last_healthy(): step must be a whole number >= 0, got {step!r}")
-        self._pipeline.last_healthy = (step, time.time())
+        self._ctx.pipeline.last_healthy = (step, time.time())
         log.warning("[ckpt] last healthy step pinned at %d: newer steps are passed over", step)
-        self._books.emit("last_healthy", step=step)
+        self._ctx.books.emit("last_healthy", step=step)
 
     @property
     def last_healthy(self) -> Optional[int]:
         """The step :meth:`pin_last_healthy` pinned in this process, or None."""
-        pin = self._pipeline.last_healthy
+        pin = self._ctx.pipeline.last_healthy
         return None if pin is None else pin[0]
 
     def restore_weights(self) -> Optional[Restored]:
@@ -269,13 +277,13 @@ class RestoreMethods:
         same weights, an older step is restored whole and returned with
         ``rolled_back=True``: its ``state`` has the weights too, apply them again. Raises
         :class:`VerifyError` when no older step verifies either."""
-        if self._restorer is None:
+        if self.restorer is None:
             raise CkptError("restore_rest(): call restore(weights_only=True) first")
-        got = self._restorer.restore_rest()
+        got = self.restorer.restore_rest()
         if got.rolled_back:
             self.restored = got
-            self._schedule.restored(got.step, got.tokens)
-            self._adopt_lineage(got, self._restorer.view)
+            self._ctx.schedule.restored(got.step, got.tokens)
+            self.adopt_lineage(got, self.restorer.view)
         return got
 
     def _partner_tiers(self) -> List[PartnerTier]:
@@ -285,15 +293,15 @@ class RestoreMethods:
         with the RAM tier on), then their disks (``partner``): its newest checkpoints
         are there, and the PFS may hold only older ones (docs/spares.md,
         docs/in-job-recovery.md)."""
-        if self.partner is None or not (relaunched() or self.ram is not None):
+        if self._partner is None or not (relaunched() or self._ram is not None):
             return []
         try:
-            if self.local.steps(self.user, self.shard_key):
+            if self._ctx.local.steps(self._ctx.user, self._ctx.shard_key):
                 return []
         except NotFound:
             pass
         except (CkptError, OSError) as exc:
             log.warning("[ckpt] partner tier skipped: %s", exc)
             return []
-        disk = PartnerTier(self.partner)
-        return [PartnerTier(self.partner, ram=True), disk] if self.ram is not None else [disk]
+        disk = PartnerTier(self._partner)
+        return [PartnerTier(self._partner, ram=True), disk] if self._ram is not None else [disk]

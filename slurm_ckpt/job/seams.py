@@ -1,7 +1,7 @@
 """Where trainers that write their own checkpoints meet the Checkpointer.
 
-The :class:`~slurm_ckpt.job.checkpointer.Checkpointer` facade takes these methods from
-:class:`FrameworkSeams`: a framework's checkpoint *directory* (SCR's ``Start_output`` /
+The :class:`~slurm_ckpt.job.checkpointer.Checkpointer` facade builds a :class:`Seams`
+and delegates these methods to it: a framework's checkpoint *directory* (SCR's ``Start_output`` /
 ``Complete_output``: :meth:`output`, :meth:`adopt`, :meth:`restore_path`, with the logic
 in :mod:`slurm_ckpt.job.output`), the step-boundary question an integration asks
 (:attr:`preemption_pending`), and a ``torch.distributed.checkpoint`` StorageWriter/Reader
@@ -9,8 +9,10 @@ in :mod:`slurm_ckpt.job.output`), the step-boundary question an integration asks
 from the facade: one concept per module; the state format's save/restore is the
 facade's own, these are the doors for checkpoints in other formats. They act on the
 facade's typed :class:`~slurm_ckpt.job.context.JobContext` (its tiers, schedule,
-pipeline and identity), which is all :mod:`slurm_ckpt.job.output` receives: that module
-never sees the Checkpointer (it imported the facade that imported it, a circle).
+pipeline and identity) and on the restore side (:class:`~slurm_ckpt.job.restoring.Restoring`,
+for ``restore_path`` and a DCP copy that fails verification); like
+:mod:`slurm_ckpt.job.output`, they never see the Checkpointer (a part that imported the
+facade that imported it was a circle).
 """
 
 from __future__ import annotations
@@ -19,32 +21,32 @@ import functools
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Dict, Optional, Sequence, Union
+from typing import Any, ContextManager, Dict, Optional, Sequence, Union
 
-from slurm_ckpt.core.lineage import SeriesView
 from slurm_ckpt.errors import CkptError
 from slurm_ckpt.job import output as _output
 from slurm_ckpt.job.context import JobContext
-from slurm_ckpt.job.restore import Restored, Restorer
+from slurm_ckpt.job.dcp_series import DcpSeries
+from slurm_ckpt.job.restoring import Restoring
 from slurm_ckpt.job.saved import Saved
 from slurm_ckpt.job.schedule import BOOTSTRAP_COST_S
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FrameworkSeams"]
+__all__ = ["Seams"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-class FrameworkSeams:
+class Seams:
     """The Checkpointer's doors for checkpoints a framework writes itself."""
 
-    # Provided by the Checkpointer (declared for readers and type checkers).
-    _ctx: JobContext
-    restored: Optional[Restored]
-    _make_restorer: Callable[..., Restorer]
-    _adopt_lineage: Callable[[Restored, Optional[SeriesView]], None]
-    _mark_bad: Callable[[str, str, int, str], None]
+    def __init__(self, ctx: JobContext, restoring: Restoring) -> None:
+        self._ctx = ctx
+        self._restoring = restoring
+        #: The DCP part series (:mod:`slurm_ckpt.job.dcp_series`), made by the first
+        #: ``dcp_writer()``; None until then.
+        self.dcp: Optional[DcpSeries] = None
 
     def output(
         self,
@@ -87,7 +89,7 @@ class FrameworkSeams:
         verifies, on the local tier (fetched there, verified, when only a warm or cold
         tier holds it); None when there is none. Read it; never write into it."""
         names = None if tiers is None else list(tiers)
-        r = self._make_restorer(
+        r = self._restoring.make_restorer(
             names,
             step,
             expect_data_version,
@@ -97,9 +99,10 @@ class FrameworkSeams:
         got = _output.restore_path(r, self._ctx.shard_key)
         if got is None:
             return None
-        self.restored = got
+        self._restoring.restored = got
         self._ctx.schedule.restored(got.step, got.tokens)
-        self._adopt_lineage(got, r.view if names is None else None)  # a rollback branches too
+        # a rollback branches too
+        self._restoring.adopt_lineage(got, r.view if names is None else None)
         return got.state  # type: ignore[no-any-return]
 
     @property
@@ -124,13 +127,11 @@ class FrameworkSeams:
         self._ctx.schedule.saved(step, tokens, 0.0, preemption=True)
 
     # ------------------------------------------------------------------ DCP (torch.distributed)
-    def _dcp_series(self) -> Any:
-        dcp = self.__dict__.get("_dcp")
-        if dcp is None:
-            from slurm_ckpt.job.dcp_series import DcpSeries
-
-            dcp = self._dcp = DcpSeries(self, self._books.on_event, self._deadline)
-        return dcp
+    def _dcp_series(self) -> DcpSeries:
+        if self.dcp is None:
+            ctx = self._ctx
+            self.dcp = DcpSeries(ctx, ctx.books.on_event, ctx.deadline)
+        return self.dcp
 
     def dcp_writer(
         self,
@@ -204,7 +205,7 @@ class FrameworkSeams:
             ctx.user,
             ctx.key,
             step=step,
-            mark_bad=self._mark_bad,
+            mark_bad=self._restoring.mark_bad,
             group=group,
             ranged=ranged,
         )

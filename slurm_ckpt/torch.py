@@ -48,6 +48,7 @@ import torch
 from slurm_ckpt.job.dist import all_reduce_ints, process_group
 from slurm_ckpt.job.recovery import Recovery as Recovery
 from slurm_ckpt.job.recovery import RecoveryFailed as RecoveryFailed
+from slurm_ckpt.job.spare_prep import Prebuilt as Prebuilt
 from slurm_ckpt.torch_codec import UnsupportedState as UnsupportedState
 from slurm_ckpt.torch_codec import decode as decode
 from slurm_ckpt.torch_codec import encode as encode
@@ -83,6 +84,7 @@ def recovery(
     timeout_s: float = 30.0,
     deadline_s: float = 300.0,
     wait_copy: bool = True,
+    prepare: Optional[Callable[[], Any]] = None,
 ) -> Recovery:
     """In-job recovery (docs/in-job-recovery.md): join the job's membership and form the
     gloo process group with a ``timeout_s`` collective timeout. A hot spare
@@ -101,9 +103,16 @@ def recovery(
     recovered from inside the job: the survivors keep their processes, a spare takes
     the lost rank, every rank restores the newest step all hold, and ``run`` goes on
     from there. :class:`RecoveryFailed` when that cannot be done (fall back to a
-    relaunch)."""
+    relaunch). ``prepare``: what a hot spare builds while it waits, before it knows
+    its rank; pass ``lambda: Prebuilt(partner=True, ram=...)``
+    (:class:`slurm_ckpt.job.spare_prep.Prebuilt`) and take the Checkpointer from
+    ``rec.prepared.checkpointer()``: a recovery then waits for no Checkpointer's build."""
     return Recovery(
-        directory, timeout_s=timeout_s, deadline_s=deadline_s, wait_copy=wait_copy
+        directory,
+        timeout_s=timeout_s,
+        deadline_s=deadline_s,
+        wait_copy=wait_copy,
+        prepare=prepare,
     ).join()
 
 

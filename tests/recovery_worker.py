@@ -6,7 +6,8 @@ ledger); the warm tier and the partner rendezvous are shared.
 
     python recovery_worker.py WORK NODE MODE TOTAL TIMEOUT_S DEADLINE_S
 
-Environment: ``SLURM_CKPT_RECOVERY_DIR``, ``SLURM_CKPT_TASK``, maybe ``SLURM_CKPT_SPARE``.
+Environment: ``SLURM_CKPT_RECOVERY_DIR``, ``SLURM_CKPT_TASK``, maybe ``SLURM_CKPT_SPARE``
+and ``SPARE_SETUP_S`` (a spare sleeps that long once it knows its rank: a slow setup).
 Lines on stdout: ``PID p``, ``RANK r``, ``STEP s`` after each step, at the end
 ``DONE {json}``; the final parameters go to WORK/final.rankR.pt (DDP) or the rank's
 shards to WORK/final.rankR.pt (FSDP2). A RecoveryFailed is one line ``FAILED ...`` and
@@ -19,6 +20,7 @@ import json
 import logging
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -100,6 +102,9 @@ def main() -> None:
         sys.exit(exc.exit_code)
     rank = rec.rank
     out(f"RANK {rank}")
+    if rec.spare:
+        # a slow setup after the rank is known (tests of where the re-form's wait lands)
+        time.sleep(float(os.environ.get("SPARE_SETUP_S", "0")))
     for d in (work / node / "local", work / node / "ledger", work / "pfs"):
         d.mkdir(parents=True, exist_ok=True)
     os.chmod(work / node / "ledger", 0o700)

@@ -230,7 +230,8 @@ def killed_mid_step(t: InJobSite, mode: str, kill_after: int) -> Tuple[str, Dict
             f"{f['recovery_s']:.1f}s later, re-form {f['reform_s']}, restore {f['restore_s']}, "
             f"training again {f['training_again_s']}s after the last heartbeat, "
             f"{f['steps_recomputed']} step(s) recomputed; survivors' history {got[0]['history']}"
-            f"; the spare's start {got[1]['started']}"
+            f"; the spare's start {got[1]['started']}; the spare's setup "
+            f"{run.lines(1, 'SETUP ')[-1:]}"
         )
         return out, got
     finally:

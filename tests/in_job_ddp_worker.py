@@ -14,8 +14,7 @@ restore read (``started``: for a spare that took a lost rank, where its state ca
 and a sha256 of the final parameters: the same digest on every rank of a DDP run; with
 ``--fsdp``, of this rank's own shards (each rank its own). The final parameters (or
 shards) also go to ``OUT_DIR/<job>.final.rank<r>.pt``. FSDP2's door (each rank's shards
-as the state tree) is ``ShardState`` of tests/recovery_worker.py, which must sit next to
-this file.
+as the state tree) is ``slurm_ckpt.torch.ShardState``.
 """
 
 from __future__ import annotations
@@ -85,9 +84,7 @@ def main() -> None:
     ckpt: Checkpointer = rec.prepared.checkpointer()
     state: Dict[str, Any] = {}
     if fsdp:
-        from recovery_worker import ShardState
-
-        door: Any = ShardState(ckpt)
+        door: Any = sct.ShardState(ckpt)
 
         def rebuild(group: Any) -> None:
             from torch.distributed.device_mesh import init_device_mesh
@@ -101,7 +98,7 @@ def main() -> None:
             fully_shard(net, mesh=mesh)
             state["net"] = net
             state["opt"] = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-            door.model, door.opt = net, state["opt"]
+            door.bind(net, state["opt"])
             # momentum buffers exist from the first step on: make them now (zero), so
             # that a restore has somewhere to put them
             for p in net.parameters():

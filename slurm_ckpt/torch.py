@@ -45,9 +45,11 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from slurm_ckpt.errors import CkptError
 from slurm_ckpt.job.dist import all_reduce_ints, process_group
 from slurm_ckpt.job.recovery import Recovery as Recovery
 from slurm_ckpt.job.recovery import RecoveryFailed as RecoveryFailed
+from slurm_ckpt.job.spare_prep import Prebuilt as Prebuilt
 from slurm_ckpt.torch_codec import UnsupportedState as UnsupportedState
 from slurm_ckpt.torch_codec import decode as decode
 from slurm_ckpt.torch_codec import encode as encode
@@ -65,9 +67,11 @@ from slurm_ckpt.torch_state import state_digest as state_digest
 # it is built on, and two helpers. The pieces (capture_rng, apply_model, the codec's
 # encode/decode, the module-level save/restore) stay importable for tests and tools.
 __all__ = [
+    "Prebuilt",
     "Recovery",
     "RecoveryFailed",
     "Resumed",
+    "ShardState",
     "TorchCheckpointer",
     "apply",
     "capture",
@@ -83,6 +87,7 @@ def recovery(
     timeout_s: float = 30.0,
     deadline_s: float = 300.0,
     wait_copy: bool = True,
+    prepare: Optional[Callable[[], Any]] = None,
 ) -> Recovery:
     """In-job recovery (docs/in-job-recovery.md): join the job's membership and form the
     gloo process group with a ``timeout_s`` collective timeout. A hot spare
@@ -101,10 +106,85 @@ def recovery(
     recovered from inside the job: the survivors keep their processes, a spare takes
     the lost rank, every rank restores the newest step all hold, and ``run`` goes on
     from there. :class:`RecoveryFailed` when that cannot be done (fall back to a
-    relaunch)."""
+    relaunch). ``prepare``: what a hot spare builds while it waits, before it knows
+    its rank; pass ``lambda: Prebuilt(partner=True, ram=...)``
+    (:class:`slurm_ckpt.job.spare_prep.Prebuilt`) and take the Checkpointer from
+    ``rec.prepared.checkpointer()``: a recovery then waits for no Checkpointer's build."""
     return Recovery(
-        directory, timeout_s=timeout_s, deadline_s=deadline_s, wait_copy=wait_copy
+        directory,
+        timeout_s=timeout_s,
+        deadline_s=deadline_s,
+        wait_copy=wait_copy,
+        prepare=prepare,
     ).join()
+
+
+class ShardState:
+    """FSDP2's door to the RAM tier and to in-job recovery: each rank's own shards (the
+    local part of every DTensor of the model and of the optimizer state) as the state
+    tree of ``Checkpointer.ram_save``, put back in place at a restore.
+
+    Why its own door: a sharded model's rank holds a part no other rank has, so after a
+    loss the spare must take exactly that part from the partner's RAM copy, with no
+    gather (:class:`TorchCheckpointer` takes a whole model's plain tensors). Use it as
+    ``rec.run(ShardState(ckpt), ...)``, and in ``on_reform``, after ``fully_shard`` and
+    the new optimizer, call :meth:`bind`. The optimizer's state must exist before a
+    restore (make the momentum buffers, zero, as the first step would): the restore
+    writes into it, it does not create it. The same world size and mesh: a re-shard
+    goes through the DCP door instead (docs/dcp.md).
+    """
+
+    def __init__(self, ckpt: Any, model: Any = None, optimizer: Any = None) -> None:
+        self.ckpt = ckpt
+        self.model = model
+        self.opt = optimizer
+
+    def bind(self, model: Any, optimizer: Any) -> None:
+        """The model and optimizer of the new group (after every re-form)."""
+        self.model, self.opt = model, optimizer
+
+    def _tree(self) -> Dict[str, Any]:
+        if self.model is None or self.opt is None:
+            raise CkptError(
+                "ShardState: no model bound: call bind(model, optimizer) in on_reform, "
+                "after fully_shard"
+            )
+        tree: Dict[str, Any] = {"model": {}, "opt": {}}
+        for name, p in self.model.named_parameters():
+            tree["model"][name] = _local(p)
+            for k, v in self.opt.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    tree["opt"][f"{name}.{k}"] = _local(v)
+        return tree
+
+    def ram_save(self, step: int) -> bool:
+        """This rank's shards into the RAM tier (``Checkpointer.ram_save``)."""
+        return bool(self.ckpt.ram_save(self._tree, step=step))
+
+    def restore(self) -> Any:
+        """The newest step every rank holds, copied into the bound model's and
+        optimizer's shards; None when there is none. What the Checkpointer's restore
+        returned (``step``, ``tier``)."""
+        got = self.ckpt.restore()
+        if got is None:
+            return None
+        mine = self._tree()
+        with torch.no_grad():
+            for group in ("model", "opt"):
+                for name, t in mine[group].items():
+                    saved = got.state.get(group, {}).get(name)
+                    if saved is None:
+                        raise CkptError(
+                            f"ShardState: step {got.step} ({got.tier}) has no {group} "
+                            f"shard {name!r}: another model or optimizer"
+                        )
+                    t.copy_(saved)
+        return got
+
+
+def _local(t: Any) -> Any:
+    """A DTensor's local shard (a plain tensor stays as it is)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 @dataclass

@@ -7,13 +7,14 @@ tiers (``Checkpointer.from_env``), partner copies and the RAM tier every step.
     python in_job_ddp_worker.py TOTAL SLEEP_S OUT_DIR [--fsdp]
 
 Lines: ``PID pid=P node=N`` first (before the model is built: a spare prints it too),
-``RANK r``, ``STEP s`` after each step, and at the end ``DONE {json}`` with the rank,
-the last step, the recovery history, what the first restore read (``started``: for a
-spare that took a lost rank, where its state came from) and a sha256 of the final
-parameters: the same digest on every rank of a DDP run; with ``--fsdp``, of this rank's
-own shards (each rank its own). The final parameters (or shards) also go to
-``OUT_DIR/<job>.final.rank<r>.pt``. FSDP2's door (each rank's shards as the state tree)
-is ``ShardState`` of tests/recovery_worker.py, which must sit next to this file.
+``RANK r``, ``SETUP bind_s=.. prepare_s=..`` (what building took after the rank was
+known, and before it, while a spare waited), ``STEP s`` after each step, and at the end
+``DONE {json}`` with the rank, the last step, the recovery history, what the first
+restore read (``started``: for a spare that took a lost rank, where its state came from)
+and a sha256 of the final parameters: the same digest on every rank of a DDP run; with
+``--fsdp``, of this rank's own shards (each rank its own). The final parameters (or
+shards) also go to ``OUT_DIR/<job>.final.rank<r>.pt``. FSDP2's door (each rank's shards
+as the state tree) is ``slurm_ckpt.torch.ShardState``.
 """
 
 from __future__ import annotations
@@ -63,19 +64,27 @@ def main() -> None:
     node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
     out(f"PID pid={os.getpid()} node={node}")
     model = build()
+    # what the wrapping in rebuild() imports, with the rank-independent part of the
+    # Checkpointer: a hot spare builds it while it waits (slurm_ckpt.job.spare_prep)
+    imports = ["torch.distributed.fsdp"] if fsdp else ["torch.nn.parallel"]
     try:
-        rec = sct.recovery(timeout_s=20, deadline_s=120)
+        rec = sct.recovery(
+            timeout_s=20,
+            deadline_s=120,
+            prepare=lambda: sct.Prebuilt(
+                imports=imports, partner=True, ram=RamOptions(every=1, keep=2)
+            ),
+        )
     except sct.RecoveryFailed as exc:
         out(f"FAILED {exc}")
         sys.exit(exc.exit_code)
+    ranked = time.monotonic()
     rank = rec.rank
     out(f"RANK {rank}")
-    ckpt = Checkpointer.from_env(partner=True, ram=RamOptions(every=1, keep=2))
+    ckpt: Checkpointer = rec.prepared.checkpointer()
     state: Dict[str, Any] = {}
     if fsdp:
-        from recovery_worker import ShardState
-
-        door: Any = ShardState(ckpt)
+        door: Any = sct.ShardState(ckpt)
 
         def rebuild(group: Any) -> None:
             from torch.distributed.device_mesh import init_device_mesh
@@ -89,7 +98,7 @@ def main() -> None:
             fully_shard(net, mesh=mesh)
             state["net"] = net
             state["opt"] = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-            door.model, door.opt = net, state["opt"]
+            door.bind(net, state["opt"])
             # momentum buffers exist from the first step on: make them now (zero), so
             # that a restore has somewhere to put them
             for p in net.parameters():
@@ -117,6 +126,9 @@ def main() -> None:
         out(f"STEP {step}")
         time.sleep(sleep_s)
 
+    # seconds from the rank known to the re-form (a spare's setup after it was needed),
+    # and what prepare() took before (a spare: while it waited)
+    out(f"SETUP bind_s={time.monotonic() - ranked:.3f} prepare_s={rec.prepare_s:.3f}")
     try:
         last = rec.run(door, step_fn, total, on_reform=rebuild)
     except sct.RecoveryFailed as exc:

@@ -6,7 +6,8 @@ ledger); the warm tier and the partner rendezvous are shared.
 
     python recovery_worker.py WORK NODE MODE TOTAL TIMEOUT_S DEADLINE_S
 
-Environment: ``SLURM_CKPT_RECOVERY_DIR``, ``SLURM_CKPT_TASK``, maybe ``SLURM_CKPT_SPARE``.
+Environment: ``SLURM_CKPT_RECOVERY_DIR``, ``SLURM_CKPT_TASK``, maybe ``SLURM_CKPT_SPARE``
+and ``SPARE_SETUP_S`` (a spare sleeps that long once it knows its rank: a slow setup).
 Lines on stdout: ``PID p``, ``RANK r``, ``STEP s`` after each step, at the end
 ``DONE {json}``; the final parameters go to WORK/final.rankR.pt (DDP) or the rank's
 shards to WORK/final.rankR.pt (FSDP2). A RecoveryFailed is one line ``FAILED ...`` and
@@ -19,9 +20,10 @@ import json
 import logging
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch
 from torch import nn
@@ -50,41 +52,6 @@ def batch(rank: int, step: int) -> Any:
     return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
 
 
-class ShardState:
-    """FSDP2's door for the recovery loop: each rank's own shards (the local part of
-    every DTensor of the model and of the optimizer state) as the state tree, put back
-    in place at a restore. (TorchCheckpointer takes plain tensors only.)"""
-
-    def __init__(self, ckpt: Checkpointer) -> None:
-        self.ckpt = ckpt
-        self.model: Optional[nn.Module] = None
-        self.opt: Optional[torch.optim.Optimizer] = None
-
-    def _tree(self) -> Dict[str, Any]:
-        assert self.model is not None and self.opt is not None
-        tree: Dict[str, Any] = {"model": {}, "opt": {}}
-        for name, p in self.model.named_parameters():
-            tree["model"][name] = p.to_local()
-            for k, v in self.opt.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor):
-                    tree["opt"][f"{name}.{k}"] = v.to_local() if hasattr(v, "to_local") else v
-        return tree
-
-    def ram_save(self, step: int) -> bool:
-        return bool(self.ckpt.ram_save(self._tree, step=step))
-
-    def restore(self) -> Any:
-        got = self.ckpt.restore()
-        if got is None:
-            return None
-        mine = self._tree()
-        with torch.no_grad():
-            for group in ("model", "opt"):
-                for name, t in mine[group].items():
-                    t.copy_(got.state[group][name])
-        return got
-
-
 def main() -> None:
     warnings.filterwarnings("ignore")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
@@ -100,6 +67,9 @@ def main() -> None:
         sys.exit(exc.exit_code)
     rank = rec.rank
     out(f"RANK {rank}")
+    if rec.spare:
+        # a slow setup after the rank is known (tests of where the re-form's wait lands)
+        time.sleep(float(os.environ.get("SPARE_SETUP_S", "0")))
     for d in (work / node / "local", work / node / "ledger", work / "pfs"):
         d.mkdir(parents=True, exist_ok=True)
     os.chmod(work / node / "ledger", 0o700)
@@ -139,7 +109,7 @@ def main() -> None:
             state["opt"] = opt
 
     else:
-        door = ShardState(ckpt)
+        door = sct.ShardState(ckpt)
 
         def rebuild(group: Any) -> None:
             from torch.distributed.device_mesh import init_device_mesh
@@ -153,7 +123,7 @@ def main() -> None:
             fully_shard(net, mesh=mesh)
             state["net"] = net
             state["opt"] = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-            door.model, door.opt = net, state["opt"]
+            door.bind(net, state["opt"])
             # the optimizer's momentum buffers exist from the first step on: make them now
             # (zero), so that a restore has somewhere to put them
             for p in net.parameters():

@@ -52,8 +52,6 @@ DDP_STEPS = 60
 #: remain for a loaded CI host to power it off before the run would end.
 FSDP_STEPS = 45
 FSDP_STEP_S = 0.2
-#: FSDP2's door (ShardState) lives in the local tests' worker; the cluster worker imports it.
-SHARD_WORKER = Path(__file__).parent / "recovery_worker.py"
 
 
 class InJobSite(MultiSite):
@@ -61,12 +59,7 @@ class InJobSite(MultiSite):
         super().__init__(cluster)
         self.worker = self.dir / "in_job_worker.py"
         self.ddp_worker = self.dir / "in_job_ddp_worker.py"
-        shard = self.dir / "recovery_worker.py"
-        for src, dst in (
-            (WORKER, self.worker),
-            (DDP_WORKER, self.ddp_worker),
-            (SHARD_WORKER, shard),
-        ):
+        for src, dst in ((WORKER, self.worker), (DDP_WORKER, self.ddp_worker)):
             shutil.copyfile(src, dst)
             os.chmod(dst, 0o644)
 
@@ -230,7 +223,8 @@ def killed_mid_step(t: InJobSite, mode: str, kill_after: int) -> Tuple[str, Dict
             f"{f['recovery_s']:.1f}s later, re-form {f['reform_s']}, restore {f['restore_s']}, "
             f"training again {f['training_again_s']}s after the last heartbeat, "
             f"{f['steps_recomputed']} step(s) recomputed; survivors' history {got[0]['history']}"
-            f"; the spare's start {got[1]['started']}"
+            f"; the spare's start {got[1]['started']}; the spare's setup "
+            f"{run.lines(1, 'SETUP ')[-1:]}"
         )
         return out, got
     finally:

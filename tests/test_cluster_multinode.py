@@ -426,7 +426,9 @@ def _bring_back(t: MultiSite, node: str) -> None:
         d.mkdir(mode=0o755)
         os.chmod(d, 0o755)
     state = t.c.node_state(node)
-    if "DOWN" in state or "NOT_RESPONDING" in state:
+    # Powered off, a node is dead before SLURM says so (SlurmdTimeout later): start it
+    # again whatever SLURM lists, or the next test finds a node that runs nothing.
+    if "DOWN" in state or "NOT_RESPONDING" in state or not t.c.slurmd_running(node):
         t.c.reboot_node(node)
     state = t.c.node_state(node)
     if "DOWN" in state or "DRAIN" in state:

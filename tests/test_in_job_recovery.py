@@ -43,7 +43,14 @@ class Proc:
     """One worker process; its stdout lines and stderr in files."""
 
     def __init__(
-        self, work: Path, task: int, mode: str, spare: bool, timeout_s: float, deadline_s: float
+        self,
+        work: Path,
+        task: int,
+        mode: str,
+        spare: bool,
+        timeout_s: float,
+        deadline_s: float,
+        spare_setup_s: float = 0.0,
     ):
         self.task, self.node = task, f"n{task}"
         self.out = work / f"task{task}.out"
@@ -57,6 +64,7 @@ class Proc:
         )
         if spare:
             env["SLURM_CKPT_SPARE"] = "1"
+            env["SPARE_SETUP_S"] = str(spare_setup_s)
         args = [WORKER, str(work), self.node, mode, str(TOTAL), str(timeout_s), str(deadline_s)]
         self.p = subprocess.Popen(
             [sys.executable, *args],
@@ -107,8 +115,10 @@ class Job:
         spares: int = 1,
         timeout_s: float = 20.0,
         deadline_s: float = 60.0,
+        spare_setup_s: float = 0.0,
     ):
         self.work = work
+        self.spare_setup_s = spare_setup_s
         self.dir = RecoveryDir(str(work / "recovery"), create=True)
         self.co = Coordinator(self.dir)
         self.co.launch({r: Member("127.0.0.1", r) for r in range(RANKS)})
@@ -124,7 +134,7 @@ class Job:
     def _start(
         self, task: int, mode: str, spare: bool, timeout_s: float, deadline_s: float
     ) -> Proc:
-        p = Proc(self.work, task, mode, spare, timeout_s, deadline_s)
+        p = Proc(self.work, task, mode, spare, timeout_s, deadline_s, self.spare_setup_s)
         self.procs.append(p)
         return p
 
@@ -224,8 +234,8 @@ def pids(p: Proc) -> List[int]:
     return [int(x) for x in p.lines("PID")]
 
 
-def kill_mid_run(jobs: Any, mode: str) -> Job:
-    job = jobs(f"run-{mode}", mode=mode)
+def kill_mid_run(jobs: Any, mode: str, **kw: Any) -> Job:
+    job = jobs(f"run-{mode}", mode=mode, **kw)
     job.spares_ready(1)
     victim = job.ranks[1]
     victim.wait_for(lambda: len(victim.steps()) >= 8, "step 8")
@@ -268,6 +278,26 @@ def test_a_lost_rank_is_replaced_by_the_hot_spare_inside_the_job(jobs: Any, mode
     got = finals(job.work)
     for r in range(RANKS):
         assert bitwise_equal(got[r], want[r]), f"rank {r} differs from the uninterrupted run"
+
+
+#: The spare's setup after it learns its rank, made slow (seconds), in the test below.
+SLOW_SETUP_S = 4.0
+
+
+def test_fsdp2s_wait_for_the_spare_is_reform_time_not_restore_time(jobs: Any) -> None:
+    """FSDP2's ``fully_shard`` runs no collective: without a barrier where the group is
+    first usable, the survivors' wait for a slow spare (here: it sleeps SLOW_SETUP_S
+    once it knows its rank) landed in the restore's min-reduce, and goodput counted it
+    as restore time. Now the re-form ends at that barrier: rank 0's ``reform_end`` says
+    the group was ready at least SLOW_SETUP_S after the failure, and its restore (a
+    memcpy from its own RAM snapshot) took less than that wait."""
+    job = kill_mid_run(jobs, "fsdp", spare_setup_s=SLOW_SETUP_S)
+    events = [json.loads(ln) for ln in (job.work / "rank0.jsonl").read_text().splitlines()]
+    [end] = [e for e in events if e["event"] == "reform_end"]
+    assert end["ready_s"] >= SLOW_SETUP_S, end
+    assert end["restore_s"] < SLOW_SETUP_S, end
+    assert end["seconds"] >= end["ready_s"] + end["restore_s"] - 0.01, end
+    assert job.procs[RANKS].done()["started"]["tier"] == "partner-ram"
 
 
 def stopped(pid: int) -> None:

@@ -14,9 +14,11 @@ the lost rank's in its partner's memory. So here:
    (rank 0 hosts a TCP store at the epoch's rendezvous; keys under ``epoch-<N>/``), with
    the collective timeout of these options (gloo's own default is 30 minutes: detection
    must never rest on it). A **hot spare** (``SLURM_CKPT_SPARE=1``, the same script)
-   says it is ready (``spare-<task>.json``) and waits here, interpreter up, torch
-   imported, model built, for an epoch that names it, or for ``end.json`` (then it
-   exits 0 with one log line).
+   says it is ready (``spare-<task>.json``), runs ``prepare()`` (the rank-independent
+   part of its Checkpointer: :class:`slurm_ckpt.job.spare_prep.Prebuilt`) and waits
+   here, interpreter up, torch imported, model built, for an epoch that names it, or
+   for ``end.json`` (then it exits 0 with one log line). Taking a rank then only binds
+   the identity. A training rank runs the same ``prepare()`` before its join.
 2. **Train** (:meth:`Recovery.run`): each step runs guarded; after it, a RAM snapshot
    (``ram_save``) and, with ``wait_copy``, a wait until its copy is in the partner's
    memory, so that every rank holds the last completed step, and so does its partner.
@@ -26,7 +28,9 @@ the lost rank's in its partner's memory. So here:
    committing or serving anything. Every other rank re-forms the group of the new epoch
    (the survivors keep their rank numbers and their process), binds the partner link to
    the new epoch (sessions of another epoch never authenticate, in either direction),
-   calls ``on_reform(group)`` (re-wrap DDP, re-apply ``fully_shard``), restores the
+   calls ``on_reform(group)`` (re-wrap DDP, re-apply ``fully_shard``), waits at a
+   barrier until every rank is there (the re-form ends where the group is first usable:
+   what the survivors wait for the spare is re-form time, not restore time), restores the
    newest step every rank holds (the min-reduce of the restore: survivors read their own
    ``ram`` snapshot, a memcpy; the spare the partner's RAM copy, ``partner-ram``, else
    the NVMe partner copy, else the warm tier), and trains on. At most the step in flight
@@ -123,6 +127,10 @@ class Recovery:
     re-form. ``wait_copy``: after each step's RAM snapshot, wait (at most ``timeout_s``)
     until its copy is in the partner's memory: what bounds the loss to the step in
     flight; off, a loss may cost the steps whose copies were still on their way.
+    ``prepare``: called once, with no argument, before the rank is known (a hot spare:
+    while it waits); its result is :attr:`prepared` (e.g. a
+    :class:`~slurm_ckpt.job.spare_prep.Prebuilt`, whose ``checkpointer()`` then binds
+    the rank).
     """
 
     def __init__(
@@ -133,6 +141,7 @@ class Recovery:
         deadline_s: float = 300.0,
         wait_copy: bool = True,
         environ: Optional[Mapping[str, str]] = None,
+        prepare: Optional[Callable[[], Any]] = None,
     ) -> None:
         env = os.environ if environ is None else environ
         path = directory or env.get(RECOVERY_DIR_ENV, "")
@@ -172,6 +181,11 @@ class Recovery:
         self.started: Optional[Dict[str, Any]] = None
         self._timeline: Optional[RankTimeline] = None
         self._ckpt: Any = None
+        self._prepare = prepare
+        #: What ``prepare()`` returned (a spare: built while it waited; None: no prepare).
+        self.prepared: Any = None
+        #: Seconds ``prepare()`` took (a spare's: before it was needed).
+        self.prepare_s = 0.0
 
     # -- joining -------------------------------------------------------------------------
     def join(self) -> Recovery:
@@ -182,6 +196,7 @@ class Recovery:
         if self.spare:
             ep = self._wait_named()
         else:
+            self._run_prepare()
             until = time.monotonic() + self.deadline_s
             ep = self._wait_for(lambda e: e.rank_of(self.task) is not None, until)
             if ep is None:
@@ -231,6 +246,9 @@ class Recovery:
     def _wait_named(self) -> Epoch:
         self.dir.write_spare(Spare(self.task, self.host, os.getpid()))
         log.info("[ckpt] hot spare (task %d) ready: waiting for a rank to take", self.task)
+        # Ready first (a loss right after the launch finds it), then build what does not
+        # depend on the rank: taking one then only binds the identity.
+        self._run_prepare()
         while True:
             ep = self.dir.newest_epoch()
             if ep is not None and ep.rank_of(self.task) is not None:
@@ -243,6 +261,14 @@ class Recovery:
                 log.info("[ckpt] hot spare (task %d): the job ended without needing it", self.task)
                 raise SystemExit(0)
             time.sleep(POLL_S)
+
+    def _run_prepare(self) -> None:
+        if self._prepare is None or self.prepared is not None:
+            return
+        t0 = time.monotonic()
+        self.prepared = self._prepare()
+        self.prepare_s = time.monotonic() - t0
+        log.info("[ckpt] task %d: prepared in %.2fs", self.task, self.prepare_s)
 
     def _wait_for(self, want: Callable[[Epoch], bool], until: float) -> Optional[Epoch]:
         while True:
@@ -344,6 +370,11 @@ class Recovery:
     ) -> int:
         if on_reform is not None:
             on_reform(self.group)
+        # The group is usable once every rank passed this barrier: what the survivors
+        # wait here for (the spare binding its rank, wrapping its model) is the re-form's,
+        # not the restore's. FSDP2's fully_shard runs no collective, so without it the
+        # wait would land in the restore's min-reduce (DDP's wrapping broadcasts anyway).
+        self._barrier()
         t0 = time.monotonic()
         got = ckpt.restore()
         if reform is None:
@@ -377,9 +408,17 @@ class Recovery:
                 tier=str(got.tier),
                 recomputed=lost,
                 seconds=round(seconds, 3),
+                ready_s=round(t0 - reform.failed_at, 3),
                 restore_s=round(time.monotonic() - t0, 3),
             )
         return int(got.step) + 1
+
+    def _barrier(self) -> None:
+        if self.group is None:
+            return
+        import torch.distributed as dist
+
+        dist.barrier(group=self.group)
 
     def _step_timeout(self) -> None:
         """The collective timeout of training steps, once the group's re-form is over.

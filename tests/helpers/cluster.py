@@ -31,6 +31,7 @@ What a test sees (defaults; see ``scripts/dev-cluster`` for the DEV_CLUSTER_* kn
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import time
@@ -182,6 +183,49 @@ class DevCluster:
     def reboot_node(self, node: str, wipe_local: bool = False) -> None:
         """Start ``node`` again (or power-cycle it): a fresh slurmd that reports a boot."""
         self._script("reboot-node", node, *(["--wipe-local"] if wipe_local else []))
+
+    def slurmd_running(self, node: str) -> bool:
+        """Whether ``node``'s slurmd runs. A node powered off is dead at once, while
+        SLURM lists it as it was until ``SlurmdTimeout`` passes (``power-off`` removes
+        the pid file; ``reboot-node`` writes it again)."""
+        try:
+            pid = int((self.state_dir / "run" / f"slurmd-{node}.pid").read_text().split()[0])
+            os.kill(pid, 0)
+        except (OSError, ValueError, IndexError):
+            return False
+        return True
+
+    def slurmd_timeout_s(self) -> int:
+        """The controller's SlurmdTimeout now (``scontrol show config``), in seconds."""
+        out = self.run(["scontrol", "show", "config"]).stdout
+        m = re.search(r"^SlurmdTimeout\s*=\s*(\d+)", out, re.M)
+        assert m, "no SlurmdTimeout in scontrol show config"
+        return int(m.group(1))
+
+    @contextmanager
+    def slurmd_timeout(self, seconds: int) -> Iterator[None]:
+        """Inside the block, slurmctld declares a silent node DOWN after ``seconds``
+        (slurm.conf's ``SlurmdTimeout=`` line rewritten, ``scontrol reconfigure``); after
+        it, slurm.conf is the very text it was (``dev-cluster up`` still finds nothing
+        changed) and reconfigured again. Every job sees the short timeout meanwhile: hold
+        the cluster lock."""
+        before = self.conf.read_text()
+        short, n = re.subn(
+            r"^SlurmdTimeout=\d+$", f"SlurmdTimeout={int(seconds)}", before, flags=re.M
+        )
+        assert n == 1, f"{self.conf}: no single SlurmdTimeout= line"
+        self.conf.write_text(short)
+        try:
+            self.run(["scontrol", "reconfigure"])
+            self.wait_until(
+                lambda: self.slurmd_timeout_s() == int(seconds),
+                timeout=60,
+                what=f"SlurmdTimeout={seconds} in force",
+            )
+            yield
+        finally:
+            self.conf.write_text(before)
+            self.run(["scontrol", "reconfigure"], check=False)
 
     def status(self) -> subprocess.CompletedProcess:
         return subprocess.run(

@@ -25,7 +25,9 @@ def test_the_checkpointer_inherits_nothing() -> None:
 def test_no_part_imports_the_facade_or_takes_it() -> None:
     importers = []
     for path in sorted((REPO / "slurm_ckpt" / "job").glob("*.py")):
-        if path.name in ("checkpointer.py", "__init__.py"):
+        # spare_prep builds Checkpointers for a hot spare (a factory above the facade,
+        # issue 30), it is not one of the facade's parts.
+        if path.name in ("checkpointer.py", "__init__.py", "spare_prep.py"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module == "slurm_ckpt.job.checkpointer":

@@ -206,10 +206,8 @@ class Checkpointer:
             keep_warm_every_s=r.keep_warm_every,
         )
         tiers = tiers_from_config(cfg)
-        # The warm tier every flush goes to: the PFS, or the object store on a site
-        # without one (the ledger keeps its state in its WARM_SLOT either way).
-        # Laptop mode (standalone, local= alone): no warm tier, nothing is ever flushed,
-        # and local retention keeps the newest keep_local.
+        # The warm tier every flush goes to (PFS or object store); laptop mode (local=
+        # alone) has none: nothing is flushed, local retention keeps the newest keep_local.
         self.local = tiers["local"]
         self.warm: Optional[Tier] = tiers.get(cfg.tiers.warm)
         self.tiers = list(tiers.values())  # restore looks at all of them, hot to cold

@@ -333,6 +333,57 @@ def test_user_dir_planted_symlink_or_foreign_dir_is_moved_aside(area: Area) -> N
     assert len(aside) == 2  # kept, never deleted
 
 
+def test_user_dir_just_made_by_another_prolog_is_taken_over_not_moved_aside(
+    area: Area,
+) -> None:
+    """Two jobs of one user start on a node at once: one prolog's mkdir leaves root's
+    directory for a moment before its fchown. The other prolog must take it over; moving
+    it aside made the first prolog's open fail (ENOENT) and drained the node (CI, stop 38:
+    "prolog: .../ckptuser1: no such file or directory")."""
+    root = area.local
+    u = ids("ckptuser1")
+    os.mkdir(root / "ckptuser1", 0o700)  # root's, as a concurrent prolog's mkdir left it
+    assert ensure_user_dir(str(root), u) == "ok"
+    st = os.lstat(root / "ckptuser1")
+    assert (st.st_uid, st.st_gid) == (u.uid, u.gid) and stat.S_IMODE(st.st_mode) == 0o700
+    assert not [n for n in os.listdir(root) if n.startswith(".slurm_ckpt-quarantine-")]
+
+
+def _prolog_user_dir(root: str, u: UserIds, go: Any, out: Any) -> None:
+    go.wait()
+    try:
+        ensure_user_dir(root, u)
+        out.put("ok")
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        out.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_prologs_of_one_user_racing_on_a_fresh_node_all_succeed(area: Area) -> None:
+    """The same race with real processes: 6 prologs of one user released at once on a
+    node where the user has no directory yet, 40 rounds. Every prolog succeeds, one
+    directory results (the user's, 0700), and nothing is moved aside."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    u = ids("ckptuser1")
+    for rnd in range(40):
+        root = area.local / f"r{rnd}"
+        root.mkdir()
+        go, out = ctx.Barrier(6), ctx.Queue()
+        procs = [
+            ctx.Process(target=_prolog_user_dir, args=(str(root), u, go, out)) for _ in range(6)
+        ]
+        for p in procs:
+            p.start()
+        got = [out.get(timeout=30) for _ in procs]
+        for p in procs:
+            p.join(timeout=30)
+        assert got == ["ok"] * 6, (rnd, got)
+        assert os.listdir(root) == ["ckptuser1"], (rnd, os.listdir(root))
+        st = os.lstat(root / "ckptuser1")
+        assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (u.uid, 0o700)
+
+
 def test_ledger_dir_must_be_roots(area: Area) -> None:
     led = area.local / ".slurm_ckpt"
     v = ids("ckptuser2")

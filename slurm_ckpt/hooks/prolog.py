@@ -107,7 +107,10 @@ def ensure_user_dir(root: str, ids: UserIds) -> str:
                     bad = "a symbolic link"
                 elif not stat.S_ISDIR(st.st_mode):
                     bad = "not a directory"
-                elif st.st_uid != ids.uid:
+                elif st.st_uid not in (ids.uid, os.geteuid()):
+                    # Root's own directory is another prolog's mkdir not yet chowned
+                    # (two jobs of one user starting on the node at once): only root
+                    # can create one, so it is taken over, never moved aside under it.
                     bad = f"owned by uid {st.st_uid}"
                 if bad is not None:
                     aside = (
@@ -126,8 +129,8 @@ def ensure_user_dir(root: str, ids: UserIds) -> str:
             try:
                 fd = os.open(ids.name, fsio.O_DIR, dir_fd=rfd)
             except OSError as exc:
-                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                    continue  # swapped for a symlink/file meanwhile: look again
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+                    continue  # swapped or moved aside meanwhile: look again
                 raise
             try:
                 fst = os.fstat(fd)

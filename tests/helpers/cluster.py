@@ -57,6 +57,10 @@ FINAL_JOB_STATES = frozenset(
     {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "DEADLINE", "BOOT_FAIL"}
 )
 
+# The job's Reason when its launch failed and SLURM requeued it held: it stays PENDING
+# until an admin releases it, so a wait for it to run or finish can fail at once.
+HELD_FOR_FAILURE = frozenset({"launch_failed_requeued_held"})
+
 StatePredicate = Union[str, Iterable[str], Callable[[str], bool]]
 
 
@@ -336,6 +340,11 @@ class DevCluster:
         """scontrol's state, e.g. ``IDLE``, ``MIXED``, ``IDLE+DRAIN``, ``DOWN+NOT_RESPONDING``."""
         return self.node_info(node)["State"]
 
+    def drain_reasons(self) -> str:
+        """``node: reason`` of every drained or down node, for a failure message."""
+        proc = self.run(["sinfo", "-h", "-R", "-o", "%N: %E"], check=False)
+        return "; ".join(proc.stdout.split("\n")).strip("; ") or "none"
+
     def sinfo_states(self) -> Dict[str, str]:
         """node -> sinfo's compact state (``idle``, ``idle*``, ``mix``, ``drain``...)."""
         proc = self.run(["sinfo", "-h", "-N", "-o", "%N %t"])
@@ -383,7 +392,8 @@ class DevCluster:
         or a predicate on the state string); return the job's info dict.
 
         With ``fail_fast`` a job that reaches a final state not wanted (COMPLETED, FAILED,
-        CANCELLED, ...) fails at once, with its output in the message."""
+        CANCELLED, ...), or is held after a failed launch, fails at once, with its output
+        (and the reason its node was drained) in the message."""
         match = _matcher(states)
         deadline = time.monotonic() + timeout
         while True:
@@ -392,8 +402,13 @@ class DevCluster:
             if info is not None and match(state):
                 return info
             final = info is not None and state in FINAL_JOB_STATES
+            # A job whose launch failed (its prolog drained the node) waits held for an
+            # admin: it will not move on its own, so waiting out the timeout hides why.
+            final = final or (info is not None and info.get("Reason") in HELD_FOR_FAILURE)
             if (fail_fast and final) or time.monotonic() >= deadline:
                 reason = info.get("Reason") if info else None
+                if reason in HELD_FOR_FAILURE:
+                    reason = f"{reason}; drained: {self.drain_reasons()}"
                 raise AssertionError(
                     f"job {jobid}: state {state} (reason {reason}) "
                     f"{'is final' if final else f'after {timeout}s'}, wanted {states!r}\n"

@@ -349,6 +349,21 @@ def test_user_dir_just_made_by_another_prolog_is_taken_over_not_moved_aside(
     assert not [n for n in os.listdir(root) if n.startswith(".slurm_ckpt-quarantine-")]
 
 
+def test_a_node_scan_during_another_prolog_reports_no_squat(area: Area) -> None:
+    """The other side of that race: a hook scanning the local tier while a prolog's fresh
+    directory is still root's skips it quietly (nothing of the user's is in it yet) and
+    reports no squat; a directory of another user is still refused and reported."""
+    cfg = area.cfg()
+    root = area.local
+    os.mkdir(root / "ckptuser1", 0o700)  # root's: a prolog's mkdir before its chown
+    work = NodeWork(cfg, "n1")
+    assert "ckptuser1" not in [u.name for u in work.local_users()]
+    assert work.refused == []
+    os.chown(root / "ckptuser1", ids("ckptuser2").uid, ids("ckptuser2").gid)
+    work.local_users()
+    assert [(r["user"], r["code"]) for r in work.refused] == [("ckptuser1", "squatted")]
+
+
 def _prolog_user_dir(root: str, u: UserIds, go: Any, out: Any) -> None:
     go.wait()
     try:

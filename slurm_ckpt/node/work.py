@@ -194,6 +194,13 @@ class NodeWork:
                 log.warning("local tier: skipping %r: %s", name, exc)
                 self.skipped_dirs.append(name)
                 continue
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and ids.uid != 0:
+                # Root's own: a prolog's mkdir before its chown (another job of this user
+                # starting now). Nothing of the user's is in it yet, and no one but root
+                # made it: not a squat to report.
+                log.debug("local tier: skipping %r: root's, being prepared", name)
+                self.skipped_dirs.append(name)
+                continue
             if not stat.S_ISDIR(st.st_mode) or st.st_uid != ids.uid:
                 what = "not a directory" if not stat.S_ISDIR(st.st_mode) else "wrong owner"
                 self.skipped_dirs.append(name)

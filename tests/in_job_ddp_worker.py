@@ -1,5 +1,6 @@
 """One rank (or hot spare) of the DDP and FSDP2 runs of tests/test_cluster_in_job.py,
-launched by ``ckpt-srun --spares 1 --in-job`` on the dev cluster: a tiny model trained
+launched by ``ckpt-srun --spares 1 --in-job`` on the dev cluster: a tiny model
+(``tests/helpers/tiny_model.py``, copied next to this file by the test) trained
 with ``DistributedDataParallel`` (or, with ``--fsdp``, FSDP2's ``fully_shard``) over gloo
 through ``slurm_ckpt.torch.recovery`` (the job side of in-job recovery), with the site's
 tiers (``Checkpointer.from_env``), partner copies and the RAM tier every step.
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 import torch
-from torch import nn
+from helpers import tiny_model
 
 import slurm_ckpt.torch as sct
 from slurm_ckpt import Checkpointer
@@ -43,18 +44,6 @@ def out(line: str) -> None:
     sys.stdout.flush()
 
 
-def build() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)
-    )
-
-
-def batch(rank: int, step: int) -> Any:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-
-
 def main() -> None:
     warnings.filterwarnings("ignore")
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
@@ -63,7 +52,7 @@ def main() -> None:
     torch.set_num_threads(1)
     node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
     out(f"PID pid={os.getpid()} node={node}")
-    model = build()
+    model = tiny_model.build()
     # what the wrapping in rebuild() imports, with the rank-independent part of the
     # Checkpointer: a hot spare builds it while it waits (slurm_ckpt.job.spare_prep)
     imports = ["torch.distributed.fsdp"] if fsdp else ["torch.nn.parallel"]
@@ -87,42 +76,17 @@ def main() -> None:
         door: Any = sct.ShardState(ckpt)
 
         def rebuild(group: Any) -> None:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            net = build()  # the same initial values; the restore puts the state back
-            mesh = init_device_mesh("cpu", (rec.world_size,))
-            for layer in net:
-                if isinstance(layer, nn.Linear):
-                    fully_shard(layer, mesh=mesh)
-            fully_shard(net, mesh=mesh)
-            state["net"] = net
-            state["opt"] = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-            door.bind(net, state["opt"])
-            # momentum buffers exist from the first step on: make them now (zero), so
-            # that a restore has somewhere to put them
-            for p in net.parameters():
-                state["opt"].state[p]["momentum_buffer"] = torch.zeros_like(p)
+            state["net"], state["opt"] = tiny_model.fsdp(rec.world_size, door)
 
     else:
-        state["opt"] = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        state["opt"] = tiny_model.optimizer(model.parameters())
         door = sct.TorchCheckpointer(ckpt, model, state["opt"], lazy=False)
 
         def rebuild(group: Any) -> None:
-            from torch.nn.parallel import DistributedDataParallel
-
-            # find_unused_parameters: DDP keeps its first bucket layout (bitwise re-runs)
-            state["net"] = DistributedDataParallel(
-                model, process_group=group, find_unused_parameters=True
-            )
+            state["net"] = tiny_model.ddp(model, group)
 
     def step_fn(step: int) -> None:
-        x, y = batch(rank, step)
-        opt = state["opt"]
-        opt.zero_grad()
-        loss = ((state["net"](x) - y) ** 2).mean()
-        loss.backward()
-        opt.step()
+        tiny_model.train_step(state["net"], state["opt"], rank, step)
         out(f"STEP {step}")
         time.sleep(sleep_s)
 
@@ -134,10 +98,7 @@ def main() -> None:
     except sct.RecoveryFailed as exc:
         out(f"FAILED {exc}")
         sys.exit(exc.exit_code)
-    if fsdp:
-        final = {k: p.to_local().detach().clone() for k, p in state["net"].named_parameters()}
-    else:
-        final = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    final = tiny_model.final(state["net"] if fsdp else model, fsdp)
     h = hashlib.sha256()
     for k in sorted(final):
         h.update(k.encode())

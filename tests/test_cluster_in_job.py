@@ -47,6 +47,7 @@ LOST = "n2"
 SPARE = "n4"
 WORKER = Path(__file__).parent / "in_job_worker.py"
 DDP_WORKER = Path(__file__).parent / "in_job_ddp_worker.py"
+TINY_MODEL = Path(__file__).parent / "helpers" / "tiny_model.py"
 DDP_STEPS = 60
 #: FSDP2's run: few short steps (CI's budget); the node dies at step 5, and 40 steps (8 s)
 #: remain for a loaded CI host to power it off before the run would end.
@@ -59,7 +60,14 @@ class InJobSite(MultiSite):
         super().__init__(cluster)
         self.worker = self.dir / "in_job_worker.py"
         self.ddp_worker = self.dir / "in_job_ddp_worker.py"
-        for src, dst in ((WORKER, self.worker), (DDP_WORKER, self.ddp_worker)):
+        # the DDP worker imports its model from helpers/ next to it (sys.path[0])
+        (self.dir / "helpers").mkdir(mode=0o755, exist_ok=True)
+        os.chmod(self.dir / "helpers", 0o755)
+        for src, dst in (
+            (WORKER, self.worker),
+            (DDP_WORKER, self.ddp_worker),
+            (TINY_MODEL, self.dir / "helpers" / "tiny_model.py"),
+        ):
             shutil.copyfile(src, dst)
             os.chmod(dst, 0o644)
 

@@ -17,7 +17,7 @@ import os
 from typing import Any, Dict, List
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from helpers.metrics import one_sample
 from test_hooks import Area, area, ids  # noqa: F401 - the fixture
 
 from slurm_ckpt.core.config import Config
@@ -54,15 +54,8 @@ def _metric(cfg: Config) -> float:
     """The node's textfile as a hook leaves it (note_hook: what the hook entry points
     run after their work), read with prometheus' own parser."""
     note_hook(cfg, "n1", "epilog", 0.1, True)
-    text = (cfg.metrics.textfile_dir / TEXTFILE_NAME).read_text()  # type: ignore[operator]
-    got = [
-        s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if s.name == "slurm_ckpt_suspect_steps_total"
-    ]
-    assert len(got) == 1, text
-    return got[0]
+    textfile = cfg.metrics.textfile_dir / TEXTFILE_NAME  # type: ignore[operator]
+    return one_sample(textfile, "slurm_ckpt_suspect_steps_total")
 
 
 def _suspect_events(cfg: Config) -> List[Dict[str, Any]]:

@@ -32,7 +32,7 @@ from typing import Dict, List
 
 import pytest
 from helpers.cli import ckpt_slurm
-from prometheus_client.parser import text_string_to_metric_families
+from helpers.metrics import one_sample
 from test_torch_distributed import free_port
 
 from slurm_ckpt import Checkpointer
@@ -145,15 +145,7 @@ def _manifest_meta(root: Path, key: str, step: int) -> Dict:
 
 
 def _suspect_metric(textfile: Path) -> float:
-    text = textfile.read_text()
-    got = [
-        s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if s.name == "slurm_ckpt_suspect_steps_total"
-    ]
-    assert len(got) == 1, text
-    return got[0]
+    return one_sample(textfile, "slurm_ckpt_suspect_steps_total")
 
 
 def test_a_flipped_bit_makes_the_step_suspect_and_the_restore_takes_the_previous(

@@ -16,6 +16,7 @@ from typing import Any, Dict, Iterator, Optional
 import pytest
 
 from slurm_ckpt.core.config import Config
+from slurm_ckpt.core.config_schema import SECTION_KINDS
 
 from .conftest import ATTACKER, NODE, REPO, VICTIM, as_user
 
@@ -40,16 +41,21 @@ class ObjectSite:
         data: Dict[str, Any] = {
             "tiers": {
                 "local": {"root": str(self.site.local), "min_free": 0},
-                "object": self.s3.object_config(
-                    self.bucket, self.prefix, part_size="5MiB", credentials_file=str(self.creds)
-                ),
+                "object": {
+                    "kind": "s3",
+                    **self.s3.object_config(
+                        self.bucket, self.prefix, part_size="5MiB", credentials_file=str(self.creds)
+                    ),
+                },
             },
             "copy": {"chunk_size": "1MiB", "streams": 2},
             "hooks": {"budget": 60, "child_timeout": "30s"},
         }
         for name, values in sections.items():
             if name in ("pfs", "cold", "object"):
-                data["tiers"].setdefault(name, {}).update(values)
+                # today's form: each shared tier says its kind (the alias is not tested here)
+                tier = data["tiers"].setdefault(name, {"kind": SECTION_KINDS[name]})
+                tier.update(values)
             else:
                 data.setdefault(name, {}).update(values)
         order = ("local", "pfs", "object", "cold")

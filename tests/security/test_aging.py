@@ -49,7 +49,7 @@ def _sections(osite: ObjectSite, cold: Optional[Path] = None) -> Dict[str, Any]:
     (osite.site.pfs / "warm-root").mkdir(exist_ok=True)
     os.chmod(osite.site.pfs / "warm-root", 0o1777)
     if cold is not None:
-        out["cold"] = {"root": str(cold), "every": 1e-6}
+        out["cold"] = {"kind": "posix", "root": str(cold), "every": 1e-6}
     return out
 
 

@@ -51,7 +51,10 @@ class ObjectSite:
             {
                 "tiers": {
                     "local": {"root": str(self.local), "min_free": 0},
-                    "object": self.s3.object_config(self.bucket, self.prefix, **obj),
+                    "object": {
+                        "kind": "s3",
+                        **self.s3.object_config(self.bucket, self.prefix, **obj),
+                    },
                 },
                 "copy": {"chunk_size": "1MiB", "streams": 2},
                 "hooks": {"budget": 30, "child_timeout": "5s", "retry_backoff": "60s"},

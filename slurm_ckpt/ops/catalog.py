@@ -25,7 +25,6 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from slurm_ckpt.core import fsio, trust
 from slurm_ckpt.core.layout import step_dirname, step_numbers
-from slurm_ckpt.core.lineage import SeriesView, lineage_of
 from slurm_ckpt.core.manifest import MANIFEST_NAME, manifest_facts
 from slurm_ckpt.core.names import base_key, validate_key, validate_user
 from slurm_ckpt.core.replicas import suspect_text
@@ -333,6 +332,10 @@ def step_rows(tiers: Dict[str, Tier], user: str, key: str) -> List[Dict[str, Any
 
 
 def _series_rows(tiers: Dict[str, Tier], user: str, key: str, now: float) -> List[Dict[str, Any]]:
+    # Imported here, not at the top: ``status`` imports this module for scan_catalog
+    # alone, and every ckpt-slurm status would pay for lineage's (and lease's) imports.
+    from slurm_ckpt.core.lineage import SeriesView, lineage_of
+
     rows: List[Dict[str, Any]] = []
     scanned = {name: scan_series(t, user, key, now) for name, t in tiers.items()}  # type: ignore[arg-type]
     view = SeriesView.of(

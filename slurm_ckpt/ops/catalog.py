@@ -199,8 +199,8 @@ def threads_pay(blocked: int, users: int) -> bool:
     walk of the first ``users`` users ``blocked``. Threads overlap waits: on a parallel
     filesystem every open is a round trip and they pay. When nothing blocks (a local or
     cached tree), they only add cost: the walk is CPU-bound Python under one GIL, and
-    threads contending for it cost CPU time (2.5x on a loaded 2-CPU login node,
-    benchmarks/status.py) for no gain in wall time."""
+    threads contending for it cost CPU time for no gain in wall time, the more so on a
+    busy login node (benchmarks/status.py, in-process CPU per job)."""
     return users > 0 and blocked >= users
 
 

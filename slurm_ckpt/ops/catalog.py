@@ -17,14 +17,14 @@ import contextlib
 import logging
 import os
 import re
+import resource
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from slurm_ckpt.core import fsio, trust
-from slurm_ckpt.core.layout import step_dirname, step_numbers
-from slurm_ckpt.core.lineage import SeriesView, lineage_of
+from slurm_ckpt.core.layout import STEP_DIGITS, STEP_PREFIX, step_numbers
 from slurm_ckpt.core.manifest import MANIFEST_NAME, manifest_facts
 from slurm_ckpt.core.names import base_key, validate_key, validate_user
 from slurm_ckpt.core.replicas import suspect_text
@@ -83,7 +83,8 @@ def _read_head(kfd: int, user: str, key: str, names: Iterable[str]) -> Optional[
     damaged = 0
     for i, step in enumerate(steps):
         try:
-            sfd = os.open(step_dirname(step), fsio.O_DIR, dir_fd=kfd)
+            # The name as listed (step_numbers took ten digits): no re-validation.
+            sfd = os.open(f"{STEP_PREFIX}{step:0{STEP_DIGITS}d}", fsio.O_DIR, dir_fd=kfd)
         except OSError:
             damaged += 1  # unreadable, or not a directory
             continue
@@ -179,6 +180,30 @@ def _scan_user_dir(
     return out
 
 
+#: Users walked one at a time before the walk decides whether threads would pay.
+PROBE_USERS = 8
+
+
+def _thread_waits() -> int:
+    """This thread's voluntary context switches so far: each is a system call that
+    blocked (a metadata round trip to a parallel filesystem, a disk read). Preemption by
+    other processes is counted apart (involuntary), so a busy machine does not read as a
+    slow filesystem. 0 where the platform cannot tell (then the walk stays in one
+    thread)."""
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    return 0 if who is None else resource.getrusage(who).ru_nvcsw
+
+
+def threads_pay(blocked: int, users: int) -> bool:
+    """Whether walking the remaining users in threads is worth it, given how often the
+    walk of the first ``users`` users ``blocked``. Threads overlap waits: on a parallel
+    filesystem every open is a round trip and they pay. When nothing blocks (a local or
+    cached tree), they only add cost: the walk is CPU-bound Python under one GIL, and
+    threads contending for it cost CPU time for no gain in wall time, the more so on a
+    busy login node (benchmarks/status.py, in-process CPU per job)."""
+    return users > 0 and blocked >= users
+
+
 def scan_catalog(
     root: str,
     user: Optional[str] = None,
@@ -189,9 +214,12 @@ def scan_catalog(
     """The newest committed checkpoint of every series under a shared tier ``root``.
 
     Symlinks below the root are never followed. Unreadable users or keys are skipped
-    (a login-node user may not read everyone's directories). ``workers`` threads walk
-    users in parallel: on a parallel filesystem each open is a metadata round trip, and
-    those overlap; the GIL is released during the system calls.
+    (a login-node user may not read everyone's directories). The first
+    :data:`PROBE_USERS` users are walked in this thread; if those walks blocked on the
+    filesystem (:func:`threads_pay`), up to ``workers`` threads walk the rest in
+    parallel: on a parallel filesystem each open is a metadata round trip, and those
+    overlap (the GIL is released during the system calls). Otherwise the rest is walked
+    here too.
     """
     try:
         root_fd = fsio.open_dir(root)
@@ -208,12 +236,15 @@ def scan_catalog(
                 valid.append(validate_user(u))
             except CkptError:
                 continue
-        out: Dict[Series, SeriesHead] = {}
-        if workers > 1 and len(valid) > 1:
-            with ThreadPoolExecutor(max_workers=min(workers, len(valid))) as pool:
-                parts = list(pool.map(lambda u: _scan_user(root_fd, u, key, squatted), valid))
+        probe, rest = valid[:PROBE_USERS], valid[PROBE_USERS:]
+        before = _thread_waits()
+        parts = [_scan_user(root_fd, u, key, squatted) for u in probe]
+        if rest and workers > 1 and threads_pay(_thread_waits() - before, len(probe)):
+            with ThreadPoolExecutor(max_workers=min(workers, len(rest))) as pool:
+                parts += pool.map(lambda u: _scan_user(root_fd, u, key, squatted), rest)
         else:
-            parts = [_scan_user(root_fd, u, key, squatted) for u in valid]
+            parts += [_scan_user(root_fd, u, key, squatted) for u in rest]
+        out: Dict[Series, SeriesHead] = {}
         for part in parts:
             out.update(part)
         return out
@@ -302,6 +333,10 @@ def step_rows(tiers: Dict[str, Tier], user: str, key: str) -> List[Dict[str, Any
 
 
 def _series_rows(tiers: Dict[str, Tier], user: str, key: str, now: float) -> List[Dict[str, Any]]:
+    # Imported here, not at the top: ``status`` imports this module for scan_catalog
+    # alone, and every ckpt-slurm status would pay for lineage's (and lease's) imports.
+    from slurm_ckpt.core.lineage import SeriesView, lineage_of
+
     rows: List[Dict[str, Any]] = []
     scanned = {name: scan_series(t, user, key, now) for name, t in tiers.items()}  # type: ignore[arg-type]
     view = SeriesView.of(

@@ -323,7 +323,11 @@ class _Join:
         rate = j.rate
         warm_heads = self.by_tier.get(self.warm, {}).get(gid, [])
         if rate is None and warm_heads:
-            newest = max(warm_heads, key=lambda h: (h.step, h.wall_time))
+            newest = (
+                warm_heads[0]
+                if len(warm_heads) == 1
+                else max(warm_heads, key=lambda h: (h.step, h.wall_time))
+            )
             took = newest.committed_at - newest.wall_time
             if took > 0 and newest.nbytes > 0:
                 rate = newest.nbytes / took
@@ -332,7 +336,11 @@ class _Join:
             eta = 0.0
         elif rate:
             eta = round(j.pending_bytes / rate, 3)
-        found = [p for sr in sorted(j.series) for p in self.problems.get(sr, [])]
+        found = (  # most jobs have none: no sort of their series then
+            [p for sr in sorted(j.series) for p in self.problems.get(sr, [])]
+            if self.problems and not self.problems.keys().isdisjoint(j.series)
+            else []
+        )
         return JobStatus(
             job=j.job,
             user=j.user,

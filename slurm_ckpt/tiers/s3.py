@@ -21,6 +21,7 @@ import os
 import pwd
 import time
 from concurrent.futures import ThreadPoolExecutor
+from http.client import HTTPException
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import botocore.exceptions as bexc
@@ -35,7 +36,7 @@ from slurm_ckpt.core.progress import ProgressFn
 from slurm_ckpt.core.verify import VerifyReport, verify_sources
 from slurm_ckpt.errors import CkptError, InvalidName, NotFound, TierError, VerifyError
 from slurm_ckpt.tiers.base import StepInfo
-from slurm_ckpt.tiers.s3_client import ClientFactory, s3_error, step_lock
+from slurm_ckpt.tiers.s3_client import ClientFactory, read_body_into, s3_error, step_lock
 from slurm_ckpt.tiers.s3_write import S3Writer, crc32_b64
 
 __all__ = ["MIN_PART", "S3Reader", "S3Source", "S3Tier"]
@@ -461,16 +462,11 @@ class S3Source:
                 Bucket=self.tier.bucket, Key=self.key, Range=f"bytes={offset}-{offset + n - 1}"
             )
             body = r["Body"]
-            got = 0
             try:
-                while got < n:
-                    k = body.readinto(buf[got:n])
-                    if not k:
-                        break
-                    got += k
+                got = read_body_into(body, buf, n)
             finally:
                 body.close()
-        except (bexc.ClientError, bexc.BotoCoreError, OSError) as exc:
+        except (bexc.ClientError, bexc.BotoCoreError, OSError, HTTPException) as exc:
             err = s3_error(exc, self.where, self.tier.endpoint)
             if isinstance(err, NotFound):
                 raise VerifyError(f"{self.where}: missing") from None

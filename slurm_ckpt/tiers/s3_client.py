@@ -21,6 +21,7 @@ import stat
 import tempfile
 import threading
 from contextlib import contextmanager, suppress
+from http.client import HTTPResponse
 from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
 
 import botocore.exceptions as bexc
@@ -32,6 +33,7 @@ __all__ = [
     "FULL_HINT",
     "ClientFactory",
     "ObjectStore",
+    "read_body_into",
     "resolve_credentials",
     "s3_error",
     "step_lock",
@@ -140,7 +142,43 @@ def boto_config(region: str, pool: int) -> Any:
         # Integrity is ours (xxh3 per chunk from the manifest) plus the store's CRC32
         # check of every part, so the SigV4 payload hash would be a third pass.
         s3={"addressing_style": "path", "payload_signing_enabled": False},
+        # botocore >= 1.36 would otherwise ask for and check a CRC of every response
+        # (another pass over each downloaded byte, in Python's thread) and add one of its
+        # own to requests: our parts carry the CRC32 we computed as they filled, and
+        # every byte read is hashed against the manifest anyway.
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
     )
+
+
+def read_body_into(body: Any, buf: Any, n: int) -> int:
+    """Read up to ``n`` bytes of a response ``body`` (botocore's StreamingBody) into
+    ``buf``; the count read (short only when the body ended early).
+
+    Why not ``body.readinto``: urllib3's ``readinto`` reads into a new bytes object and
+    copies it over, a second pass through memory over every downloaded byte. The
+    http.client response below it reads from the socket straight into ``buf``, so it
+    is read from there when urllib3 added nothing to undo (no content decoding); the
+    connection goes back to the pool once the body was read to its end, as urllib3
+    would do. Anything else takes the plain path."""
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    direct = (
+        isinstance(fp, HTTPResponse)
+        and not getattr(raw, "_decoder", None)
+        and not raw.headers.get("content-encoding")  # type: ignore[union-attr]
+        and not fp.chunked
+    )
+    read = fp.readinto if direct else body.readinto  # type: ignore[union-attr]
+    got = 0
+    while got < n:
+        k = read(buf[got:n])
+        if not k:
+            break
+        got += k
+    if direct and fp.isclosed():  # type: ignore[union-attr]
+        raw.release_conn()  # type: ignore[union-attr]
+    return got
 
 
 #: Clients this process inherited over ``fork()``, kept referenced until it exits. Their

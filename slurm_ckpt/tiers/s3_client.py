@@ -131,6 +131,16 @@ def boto_config(region: str, pool: int) -> Any:
     """The client configuration every object-tier client uses."""
     from botocore.config import Config as BotoConfig  # see _boto3_session
 
+    # botocore >= 1.36 would otherwise ask for and check a CRC of every response
+    # (another pass over each downloaded byte, in Python's thread) and add one of its own
+    # to requests: our parts carry the CRC32 we computed as they filled, and every byte
+    # read is hashed against the manifest anyway. Older botocore (boto3 >= 1.28 is
+    # allowed) has neither option and adds neither checksum.
+    checksums = {
+        name: "when_required"
+        for name in ("request_checksum_calculation", "response_checksum_validation")
+        if name in BotoConfig.OPTION_DEFAULTS
+    }
     return BotoConfig(
         region_name=region,
         max_pool_connections=pool,
@@ -140,6 +150,7 @@ def boto_config(region: str, pool: int) -> Any:
         # Integrity is ours (xxh3 per chunk from the manifest) plus the store's CRC32
         # check of every part, so the SigV4 payload hash would be a third pass.
         s3={"addressing_style": "path", "payload_signing_enabled": False},
+        **checksums,
     )
 
 

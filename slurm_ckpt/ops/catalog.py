@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from slurm_ckpt.core import fsio, trust
-from slurm_ckpt.core.layout import STEP_DIGITS, STEP_PREFIX, step_numbers
+from slurm_ckpt.core.layout import step_dirname, step_numbers
 from slurm_ckpt.core.manifest import MANIFEST_NAME, manifest_facts
 from slurm_ckpt.core.names import base_key, validate_key, validate_user
 from slurm_ckpt.core.replicas import suspect_text
@@ -83,8 +83,7 @@ def _read_head(kfd: int, user: str, key: str, names: Iterable[str]) -> Optional[
     damaged = 0
     for i, step in enumerate(steps):
         try:
-            # The name as listed (step_numbers took ten digits): no re-validation.
-            sfd = os.open(f"{STEP_PREFIX}{step:0{STEP_DIGITS}d}", fsio.O_DIR, dir_fd=kfd)
+            sfd = os.open(step_dirname(step), fsio.O_DIR, dir_fd=kfd)
         except OSError:
             damaged += 1  # unreadable, or not a directory
             continue

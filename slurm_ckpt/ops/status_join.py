@@ -323,11 +323,7 @@ class _Join:
         rate = j.rate
         warm_heads = self.by_tier.get(self.warm, {}).get(gid, [])
         if rate is None and warm_heads:
-            newest = (
-                warm_heads[0]
-                if len(warm_heads) == 1
-                else max(warm_heads, key=lambda h: (h.step, h.wall_time))
-            )
+            newest = max(warm_heads, key=lambda h: (h.step, h.wall_time))
             took = newest.committed_at - newest.wall_time
             if took > 0 and newest.nbytes > 0:
                 rate = newest.nbytes / took

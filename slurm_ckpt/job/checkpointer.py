@@ -206,8 +206,7 @@ class Checkpointer:
             keep_warm_every_s=r.keep_warm_every,
         )
         tiers = tiers_from_config(cfg)
-        # The warm tier every flush goes to (PFS or object store); laptop mode (local=
-        # alone) has none: nothing is flushed, local retention keeps the newest keep_local.
+        # The warm tier flushes go to (PFS or object store); a laptop (local= alone) has none.
         self.local = tiers["local"]
         self.warm: Optional[Tier] = tiers.get(cfg.tiers.warm)
         self.tiers = list(tiers.values())  # restore looks at all of them, hot to cold

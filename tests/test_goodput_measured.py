@@ -70,6 +70,20 @@ def test_rank0_writes_restores_and_throttled_progress(tmp_path: Path) -> None:
     RankTimeline.from_env(1, {"SLURM_CKPT_TIMELINE": str(tmp_path)}).progress(7)  # rank 1: none
     RankTimeline.from_env(0, {"SLURM_CKPT_TIMELINE": "relative"}).progress(7)  # not absolute
     assert len((tmp_path / "rank0.jsonl").read_text().splitlines()) == 2
+    # After a restore (or an in-job re-form) the first step is recorded at once, not up
+    # to PROGRESS_S later: it is the "training again" of the failure before it.
+    tl.restored(50, "partner", 0.1)
+    tl.progress(51)
+    tl.event("reform_end", epoch=1, step=60)
+    tl.progress(61)
+    tl.progress(62)  # throttled again
+    recs = parse_lines((tmp_path / "rank0.jsonl").read_text().splitlines())
+    assert [(r["event"], r.get("step")) for r in recs[2:]] == [
+        ("restored", 50),
+        ("progress", 51),
+        ("reform_end", 60),
+        ("progress", 61),
+    ], recs
 
 
 def test_a_planted_symlink_is_not_followed(tmp_path: Path) -> None:

@@ -274,6 +274,12 @@ def test_a_lost_rank_is_replaced_by_the_hot_spare_inside_the_job(jobs: Any, mode
     redone = job.procs[0].done()["history"][0]["recomputed"]
     assert (end["step"], end["tier"], end["recomputed"]) == (restored, "ram", redone)
     assert end["seconds"] > 0
+    # the step loop reports progress (goodput's productive time), the first step after
+    # the re-form at once ("training again")
+    progress = [e for e in events if e["event"] == "progress"]
+    assert progress and progress[0]["step"] == 1, progress
+    after = [e for e in progress if e["t"] >= end["t"]]
+    assert after and after[0]["step"] == restored + 1, (end, progress)
     want = reference(jobs, mode)
     got = finals(job.work)
     for r in range(RANKS):

@@ -356,6 +356,10 @@ class Recovery:
                 ckpt.ram_save(step=step)
                 self._wait_copy(inner, step)
                 self.last_step = step
+                if self._timeline is not None:
+                    # goodput's productive time and "training again": a loop that only
+                    # ram_saves never calls should_save, where progress is written too
+                    self._timeline.progress(step)
                 step += 1
             except Exception as exc:
                 if not collective_failure(exc):

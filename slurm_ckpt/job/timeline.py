@@ -2,8 +2,9 @@
 and how far it got, so ``ckpt-slurm goodput JOB`` can count the steps a failure cost.
 
 Only rank 0 writes, only under ckpt-srun (``$SLURM_CKPT_TIMELINE``), and at most one
-``progress`` record every :data:`~slurm_ckpt.core.timeline.PROGRESS_S` seconds: a clock
-read per ``should_save`` otherwise. A failure to write is logged once; training goes on.
+``progress`` record every :data:`~slurm_ckpt.core.timeline.PROGRESS_S` seconds (from
+``should_save``, and from in-job recovery's step loop): a clock read per step otherwise.
+A failure to write is logged once; training goes on.
 """
 
 from __future__ import annotations
@@ -45,11 +46,15 @@ class RankTimeline:
 
     def event(self, name: str, **fields: object) -> None:
         """Any other record of rank 0 (in-job recovery's ``in_job_failure``,
-        ``reform_start``, ``reform_end``: :mod:`slurm_ckpt.job.recovery`)."""
+        ``reform_start``, ``reform_end``: :mod:`slurm_ckpt.job.recovery`). The next
+        ``progress`` is written at once: goodput's "training again" is the first one
+        after a restore, which the throttle would otherwise put up to PROGRESS_S late."""
         self._write(name, **fields)
+        self._next = 0.0
 
     def restored(self, step: int, tier: str, seconds: float) -> None:
         self._write("restored", step=step, tier=tier, seconds=round(seconds, 3))
+        self._next = 0.0
 
     def progress(self, step: Optional[int]) -> None:
         """Rank 0 reached ``step`` (written at most every PROGRESS_S seconds)."""

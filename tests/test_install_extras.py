@@ -35,9 +35,13 @@ RUN = (
 
 
 def _pip(py: Path, *args: str) -> subprocess.CompletedProcess:
+    """``pip ARGS`` in the venv; ``install`` without byte-compiling (torch's and
+    transformers' thousands of modules: most of the test's time, and what is checked
+    here is what gets installed and that it imports)."""
     links = ["--find-links", WHEELS] if os.path.isdir(WHEELS) else []
+    quick = ["--no-compile"] if args[:1] == ("install",) else []
     return subprocess.run(
-        [str(py), "-m", "pip", "--disable-pip-version-check", *args, *links],
+        [str(py), "-m", "pip", "--disable-pip-version-check", *args, *quick, *links],
         capture_output=True,
         text=True,
         timeout=900,

@@ -368,7 +368,7 @@ class Bench:
             n = WORLD + spares
             nodes = ["-N", str(n), "--no-kill"]
             srun = f"--ntasks-per-node=1 --label {cmd}"
-            opts += " --node-wait 1min"
+            opts += f" --node-wait 1min --node-timeout {self.args.node_timeout}"
         else:
             nodes = ["-N", str(WORLD), "--requeue", "--open-mode=append"]
             srun = f"-N{WORLD} --ntasks-per-node=1 --label {cmd}"
@@ -536,6 +536,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         type=float,
         default=10.0,
         help="(d): recovery(timeout_s=): a survivor waiting on another survivor fails then",
+    )
+    p.add_argument(
+        "--node-timeout",
+        default="10s",
+        help="(c), (d): ckpt-srun --node-timeout, heartbeats missed this long = node lost",
     )
     p.add_argument("--cal-steps", type=int, default=30)
     p.add_argument("--arm-timeout", type=float, default=1800)
